@@ -1,0 +1,52 @@
+"""Tensor and model names of the Triton contract, shared by every repository profile, its checks and the engine.
+
+Every profile (``production``: DALI + TensorRT ensemble, ``portable``: python backend + ONNX Runtime,
+``gpu``: the GPU engineer's) serves one model named ``MODEL_NAME`` with these inputs and outputs, so the
+Triton engine does not care which one answers. All tensors are batched (``max_batch_size > 0``); the dims
+below are per image, without the batch dimension.
+
+Inputs:
+    IMAGE   UINT8 [-1]  the encoded file as it is (JPEG/PNG/...), zero-padded to the longest in the request.
+    LENGTH  INT32 [1]   the number of real bytes in IMAGE; the padding after it is ignored.
+
+Outputs:
+    CLASS_IDS  INT32 [K]  top-K class indices, best first (K is fixed when the repository is built).
+    SCORES     FP32  [K]  their softmax probabilities, descending.
+    WIDTH      INT32 [1]  decoded width in pixels, EXIF orientation applied (0 when the image failed).
+    HEIGHT     INT32 [1]  decoded height in pixels, EXIF orientation applied (0 when the image failed).
+    ERROR      BYTES [1]  "" when the image was classified, else "kind: detail" (kinds in pipeline.errors).
+                          Optional: a profile that cannot report per image (DALI fails a whole batch) omits
+                          it, and the engine isolates a bad input by splitting the failed request.
+
+Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tensors only, and one wire
+format for every profile keeps the engine profile-agnostic.
+"""
+
+MODEL_NAME = "classifier"
+
+INPUT_IMAGE = "IMAGE"
+INPUT_LENGTH = "LENGTH"
+
+OUTPUT_CLASS_IDS = "CLASS_IDS"
+OUTPUT_SCORES = "SCORES"
+OUTPUT_WIDTH = "WIDTH"
+OUTPUT_HEIGHT = "HEIGHT"
+OUTPUT_ERROR = "ERROR"
+
+# Internal tensors of the production ensemble (preprocess -> classifier_trt -> postprocess inside the plan).
+PREPROCESS_MODEL = "preprocess"
+CLASSIFIER_TRT_MODEL = "classifier_trt"
+PREPROCESSED = "PREPROCESSED"  # FP32 [3, H, W] (NCHW per the model's PreprocessSpec)
+
+# Triton dtype strings (config.pbtxt uses TYPE_<dtype>; the client uses the bare name).
+INPUTS = {INPUT_IMAGE: "UINT8", INPUT_LENGTH: "INT32"}
+OUTPUTS = {
+    OUTPUT_CLASS_IDS: "INT32",
+    OUTPUT_SCORES: "FP32",
+    OUTPUT_WIDTH: "INT32",
+    OUTPUT_HEIGHT: "INT32",
+    OUTPUT_ERROR: "BYTES",
+}
+REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT)
+
+DEFAULT_TOP_K = 5
