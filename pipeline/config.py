@@ -1,0 +1,148 @@
+"""The one frozen run configuration: defaults < environment < explicit options, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pipeline.errors import ConfigError
+
+ENGINES = ("onnx", "triton", "gpu")
+DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PIXELS = 100_000_000
+ENV_PREFIX = "BULK_CLASSIFY_"
+
+# Environment variables that may set a field (BULK_CLASSIFY_<FIELD>); anything else is explicit-only.
+ENV_FIELDS = (
+    "model",
+    "engine",
+    "top_k",
+    "batch_size",
+    "shard_size",
+    "num_actors",
+    "fetch_threads",
+    "decode_threads",
+    "max_bytes",
+    "max_pixels",
+    "retries",
+    "metrics_port",
+)
+
+
+def parse_storage_option(item: str) -> tuple[str, Any]:
+    """Parse one ``KEY=VALUE`` storage option; JSON values (true, 3, {...}) are decoded."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"storage option {item!r} is not KEY=VALUE; write e.g. --storage-option anon=true")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one classification run needs; built once, never mutated.
+
+    Attributes:
+        source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
+        output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
+        model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
+        engine: ``onnx`` (CPU, embedded), ``triton`` (local tritonserver per actor), ``gpu`` (in-process GPU).
+        batch_size: images per engine call; shard_size: rows per committed Parquet shard.
+        previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
+    """
+
+    source: str
+    output: str
+    model: str | None = None
+    engine: str = "onnx"
+    top_k: int = 5
+    batch_size: int = 64
+    shard_size: int = 1000
+    extensions: tuple[str, ...] = DEFAULT_EXTENSIONS
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
+    previous: str | None = None
+    num_actors: int | None = None
+    num_gpus_per_actor: float | None = None
+    fetch_threads: int = 16
+    decode_threads: int | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    retries: int = 5
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("SOURCE is empty; give a folder, file:// or s3://bucket/prefix URL")
+        if not self.output:
+            raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
+        if _strip(self.source) == _strip(self.output):
+            raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+        for name in ("top_k", "batch_size", "shard_size", "fetch_threads", "max_bytes", "max_pixels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.top_k > 1000:
+            raise ConfigError(f"--top-k {self.top_k} is larger than any ImageNet head; use 1..1000")
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be 0 or more, got {self.retries}")
+        if self.num_actors is not None and self.num_actors < 1:
+            raise ConfigError(f"--num-actors must be at least 1, got {self.num_actors}")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ConfigError(f"--decode-threads must be at least 1, got {self.decode_threads}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port; use 1024..65535 or 0")
+        exts = tuple(e.lower().lstrip(".") for e in self.extensions)
+        if not exts or any(not e or "/" in e for e in exts):
+            raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
+        object.__setattr__(self, "extensions", exts)
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+        object.__setattr__(self, "engine_options", dict(self.engine_options))
+
+    @classmethod
+    def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":
+        """Merge defaults < ``BULK_CLASSIFY_*`` environment < explicit options (``None`` means unset)."""
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        merged: dict[str, Any] = {}
+        for name in ENV_FIELDS:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            merged[name] = _coerce(name, raw, fields[name].type)
+        unknown = set(explicit) - set(fields)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {sorted(unknown)}; see 'bulk-classify run --help'")
+        merged.update({k: v for k, v in explicit.items() if v is not None})
+        return cls(**merged)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
+        out = dataclasses.asdict(self)
+        out["storage_options"] = sorted(self.storage_options)  # keys only: values may be credentials
+        out["engine_options"] = {k: v for k, v in self.engine_options.items() if "secret" not in k.lower()}
+        out["extensions"] = list(self.extensions)
+        return out
+
+
+def _strip(url: str) -> str:
+    return url.rstrip("/").removeprefix("file://")
+
+
+def _coerce(name: str, raw: str, type_name: Any) -> Any:
+    if "int" in str(type_name):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer; unset it or fix it") from None
+    return raw
