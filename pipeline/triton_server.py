@@ -1,0 +1,358 @@
+"""The one class that owns a local tritonserver process: find, start on loopback, wait ready, watch, restart, stop."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+from pipeline.errors import TritonError
+
+LOG = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+STOP_TIMEOUT_S = 30.0
+LOG_TAIL_LINES = 40
+PORT_RETRIES = 3
+SHM_DIR = Path("/dev/shm")
+# Where NVIDIA's Triton container keeps its backends, relative to the binary (bin/tritonserver).
+CONTAINER_BACKENDS = Path("..") / "backends"
+# Set this to a tritonserver binary to override discovery (e.g. a build outside PATH).
+BINARY_ENV = "BULK_CLASSIFY_TRITONSERVER"
+PR_SET_PDEATHSIG = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The python backend stub ignores PYTHONPATH; our python models prepend this variable's folders to sys.path.
+STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGKILL to the server when the thread that started it dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def _pytriton_dist() -> Path | None:
+    try:
+        import pytriton  # noqa: PLC0415 - optional: only needed when no tritonserver is on PATH
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).resolve().parent
+    return root if (root / "tritonserver" / "bin" / "tritonserver").exists() else None
+
+
+class TritonServer:
+    """A tritonserver child process bound to 127.0.0.1 on free ports, with its own shared-memory prefix.
+
+    The server class knows nothing of the profile: give it a repository folder and extra arguments.
+    Use as a context manager, or call ``start()`` / ``stop()``::
+
+        with TritonServer("model_repository/portable") as server:
+            client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+
+    Args:
+        repository: the model repository folder (``--model-repository``).
+        extra_args: more tritonserver arguments (e.g. ``["--log-verbose=1"]``).
+        startup_timeout_s: how long ``start()`` waits for readiness before failing with the log tail.
+        binary: a tritonserver binary; default: ``$BULK_CLASSIFY_TRITONSERVER``, then ``tritonserver`` on
+            PATH (NVIDIA's container), then the one in the ``nvidia-pytriton`` wheel.
+        env: extra environment variables for the server (and its python backend stubs).
+    """
+
+    def __init__(
+        self,
+        repository: str | os.PathLike,
+        *,
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 120.0,
+        binary: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise TritonError(
+                f"model repository {self.repository} is not a folder; build one with "
+                "`bulk-classify repo build --profile portable --output DIR`"
+            )
+        self.extra_args = list(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_env = dict(env or {})
+        self._binary, self._backend_dir, self._libs_dir = self._locate(binary)
+        self._workdir: Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self._lock = threading.RLock()
+        self.shm_prefix = ""
+        self.http_port = self.grpc_port = self.metrics_port = 0
+        self.restarts = 0
+
+    # ---- discovery -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _locate(binary: str | os.PathLike | None) -> tuple[Path, Path | None, Path | None]:
+        """Return (binary, backend directory or None for the binary's default, extra library folder)."""
+        explicit = binary or os.environ.get(BINARY_ENV)
+        if explicit:
+            path = Path(explicit)
+            if not path.is_file():
+                raise TritonError(f"tritonserver binary {path} does not exist; fix {BINARY_ENV} or the path given")
+            return path, _container_backends(path), None
+        on_path = shutil.which("tritonserver")
+        if on_path:
+            return Path(on_path), _container_backends(Path(on_path)), None
+        dist = _pytriton_dist()
+        if dist is None:
+            raise TritonError(
+                "no tritonserver found on PATH or in the nvidia-pytriton wheel; run inside NVIDIA's Triton "
+                f"container, `pip install nvidia-pytriton==0.7.0`, or set {BINARY_ENV}"
+            )
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = dist / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not stub.exists():
+            raise TritonError(f"nvidia-pytriton has no python backend stub for Python {version}; use Python 3.8-3.13")
+        return dist / "tritonserver" / "bin" / "tritonserver", None, dist.parent / "nvidia_pytriton.libs"
+
+    def _prepare_backends(self, workdir: Path) -> Path | None:
+        """For the wheel's server, lay out backends/ with the stub of this Python (symlinks, no copies)."""
+        if self._libs_dir is None:
+            return self._backend_dir
+        dist = self._binary.parent.parent
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        python_dir = workdir / "backends" / "python"
+        python_dir.mkdir(parents=True, exist_ok=True)
+        for item in (dist / "backends" / "python").iterdir():
+            if item.is_file():
+                (python_dir / item.name).symlink_to(item)
+        (python_dir / "triton_python_backend_stub").symlink_to(
+            dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+        )
+        return workdir / "backends"
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The python backend stub embeds this Python: it needs libpython, the venv's packages and this repo.
+        lib_dirs = [str(self._libs_dir)] if self._libs_dir else []
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir:
+            lib_dirs.append(libdir)
+        if env.get("LD_LIBRARY_PATH"):
+            lib_dirs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+        paths = [str(REPO_ROOT), *sysconfig.get_paths()["purelib"].split(os.pathsep)]
+        platlib = sysconfig.get_paths()["platlib"]
+        if platlib not in paths:
+            paths.append(platlib)
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env[STUB_PATH_ENV] = env["PYTHONPATH"]
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env.update(self.extra_env)
+        return env
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{LOOPBACK}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _command(self, backend_dir: Path | None) -> list[str]:
+        cmd = [
+            str(self._binary),
+            f"--model-repository={self.repository}",
+            f"--http-address={LOOPBACK}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={LOOPBACK}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={LOOPBACK}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-on-error=true",
+            "--strict-readiness=true",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={backend_dir}")
+        if self._libs_dir is not None:
+            # The wheel's server has only the local response cache; point it there.
+            cmd.append(f"--cache-directory={self._binary.parent.parent / 'caches'}")
+        return cmd + self.extra_args
+
+    def start(self) -> "TritonServer":
+        """Start the server and wait until every model is ready; raises TritonError with the log tail."""
+        with self._lock:
+            if self.is_alive():
+                return self
+            last_error: TritonError | None = None
+            for attempt in range(PORT_RETRIES):
+                try:
+                    self._spawn()
+                    self._wait_ready()
+                    return self
+                except TritonError as err:
+                    last_error = err
+                    port_clash = "address already in use" in self.log_tail().lower()
+                    self._terminate()
+                    if not port_clash:
+                        break
+                    LOG.warning("tritonserver ports taken (attempt %d); retrying on new ports", attempt + 1)
+            assert last_error is not None
+            raise last_error
+
+    def _spawn(self) -> None:
+        self._workdir = Path(tempfile.mkdtemp(prefix="bulk-classify-triton-"))
+        backend_dir = self._prepare_backends(self._workdir)
+        self.http_port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        # Unique per server, so two servers (two actors) never share python-backend shared memory.
+        self.shm_prefix = f"bulkcls_{os.getpid()}_{secrets.token_hex(4)}_"
+        cmd = self._command(backend_dir)
+        self._log_path = self._workdir / "tritonserver.log"
+        self._log_file = open(self._log_path, "wb")  # noqa: SIM115 - closed in _terminate
+        LOG.info("starting tritonserver on %s (grpc %d): %s", LOOPBACK, self.grpc_port, " ".join(cmd))
+        self._proc = subprocess.Popen(  # noqa: S603 - our own command line
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self._environment(),
+            cwd=self._workdir,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PR_SET_PDEATHSIG
+            start_new_session=True,  # its own process group, so stop() also reaps the backend stubs
+        )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise TritonError(
+                    f"tritonserver exited with code {self._proc.returncode} while starting on repository "
+                    f"{self.repository}; its log ends with:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                LOG.info("tritonserver ready (pid %d, grpc %s)", self._proc.pid, self.grpc_url)
+                return
+            time.sleep(0.2)
+        raise TritonError(
+            f"tritonserver not ready after {self.startup_timeout_s:.0f} s (raise startup_timeout_s if the models "
+            f"are slow to load); its log ends with:\n{self.log_tail()}"
+        )
+
+    def is_alive(self) -> bool:
+        """True while the server process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def is_ready(self, timeout_s: float = 2.0) -> bool:
+        """True when the server answers its readiness endpoint (all models loaded)."""
+        if not self.is_alive():
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def ensure_running(self) -> bool:
+        """Health check between batches: restart a crashed or hung server. True if it was restarted."""
+        with self._lock:
+            if self.is_ready():
+                return False
+            LOG.warning(
+                "tritonserver (pid %s) is %s; restarting it. Log tail:\n%s",
+                self.pid,
+                "not ready" if self.is_alive() else f"dead (exit code {self._proc.returncode if self._proc else None})",
+                self.log_tail(),
+            )
+            self._terminate()
+            self.restarts += 1
+            self.start()
+            return True
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines the server wrote (stdout and stderr)."""
+        path = getattr(self, "_log_path", None)
+        if path is None or not path.exists():
+            return "(no log)"
+        text = path.read_bytes()[-256_000:].decode("utf-8", errors="replace")
+        # Drop the option/model tables: they push the one error line that matters out of the tail.
+        kept = [line for line in text.splitlines() if line.strip() and line[:1] not in "+|"]
+        return "\n".join(kept[-lines:])
+
+    def stop(self) -> None:
+        """Stop cleanly: SIGINT, wait, then SIGKILL; remove its shared memory and work folder."""
+        with self._lock:
+            self._terminate()
+
+    def _terminate(self) -> None:
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    LOG.warning("tritonserver (pid %d) ignored SIGINT for %.0f s; killing it", proc.pid, STOP_TIMEOUT_S)
+                    proc.kill()
+                    proc.wait()
+            # Backend stubs share the server's process group; reap any that outlived it (e.g. after kill -9).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.shm_prefix:
+            for leftover in SHM_DIR.glob(f"{self.shm_prefix}*"):
+                leftover.unlink(missing_ok=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):  # last resort; stop() is the contract
+        try:
+            if self._proc is not None and self._proc.poll() is None:
+                self._terminate()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _container_backends(binary: Path) -> Path | None:
+    candidate = (binary.parent / CONTAINER_BACKENDS).resolve()
+    return candidate if candidate.is_dir() else None
