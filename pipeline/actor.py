@@ -1,0 +1,103 @@
+"""The Ray actor: loads the model and its engine once, then turns batches of bytes into result columns."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+import pyarrow as pa
+
+from pipeline.results import STATUS_OK
+from pipeline.schema import CALLS, DATA, INFER_S
+
+LOG = logging.getLogger(__name__)
+
+
+class ClassifyActor:
+    """Callable class for ``map_batches``: heavy set-up in ``__init__``, a plain column transform per call."""
+
+    def __init__(
+        self,
+        *,
+        model: str | None,
+        engine: str,
+        top_k: int,
+        max_bytes: int,
+        max_pixels: int,
+        decode_threads: int | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+    ):
+        from pipeline.engine import make_engine
+        from pipeline.model import load_model
+        from pipeline.preprocess import DecodeLimits
+
+        self.bundle = load_model(model)
+        options = dict(engine_options or {})
+        if decode_threads is not None:
+            options.setdefault("decode_threads", decode_threads)
+        self.engine = make_engine(
+            engine,
+            self.bundle,
+            top_k=top_k,
+            limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels),
+            **options,
+        )
+        self.engine_name = engine
+        LOG.info("actor ready: model=%s engine=%s", self.bundle.name, engine)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        data = batch.column(DATA).to_pylist()
+        status = batch.column("status").to_pylist()
+        error = batch.column("error").to_pylist()
+        carried = batch.column("carried").to_pylist()
+        todo = [i for i in range(len(data)) if not carried[i] and status[i] is None and data[i] is not None]
+        n = len(data)
+        class_ids = batch.column("class_ids").to_pylist()
+        labels = batch.column("labels").to_pylist()
+        scores = batch.column("scores").to_pylist()
+        width = batch.column("width").to_pylist()
+        height = batch.column("height").to_pylist()
+        model = batch.column("model").to_pylist()
+        engine = batch.column("engine").to_pylist()
+        when = batch.column("classified_at").to_pylist()
+        now = datetime.now(timezone.utc)
+        infer_s = [0.0] * n
+        calls = [0.0] * n
+        if todo:
+            start = time.perf_counter()
+            results = self.engine.classify([data[i] for i in todo])
+            share = (time.perf_counter() - start) / len(todo)
+            if len(results) != len(todo):
+                raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")
+            for i, r in zip(todo, results):
+                status[i], error[i] = r.status, r.error
+                class_ids[i], labels[i], scores[i] = r.class_ids, r.labels, r.scores
+                width[i], height[i] = r.width, r.height
+                infer_s[i], calls[i] = share, 1.0 / len(todo)
+        for i in range(n):
+            if carried[i]:
+                continue
+            model[i], engine[i], when[i] = self.bundle.name, self.engine_name, now
+            if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
+                status[i], error[i] = "error", "fetch_error: no bytes were fetched for this object"
+            if status[i] == STATUS_OK:
+                error[i] = None
+        out = batch
+        for name, values in (
+            ("status", status), ("error", error), ("class_ids", class_ids), ("labels", labels),
+            ("scores", scores), ("width", width), ("height", height), ("model", model), ("engine", engine),
+            ("classified_at", when), (INFER_S, infer_s), (CALLS, calls),
+        ):
+            idx = out.schema.get_field_index(name)
+            out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
+        return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                pass

@@ -1,0 +1,50 @@
+"""The output table's schema, and the working columns that travel between the job's stages."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# What users read: one row per listed input object.
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("uri", pa.string()),
+        ("status", pa.string()),  # "ok" or "error"
+        ("error", pa.string()),  # "kind: detail", null when ok
+        ("class_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.string())),
+        ("scores", pa.list_(pa.float32())),  # softmax probabilities, descending
+        ("model", pa.string()),
+        ("engine", pa.string()),
+        ("size_bytes", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("etag", pa.string()),
+        ("mtime", pa.timestamp("us", tz="UTC")),
+        ("classified_at", pa.timestamp("us", tz="UTC")),
+        ("carried", pa.bool_()),  # copied from the previous run's output: the object had not changed
+    ]
+)
+
+# Columns that exist only between stages: encoded bytes and per-row shares of stage time.
+DATA = "_data"
+FETCH_S = "_fetch_s"
+INFER_S = "_infer_s"
+CALLS = "_engine_calls"
+WORK_SCHEMA = pa.schema(
+    list(OUTPUT_SCHEMA)
+    + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (INFER_S, pa.float64()), (CALLS, pa.float64())]
+)
+WORK_ONLY = [DATA, FETCH_S, INFER_S, CALLS]
+
+
+def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:
+    """Return ``table`` with exactly ``schema``'s columns, missing ones as nulls, cast to its types."""
+    n = table.num_rows
+    columns = []
+    for f in schema:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            columns.append(col if col.type == f.type else col.cast(f.type))
+        else:
+            columns.append(pa.nulls(n, type=f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
