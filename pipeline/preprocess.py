@@ -1,0 +1,258 @@
+"""Decoding and preprocessing on the CPU (Pillow + numpy): the reference every engine is checked against."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from pipeline.errors import ImageError, ModelError
+
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PIXELS = 100_000_000
+# Transparent pixels are composited on this background: catalog cut-outs are meant to be seen on white,
+# and the RGB under fully transparent pixels is arbitrary (often black), so dropping alpha misleads the model.
+ALPHA_BACKGROUND_RGB = (255, 255, 255)
+
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
+CHANNEL_ORDERS = ("RGB", "BGR")
+LAYOUTS = ("NCHW", "NHWC")
+_PIL_FILTERS = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
+
+# We enforce our own pixel cap from the header (DecodeLimits.max_pixels); Pillow's own warning between
+# its limit and twice it would only be noise. Above twice its limit Pillow raises, which we map to too_many_pixels.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessSpec:
+    """How a model wants its input tensor made from a decoded RGB image.
+
+    The image is scaled (same factor on both axes) so that its shorter side becomes ``resize_shorter``, then the
+    centred ``crop`` (height, width) of that is taken. Pixel values v in 0..255 become
+    ``(v * scale - mean[c]) / std[c]`` per channel, in ``channel_order``, laid out as ``layout``.
+    The scale factor is exact (no rounding of the intermediate size): equivalent to cropping the source to
+    ``crop * shorter / resize_shorter`` pixels around its centre and resizing that region to ``crop``.
+    ``antialias`` means the resampling kernel is widened when downscaling (Pillow always does this; DALI's
+    ``fn.resize(antialias=True)`` matches it).
+    """
+
+    resize_shorter: int
+    interpolation: str = "bicubic"
+    antialias: bool = True
+    crop: tuple[int, int] = (224, 224)
+    channel_order: str = "RGB"
+    scale: float = 1.0
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    layout: str = "NCHW"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "crop", tuple(int(v) for v in self.crop))
+        object.__setattr__(self, "mean", tuple(float(v) for v in self.mean))
+        object.__setattr__(self, "std", tuple(float(v) for v in self.std))
+        problems = []
+        if not isinstance(self.resize_shorter, int) or self.resize_shorter < 1:
+            problems.append(f"resize_shorter must be a positive integer, got {self.resize_shorter!r}")
+        if len(self.crop) != 2 or min(self.crop) < 1:
+            problems.append(f"crop must be [height, width] of positive integers, got {list(self.crop)!r}")
+        elif isinstance(self.resize_shorter, int) and max(self.crop) > self.resize_shorter:
+            problems.append(f"crop {list(self.crop)} must fit inside resize_shorter {self.resize_shorter}")
+        if self.interpolation not in INTERPOLATIONS:
+            problems.append(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {self.interpolation!r}")
+        if not isinstance(self.antialias, bool):
+            problems.append(f"antialias must be true or false, got {self.antialias!r}")
+        elif not self.antialias and self.interpolation != "nearest":
+            # Pillow cannot resample without antialiasing; the reference must be able to run every spec.
+            problems.append("antialias false is only supported with interpolation 'nearest'; set antialias true")
+        if self.channel_order not in CHANNEL_ORDERS:
+            problems.append(f"channel_order must be one of {', '.join(CHANNEL_ORDERS)}, got {self.channel_order!r}")
+        if self.layout not in LAYOUTS:
+            problems.append(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            problems.append(f"scale must be a positive number, got {self.scale!r}")
+        if len(self.mean) != 3:
+            problems.append(f"mean must have 3 values (one per channel), got {list(self.mean)!r}")
+        if len(self.std) != 3 or any(v <= 0 for v in self.std):
+            problems.append(f"std must have 3 positive values, got {list(self.std)!r}")
+        if problems:
+            raise ModelError("bad preprocessing spec: " + "; ".join(problems))
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """Shape of one preprocessed image (no batch axis)."""
+        h, w = self.crop
+        return (3, h, w) if self.layout == "NCHW" else (h, w, 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["crop"] = list(self.crop)
+        d["mean"] = list(self.mean)
+        d["std"] = list(self.std)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PreprocessSpec":
+        """Builds a spec from a dict (e.g. preprocess.json); unknown or missing fields raise ModelError."""
+        if not isinstance(data, dict):
+            raise ModelError(f"bad preprocessing spec: expected a JSON object, got {type(data).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ModelError(
+                f"bad preprocessing spec: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+            )
+        if "resize_shorter" not in data:
+            raise ModelError("bad preprocessing spec: 'resize_shorter' is required (e.g. 256 for a 224 crop)")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ModelError(f"bad preprocessing spec: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "PreprocessSpec":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ModelError(f"bad preprocessing spec: not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Caps checked before a full decode: encoded size, and width*height read from the header."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or self.max_pixels < 1:
+            raise ValueError(f"DecodeLimits must be positive, got max_bytes={self.max_bytes} max_pixels={self.max_pixels}")
+
+
+def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Image:
+    """Decodes encoded bytes to an upright 8-bit RGB image.
+
+    Any format Pillow reads (first frame of multi-frame files). EXIF orientation is applied; CMYK, gray,
+    palette and 16-bit images are converted to RGB; transparency is composited on white.
+
+    Raises:
+        ImageError: empty, too_large, too_many_pixels, unsupported or decode_error.
+    """
+    if len(data) == 0:
+        raise ImageError("empty", "the object has zero bytes")
+    if len(data) > limits.max_bytes:
+        raise ImageError(
+            "too_large", f"{len(data)} bytes is over max_bytes={limits.max_bytes}; raise the limit to accept it"
+        )
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise ImageError("too_many_pixels", f"{e}") from None
+    except UnidentifiedImageError:
+        raise ImageError("unsupported", f"not an image format Pillow can read (first bytes {data[:8]!r})") from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
+        raise ImageError("decode_error", f"cannot read the header: {e}") from None
+    width, height = img.size
+    if width < 1 or height < 1:
+        raise ImageError("decode_error", f"header says {width}x{height} pixels")
+    if width * height > limits.max_pixels:
+        raise ImageError(
+            "too_many_pixels",
+            f"{width}x{height} = {width * height} pixels is over max_pixels={limits.max_pixels}; "
+            "raise the limit to accept it",
+        )
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        return _to_rgb(img)
+    except Image.DecompressionBombError as e:
+        raise ImageError("too_many_pixels", f"{e}") from None
+    except MemoryError:
+        raise ImageError("too_many_pixels", f"{width}x{height} did not fit in memory; lower max_pixels") from None
+    except Exception as e:  # Pillow's plugins raise many types for corrupt data; each is one bad input.
+        raise ImageError("decode_error", f"{type(e).__name__}: {e}") from None
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        arr = np.asarray(img)
+        if mode.startswith("I;16"):
+            gray = (arr.astype(np.uint32) >> 8).astype(np.uint8)  # 16-bit range 0..65535 -> 0..255
+        elif mode == "I":
+            # 16-bit PNG/TIFF gray opens as "I" on some Pillow versions: values above 255 mean 16-bit data.
+            arr = arr.astype(np.int64)
+            gray = (arr >> 8 if arr.max(initial=0) > 255 else arr).clip(0, 255).astype(np.uint8)
+        else:
+            gray = np.asarray(arr, dtype=np.float64)
+            gray = (gray * 255.0 if np.nanmax(gray, initial=0.0) <= 1.0 else gray)
+            gray = np.nan_to_num(gray).clip(0, 255).round().astype(np.uint8)
+        return Image.fromarray(gray, "L").convert("RGB")
+    if mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+        mode = "RGBA"
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, ALPHA_BACKGROUND_RGB + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode in ("L", "1", "P", "CMYK", "YCbCr", "LAB", "HSV"):
+        return img.convert("RGB")
+    raise ImageError("unsupported", f"pixel mode {mode!r} cannot be converted to RGB")
+
+
+def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
+    """Turns an RGB image into the model's float32 input for one image (CHW or HWC, per ``spec.layout``)."""
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    crop_h, crop_w = spec.crop
+    w, h = img.size
+    factor = spec.resize_shorter / min(w, h)
+    # The crop box in source pixels: exact floats, so no rounding of an intermediate resized size.
+    box_w, box_h = crop_w / factor, crop_h / factor
+    left, top = (w - box_w) / 2.0, (h - box_h) / 2.0
+    out = img.resize((crop_w, crop_h), _PIL_FILTERS[spec.interpolation], box=(left, top, left + box_w, top + box_h))
+    arr = np.asarray(out, dtype=np.float32)
+    if spec.channel_order == "BGR":
+        arr = arr[:, :, ::-1]
+    mean = np.asarray(spec.mean, dtype=np.float32)
+    std = np.asarray(spec.std, dtype=np.float32)
+    arr = (arr * np.float32(spec.scale) - mean) / std
+    if spec.layout == "NCHW":
+        arr = arr.transpose(2, 0, 1)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def load_and_preprocess(
+    data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()
+) -> tuple[np.ndarray, int, int]:
+    """Decodes and preprocesses one encoded image.
+
+    Returns:
+        (input array, original width, original height); width/height are after EXIF rotation.
+
+    Raises:
+        ImageError: the input cannot be used (see ``decode_image``).
+    """
+    img = decode_image(data, limits)
+    try:
+        arr = preprocess_image(img, spec)
+    except MemoryError:
+        raise ImageError("too_many_pixels", f"{img.width}x{img.height} did not fit in memory; lower max_pixels") from None
+    return arr, img.width, img.height
