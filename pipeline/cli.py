@@ -1,0 +1,169 @@
+"""The command line: parses options, builds the config, calls one library function, owns the terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from pipeline import __version__
+from pipeline.config import DEFAULT_EXTENSIONS, ENGINES, RunConfig, parse_storage_option
+from pipeline.errors import BulkClassifyError
+
+
+def _options(items: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        return dict(parse_storage_option(i) for i in items)
+    except BulkClassifyError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+class _Progress:
+    """A tqdm bar on a terminal (images done of total, img/s, errors); silent otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=None, unit="img", dynamic_ncols=True, file=sys.stderr, desc="classified")
+
+    def __call__(self, done: int, total: int | None, errors: int) -> None:
+        if self.bar is None:
+            return
+        if total is not None and total != self.bar.total:
+            self.bar.total = max(total, done)
+        self.bar.update(done - self.bar.n)
+        self.bar.set_postfix(errors=errors, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="bulk-classify")
+@click.option("-v", "--verbose", is_flag=True, help="Log the library's progress to stderr.")
+def main(verbose: bool) -> None:
+    """Classify every image under a folder or bucket prefix into a Parquet table."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.argument("source")
+@click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
+@click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0.")
+@click.option("--engine", type=click.Choice(ENGINES), default=None, help="onnx (CPU, default), triton (local tritonserver per actor) or gpu.")
+@click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5).")
+@click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64).")
+@click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000).")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE/--output/--previous, e.g. endpoint_url=http://127.0.0.1:9000; repeatable.")
+@click.option("--overwrite", is_flag=True, help="Delete this tool's earlier files in --output and start over.")
+@click.option("--previous", default=None, help="An earlier run's output: unchanged objects are carried over, not reclassified.")
+@click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)}).")
+@click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4).")
+@click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16).")
+@click.option("--decode-threads", type=int, default=None, help="Decode threads per actor (default: CPU count).")
+@click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB).")
+@click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M).")
+@click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5).")
+@click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. instances=2; repeatable.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
+def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
+        extensions: str | None, **options: Any) -> None:
+    """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
+    from pipeline.job import run_job
+    from pipeline.report import format_run_report
+
+    explicit = dict(options, source=source, storage_options=_options(storage_options),
+                    engine_options=_options(engine_options))
+    if extensions is not None:
+        explicit["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
+    try:
+        config = RunConfig.build(explicit)
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    progress = _Progress(enabled=not quiet and sys.stderr.isatty())
+    try:
+        summary = run_job(config, progress=progress)
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    finally:
+        progress.close()
+    if not quiet:
+        click.echo(format_run_report(summary.report))
+        click.echo(
+            f"{summary.total} rows in {summary.output}: {summary.counts.get('ok', 0)} ok, "
+            f"{summary.counts.get('error', 0)} error; this run classified {summary.classified}, "
+            f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
+        )
+
+
+@main.group()
+def repo() -> None:
+    """Build and check Triton model repositories."""
+
+
+@repo.command("build")
+@click.option("--profile", type=click.Choice(["portable", "production", "gpu"]), default="portable", show_default=True, help="Which repository profile to fill.")
+@click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
+@click.option("--output", required=True, help="Folder to write the filled repository to.")
+def repo_build(profile: str, model: str | None, output: str) -> None:
+    """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
+    from pipeline.repo import build_repository
+
+    try:
+        path = build_repository(profile, model, output)
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"built {profile} repository in {path}")
+
+
+@repo.command("check")
+@click.argument("path", required=False)
+def repo_check(path: str | None) -> None:
+    """Parse every config.pbtxt with Triton's schema and check the ensemble's wiring."""
+    from pipeline.repo import check_repository
+
+    try:
+        models = check_repository(path)
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"ok: {len(models)} models checked ({', '.join(models)})")
+
+
+@main.command()
+@click.argument("dest")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST; repeatable.")
+def report(dest: str, storage_options: tuple[str, ...]) -> None:
+    """Summarise a finished output: counts, top labels, error kinds, model."""
+    from pipeline.report import format_summary, summarize_output
+
+    try:
+        summary = summarize_output(dest, _options(storage_options))
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(format_summary(summary))
+
+
+@main.command()
+@click.argument("curve")
+@click.option("--target-rate", type=float, required=True, help="Images per second the fleet must sustain.")
+@click.option("--utilization", type=float, default=0.65, show_default=True, help="Fraction of the plateau to plan for.")
+@click.option("--spare", type=int, default=1, show_default=True, help="Spare GPUs on top.")
+def size(curve: str, target_rate: float, utilization: float, spare: int) -> None:
+    """GPUs needed for a target rate, from a measured throughput/p99 curve (CSV or JSON)."""
+    from pipeline.sizing import format_sizing, size_fleet
+
+    try:
+        result = size_fleet(curve, target_rate, utilization=utilization, spare=spare)
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(format_sizing(result))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
