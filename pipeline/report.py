@@ -1,0 +1,253 @@
+"""Run reports: the numbers of one run (``_REPORT.json``) and summaries of any finished output (``report DEST``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from typing import Any, Mapping
+
+from pipeline.errors import ConfigError, OutputError
+
+LOG = logging.getLogger(__name__)
+
+REPORT_VERSION = 1
+STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
+TOP_LABELS = 10
+REPORT_NAME = "_REPORT.json"
+SUCCESS_NAME = "_SUCCESS"
+PART_PREFIX = "part-"
+# Columns summarize_output reads; everything else in the shards is left on storage.
+SUMMARY_COLUMNS = ("status", "error", "labels", "model")
+
+
+def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn the job's raw counters into the JSON-safe run report written as ``_REPORT.json``.
+
+    Args:
+        stats: ``counts`` {status: n}, ``error_kinds`` {kind: n}, ``images`` (rows this run), ``classified``,
+            ``carried``, ``elapsed_s``, ``stage_seconds`` {list, fetch, decode_preprocess, infer, write}
+            (seconds summed over tasks; a stage may be None when the engine cannot separate it),
+            ``engine_calls``, ``model``, ``engine``, ``started_at``, ``finished_at``; optional ``already_done``.
+
+    Returns:
+        The report: the inputs cleaned up plus ``images_per_s`` (rows classified per wall second),
+        ``rows_per_s`` (all rows written, carried included), ``avg_batch_size`` (classified / engine calls)
+        and ``stage_share`` (each stage's fraction of the summed stage time).
+    """
+    counts = {str(k): _count(v, f"counts[{k!r}]") for k, v in dict(stats.get("counts") or {}).items()}
+    kinds = {str(k): _count(v, f"error_kinds[{k!r}]") for k, v in dict(stats.get("error_kinds") or {}).items()}
+    images = _count(stats.get("images", sum(counts.values())), "images")
+    classified = _count(stats.get("classified", images), "classified")
+    carried = _count(stats.get("carried", 0), "carried")
+    elapsed_s = _seconds(stats.get("elapsed_s"), "elapsed_s")
+    engine_calls = _count(round(float(stats.get("engine_calls") or 0)), "engine_calls")
+    stage_in = dict(stats.get("stage_seconds") or {})
+    unknown = set(stage_in) - set(STAGES)
+    if unknown:
+        raise ConfigError(f"stage_seconds has unknown stage(s) {sorted(unknown)}; use {', '.join(STAGES)}")
+    stage_seconds = {s: (None if stage_in.get(s) is None else _seconds(stage_in[s], f"stage_seconds[{s}]"))
+                     for s in STAGES}
+    stage_total = sum(v for v in stage_seconds.values() if v is not None)
+    report: dict[str, Any] = {
+        "version": REPORT_VERSION,
+        "model": stats.get("model"),
+        "engine": stats.get("engine"),
+        "started_at": _text(stats.get("started_at")),
+        "finished_at": _text(stats.get("finished_at")),
+        "elapsed_s": round(elapsed_s, 3),
+        "images": images,
+        "classified": classified,
+        "carried": carried,
+        "already_done": _count(stats.get("already_done", 0), "already_done"),
+        "counts": dict(sorted(counts.items())),
+        "error_kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "images_per_s": round(classified / elapsed_s, 2) if elapsed_s > 0 else None,
+        "rows_per_s": round(images / elapsed_s, 2) if elapsed_s > 0 else None,
+        "engine_calls": engine_calls,
+        "avg_batch_size": round(classified / engine_calls, 2) if engine_calls else None,
+        "stage_seconds": {s: (None if v is None else round(v, 3)) for s, v in stage_seconds.items()},
+        "stage_share": {s: (None if v is None or stage_total <= 0 else round(v / stage_total, 4))
+                        for s, v in stage_seconds.items()},
+    }
+    errors = counts.get("error", 0)
+    if kinds and sum(kinds.values()) != errors:
+        LOG.warning("error kinds add up to %d but %d error rows were counted", sum(kinds.values()), errors)
+    return report
+
+
+def format_run_report(report: Mapping[str, Any]) -> str:
+    """The short table the CLI prints at the end of a run."""
+    counts = report.get("counts") or {}
+    lines = [
+        f"model {report.get('model')}  engine {report.get('engine')}  elapsed {_fmt_s(report.get('elapsed_s'))}",
+        _row("rows", report.get("images", 0), "  ".join(f"{k} {_n(v)}" for k, v in counts.items())),
+        _row("classified", report.get("classified", 0),
+             f"carried {_n(report.get('carried', 0))}  already done {_n(report.get('already_done', 0))}"),
+        _row("img/s", report.get("images_per_s"), f"rows/s {_num(report.get('rows_per_s'))}"),
+        _row("avg batch", report.get("avg_batch_size"), f"{_n(report.get('engine_calls', 0))} engine calls"),
+    ]
+    kinds = report.get("error_kinds") or {}
+    if kinds:
+        lines.append(_row("errors", sum(kinds.values()), ", ".join(f"{k} {_n(v)}" for k, v in kinds.items())))
+    lines.append(f"{'stage':<20}{'seconds':>10}{'share':>8}")
+    shares = report.get("stage_share") or {}
+    for stage, seconds in (report.get("stage_seconds") or {}).items():
+        share = shares.get(stage)
+        lines.append(f"  {stage:<18}{_num(seconds):>10}{'-' if share is None else f'{share:.0%}':>8}")
+    return "\n".join(lines)
+
+
+def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Summarise a finished (or partial) output folder: counts, error kinds, top labels, models.
+
+    Reads only the ``status``, ``error``, ``labels`` and ``model`` columns, one shard at a time, so it
+    works on outputs far larger than memory.
+
+    Raises:
+        OutputError: DEST cannot be read or holds no ``part-*.parquet`` shard.
+    """
+    import fsspec
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    try:
+        fs, root = fsspec.core.url_to_fs(dest, **dict(storage_options or {}))
+        names = fs.ls(root, detail=False) if fs.isdir(root) else []
+    except (ImportError, ValueError, TypeError, OSError) as err:
+        raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
+    parts = sorted(p for p in names if p.rsplit("/", 1)[-1].startswith(PART_PREFIX) and p.endswith(".parquet"))
+    if not parts:
+        raise OutputError(f"{dest!r} holds no part-*.parquet shard; point 'report' at a run's --output folder")
+
+    status: Counter = Counter()
+    kinds: Counter = Counter()
+    labels: Counter = Counter()
+    models: Counter = Counter()
+    for path in parts:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            present = [c for c in SUMMARY_COLUMNS if c in pf.schema_arrow.names]
+            table = pf.read(columns=present)
+        if "status" in present:
+            status.update(_value_counts(table.column("status")))
+        if "error" in present:
+            errors = pc.drop_null(table.column("error"))
+            if len(errors):
+                kind = pc.list_element(pc.split_pattern(errors, ":", max_splits=1), 0)
+                kinds.update(_value_counts(pc.utf8_trim_whitespace(kind)))
+        if "labels" in present and "status" in present:
+            ok = table.filter(pc.equal(table.column("status"), "ok")).column("labels")
+            ok = ok.filter(pc.greater(pc.list_value_length(ok), 0))
+            if len(ok):
+                labels.update(_value_counts(pc.list_element(ok, 0)))
+        if "model" in present:
+            models.update(_value_counts(table.column("model")))
+
+    success = _read_json(fs, f"{root.rstrip('/')}/{SUCCESS_NAME}")
+    run = _read_json(fs, f"{root.rstrip('/')}/{REPORT_NAME}")
+    rows = sum(status.values())
+    return {
+        "dest": dest,
+        "complete": success is not None,
+        "shards": len(parts),
+        "rows": rows,
+        "counts": dict(sorted(status.items())),
+        "error_kinds": dict(kinds.most_common()),
+        "top_labels": [{"label": k, "count": v, "share": round(v / rows, 4) if rows else 0.0}
+                       for k, v in labels.most_common(TOP_LABELS)],
+        "models": dict(models.most_common()),
+        "finished_at": (success or {}).get("finished_at"),
+        "last_run": None if run is None else {k: run.get(k) for k in (
+            "engine", "elapsed_s", "images", "classified", "carried", "images_per_s", "avg_batch_size")},
+    }
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The table ``bulk-classify report DEST`` prints."""
+    state = "complete" if summary.get("complete") else "INCOMPLETE (no _SUCCESS: interrupted or still running)"
+    counts = summary.get("counts") or {}
+    lines = [
+        f"{summary.get('dest')}: {state}",
+        _row("rows", summary.get("rows", 0),
+             f"{'  '.join(f'{k} {_n(v)}' for k, v in counts.items())}  in {_n(summary.get('shards', 0))} shards"),
+        _row("model", ", ".join(f"{m} ({_n(n)})" for m, n in (summary.get("models") or {}).items()) or "-", ""),
+    ]
+    last = summary.get("last_run")
+    if last:
+        lines.append(_row("last run", f"{_fmt_s(last.get('elapsed_s'))}",
+                          f"engine {last.get('engine')}  {_num(last.get('images_per_s'))} img/s  "
+                          f"classified {_n(last.get('classified') or 0)}  carried {_n(last.get('carried') or 0)}"))
+    kinds = summary.get("error_kinds") or {}
+    if kinds:
+        lines.append(f"{'error kind':<20}{'rows':>10}")
+        lines += [f"  {k:<18}{_n(v):>10}" for k, v in kinds.items()]
+    top = summary.get("top_labels") or []
+    if top:
+        lines.append(f"{'top-1 label':<28}{'rows':>10}{'share':>8}")
+        lines += [f"  {t['label'][:26]:<26}{_n(t['count']):>10}{t['share']:>8.1%}" for t in top]
+    return "\n".join(lines)
+
+
+def _value_counts(array: Any) -> dict[str, int]:
+    import pyarrow.compute as pc
+
+    out: dict[str, int] = {}
+    for item in pc.value_counts(array).to_pylist():
+        if item["values"] is not None:
+            out[str(item["values"])] = int(item["counts"])
+    return out
+
+
+def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        LOG.warning("%s is not JSON; ignored", path)
+        return None
+
+
+def _count(value: Any, name: str) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"run stats {name}={value!r} is not a count") from None
+    if n < 0 or n != value and not (isinstance(value, float) and n == round(value)):
+        raise ConfigError(f"run stats {name}={value!r} is not a non-negative whole number")
+    return n
+
+
+def _seconds(value: Any, name: str) -> float:
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"run stats {name}={value!r} is not a number of seconds") from None
+    if s < 0 or math.isnan(s) or math.isinf(s):
+        raise ConfigError(f"run stats {name}={value!r} must be a finite number of seconds >= 0")
+    return s
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _n(value: Any) -> str:
+    return f"{int(value):,}"
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.2f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _fmt_s(value: Any) -> str:
+    return "-" if value is None else f"{float(value):,.1f} s"
+
+
+def _row(name: str, value: Any, rest: str) -> str:
+    shown = value if isinstance(value, str) else _num(value)
+    return f"{name:<12}{shown:>10}  {rest}".rstrip()
