@@ -1,0 +1,178 @@
+"""The DALI preprocessing pipeline (decode, resize, crop, normalize per a PreprocessSpec): GPU "mixed" for the
+production Triton profile, CPU for tests and parity checks against the reference (pipeline.preprocess).
+
+The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
+centred ``crop`` taken, done as one ``fn.resize`` over the source region of interest (no rounded intermediate size),
+with the same interpolation and antialiasing. EXIF orientation is applied by the decoder (``adjust_orientation``),
+and the GPU decoder uses libjpeg-turbo's "fancy" chroma upsampling, as Pillow does.
+
+Known differences from the reference (measured in tests/test_dali_parity.py and model_repository/README.md):
+JPEG decoders round the IDCT differently (a few levels on edges); transparent pixels are not composited on white
+(DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (``run``
+splits the batch; the Triton engine splits the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pipeline import tensor_names as tn
+from pipeline.preprocess import PreprocessSpec
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_THREADS = 4
+_INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
+
+
+def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
+    """The graph, to be called inside a ``pipeline_def``: external inputs IMAGE (UINT8, padded) and LENGTH (INT32),
+    outputs (PREPROCESSED, WIDTH, HEIGHT) in that order. ``device`` is "mixed" (GPU decode) or "cpu"."""
+    import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
+    import nvidia.dali.math as dmath  # noqa: PLC0415
+    import nvidia.dali.types as types  # noqa: PLC0415
+
+    raw = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
+    length = fn.external_source(name=tn.INPUT_LENGTH, dtype=types.INT32, ndim=1, device="cpu")
+    # Requests are zero-padded to their longest image; LENGTH gives each file its own bytes back.
+    encoded = fn.slice(raw, np.array([0], dtype=np.int32), length, axes=[0],
+                       normalized_anchor=False, normalized_shape=False)
+    decoder_args = {"output_type": types.BGR if spec.channel_order == "BGR" else types.RGB, "adjust_orientation": True}
+    if device == "mixed":
+        decoder_args["jpeg_fancy_upsampling"] = True  # libjpeg-turbo's (and so Pillow's) chroma upsampling
+    image = fn.decoders.image(encoded, device=device, **decoder_args)
+    shape = image.shape(dtype=types.FLOAT)
+    height, width = shape[0], shape[1]
+    crop_h, crop_w = spec.crop
+    shorter = dmath.min(height, width)
+    # The crop box in source pixels, exact as in pipeline.preprocess.preprocess_image.
+    box_h = crop_h * shorter / float(spec.resize_shorter)
+    box_w = crop_w * shorter / float(spec.resize_shorter)
+    top = (height - box_h) / 2.0
+    left = (width - box_w) / 2.0
+    resized = fn.resize(
+        image,
+        size=[crop_h, crop_w],
+        roi_start=fn.stack(top, left),
+        roi_end=fn.stack(top + box_h, left + box_w),
+        roi_relative=False,
+        interp_type=getattr(types, _INTERP[spec.interpolation]),
+        antialias=spec.antialias,
+        dtype=types.FLOAT,
+    )
+    # reference: (v * scale - mean) / std  ==  (v - mean / scale) / (std / scale)
+    normalized = fn.crop_mirror_normalize(
+        resized,
+        mean=[m / spec.scale for m in spec.mean],
+        std=[s / spec.scale for s in spec.std],
+        output_layout="CHW" if spec.layout == "NCHW" else "HWC",
+        dtype=types.FLOAT,
+    )
+    int_shape = image.shape(dtype=types.INT32)
+    out_h = fn.reshape(int_shape[0], shape=[1])
+    out_w = fn.reshape(int_shape[1], shape=[1])
+    if device == "mixed":
+        out_w, out_h = out_w.gpu(), out_h.gpu()
+    return normalized, out_w, out_h
+
+
+def build_pipeline(
+    spec: PreprocessSpec,
+    *,
+    device: str = "cpu",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    num_threads: int = DEFAULT_THREADS,
+    device_id: int | None = None,
+):
+    """A built DALI pipeline. ``device="cpu"`` needs no GPU (``device_id`` None); "mixed" needs ``device_id``."""
+    from nvidia.dali import pipeline_def  # noqa: PLC0415
+
+    if device not in ("cpu", "mixed"):
+        raise ValueError(f"device must be 'cpu' or 'mixed', got {device!r}")
+    if device == "mixed" and device_id is None:
+        device_id = 0
+
+    # Fed and run one batch at a time: no prefetching, so a failure belongs to the batch just fed.
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+    def preprocess():
+        return pipeline_graph(spec, device=device)
+
+    pipe = preprocess()
+    pipe.build()
+    return pipe
+
+
+@dataclass
+class Preprocessed:
+    """One input's DALI outcome: the tensor and size, or the error that isolated it."""
+
+    array: np.ndarray | None
+    width: int
+    height: int
+    error: str = ""
+
+
+class DaliPreprocessor:
+    """Runs the pipeline over encoded images in chunks of its batch size, isolating bad inputs.
+
+    A batch that fails (one corrupt file fails them all, and leaves the DALI pipeline unusable) is split in
+    halves on a rebuilt pipeline until the bad input stands alone: the same isolation the production path does
+    by splitting Triton requests.
+    """
+
+    def __init__(self, spec: PreprocessSpec, *, device: str = "cpu", batch_size: int = DEFAULT_BATCH_SIZE,
+                 num_threads: int = DEFAULT_THREADS, device_id: int | None = None):
+        self.spec = spec
+        self._args = {"device": device, "batch_size": batch_size, "num_threads": num_threads, "device_id": device_id}
+        self.batch_size = batch_size
+        self._pipe = build_pipeline(spec, **self._args)
+
+    def run(self, blobs: Sequence[bytes]) -> list[Preprocessed]:
+        out: list[Preprocessed] = []
+        for start in range(0, len(blobs), self.batch_size):
+            out.extend(self._run_isolating(list(blobs[start : start + self.batch_size])))
+        return out
+
+    def _run_isolating(self, blobs: list[bytes]) -> list[Preprocessed]:
+        try:
+            return self._run_batch(blobs)
+        except (RuntimeError, IndexError) as err:
+            self._pipe = build_pipeline(self.spec, **self._args)  # a failed run invalidates the pipeline
+            if len(blobs) == 1:
+                return [Preprocessed(None, 0, 0, f"decode_error: DALI: {_first_line(err)}")]
+            half = len(blobs) // 2
+            return self._run_isolating(blobs[:half]) + self._run_isolating(blobs[half:])
+
+    def _run_batch(self, blobs: list[bytes]) -> list[Preprocessed]:
+        longest = max(1, max(len(b) for b in blobs))
+        images = [np.frombuffer(b.ljust(longest, b"\0"), dtype=np.uint8) for b in blobs]
+        lengths = [np.array([len(b)], dtype=np.int32) for b in blobs]
+        self._pipe.feed_input(tn.INPUT_IMAGE, images)
+        self._pipe.feed_input(tn.INPUT_LENGTH, lengths)
+        tensors, widths, heights = self._pipe.run()
+        return [
+            Preprocessed(np.array(tensors.at(i)), int(np.array(widths.at(i))[0]), int(np.array(heights.at(i))[0]))
+            for i in range(len(blobs))
+        ]
+
+
+def _first_line(err: Exception) -> str:
+    """DALI's reason in one line: "<operator>: <what it encountered>"."""
+    text = str(err)
+    operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
+    reason = ""
+    if "encountered:" in text:
+        after = [line.strip() for line in text.split("encountered:", 1)[1].splitlines() if line.strip()]
+        reason = next((line for line in after if "no longer valid" not in line), "")
+    if not reason:
+        lines = [line.strip() for line in text.splitlines() if line.strip() and "Critical error" not in line]
+        reason = lines[0] if lines else type(err).__name__
+    reason = reason.rstrip(" :")
+    return (f"{operator.group(1)}: {reason}" if operator else reason)[:300]

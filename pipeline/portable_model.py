@@ -1,0 +1,156 @@
+"""The portable profile's Triton python-backend model: reference decode (pipeline.preprocess) + ONNX Runtime top-k.
+
+Runs inside the tritonserver of the ``nvidia-pytriton`` wheel (no GPU needed). Its folder holds
+``model.onnx`` (the classifier with softmax and top-k appended, see ``pipeline.repo.add_topk_head``) and
+``preprocess.json``. It serves the contract of ``pipeline.tensor_names``: a bad image gives an ``ERROR`` string
+for that image only, never a failed request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import tensor_names as tn
+from pipeline.errors import ImageError
+from pipeline.preprocess import DecodeLimits, PreprocessSpec, load_and_preprocess
+
+LOG = logging.getLogger(__name__)
+
+ONNX_FILE = "model.onnx"
+SPEC_FILE = "preprocess.json"
+# Config parameters (config.pbtxt `parameters`) and the request parameters a client may send per request.
+PARAM_INTRA_OP_THREADS = "intra_op_threads"
+PARAM_DECODE_THREADS = "decode_threads"
+PARAM_MAX_BYTES = "max_bytes"
+PARAM_MAX_PIXELS = "max_pixels"
+
+
+def _parameter(config: dict, key: str, default: int) -> int:
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return int(value) if value.strip() else default
+
+
+def _as_numpy(tensor) -> np.ndarray:
+    # DLPack works with numpy 1 and 2 in this backend; as_numpy() mis-reads tensors under numpy 2 (FACTS.md).
+    try:
+        return np.from_dlpack(tensor)
+    except (AttributeError, TypeError, RuntimeError, BufferError):
+        return tensor.as_numpy()
+
+
+class Classifier:
+    """Decodes, preprocesses and classifies one request's images; no Triton types, so it is testable alone."""
+
+    def __init__(self, folder: Path, *, intra_op_threads: int = 0, decode_threads: int = 0, limits=None):
+        import onnxruntime as ort  # noqa: PLC0415 - heavy; only where a model is served
+
+        self.spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+        self.input_name = self.session.get_inputs()[0].name
+        shapes = {o.name: o.shape for o in self.session.get_outputs()}
+        if tn.OUTPUT_SCORES not in shapes or tn.OUTPUT_CLASS_IDS not in shapes:
+            raise ValueError(
+                f"{folder / ONNX_FILE} has outputs {sorted(shapes)}, not {tn.OUTPUT_SCORES}/{tn.OUTPUT_CLASS_IDS}; "
+                "build the repository with `bulk-classify repo build`, which appends softmax and top-k"
+            )
+        self.k = int(shapes[tn.OUTPUT_SCORES][-1])
+        self.limits = limits or DecodeLimits()
+        self.pool = ThreadPoolExecutor(max(1, decode_threads or (os.cpu_count() or 1)), thread_name_prefix="decode")
+
+    def _one(self, data: bytes, limits: DecodeLimits):
+        try:
+            array, width, height = load_and_preprocess(data, self.spec, limits)
+            return array, width, height, ""
+        except ImageError as err:
+            return None, 0, 0, str(err)
+        except Exception as err:  # noqa: BLE001 - one input's surprise must stay that input's row
+            return None, 0, 0, f"decode_error: {type(err).__name__}: {err}"
+
+    def classify(self, images: np.ndarray, lengths: np.ndarray, limits: DecodeLimits | None = None) -> dict:
+        """images: UINT8 [n, L] padded; lengths: INT32 [n, 1]. Returns the output tensors by name."""
+        limits = limits or self.limits
+        n = images.shape[0]
+        blobs = [images[i, : int(lengths[i].reshape(-1)[0])].tobytes() for i in range(n)]
+        decoded = list(self.pool.map(lambda b: self._one(b, limits), blobs))
+        good = [i for i, d in enumerate(decoded) if d[0] is not None]
+        result = {
+            tn.OUTPUT_WIDTH: np.array([[d[1]] for d in decoded], dtype=np.int32).reshape(n, 1),
+            tn.OUTPUT_HEIGHT: np.array([[d[2]] for d in decoded], dtype=np.int32).reshape(n, 1),
+            tn.OUTPUT_ERROR: np.array([[d[3].encode("utf-8")] for d in decoded], dtype=np.object_).reshape(n, 1),
+        }
+        scores = np.zeros((n, self.k), dtype=np.float32)
+        ids = np.full((n, self.k), -1, dtype=np.int32)
+        if good:
+            batch = np.stack([decoded[i][0] for i in good])
+            out_scores, out_ids = self.session.run(
+                [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS], {self.input_name: batch}
+            )
+            scores[good] = out_scores
+            ids[good] = out_ids
+        result[tn.OUTPUT_SCORES] = scores
+        result[tn.OUTPUT_CLASS_IDS] = ids
+        return result
+
+
+class TritonPythonModel:
+    """Triton's python-backend entry points."""
+
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        cpus = os.cpu_count() or 1
+        limits = DecodeLimits(
+            max_bytes=_parameter(config, PARAM_MAX_BYTES, DecodeLimits().max_bytes),
+            max_pixels=_parameter(config, PARAM_MAX_PIXELS, DecodeLimits().max_pixels),
+        )
+        self.classifier = Classifier(
+            folder,
+            # Instances share the cores: without a cap each ONNX Runtime session would spawn one thread per core.
+            intra_op_threads=_parameter(config, PARAM_INTRA_OP_THREADS, max(1, cpus // instances)),
+            decode_threads=_parameter(config, PARAM_DECODE_THREADS, max(1, cpus // instances)),
+            limits=limits,
+        )
+
+    def _request_limits(self, request) -> DecodeLimits:
+        try:
+            params = json.loads(request.parameters() or "{}")
+        except (AttributeError, ValueError):
+            params = {}
+        base = self.classifier.limits
+        return DecodeLimits(
+            max_bytes=int(params.get(PARAM_MAX_BYTES, base.max_bytes)),
+            max_pixels=int(params.get(PARAM_MAX_PIXELS, base.max_pixels)),
+        )
+
+    def execute(self, requests):
+        pb = self.pb
+        responses = []
+        for request in requests:
+            try:
+                images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
+                lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH))
+                if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
+                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
+                outputs = self.classifier.classify(images, lengths, self._request_limits(request))
+                tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
+                responses.append(pb.InferenceResponse(output_tensors=tensors))
+            except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
+                LOG.exception("request failed")
+                responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
+        return responses
+
+    def finalize(self):
+        self.classifier.pool.shutdown(wait=False)
