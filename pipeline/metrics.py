@@ -66,6 +66,8 @@ class JobMetrics:
         reg = self.registry
         self._listed_g = Gauge(f"{PREFIX}_images_listed", "Objects listed in the source so far", registry=reg)
         self._rows_c = Counter(f"{PREFIX}_rows", "Rows committed to Parquet, by status", ["status"], registry=reg)
+        for status in ("ok", "error"):  # present from the first scrape, so rate() starts at zero
+            self._rows_c.labels(status=status)
         self._carried_c = Counter(f"{PREFIX}_carried", "Rows carried over from the previous run", registry=reg)
         self._errors_c = Counter(f"{PREFIX}_errors", "Error rows committed", registry=reg)
         self._calls_c = Counter(f"{PREFIX}_engine_calls", "Engine calls behind the committed rows", registry=reg)
