@@ -1,0 +1,206 @@
+"""Engines: the ONNX Runtime CPU engine, top-k softmax, and make_engine, which picks an engine by name."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from pipeline.errors import ConfigError, EngineError, ImageError
+from pipeline.model import ModelBundle
+from pipeline.preprocess import DecodeLimits, load_and_preprocess
+from pipeline.results import STATUS_OK, Result
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAMES = ("onnx", "triton", "gpu")
+DEFAULT_TOP_K = 5
+DEFAULT_MAX_BATCH = 64  # images per ORT run: bounds the input tensor (64 x 3x224x224 float32 = 38 MB)
+MAX_DECODE_THREADS = 8
+
+
+def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the classes, then the k most probable per row.
+
+    Args:
+        logits: (N, C) array.
+        k: how many classes to keep; capped at C.
+
+    Returns:
+        (ids (N, k) int64, probabilities (N, k) float32), probabilities descending.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (batch, classes), got shape {logits.shape}")
+    k = max(1, min(int(k), logits.shape[1]))
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    probs = exp / exp.sum(axis=1, keepdims=True)
+    if k < probs.shape[1]:
+        part = np.argpartition(-probs, k - 1, axis=1)[:, :k]
+    else:
+        part = np.tile(np.arange(probs.shape[1]), (probs.shape[0], 1))
+    part_probs = np.take_along_axis(probs, part, axis=1)
+    order = np.argsort(-part_probs, axis=1, kind="stable")
+    ids = np.take_along_axis(part, order, axis=1).astype(np.int64)
+    return ids, np.take_along_axis(part_probs, order, axis=1).astype(np.float32)
+
+
+def results_from_logits(
+    logits: np.ndarray, labels: Sequence[str], top_k: int, sizes: Sequence[tuple[int, int]]
+) -> list[Result]:
+    """OK results from a batch of logits and the original (width, height) of each image."""
+    ids, probs = topk_softmax(logits, top_k)
+    return [
+        Result(
+            status=STATUS_OK,
+            class_ids=[int(i) for i in row_ids],
+            labels=[labels[i] for i in row_ids],
+            scores=[float(p) for p in row_probs],
+            width=w,
+            height=h,
+        )
+        for row_ids, row_probs, (w, h) in zip(ids, probs, sizes)
+    ]
+
+
+class OnnxEngine:
+    """Classifies encoded images with ONNX Runtime on the CPU; decoding runs on a thread pool.
+
+    Args:
+        bundle: the model (see ``pipeline.model.load_model``).
+        top_k: classes per result.
+        limits: caps on encoded bytes and header pixels.
+        decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default min(8, CPUs).
+        intra_op_threads: ONNX Runtime's threads per run; default ORT's choice (one per physical core).
+        max_batch: images per ORT run; larger inputs to ``classify`` are split.
+    """
+
+    name = "onnx"
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        limits: DecodeLimits = DecodeLimits(),
+        decode_threads: int | None = None,
+        intra_op_threads: int | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ):
+        import onnxruntime as ort
+
+        if top_k < 1:
+            raise ConfigError(f"top_k must be at least 1, got {top_k}")
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
+        self.bundle = bundle
+        self.top_k = min(top_k, bundle.num_classes)
+        self.limits = limits
+        self.max_batch = max_batch
+        threads = decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1)
+        if threads < 1:
+            raise ConfigError(f"decode_threads must be at least 1, got {decode_threads}")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.inter_op_num_threads = 1
+        if intra_op_threads is not None:
+            if intra_op_threads < 1:
+                raise ConfigError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
+            options.intra_op_num_threads = intra_op_threads
+        try:
+            self._session = ort.InferenceSession(
+                str(bundle.onnx_path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as e:  # ORT raises its own exception types
+            raise EngineError(f"ONNX Runtime cannot load {bundle.onnx_path}: {e}; check the file with onnx.checker") from None
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
+        self.decode_threads = threads
+
+    def classify(self, images: Sequence[bytes]) -> list[Result]:
+        """One Result per encoded image, same order; bad images become error results."""
+        results: list[Result | None] = [None] * len(images)
+        for start in range(0, len(images), self.max_batch):
+            chunk = images[start : start + self.max_batch]
+            for offset, result in enumerate(self._classify_chunk(chunk)):
+                results[start + offset] = result
+        return results  # type: ignore[return-value]
+
+    def _decode(self, data: bytes) -> tuple[np.ndarray, int, int] | Result:
+        try:
+            return load_and_preprocess(bytes(data) if not isinstance(data, bytes) else data, self.bundle.spec, self.limits)
+        except ImageError as e:
+            return Result.failed(str(e))
+
+    def _classify_chunk(self, chunk: Sequence[bytes]) -> list[Result]:
+        decoded = list(self._pool.map(self._decode, chunk))
+        ok = [i for i, d in enumerate(decoded) if not isinstance(d, Result)]
+        out: list[Any] = list(decoded)
+        if ok:
+            batch = np.stack([decoded[i][0] for i in ok])
+            sizes = [(decoded[i][1], decoded[i][2]) for i in ok]
+            results = self._infer(batch, sizes)
+            if len(results) > 1 and all(r.status != STATUS_OK for r in results):
+                # Every image failing alone means the model or runtime is broken, not the inputs.
+                raise EngineError(f"ONNX Runtime failed on every image of a batch of {len(results)}: {results[0].error}")
+            for i, result in zip(ok, results):
+                out[i] = result
+        return out
+
+    def _infer(self, batch: np.ndarray, sizes: list[tuple[int, int]]) -> list[Result]:
+        try:
+            logits = self._run(batch)
+        except EngineError:
+            raise
+        except Exception as e:  # ORT's own error types; a run error may be one input's fault
+            if len(batch) == 1:
+                log.warning("ONNX Runtime failed on one image: %s", e)
+                return [Result.failed(f"engine_error: {e}", width=sizes[0][0], height=sizes[0][1])]
+            # Split to find the input(s) to blame; the others still get their results.
+            log.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
+            half = len(batch) // 2
+            return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
+        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes)
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        logits = self._session.run([self.bundle.output_name], {self.bundle.input_name: batch})[0]
+        if logits.ndim != 2 or logits.shape[1] != self.bundle.num_classes:
+            raise EngineError(
+                f"the model returned shape {logits.shape}, expected (batch, {self.bundle.num_classes}); "
+                "labels.txt must have one line per output class"
+            )
+        return logits
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "OnnxEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_engine(
+    name: str,
+    bundle: ModelBundle,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    limits: DecodeLimits = DecodeLimits(),
+    **options: Any,
+):
+    """Builds the engine called ``name`` ("onnx", "triton" or "gpu"); options go to its constructor."""
+    if name == "onnx":
+        return OnnxEngine(bundle, top_k=top_k, limits=limits, **options)
+    if name == "triton":
+        from pipeline.engine_triton import TritonEngine
+
+        return TritonEngine(bundle, top_k=top_k, limits=limits, **options)
+    if name == "gpu":
+        from pipeline.engine_gpu import GpuEngine
+
+        return GpuEngine(bundle, top_k=top_k, limits=limits, **options)
+    raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
