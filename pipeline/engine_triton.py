@@ -1,0 +1,343 @@
+"""The Triton engine (``--engine triton``): encoded images over gRPC to a local tritonserver, top-k back.
+
+The server decodes (python backend or DALI), so the actor only checks byte/pixel caps on headers and pads the
+files into one UINT8 tensor with their lengths (pipeline.tensor_names). A request that fails because of one
+input is split until that input stands alone, so a bad image costs one error row, not a batch; a server that
+died is restarted (when this engine owns it) and the request retried.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline import tensor_names as tn
+from pipeline.errors import ConfigError, EngineError, ImageError, TritonError
+from pipeline.preprocess import DecodeLimits, decode_image
+from pipeline.results import STATUS_OK, Result
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_BATCH = 32
+DEFAULT_CONCURRENCY = 2
+# Requests are padded to their longest file: cap the padded size so one big file does not make a 2 GB message.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+REQUEST_TIMEOUT_S = 300.0
+MAX_RESTARTS_PER_REQUEST = 2
+EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
+# gRPC status codes that mean "the server is gone or not answering", not "this request is bad".
+SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED", "INTERNAL")
+
+
+class _ServerDown(Exception):
+    """The server stopped answering while serving these inputs (restarts did not help)."""
+
+
+def _check_caps(data: bytes, limits: DecodeLimits) -> None:
+    """Raises the reference's own ImageError for empty, too large, or too many pixels by the header.
+
+    decode_image raises those before decoding any pixel, so calling it only when a cap is exceeded costs
+    nothing and gives the exact error text of ``--engine onnx``.
+    """
+    if len(data) == 0 or len(data) > limits.max_bytes:
+        decode_image(data, limits)
+    from PIL import Image  # noqa: PLC0415
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except Image.DecompressionBombError:
+        decode_image(data, limits)
+        return
+    except Exception:  # noqa: BLE001 - not readable here: the server reports the precise error for this input
+        return
+    if width * height > limits.max_pixels:
+        decode_image(data, limits)
+
+
+def _pack(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    longest = max(1, max(len(b) for b in blobs))
+    images = np.zeros((len(blobs), longest), dtype=np.uint8)
+    for i, blob in enumerate(blobs):
+        images[i, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    lengths = np.array([[len(b)] for b in blobs], dtype=np.int32)
+    return images, lengths
+
+
+def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: int = MAX_REQUEST_BYTES) -> list[list[int]]:
+    """Groups input indices into requests: similar sizes together (less padding), at most ``request_batch``
+    images and ``max_request_bytes`` of padded tensor each (a single larger file still goes alone)."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    requests: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        padded = (len(current) + 1) * max(sizes[i], 1)  # sorted: this one is the longest so far
+        if current and (len(current) >= request_batch or padded > max_request_bytes):
+            requests.append(current)
+            current = []
+        current.append(i)
+    if current:
+        requests.append(current)
+    return requests
+
+
+class TritonEngine:
+    """Classifies through a tritonserver that serves pipeline.tensor_names' contract (any profile).
+
+    Args:
+        bundle: the model (labels, and the ONNX/spec the default repository is built from).
+        top_k: classes per image; at most the repository's k.
+        limits: byte and pixel caps, checked here before sending, and sent to the server with each request.
+        repository: a model repository folder; default: the portable profile for ``bundle``, built into a
+            temporary folder that ``close()`` removes.
+        url: "host:port" of an already running server's gRPC endpoint (then no server is started or restarted).
+        instances: model instances when this engine builds the repository.
+        startup_timeout_s: how long to wait for the server to be ready.
+        request_batch: images per request at most.
+        concurrency: requests in flight at once.
+        server_args: extra tritonserver arguments.
+        model_name: the model to call (default pipeline.tensor_names.MODEL_NAME).
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        bundle,
+        *,
+        top_k: int = tn.DEFAULT_TOP_K,
+        limits: DecodeLimits = DecodeLimits(),
+        repository: str | None = None,
+        url: str | None = None,
+        instances: int | None = None,
+        startup_timeout_s: float = 120.0,
+        request_batch: int = DEFAULT_REQUEST_BATCH,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        server_args: Sequence[str] = (),
+        model_name: str = tn.MODEL_NAME,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ):
+        if top_k < 1 or request_batch < 1 or concurrency < 1:
+            raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
+                              "must be positive")
+        self.bundle = bundle
+        self.top_k = top_k
+        self.limits = limits
+        self.request_batch = request_batch
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+        self.server = None
+        self._tmp_repository: Path | None = None
+        self._local = threading.local()
+        self._generation = 0
+        self._restart_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
+        try:
+            if url:
+                self.url = url
+                self._wait_external(startup_timeout_s)
+            else:
+                self._start_own(bundle, repository, instances, startup_timeout_s, server_args)
+            self._read_model()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+
+    def _start_own(self, bundle, repository, instances, startup_timeout_s, server_args) -> None:
+        from pipeline.repo import build_repository, preflight  # noqa: PLC0415
+        from pipeline.triton_server import TritonServer  # noqa: PLC0415
+
+        if repository is None:
+            self._tmp_repository = Path(tempfile.mkdtemp(prefix="bulk-classify-repo-"))
+            model_dir = None if getattr(bundle, "onnx_path", None) is None else str(Path(bundle.onnx_path).parent)
+            repository = build_repository("portable", model_dir, str(self._tmp_repository),
+                                          top_k=max(self.top_k, tn.DEFAULT_TOP_K), instances=instances or 1)
+        preflight(repository)
+        self.server = TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args).start()
+        self.url = self.server.grpc_url
+
+    def _wait_external(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                if self._client().is_model_ready(self.model_name):
+                    return
+            except Exception as err:  # noqa: BLE001 - keep polling until the deadline
+                last = err
+            time.sleep(0.5)
+        raise TritonError(f"model {self.model_name!r} at {self.url} not ready after {timeout_s:.0f} s ({last}); "
+                          "start the server first or drop --triton-url to let each actor start its own")
+
+    def _read_model(self) -> None:
+        config = self._client().get_model_config(self.model_name, as_json=True)["config"]
+        outputs = {o["name"]: o for o in config.get("output", [])}
+        missing = [name for name in tn.REQUIRED_OUTPUTS if name not in outputs]
+        if missing:
+            raise TritonError(f"model {self.model_name!r} at {self.url} lacks output(s) {', '.join(missing)}; "
+                              "serve a repository built by `bulk-classify repo build`")
+        self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
+        self.has_error_output = tn.OUTPUT_ERROR in outputs
+        if self.top_k > self.repository_k:
+            raise ConfigError(f"top_k={self.top_k} but the repository returns {self.repository_k} classes per image; "
+                              f"lower top_k or rebuild the repository with top_k >= {self.top_k}")
+
+    def _client(self):
+        """One gRPC client per thread and per server generation (a restarted server has new ports)."""
+        import tritonclient.grpc as grpcclient  # noqa: PLC0415
+
+        if getattr(self._local, "generation", None) != self._generation or getattr(self._local, "url", None) != self.url:
+            self._local.client = grpcclient.InferenceServerClient(self.url)
+            self._local.generation = self._generation
+            self._local.url = self.url
+        return self._local.client
+
+    # ---- classify ------------------------------------------------------------------------------------------
+
+    def classify(self, images: Sequence[bytes]) -> list[Result]:
+        """One Result per input, in order; bad inputs are error rows."""
+        self._health_check()
+        results: list[Result | None] = [None] * len(images)
+        to_send: list[int] = []
+        for i, data in enumerate(images):
+            try:
+                _check_caps(data, self.limits)
+                to_send.append(i)
+            except ImageError as err:
+                results[i] = Result.failed(str(err))
+        groups = plan_requests([len(images[i]) for i in to_send], self.request_batch)
+        futures = [self._pool.submit(self._isolating, [to_send[j] for j in group], images) for group in groups]
+        for future in futures:
+            for index, result in future.result():
+                results[index] = result
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _health_check(self) -> None:
+        """Between batches: restart our server if it died or stopped answering."""
+        if self.server is not None:
+            with self._restart_lock:
+                if self.server.ensure_running():
+                    self._after_restart()
+
+    def _after_restart(self) -> None:
+        self.url = self.server.grpc_url
+        self._generation += 1
+        LOG.warning("tritonserver restarted (restart #%d); now at %s", self.server.restarts, self.url)
+
+    def _isolating(self, indices: list[int], images: Sequence[bytes]) -> list[tuple[int, Result]]:
+        from tritonclient.utils import InferenceServerException  # noqa: PLC0415
+
+        try:
+            return list(zip(indices, self._infer([images[i] for i in indices])))
+        except InferenceServerException as err:
+            reason = (err.message() or str(err)).strip()
+            if len(indices) == 1:
+                kind = "decode_error" if "decod" in reason.lower() else "engine_error"
+                return [(indices[0], Result.failed(str(ImageError(kind, f"server: {reason[:500]}"))))]
+            LOG.info("request of %d images failed (%s); splitting it to isolate the input", len(indices), reason[:200])
+        except _ServerDown as err:
+            if len(indices) == 1:
+                return [(indices[0], Result.failed(str(ImageError("engine_error", str(err)))))]
+            LOG.warning("server went down %d times on a request of %d images; splitting it", MAX_RESTARTS_PER_REQUEST,
+                        len(indices))
+        half = len(indices) // 2
+        return self._isolating(indices[:half], images) + self._isolating(indices[half:], images)
+
+    def _infer(self, blobs: list[bytes]) -> list[Result]:
+        """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
+        import tritonclient.grpc as grpcclient  # noqa: PLC0415
+        from tritonclient.utils import InferenceServerException  # noqa: PLC0415
+
+        images, lengths = _pack(blobs)
+        image_input = grpcclient.InferInput(tn.INPUT_IMAGE, list(images.shape), tn.INPUTS[tn.INPUT_IMAGE])
+        image_input.set_data_from_numpy(images)
+        length_input = grpcclient.InferInput(tn.INPUT_LENGTH, list(lengths.shape), tn.INPUTS[tn.INPUT_LENGTH])
+        length_input.set_data_from_numpy(lengths)
+        wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
+        outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
+        parameters = {"max_bytes": self.limits.max_bytes, "max_pixels": self.limits.max_pixels}
+        retries = list(EXTERNAL_RETRY_S)
+        restarts = 0
+        while True:
+            try:
+                response = self._client().infer(self.model_name, [image_input, length_input], outputs=outputs,
+                                                parameters=parameters, client_timeout=self.request_timeout_s)
+                return self._results(response, len(blobs))
+            except InferenceServerException as err:
+                if not self._server_down(err):
+                    raise
+                if self.server is None:
+                    if not retries:
+                        raise EngineError(f"tritonserver at {self.url} stopped answering ({err}); check that it "
+                                          "is running, or let the engine start its own (no url)") from None
+                    time.sleep(retries.pop(0))
+                    continue
+                if restarts >= MAX_RESTARTS_PER_REQUEST:
+                    raise _ServerDown(f"tritonserver died {restarts} times while serving this input") from None
+                restarts += 1
+                with self._restart_lock:
+                    if self.server.ensure_running():
+                        self._after_restart()
+
+    def _server_down(self, err) -> bool:
+        status = str(err.status() or "")
+        if self.server is not None:
+            return not self.server.is_ready() or any(code in status for code in ("UNAVAILABLE", "CANCELLED"))
+        return any(code in status for code in SERVER_DOWN_CODES)
+
+    def _results(self, response, n: int) -> list[Result]:
+        ids = response.as_numpy(tn.OUTPUT_CLASS_IDS).reshape(n, -1)
+        scores = response.as_numpy(tn.OUTPUT_SCORES).reshape(n, -1)
+        widths = response.as_numpy(tn.OUTPUT_WIDTH).reshape(n)
+        heights = response.as_numpy(tn.OUTPUT_HEIGHT).reshape(n)
+        errors = response.as_numpy(tn.OUTPUT_ERROR).reshape(n) if self.has_error_output else [b""] * n
+        labels = self.bundle.labels
+        out = []
+        for i in range(n):
+            error = errors[i].decode("utf-8", errors="replace") if isinstance(errors[i], bytes) else str(errors[i])
+            width, height = int(widths[i]) or None, int(heights[i]) or None
+            if error:
+                out.append(Result.failed(error, width, height))
+                continue
+            top_ids = [int(c) for c in ids[i, : self.top_k]]
+            out.append(Result(
+                status=STATUS_OK,
+                class_ids=top_ids,
+                labels=[labels[c] if 0 <= c < len(labels) else str(c) for c in top_ids],
+                scores=[float(s) for s in scores[i, : self.top_k]],
+                width=width,
+                height=height,
+            ))
+        return out
+
+    # ---- close ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the server this engine started and removes its temporary repository."""
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._tmp_repository is not None:
+            shutil.rmtree(self._tmp_repository, ignore_errors=True)
+            self._tmp_repository = None
+
+    def __enter__(self) -> "TritonEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
