@@ -1,0 +1,225 @@
+"""--engine triton against --engine onnx through a real tritonserver (portable profile): same results, one row per
+input, odd inputs included; a bad input isolated by splitting; a killed server restarted mid-run; clean close."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from oddities import oddities
+
+from pipeline import tensor_names as tn
+from pipeline.engine import make_engine
+from pipeline.engine_triton import plan_requests
+from pipeline.errors import ConfigError
+from pipeline.model import load_model
+from pipeline.preprocess import DecodeLimits
+from pipeline.repo import add_topk_head, portable_config
+from pipeline.triton_server import SHM_DIR, TritonServer
+
+PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
+# Same ONNX graph and the same reference preprocessing on both sides; only batch composition differs.
+SCORE_TOLERANCE = 1e-4
+TOP_K = 5
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def onnx_engine(bundle):
+    engine = make_engine("onnx", bundle, top_k=TOP_K, limits=DecodeLimits())
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def triton_engine(bundle):
+    engine = make_engine("triton", bundle, top_k=TOP_K, limits=DecodeLimits(), request_batch=8, concurrency=2)
+    yield engine
+    engine.close()
+
+
+def _photos() -> dict[str, bytes]:
+    return {p.stem: p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))}
+
+
+def _kind(error: str | None) -> str | None:
+    return error.split(":", 1)[0] if error else None
+
+
+def test_triton_matches_onnx_on_photos_and_oddities(triton_engine, onnx_engine):
+    inputs = _photos()
+    expected = {}
+    for name, (data, status, kind) in oddities().items():
+        inputs[f"odd_{name}"] = data
+        expected[f"odd_{name}"] = (status, kind)
+    names = list(inputs)
+    blobs = [inputs[n] for n in names]
+    got = triton_engine.classify(blobs)
+    want = onnx_engine.classify(blobs)
+    assert len(got) == len(blobs) == len(want)
+    for name, g, w in zip(names, got, want):
+        assert (g.status, _kind(g.error)) == (w.status, _kind(w.error)), name
+        if name in expected:
+            assert (g.status, _kind(g.error)) == expected[name], name
+        assert g.error == w.error, name  # the same reference code decodes on both sides: same text
+        assert (g.width, g.height) == (w.width, w.height), name
+        if g.status == "ok":
+            assert g.class_ids[0] == w.class_ids[0], f"{name}: top-1 {g.labels[0]} vs {w.labels[0]}"
+            assert len(g.class_ids) == len(g.scores) == len(g.labels) == TOP_K
+            assert max(abs(a - b) for a, b in zip(g.scores, w.scores)) < SCORE_TOLERANCE, name
+            assert g.labels[0] == w.labels[0]
+            assert g.scores == sorted(g.scores, reverse=True)
+
+
+def test_one_result_per_input_in_order_across_many_requests(triton_engine):
+    photos = list(_photos().values())
+    blobs = [photos[i % len(photos)] for i in range(37)] + [b"", b"x" * 10]
+    results = triton_engine.classify(blobs)
+    assert len(results) == len(blobs)
+    first = {}
+    for blob, result in zip(blobs, results):
+        if blob in first:  # the same file gives the same answer wherever it sits in the batch
+            assert result.class_ids == first[blob].class_ids
+        first.setdefault(blob, result)
+    assert [r.status for r in results[-2:]] == ["error", "error"]
+    assert triton_engine.classify([]) == []
+
+
+def test_caps_are_enforced_before_sending_with_the_reference_text(bundle, triton_engine, onnx_engine):
+    photo = _photos()["chelsea"]
+    small = DecodeLimits(max_bytes=len(photo) - 1, max_pixels=10_000)
+    original = triton_engine.limits
+    triton_engine.limits = small
+    try:
+        got = triton_engine.classify([photo])
+    finally:
+        triton_engine.limits = original
+    onnx = make_engine("onnx", bundle, top_k=TOP_K, limits=small)
+    try:
+        want = onnx.classify([photo])
+    finally:
+        onnx.close()
+    assert got[0].status == "error" and got[0].error.startswith("too_large: ")
+    assert got[0].error == want[0].error
+
+
+def test_top_k_above_the_repository_k_is_refused(bundle, triton_engine):
+    with pytest.raises(ConfigError, match="lower top_k or rebuild the repository"):
+        make_engine("triton", bundle, top_k=triton_engine.repository_k + 1, url=triton_engine.url)
+
+
+def test_external_server_by_url_is_used_and_left_running(bundle, triton_engine):
+    engine = make_engine("triton", bundle, top_k=2, url=triton_engine.url)
+    try:
+        results = engine.classify([_photos()["coffee"]])
+    finally:
+        engine.close()
+    assert results[0].status == "ok" and len(results[0].scores) == 2
+    assert triton_engine.server.is_ready()
+
+
+def test_plan_requests_groups_by_size_and_caps_padding():
+    sizes = [10, 1000, 20, 30, 5000, 40]
+    groups = plan_requests(sizes, request_batch=2, max_request_bytes=6000)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    assert all(len(g) <= 2 and len(g) * max(sizes[i] for i in g) <= 6000 or len(g) == 1 for g in groups)
+    assert groups[0] == [0, 2]  # the two smallest travel together
+
+
+# A DALI-like model: it fails the whole request when one input is bad (as one corrupt JPEG fails a DALI batch)
+# and has no ERROR output, so the engine must isolate the bad input by splitting.
+WHOLE_BATCH_FAILING_MODEL = '''
+import os, sys
+sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p]
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from pipeline.portable_model import Classifier
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from pathlib import Path
+        self.classifier = Classifier(Path(args["model_repository"]) / args["model_version"], intra_op_threads=1)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            images = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy()
+            lengths = pb_utils.get_input_tensor_by_name(request, "LENGTH").as_numpy()
+            out = self.classifier.classify(images, lengths)
+            bad = [e for e in out.pop("ERROR").reshape(-1) if e]
+            if bad:
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError("Failed to decode sample: " + bad[0].decode())))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        return responses
+'''
+
+
+def test_a_request_failing_on_one_input_is_split_so_only_that_input_fails(bundle, tmp_path):
+    folder = tmp_path / tn.MODEL_NAME
+    (folder / "1").mkdir(parents=True)
+    config = portable_config(top_k=TOP_K, instances=1).replace('name: "ERROR"', 'name: "UNUSED_ERROR"')
+    (folder / "config.pbtxt").write_text(config)
+    (folder / "1" / "model.py").write_text(WHOLE_BATCH_FAILING_MODEL)
+    (folder / "1" / "preprocess.json").write_text(bundle.spec.to_json())
+    add_topk_head(bundle.onnx_path, folder / "1" / "model.onnx", k=TOP_K)
+    photos = list(_photos().values())
+    truncated = photos[0][: len(photos[0]) // 2]
+    blobs = photos[:5] + [truncated] + photos[5:]
+    engine = make_engine("triton", bundle, top_k=TOP_K, repository=str(tmp_path), request_batch=16)
+    try:
+        assert engine.has_error_output is False
+        results = engine.classify(blobs)
+    finally:
+        engine.close()
+    assert [r.status for r in results] == ["ok"] * 5 + ["error"] + ["ok"] * (len(photos) - 5)
+    assert results[5].error.startswith("decode_error: server: Failed to decode sample")
+
+
+def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle):
+    photos = list(_photos().values())
+    blobs = [photos[i % len(photos)] for i in range(160)]
+    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=8, concurrency=2)
+    try:
+        reference = {blob: r.class_ids[0] for blob, r in zip(photos, engine.classify(photos))}
+        victim = engine.server.pid
+        killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        results = engine.classify(blobs)
+        killer.join()
+        assert time.monotonic() - started > 0.5, "the run ended before the kill; make it longer"
+        assert engine.server.restarts >= 1 and engine.server.pid != victim
+        assert len(results) == len(blobs)
+        assert all(r.status == "ok" for r in results), [r.error for r in results if r.status != "ok"][:3]
+        assert [r.class_ids[0] for r in results] == [reference[b] for b in blobs]
+        # Between batches: a server killed while idle is restarted before the next batch is sent.
+        os.kill(engine.server.pid, signal.SIGKILL)
+        psutil.Process(engine.server.pid).wait(10)
+        assert engine.classify(photos[:2])[0].status == "ok"
+        assert engine.server.restarts >= 2
+    finally:
+        engine.close()
+
+
+def test_close_leaves_no_process_shared_memory_or_repository(bundle):
+    engine = make_engine("triton", bundle, top_k=TOP_K)
+    server: TritonServer = engine.server
+    tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+    prefix, repository = server.shm_prefix, server.repository
+    assert repository.is_dir() and list(SHM_DIR.glob(prefix + "*"))
+    engine.close()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive
+    assert not list(SHM_DIR.glob(prefix + "*"))
+    assert not repository.exists()
