@@ -64,7 +64,7 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
         roi_relative=False,
         interp_type=getattr(types, _INTERP[spec.interpolation]),
         antialias=spec.antialias,
-        dtype=types.FLOAT,
+        dtype=types.UINT8,  # Pillow rounds the resized pixels to 8 bits; so do we
     )
     # reference: (v * scale - mean) / std  ==  (v - mean / scale) / (std / scale)
     normalized = fn.crop_mirror_normalize(
