@@ -122,21 +122,24 @@ class OnnxEngine:
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         """One Result per encoded image, same order; bad images become error results."""
-        results: list[Result | None] = [None] * len(images)
-        for start in range(0, len(images), self.max_batch):
-            chunk = images[start : start + self.max_batch]
-            for offset, result in enumerate(self._classify_chunk(chunk)):
-                results[start + offset] = result
-        return results  # type: ignore[return-value]
+        chunks = [images[i : i + self.max_batch] for i in range(0, len(images), self.max_batch)]
+        results: list[Result] = []
+        # Decode the next chunk on the pool while ONNX Runtime runs the current one.
+        pending = [self._pool.submit(self._decode, data) for data in chunks[0]] if chunks else []
+        for index in range(len(chunks)):
+            decoded = [f.result() for f in pending]
+            if index + 1 < len(chunks):
+                pending = [self._pool.submit(self._decode, data) for data in chunks[index + 1]]
+            results.extend(self._classify_decoded(decoded))
+        return results
 
     def _decode(self, data: bytes) -> tuple[np.ndarray, int, int] | Result:
         try:
-            return load_and_preprocess(bytes(data) if not isinstance(data, bytes) else data, self.bundle.spec, self.limits)
+            return load_and_preprocess(bytes(data), self.bundle.spec, self.limits)
         except ImageError as e:
             return Result.failed(str(e))
 
-    def _classify_chunk(self, chunk: Sequence[bytes]) -> list[Result]:
-        decoded = list(self._pool.map(self._decode, chunk))
+    def _classify_decoded(self, decoded: list[tuple[np.ndarray, int, int] | Result]) -> list[Result]:
         ok = [i for i, d in enumerate(decoded) if not isinstance(d, Result)]
         out: list[Any] = list(decoded)
         if ok:

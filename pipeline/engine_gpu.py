@@ -867,3 +867,99 @@ def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
             )
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The gpu profile of the model repository.
+
+GPU_MAX_BATCH_SIZE = 1024  # images per execute() at most; the model cuts them into batch_size network calls
+GPU_INSTANCES = 2  # two stub processes: one's CPU work and decode fill the other's gaps on the GPU
+GPU_QUEUE_DELAY_US = 2000
+GPU_SHIM_FILE = "model.py"
+_GPU_SHIM_TEXT = '''"""Triton python-backend entry of the gpu profile; the model is pipeline.gpu_model (written by
+`bulk-classify repo build --profile gpu`, do not edit)."""
+
+import os
+import sys
+
+sys.path[:0] = [p for p in os.environ.get("{env}", "").split(os.pathsep) if p and p not in sys.path]
+
+from pipeline.gpu_model import TritonPythonModel  # noqa: E402,F401
+'''
+
+
+def gpu_config(
+    *,
+    top_k: int = 5,
+    instances: int = GPU_INSTANCES,
+    max_batch_size: int = GPU_MAX_BATCH_SIZE,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    decoder: str = "auto",
+    network: str = "auto",
+    cuda_graph: bool = True,
+    queue_delay_us: int = GPU_QUEUE_DELAY_US,
+) -> str:
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input)."""
+    from pipeline import gpu_model as gm  # noqa: PLC0415
+    from pipeline import tensor_names as tn  # noqa: PLC0415
+    from pipeline.repo import _contract_io, _mc, _text  # noqa: PLC0415 - one definition of the contract's tensors
+
+    mc = _mc()
+    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
+    _contract_io(config, top_k, with_error=True)
+    for tensor in config.input:
+        if tensor.name == tn.INPUT_IMAGE:
+            # Requests padded to different lengths can then share one execute() (the backend sees each request).
+            tensor.allow_ragged_batch = True
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=instances)
+    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    params = {
+        gm.PARAM_NETWORK: network,
+        gm.PARAM_DECODER: decoder,
+        gm.PARAM_BATCH_SIZE: str(batch_size),
+        gm.PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
+    }
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return _text(config)
+
+
+def build_gpu_repository(model: str | None, output: str, **options: Any):
+    """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
+
+    The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
+    ``pipeline.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.torchscript``.
+    ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, decoder, network, ...).
+
+    Returns:
+        the repository folder.
+    """
+    import shutil  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from pipeline import tensor_names as tn  # noqa: PLC0415
+    from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
+    from pipeline.gpu_model import SPEC_FILE  # noqa: PLC0415
+    from pipeline.torch_models import TORCHSCRIPT_FILE  # noqa: PLC0415
+    from pipeline.triton_server import STUB_PATH_ENV  # noqa: PLC0415
+
+    out = Path(output).expanduser()
+    version = out / tn.MODEL_NAME / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    spec = DEFAULT_SPEC
+    if model not in (None, "", "default"):
+        from pipeline.model import load_model  # noqa: PLC0415
+
+        bundle = load_model(model)
+        scripted = Path(model) / TORCHSCRIPT_FILE
+        if not scripted.is_file():
+            raise EngineError(
+                f"the gpu profile runs torch networks: {model} has no {TORCHSCRIPT_FILE}. Add one "
+                "(torch.jit.save of the network) or use --profile production (TensorRT) / portable"
+            )
+        shutil.copyfile(scripted, version / TORCHSCRIPT_FILE)
+        spec = bundle.spec
+    (out / tn.MODEL_NAME / "config.pbtxt").write_text(gpu_config(**options), encoding="utf-8")
+    (version / GPU_SHIM_FILE).write_text(_GPU_SHIM_TEXT.replace("{env}", STUB_PATH_ENV), encoding="utf-8")
+    (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+    return out

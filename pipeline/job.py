@@ -17,7 +17,9 @@ import pyarrow as pa
 from pipeline.config import RunConfig
 from pipeline.errors import ModelError, OutputError
 from pipeline.schema import OUTPUT_SCHEMA
-from pipeline.source import ListingDatasource, check_source, identity_hash, open_fs, storage_failure, uri_hash
+from pipeline.source import (
+    ListingDatasource, check_source, identity_hash, mtime_us, open_fs, storage_failure, uri_hash,
+)
 from pipeline.writer import committed_parts, read_columns, read_json, write_json
 
 LOG = logging.getLogger(__name__)
@@ -219,7 +221,6 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_size=FETCH_BATCH,
         batch_format="pyarrow",
         num_cpus=0.25,
-        max_retries=3,
     )
     ds = ds.map_batches(
         ClassifyActor,
@@ -229,10 +230,9 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_size=config.batch_size,
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=actors),
-        num_cpus=1 if not num_gpus else 1,
+        # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
+        num_cpus=1,
         num_gpus=num_gpus or None,
-        max_restarts=-1,
-        max_task_retries=-1,
     )
     ds = ds.map_batches(
         write_shard,
@@ -240,7 +240,6 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_size=config.shard_size,
         batch_format="pyarrow",
         num_cpus=0.25,
-        max_retries=-1,
     )
     return ds
 
@@ -290,7 +289,7 @@ def _load_previous(config: RunConfig, model_name: str) -> pa.Table | None:
     mask = [s == "ok" and m == model_name and len(c or []) == config.top_k for s, m, c in zip(
         table.column("status").to_pylist(), table.column("model").to_pylist(), table.column("class_ids").to_pylist())]
     table = table.filter(pa.array(mask, pa.bool_()))
-    keys = [identity_hash(u, e, s, m) for u, e, s, m in zip(
+    keys = [identity_hash(u, e, s, mtime_us(m)) for u, e, s, m in zip(
         table.column("uri").to_pylist(), table.column("etag").to_pylist(),
         table.column("size_bytes").to_pylist(), table.column("mtime").to_pylist())]
     table = table.append_column("_identity", pa.array(keys, pa.int64()))

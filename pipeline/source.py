@@ -23,6 +23,7 @@ LISTING_SCHEMA = pa.schema(
         ("size_bytes", pa.int64()),
         ("etag", pa.string()),
         ("mtime", pa.timestamp("us", tz="UTC")),
+        ("carried", pa.bool_()),
     ]
 )
 
@@ -71,16 +72,16 @@ def uri_hash(uri: str) -> int:
     return int.from_bytes(hashlib.blake2b(uri.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def identity_hash(uri: str, etag: str | None, size: int | None, mtime: Any) -> int:
-    """Key of an object's version: the ETag when the storage has one, else size and mtime."""
+def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | None) -> int:
+    """Key of an object's version: the ETag when the storage has one, else size and mtime (in microseconds)."""
     if etag:
         key = f"{uri}\0e\0{etag}\0{size}"
     else:
-        key = f"{uri}\0m\0{size}\0{_mtime_us(mtime)}"
+        key = f"{uri}\0m\0{size}\0{mtime_us}"
     return uri_hash(key)
 
 
-def _mtime_us(value: Any) -> int | None:
+def mtime_us(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, datetime):
@@ -90,19 +91,20 @@ def _mtime_us(value: Any) -> int | None:
     if isinstance(value, (int, float)):
         return int(float(value) * 1_000_000)
     try:
-        return _mtime_us(datetime.fromisoformat(str(value)))
+        return mtime_us(datetime.fromisoformat(str(value)))
     except ValueError:
         return None
 
 
 def entry_row(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> dict[str, Any]:
     etag = info.get("ETag") or info.get("etag")
-    mtime_us = _mtime_us(info.get("LastModified") or info.get("mtime") or info.get("last_modified"))
+    stamp = mtime_us(info.get("LastModified") or info.get("mtime") or info.get("last_modified"))
     return {
         "uri": fs.unstrip_protocol(info["name"]),
         "size_bytes": int(info.get("size") or 0),
         "etag": str(etag).strip('"') if etag else None,
-        "mtime": mtime_us,
+        "mtime": stamp,
+        "carried": False,
     }
 
 

@@ -23,11 +23,11 @@ def read_rows(dest, filesystem=None) -> dict:
 
 
 def test_local_folder_photos_and_odd_inputs(tmp_path, ray_local):
-    from oddities import odd_inputs
+    from oddities import oddities
 
     src = tmp_path / "src"
     shutil.copytree(PHOTOS, src / "photos")
-    odd = odd_inputs()
+    odd = oddities()
     ext_of = {"webp": "webp", "tiff": "tif", "bmp": "bmp"}
     names = {}
     for name, (data, _status, _kind) in odd.items():
