@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import pickle
 import struct
@@ -43,12 +42,13 @@ LITE0_BLOCKS = (
 )
 HEAD_CHANNELS = 1280
 
-# What this checkpoint expects (written to pipeline/data/efficientnet_lite0_preprocess.json) (it is Google's EfficientNet-Lite0, trained in TensorFlow, converted to torch by
-# efficientnet_lite_pytorch):
-# - values: tensorflow/tpu models/official/efficientnet/lite/efficientnet_lite_builder.py sets
-#   MEAN_RGB = [127.0] * 3 and STDDEV_RGB = [128.0] * 3 on 0..255 RGB input, i.e. about [-1, 1]
-#   (efficientnet/main.py normalises with those before the model). Checked on the H200: ±1 input gives clearly
-#   higher top-1 confidence than torchvision's ImageNet mean/std (shared/FACTS.md).
+# What this checkpoint expects, kept as data in pipeline/data/efficientnet_lite0_preprocess.json. The checkpoint is
+# Google's EfficientNet-Lite0, trained in TensorFlow and converted to torch by efficientnet_lite_pytorch:
+# - values: tensorflow/tpu models/official/efficientnet/lite/efficientnet_lite_builder.py: "Edge models use
+#   inception-style MEAN and STDDEV for better post-quantization", MEAN_RGB = [127.0] * 3, STDDEV_RGB = [128.0] * 3
+#   on 0..255 RGB, i.e. about [-1, 1]. Checked against the checkpoint itself: over natural photos, the stem
+#   convolution's output variance is 0.67x the stem BatchNorm's running variance with this normalisation and 3.4x
+#   with torchvision's ImageNet mean/std (tests/test_model.py::test_spec_matches_the_stem_batchnorm_statistics).
 # - geometry: tensorflow/tpu models/official/efficientnet/preprocessing.py, preprocess_for_eval ->
 #   _decode_and_center_crop: a centred square crop of 224 / (224 + CROP_PADDING=32) of the shorter side, resized
 #   to 224x224 with bicubic interpolation. That is "scale the shorter side to 256, centre-crop 224x224", which is
@@ -56,6 +56,8 @@ HEAD_CHANNELS = 1280
 # - we resample with antialiasing (TF's eval resize_bicubic does not): Pillow cannot resample bicubic without it,
 #   and DALI can do both; for large catalog photos the unfiltered resize aliases badly. Chosen over strict
 #   TF fidelity; the photo tests in tests/test_engine.py show the classes land right.
+
+
 def spec_path() -> Path:
     """The default model's preprocessing spec, kept as data: pipeline/data/efficientnet_lite0_preprocess.json."""
     return Path(str(resources.files("pipeline") / "data" / "efficientnet_lite0_preprocess.json"))
@@ -208,7 +210,7 @@ def load_checkpoint(path: Path | None = None) -> dict[str, np.ndarray]:
     """The default checkpoint's tensors by name (296 of them for Lite0)."""
     path = path or checkpoint_path()
     with open(path, "rb") as f:
-        return read_legacy_checkpoint(io.BufferedReader(f))
+        return read_legacy_checkpoint(f)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -150,3 +150,28 @@ def test_bad_spec_field(user_folder):
 def test_spec_that_disagrees_with_the_model_input(user_folder):
     (user_folder / SPEC_FILE).write_text('{"resize_shorter": 288, "crop": [256, 256]}')
     _one_line_model_error(user_folder, r"has shape \[\?, 3, 224, 224\] but preprocess.json makes \[\?, 3, 256, 256\]")
+
+
+def _stem_output_variance(rgb: np.ndarray, mean, std, weights) -> np.ndarray:
+    """Per-channel variance of the stem convolution (3x3, stride 2, TF SAME padding) over a batch of NHWC images."""
+    x = np.pad((rgb - np.asarray(mean)) / np.asarray(std), ((0, 0), (0, 1), (0, 1), (0, 0)))
+    patches = np.stack([x[:, dy : dy + 223 : 2, dx : dx + 223 : 2, :] for dy in range(3) for dx in range(3)], -1)
+    y = patches.reshape(-1, 27) @ weights["_conv_stem.weight"].astype(np.float64).reshape(32, 27).T
+    return y.var(axis=0)
+
+
+def test_spec_matches_the_stem_batchnorm_statistics():
+    # The stem BatchNorm's running variance records what the first convolution saw in training: with the right
+    # input normalisation, natural photos give a similar variance; with a wrong one, a multiple of it.
+    weights = default_model.load_checkpoint()
+    paths = sorted((PARITY / "inputs").glob("*.jpg"))[:24]
+    rgb = np.stack([np.asarray(decode_image(p.read_bytes()), dtype=np.float64) for p in paths])
+    running_var = weights["_bn0.running_var"].astype(np.float64)
+    live = running_var > 1e-6  # a few stem channels are dead (zero variance)
+    ours = np.median(_stem_output_variance(rgb, DEFAULT_SPEC.mean, DEFAULT_SPEC.std, weights)[live] / running_var[live])
+    imagenet_mean, imagenet_std = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
+    imagenet = np.median(
+        _stem_output_variance(rgb, imagenet_mean, imagenet_std, weights)[live] / running_var[live]
+    )
+    assert 0.5 < ours < 1.5, ours  # measured 0.67
+    assert imagenet > 2.5, imagenet  # measured 3.35
