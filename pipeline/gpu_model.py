@@ -136,12 +136,20 @@ class TritonPythonModel:
         return responses
 
     def _tensors(self, raw, start: int, end: int) -> list:
+        import torch  # noqa: PLC0415 - present wherever this model runs
+
         pb = self.pb
+
+        def out_tensor(name: str, arr: np.ndarray):
+            # Through torch's DLPack capsule: numpy's own capsule crashed the stub ("PyCapsule_GetPointer called
+            # with incorrect name"), and pb.Tensor(name, ndarray) mis-reads numpy-2 arrays.
+            return pb.Tensor.from_dlpack(name, torch.from_numpy(np.ascontiguousarray(arr)))
+
         out = [
-            pb.Tensor.from_dlpack(tn.OUTPUT_CLASS_IDS, np.ascontiguousarray(raw.class_ids[start:end])),
-            pb.Tensor.from_dlpack(tn.OUTPUT_SCORES, np.ascontiguousarray(raw.scores[start:end])),
-            pb.Tensor.from_dlpack(tn.OUTPUT_WIDTH, np.ascontiguousarray(raw.width[start:end, None])),
-            pb.Tensor.from_dlpack(tn.OUTPUT_HEIGHT, np.ascontiguousarray(raw.height[start:end, None])),
+            out_tensor(tn.OUTPUT_CLASS_IDS, raw.class_ids[start:end]),
+            out_tensor(tn.OUTPUT_SCORES, raw.scores[start:end]),
+            out_tensor(tn.OUTPUT_WIDTH, raw.width[start:end, None]),
+            out_tensor(tn.OUTPUT_HEIGHT, raw.height[start:end, None]),
         ]
         if self.has_error:
             errors = np.array([[e.encode("utf-8")] for e in raw.errors[start:end]], dtype=np.object_)
