@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import struct
 import warnings
 from dataclasses import asdict, dataclass
@@ -12,7 +13,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from pipeline.errors import ImageError, ModelError
+from pipeline.errors import ConfigError, ImageError, ModelError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 100_000_000
@@ -141,7 +144,9 @@ class DecodeLimits:
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_pixels < 1:
-            raise ValueError(f"DecodeLimits must be positive, got max_bytes={self.max_bytes} max_pixels={self.max_pixels}")
+            raise ConfigError(
+                f"max_bytes and max_pixels must be positive, got max_bytes={self.max_bytes} max_pixels={self.max_pixels}"
+            )
 
 
 def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Image:
@@ -177,8 +182,10 @@ def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
             "raise the limit to accept it",
         )
     try:
+        # No img.draft(): libjpeg's DCT-domain downscaling gives different pixels than the spec's full decode +
+        # bicubic resize; parity with the other engines matters more than the speed it would buy.
         img.load()
-        img = ImageOps.exif_transpose(img)
+        img = _upright(img)
         return _to_rgb(img)
     except Image.DecompressionBombError as e:
         raise ImageError("too_many_pixels", f"{e}") from None
@@ -186,6 +193,15 @@ def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
         raise ImageError("too_many_pixels", f"{width}x{height} did not fit in memory; lower max_pixels") from None
     except Exception as e:  # Pillow's plugins raise many types for corrupt data; each is one bad input.
         raise ImageError("decode_error", f"{type(e).__name__}: {e}") from None
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """Applies the EXIF orientation; a corrupt EXIF block leaves the pixels as stored rather than failing them."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception as e:  # Pillow's EXIF parser raises assorted types on corrupt blocks
+        log.debug("ignoring unreadable EXIF: %s", e)
+        return img
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
