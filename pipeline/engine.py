@@ -197,6 +197,12 @@ def make_engine(
 ):
     """Builds the engine called ``name`` ("onnx", "triton" or "gpu"); options go to its constructor."""
     if name == "onnx":
+        allowed = ("decode_threads", "intra_op_threads", "max_batch")
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"engine 'onnx' has no option(s) {', '.join(unknown)}; its options are {', '.join(allowed)}"
+            )
         return OnnxEngine(bundle, top_k=top_k, limits=limits, **options)
     if name == "triton":
         from pipeline.engine_triton import TritonEngine

@@ -130,6 +130,8 @@ def test_topk_softmax_matches_full_softmax():
 def test_make_engine(default_bundle):
     with pytest.raises(ConfigError, match=r"unknown engine 'cuda'; choose one of onnx, triton, gpu"):
         make_engine("cuda", default_bundle)
+    with pytest.raises(ConfigError, match=r"engine 'onnx' has no option\(s\) instances; its options are decode_threads"):
+        make_engine("onnx", default_bundle, instances=2)
     engine = make_engine("onnx", default_bundle, top_k=2, decode_threads=1)
     assert engine.name == "onnx" and engine.top_k == 2
     assert engine.classify([]) == []
