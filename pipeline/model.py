@@ -1,4 +1,10 @@
-"""Model folders (model.onnx + labels.txt + preprocess.json): loading, checking, and building the cached default."""
+"""Model folders (model.onnx + labels.txt + preprocess.json): loading, checking, and building the cached default.
+
+A model folder holds:
+    model.onnx       one float32 input [batch, 3, H, W] (or NHWC, per the spec), one output [batch, classes] of logits
+    labels.txt       one class name per line, in output order (as many lines as classes)
+    preprocess.json  a PreprocessSpec as JSON, e.g. pipeline/data/efficientnet_lite0_preprocess.json
+"""
 
 from __future__ import annotations
 
