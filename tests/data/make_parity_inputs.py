@@ -1,4 +1,7 @@
-"""Regenerates tests/data/parity/inputs/: 200 JPEGs of 224x224 cut deterministically from scikit-image's photos."""
+"""Regenerates tests/data/parity/inputs/: 200 JPEGs of 224x224 cut deterministically from scikit-image's photos.
+
+A maintainer tool, not run by the tests; needs scikit-image. After regenerating, rerun make_parity_fixture.py.
+"""
 
 from __future__ import annotations
 

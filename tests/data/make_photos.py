@@ -1,4 +1,7 @@
-"""Regenerates tests/data/photos/: scikit-image's bundled photos re-encoded as JPEG (quality 90, long side <= 640)."""
+"""Regenerates tests/data/photos/: scikit-image's bundled photos re-encoded as JPEG (quality 90, long side <= 640).
+
+A maintainer tool, not run by the tests; needs scikit-image (pip install scikit-image).
+"""
 
 from __future__ import annotations
 
