@@ -38,6 +38,10 @@ EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
 SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED", "INTERNAL")
 
 
+ENGINE_OPTIONS = ("repository", "url", "instances", "startup_timeout_s", "request_batch", "concurrency",
+                  "server_args", "model_name", "request_timeout_s", "decode_threads")
+
+
 class _ServerDown(Exception):
     """The server stopped answering while serving these inputs (restarts did not help)."""
 
@@ -106,6 +110,8 @@ class TritonEngine:
         concurrency: requests in flight at once.
         server_args: extra tritonserver arguments.
         model_name: the model to call (default pipeline.tensor_names.MODEL_NAME).
+        request_timeout_s: how long one request may take before it counts as failed.
+        decode_threads: accepted for symmetry with the other engines; decoding happens in the server.
     """
 
     name = "triton"
@@ -125,7 +131,12 @@ class TritonEngine:
         server_args: Sequence[str] = (),
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        decode_threads: int | None = None,
+        **unknown,
     ):
+        if unknown:
+            raise ConfigError(f"engine 'triton' has no option(s) {', '.join(sorted(unknown))}; its options are "
+                              f"{', '.join(ENGINE_OPTIONS)}")
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
                               "must be positive")

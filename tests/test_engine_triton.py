@@ -223,3 +223,8 @@ def test_close_leaves_no_process_shared_memory_or_repository(bundle):
     assert not alive
     assert not list(SHM_DIR.glob(prefix + "*"))
     assert not repository.exists()
+
+
+def test_unknown_option_is_a_config_error_naming_the_valid_ones(bundle):
+    with pytest.raises(ConfigError, match=r"engine 'triton' has no option\(s\) max_batch; its options are repository"):
+        make_engine("triton", bundle, max_batch=3)
