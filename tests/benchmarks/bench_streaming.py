@@ -1,0 +1,264 @@
+"""Benchmark: peak memory of the whole process tree (driver + Ray) classifying N vs 10N small images.
+
+Usage:
+    python tests/benchmarks/bench_streaming.py [--sizes 2000,20000] [--interval-s 0.2] [--workdir DIR]
+        [-- extra 'bulk-classify run' options, e.g. --batch-size 32]
+
+Each size runs as its own ``bulk-classify run SRC --output DEST --quiet`` subprocess, so each starts a fresh local
+Ray (in a private RAY_TMPDIR, so it never joins another Ray on the machine). A thread samples the CLI process and
+all its descendants (raylet, gcs_server, Ray Data workers, actors, ...) every ``--interval-s`` seconds from
+/proc/PID/smaps_rollup and keeps the peak of each sum:
+
+* PSS (the headline): every resident page counted once, split among the processes that map it. Ray's object
+  store is shared memory (/dev/shm) that raylet maps whole and workers map while they read or write objects, so
+  its resident pages count once, not once per mapper. Its part of the peak is shown as "shm".
+* RSS: counts a shared page once per process that maps it (object store, shared libraries): an overcount.
+* USS: private pages only, so shared memory (the object store) is left out: an undercount.
+
+Images are 64x48 JPEGs generated deterministically (a gradient and seeded noise per index); every size is a
+prefix of the largest set (hard links), spread over sub-folders of 1000. The run's rows are checked: N rows, all ok.
+The goal (issue 3) is a PSS ratio of at most 1.2 between the largest and the smallest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_SIZE = (64, 48)
+PER_FOLDER = 1000
+GOAL_RATIO = 1.2
+MIB = 1024 * 1024
+
+
+def small_image(index: int) -> bytes:
+    """A 64x48 JPEG that depends only on ``index``."""
+    w, h = IMAGE_SIZE
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([(x * 4 + index) % 256, (y * 5 + 3 * index) % 256, ((x + y) * 2 + 7 * index) % 256], -1)
+    noise = np.random.default_rng(index).integers(0, 32, (h, w, 3))
+    buf = io.BytesIO()
+    Image.fromarray((base + noise).clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=85)
+    return buf.getvalue()
+
+
+def image_path(root: Path, index: int) -> Path:
+    return root / f"d{index // PER_FOLDER:03d}" / f"img{index:06d}.jpg"
+
+
+def make_images(root: Path, count: int) -> None:
+    """Write images 0..count-1 under ``root`` (kept between runs of the same workdir)."""
+    for i in range(count):
+        path = image_path(root, i)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(small_image(i))
+
+
+def link_subset(pool: Path, dest: Path, count: int) -> None:
+    """``dest`` holds the first ``count`` images of ``pool`` (hard links, copies where links fail)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    for i in range(count):
+        src, dst = image_path(pool, i), image_path(dest, i)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+
+
+def rollup(pid: int) -> dict[str, int] | None:
+    """Rss, Pss, Pss_Shmem and private (USS) bytes of one process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = {}
+    for line in text.splitlines()[1:]:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name] = int(parts[0]) * 1024
+    if "Pss" not in fields:
+        return None
+    return {
+        "rss": fields.get("Rss", 0),
+        "pss": fields["Pss"],
+        "shm": fields.get("Pss_Shmem", 0),
+        "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+    }
+
+
+@dataclass
+class TreeSampler:
+    """Samples the summed memory of a process and all its descendants in a thread; keeps the peaks."""
+
+    root_pid: int
+    interval_s: float = 0.2
+    peak: dict[str, int] = field(default_factory=lambda: {"rss": 0, "pss": 0, "shm": 0, "uss": 0})
+    peak_pss_shm: int = 0  # the shm part of the sample that had the peak PSS
+    max_procs: int = 0
+    samples: int = 0
+    names: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        total = {"rss": 0, "pss": 0, "shm": 0, "uss": 0}
+        alive = 0
+        for proc in procs:
+            mem = rollup(proc.pid)
+            if mem is None:
+                continue
+            alive += 1
+            for key in total:
+                total[key] += mem[key]
+            try:
+                self.names.add(proc.name())
+            except psutil.Error:
+                pass
+        if not alive:
+            return
+        self.samples += 1
+        self.max_procs = max(self.max_procs, alive)
+        if total["pss"] > self.peak["pss"]:
+            self.peak_pss_shm = total["shm"]
+        for key in total:
+            self.peak[key] = max(self.peak[key], total[key])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+
+def cli_path() -> str:
+    local = Path(sys.executable).parent / "bulk-classify"
+    found = str(local) if local.exists() else shutil.which("bulk-classify")
+    if not found:
+        raise SystemExit("bulk-classify is not installed in this environment; run pip install -e . first")
+    return found
+
+
+def ray_env(ray_tmp: Path) -> dict[str, str]:
+    """The environment of a benchmark subprocess: a private Ray temp dir, no RAY_ADDRESS to join."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_measured(cmd: list[str], env: dict[str, str], interval_s: float) -> tuple[float, TreeSampler, str]:
+    """Run ``cmd`` to completion while sampling its process tree; (wall seconds, sampler, output tail)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with TreeSampler(proc.pid, interval_s) as sampler:
+        out, _ = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}:\n{out[-4000:]}")
+    return wall, sampler, out
+
+
+def check_output(dest: Path, count: int) -> dict:
+    """The run wrote ``count`` rows, all ok; returns its _REPORT.json."""
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(str(dest), format="parquet").to_table(columns=["status"])
+    statuses = table.column("status").to_pylist()
+    if len(statuses) != count or statuses.count("ok") != count:
+        raise SystemExit(f"{dest}: expected {count} ok rows, got {len(statuses)} rows, {statuses.count('ok')} ok")
+    return json.loads((dest / "_REPORT.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2000,20000", help="comma-separated image counts (default 2000,20000)")
+    parser.add_argument("--interval-s", type=float, default=0.2, help="sampling period (default 0.2 s)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
+    parser.add_argument("extra", nargs="*", help="options passed to 'bulk-classify run' (after --)")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1:
+        raise SystemExit("--sizes must be positive integers, e.g. 2000,20000")
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="bcb", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
+    pool = workdir / "pool"
+    t0 = time.perf_counter()
+    make_images(pool, max(sizes))
+    print(f"{max(sizes)} images of {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} in {pool} ({time.perf_counter() - t0:.1f}s); "
+          f"{os.cpu_count()} CPUs; sampling every {args.interval_s}s", flush=True)
+
+    rows = []
+    try:
+        for n in sizes:
+            src, dest = workdir / f"src-{n}", workdir / f"out-{n}"
+            link_subset(pool, src, n)
+            shutil.rmtree(dest, ignore_errors=True)
+            cmd = [cli_path(), "run", str(src), "--output", str(dest), "--quiet", *args.extra]
+            wall, sampler, _ = run_measured(cmd, ray_env(ray_tmp), args.interval_s)
+            report = check_output(dest, n)
+            rows.append((n, wall, report.get("elapsed_s") or wall, sampler))
+            print(f"  {n} images: {wall:.1f}s, peak PSS {sampler.peak['pss'] / MIB:.0f} MiB "
+                  f"({sampler.samples} samples, up to {sampler.max_procs} processes)", flush=True)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    base = rows[0][3].peak["pss"]
+    print()
+    print("Peak memory of the process tree (CLI driver + all descendants: raylet, gcs, workers, actors)")
+    print(f"{'images':>7} {'wall s':>7} {'job s':>7} {'img/s':>7} {'PSS MiB':>8} {'shm MiB':>8} "
+          f"{'RSS MiB':>8} {'USS MiB':>8} {'procs':>5} {'PSS ratio':>9}")
+    for n, wall, job_s, s in rows:
+        print(f"{n:>7} {wall:>7.1f} {job_s:>7.1f} {n / wall:>7.1f} {s.peak['pss'] / MIB:>8.0f} "
+              f"{s.peak_pss_shm / MIB:>8.0f} {s.peak['rss'] / MIB:>8.0f} {s.peak['uss'] / MIB:>8.0f} "
+              f"{s.max_procs:>5} {s.peak['pss'] / base:>9.2f}")
+    print("wall s: the CLI subprocess, Ray start and stop included; job s: elapsed_s of _REPORT.json; "
+          "img/s = images / wall s.")
+    print("PSS: summed proportional set size, shared pages (incl. Ray's /dev/shm object store) counted once; "
+          "shm: the object-store (shared memory) part of the peak PSS sample; RSS overcounts shared pages, "
+          "USS leaves them out.")
+    ratio = rows[-1][3].peak["pss"] / base
+    verdict = "meets" if ratio <= GOAL_RATIO else "MISSES"
+    print(f"growth {rows[0][0]} -> {rows[-1][0]} images: {ratio:.2f}x peak PSS ({verdict} the <= {GOAL_RATIO}x goal)")
+
+
+if __name__ == "__main__":
+    main()

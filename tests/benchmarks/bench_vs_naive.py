@@ -1,0 +1,209 @@
+"""Benchmark: our job against a naive Ray Data pipeline (read_images + map_batches + write_parquet), same images.
+
+Usage:
+    python tests/benchmarks/bench_vs_naive.py [--images 800] [--rounds 2] [--batch-size 64] [--naive-actors 1]
+        [--workdir DIR]
+
+Images: ~500x375 JPEGs (quality 90; every fourth one portrait 375x500) cut from the committed photos
+(tests/data/photos) by seeded crops and scales, so both pipelines read the same realistic files.
+
+Both sides classify with the same ONNX model (the default EfficientNet-Lite0) and the same preprocessing spec, and
+run A, B, A, B, ... (``--rounds``), each as its own subprocess with a fresh local Ray in a private RAY_TMPDIR and
+all the machine's CPUs (same ``num_cpus`` for both):
+
+* ours: ``bulk-classify run SRC --output DEST --quiet --batch-size B`` (listing, fetch, ClassifyActor pool,
+  atomic Parquet shards, report).
+* naive: ``ray.data.read_images(SRC, mode="RGB")`` (decode in read tasks) -> ``map_batches`` with a callable class
+  holding an onnxruntime session (default session options), preprocessing each decoded array with the reference
+  ``pipeline.preprocess.preprocess_image`` and the model's spec -> top-k softmax -> ``write_parquet``.
+  ``--naive-actors`` actors of 1 CPU each (default 1, as our job uses on 2 CPUs: CPUs // 4, at least 1).
+
+Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
+_REPORT.json; naive: ray.init to the end of write_parquet, the same span), img/s, peak PSS of the process tree
+(see bench_streaming.py), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
+Top-1 agreement between the two outputs is printed too: they must do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+from bench_streaming import MIB, cli_path, ray_env, run_measured  # noqa: E402
+
+PHOTOS = REPO / "tests" / "data" / "photos"
+LANDSCAPE = (500, 375)
+JPEG_QUALITY = 90
+GOAL_RATIO = 2.0
+
+
+def make_images(root: Path, count: int) -> None:
+    """``count`` JPEGs of ~500x375 cut from the committed photos; image i depends only on i."""
+    photos = [Image.open(p).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
+    if not photos:
+        raise SystemExit(f"no photos in {PHOTOS}; run tests/data/make_photos.py")
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        path = root / f"img{i:05d}.jpg"
+        if path.exists():
+            continue
+        rng = np.random.default_rng(1000 + i)
+        src = photos[i % len(photos)]
+        out_w, out_h = LANDSCAPE if i % 4 else LANDSCAPE[::-1]
+        aspect = out_w / out_h
+        # The largest box of the output's aspect that fits, scaled by 60-100%, at a random position.
+        box_w = min(src.width, src.height * aspect) * rng.uniform(0.6, 1.0)
+        box_h = box_w / aspect
+        left = rng.uniform(0, src.width - box_w)
+        top = rng.uniform(0, src.height - box_h)
+        img = src.resize((out_w, out_h), Image.Resampling.BICUBIC, box=(left, top, left + box_w, top + box_h))
+        img.save(path, "JPEG", quality=JPEG_QUALITY)
+
+
+class NaiveClassifier:
+    """What a first Ray Data pipeline would hold in an actor: one ORT session, per-image preprocessing."""
+
+    def __init__(self, top_k: int):
+        import onnxruntime as ort
+
+        from pipeline.model import load_model
+
+        self.bundle = load_model(None)
+        self.session = ort.InferenceSession(str(self.bundle.onnx_path), providers=["CPUExecutionProvider"])
+        self.top_k = top_k
+
+    def __call__(self, batch: dict) -> dict:
+        from pipeline.engine import topk_softmax
+        from pipeline.preprocess import preprocess_image
+
+        x = np.stack([preprocess_image(Image.fromarray(a), self.bundle.spec) for a in batch["image"]])
+        logits = self.session.run([self.bundle.output_name], {self.bundle.input_name: x})[0]
+        ids, probs = topk_softmax(logits, self.top_k)
+        return {
+            "path": batch["path"],
+            "class_ids": list(ids.astype(np.int32)),
+            "labels": [[self.bundle.labels[j] for j in row] for row in ids],
+            "scores": list(probs),
+            "width": np.array([a.shape[1] for a in batch["image"]], np.int32),
+            "height": np.array([a.shape[0] for a in batch["image"]], np.int32),
+        }
+
+
+def naive_main(src: str, dest: str, batch_size: int, actors: int, top_k: int) -> None:
+    """The naive pipeline, run in its own process; writes its job seconds to DEST/_naive.json."""
+    import logging
+
+    import ray
+    from ray.data import DataContext
+
+    start = time.perf_counter()
+    ray.init(include_dashboard=False, logging_level=logging.WARNING)  # all CPUs, like our CLI
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ds = ray.data.read_images(src, mode="RGB", include_paths=True)
+    ds = ds.map_batches(NaiveClassifier, fn_constructor_kwargs={"top_k": top_k}, batch_size=batch_size,
+                        concurrency=actors, num_cpus=1, batch_format="numpy")
+    ds.write_parquet(dest)
+    elapsed = time.perf_counter() - start
+    Path(dest, "_naive.json").write_text(json.dumps({"elapsed_s": elapsed}))
+    ray.shutdown()
+
+
+def top1(dest: Path, path_col: str) -> dict[str, int]:
+    """{file name: top-1 class id} of a run's Parquet output."""
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(str(dest), format="parquet").to_table(columns=[path_col, "class_ids"])
+    return {p.rsplit("/", 1)[-1]: ids[0] for p, ids in zip(table.column(path_col).to_pylist(),
+                                                          table.column("class_ids").to_pylist())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=800, help="how many ~500x375 JPEGs (default 800)")
+    parser.add_argument("--rounds", type=int, default=2, help="A,B rounds, interleaved (default 2)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per model call, both sides (default 64)")
+    parser.add_argument("--naive-actors", type=int, default=1, help="actors of the naive pipeline (default 1)")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--interval-s", type=float, default=0.2, help="memory sampling period (default 0.2 s)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
+    parser.add_argument("--naive", nargs=2, metavar=("SRC", "DEST"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.naive:
+        naive_main(*args.naive, args.batch_size, args.naive_actors, args.top_k)
+        return
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vs-naive-"))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="bcb", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
+    src = workdir / f"src-{args.images}"
+    t0 = time.perf_counter()
+    make_images(src, args.images)
+    size_mb = sum(p.stat().st_size for p in src.iterdir()) / 1e6
+    print(f"{args.images} JPEGs (~500x375, {size_mb:.1f} MB) in {src} ({time.perf_counter() - t0:.1f}s); "
+          f"{os.cpu_count()} CPUs; batch size {args.batch_size}; naive actors {args.naive_actors}", flush=True)
+
+    runs: list[tuple[str, int, float, float, int]] = []
+    try:
+        for r in range(args.rounds):
+            for side in ("ours", "naive"):
+                dest = workdir / f"out-{side}-{r}"
+                shutil.rmtree(dest, ignore_errors=True)
+                if side == "ours":
+                    cmd = [cli_path(), "run", str(src), "--output", str(dest), "--quiet",
+                           "--batch-size", str(args.batch_size), "--top-k", str(args.top_k)]
+                else:
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
+                           "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
+                           "--top-k", str(args.top_k)]
+                wall, sampler, _ = run_measured(cmd, ray_env(ray_tmp), args.interval_s)
+                info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
+                job_s = json.loads(info.read_text())["elapsed_s"]
+                runs.append((side, r, wall, job_s, sampler.peak["pss"]))
+                print(f"  round {r} {side:>5}: wall {wall:6.1f}s job {job_s:6.1f}s "
+                      f"{args.images / job_s:6.1f} img/s, peak PSS {sampler.peak['pss'] / MIB:.0f} MiB", flush=True)
+        ours_top1 = top1(workdir / "out-ours-0", "uri")
+        naive_top1 = top1(workdir / "out-naive-0", "path")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    if len(ours_top1) != args.images or len(naive_top1) != args.images:
+        raise SystemExit(f"row counts differ from {args.images}: ours {len(ours_top1)}, naive {len(naive_top1)}")
+    agree = sum(ours_top1[k] == naive_top1.get(k) for k in ours_top1) / len(ours_top1)
+
+    print()
+    print(f"{'run':>10} {'round':>5} {'wall s':>7} {'job s':>7} {'img/s':>7} {'peak PSS MiB':>12}")
+    for side, r, wall, job_s, pss in runs:
+        print(f"{side:>10} {r:>5} {wall:>7.1f} {job_s:>7.1f} {args.images / job_s:>7.1f} {pss / MIB:>12.0f}")
+    med = {side: (statistics.median(w for s, _, w, _, _ in runs if s == side),
+                  statistics.median(j for s, _, _, j, _ in runs if s == side)) for side in ("ours", "naive")}
+    for side in ("ours", "naive"):
+        print(f"{side + ' median':>10} {'':>5} {med[side][0]:>7.1f} {med[side][1]:>7.1f} "
+              f"{args.images / med[side][1]:>7.1f}")
+    wall_ratio = med["naive"][0] / med["ours"][0]
+    job_ratio = med["naive"][1] / med["ours"][1]
+    verdict = "meets" if job_ratio >= GOAL_RATIO else "MISSES"
+    print(f"speed-up ours vs naive (naive time / ours time, medians): job {job_ratio:.2f}x, wall {wall_ratio:.2f}x "
+          f"({verdict} the >= {GOAL_RATIO}x goal); top-1 agreement {agree:.1%}")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
