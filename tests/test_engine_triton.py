@@ -228,3 +228,42 @@ def test_close_leaves_no_process_shared_memory_or_repository(bundle):
 def test_unknown_option_is_a_config_error_naming_the_valid_ones(bundle):
     with pytest.raises(ConfigError, match=r"engine 'triton' has no option\(s\) max_batch; its options are repository"):
         make_engine("triton", bundle, max_batch=3)
+
+
+def _cli_run(source: Path, output: Path, engine: str) -> dict[str, dict]:
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(source), "--output", str(output), "--engine", engine,
+           "--num-actors", "1", "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pq.read_table(sorted(output.glob("*.parquet")))
+    return {row["uri"].rsplit("/", 1)[-1]: row for row in table.to_pylist()}
+
+
+@pytest.mark.slow
+def test_cli_run_with_triton_matches_onnx(tmp_path):
+    """`bulk-classify run --engine triton` and `--engine onnx` over the same folder: same rows, same answers."""
+    source = tmp_path / "images"
+    source.mkdir()
+    for name, data in _photos().items():
+        (source / f"{name}.jpg").write_bytes(data)
+    odd = oddities()
+    for name in ("empty", "plain_text", "truncated_jpeg", "exif_rotated_jpeg", "rgba_png", "gif"):
+        suffix = {"rgba_png": "png", "gif": "png"}.get(name, "jpg")  # listed by extension; content decides
+        (source / f"odd_{name}.{suffix}").write_bytes(odd[name][0])
+    triton = _cli_run(source, tmp_path / "out_triton", "triton")
+    onnx = _cli_run(source, tmp_path / "out_onnx", "onnx")
+    assert sorted(triton) == sorted(onnx) == sorted(p.name for p in source.iterdir())
+    for name, t in triton.items():
+        o = onnx[name]
+        assert t["engine"] == "triton" and o["engine"] == "onnx"
+        assert (t["status"], t["error"], t["width"], t["height"]) == (o["status"], o["error"], o["width"], o["height"])
+        if t["status"] == "ok":
+            assert t["class_ids"][0] == o["class_ids"][0], name
+            assert max(abs(a - b) for a, b in zip(t["scores"], o["scores"])) < SCORE_TOLERANCE, name
+    assert triton["odd_truncated_jpeg.jpg"]["error"].startswith("decode_error: ")
+    assert triton["odd_empty.jpg"]["status"] == "error"
