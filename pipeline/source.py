@@ -35,6 +35,10 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     except ImportError as err:
         raise ConfigError(f"cannot open {url!r}: {err}; install the fsspec package for that scheme") from None
     except ValueError as err:
+        if "Protocol not known" in str(err):
+            scheme = url.split("://", 1)[0]
+            raise ConfigError(f"cannot open {url!r}: unknown scheme {scheme!r}; use a folder, file:// or s3://, "
+                              "or install the fsspec package for that scheme") from None
         raise ConfigError(f"cannot open {url!r}: {err}; check the URL and --storage-option values") from None
     except TypeError as err:
         raise ConfigError(f"bad --storage-option for {url!r}: {err}") from None
