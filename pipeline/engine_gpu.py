@@ -217,6 +217,44 @@ def resample_coefficients(
     return xmin.astype(np.int64), weights.astype(np.float32)
 
 
+def resample_coefficients_torch(in_sizes, box_starts, box_lengths, out_size: int, interpolation: str, device):
+    """``resample_coefficients`` computed on the device with torch (float64), same results; tensors out."""
+    import torch  # noqa: PLC0415
+
+    f64 = torch.float64
+    in_sizes = torch.as_tensor(np.asarray(in_sizes, dtype=np.float64), device=device)
+    box_starts = torch.as_tensor(np.asarray(box_starts, dtype=np.float64), device=device)
+    scale = torch.as_tensor(np.asarray(box_lengths, dtype=np.float64), device=device) / out_size
+    j = torch.arange(out_size, dtype=f64, device=device)
+    centers = box_starts[:, None] + (j[None, :] + 0.5) * scale[:, None]
+    if interpolation == "nearest":
+        starts = torch.minimum(torch.clamp(torch.floor(centers), min=0), in_sizes[:, None] - 1).to(torch.int64)
+        return starts, torch.ones(starts.shape + (1,), dtype=torch.float32, device=device)
+    filterscale = torch.clamp(scale, min=1.0)
+    support = FILTER_SUPPORT[interpolation] * filterscale
+    taps = int(math.ceil(float(support.max()))) * 2 + 1
+    xmin = torch.clamp(torch.trunc(centers - support[:, None] + 0.5), min=0.0)
+    xmax = torch.minimum(torch.trunc(centers + support[:, None] + 0.5), in_sizes[:, None]) - xmin
+    k = torch.arange(taps, dtype=f64, device=device)
+    x = (k[None, None, :] + xmin[..., None] - centers[..., None] + 0.5) / filterscale[:, None, None]
+    ax = x.abs()
+    if interpolation == "bilinear":
+        w = torch.clamp(1.0 - ax, min=0.0)
+    elif interpolation == "bicubic":
+        a = BICUBIC_A
+        near = ((a + 2.0) * ax - (a + 3.0)) * ax * ax + 1.0
+        far = (((ax - 5.0) * ax + 8.0) * ax - 4.0) * a
+        w = torch.where(ax < 1.0, near, torch.where(ax < 2.0, far, torch.zeros_like(ax)))
+    elif interpolation == "lanczos":
+        w = torch.where(ax < 3.0, torch.sinc(x) * torch.sinc(x / 3.0), torch.zeros_like(ax))
+    else:
+        raise ValueError(f"no resampling filter {interpolation!r}")
+    w = torch.where(k[None, None, :] < xmax[..., None], w, torch.zeros_like(w))
+    total = w.sum(dim=-1, keepdim=True)
+    w = torch.where(total != 0, w / torch.where(total != 0, total, torch.ones_like(total)), w)
+    return xmin.to(torch.int64), w.to(torch.float32)
+
+
 def crop_boxes(widths: np.ndarray, heights: np.ndarray, spec: PreprocessSpec) -> tuple[np.ndarray, ...]:
     """The source-pixel box each image's crop covers (as ``pipeline.preprocess.preprocess_image`` computes it).
 
@@ -299,20 +337,34 @@ class _NvImageCodecDecoder:
     name = "nvimgcodec"
     layout = "HWC"
 
-    def __init__(self, device_id: int, hardware: bool = True):
+    def __init__(self, device_id: int, hw_load: float = 1.0, cpu_threads: int = 0):
         from nvidia import nvimgcodec  # noqa: PLC0415 - optional
 
-        kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY] if hardware else []
-        kinds += [nvimgcodec.BackendKind.GPU_ONLY, nvimgcodec.BackendKind.HYBRID_CPU_GPU]
-        self._decoder = nvimgcodec.Decoder(device_id=device_id, backends=[nvimgcodec.Backend(k) for k in kinds])
+        kind = nvimgcodec.BackendKind
+        backends = []
+        if hw_load > 0:
+            backends.append(nvimgcodec.Backend(kind.HW_GPU_ONLY, load_hint=float(hw_load)))
+        backends += [nvimgcodec.Backend(kind.GPU_ONLY), nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
+        self._decoder = nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=cpu_threads, backends=backends)
         params = {"apply_exif_orientation": False}
-        if hasattr(nvimgcodec, "ColorSpec"):
-            params["color_spec"] = nvimgcodec.ColorSpec.RGB
+        spec = getattr(nvimgcodec, "ColorSpec", None)
+        rgb = getattr(spec, "RGB", None) or getattr(spec, "SRGB", None)  # the enum's name changed across versions
+        if rgb is not None:
+            params["color_spec"] = rgb
         self._params = nvimgcodec.DecodeParams(**params)
+        self._code_stream = nvimgcodec.CodeStream
+        self._wrap = False  # whether decode() wants CodeStream objects rather than bytes
         self._torch = _torch()
 
     def decode(self, datas: list[bytes], stream) -> list:
-        images = self._decoder.decode(datas, params=self._params, cuda_stream=stream.cuda_stream)
+        if not self._wrap:
+            try:
+                images = self._decoder.decode(datas, params=self._params, cuda_stream=stream.cuda_stream)
+            except TypeError:
+                self._wrap = True
+        if self._wrap:
+            srcs = [self._code_stream(d) for d in datas]
+            images = self._decoder.decode(srcs, params=self._params, cuda_stream=stream.cuda_stream)
         from_dlpack = self._torch.from_dlpack
         return [None if img is None else from_dlpack(img) for img in images]
 
@@ -352,12 +404,12 @@ class _TorchvisionDecoder:
         return out
 
 
-def _make_decoder(name: str, device) -> Any:
+def _make_decoder(name: str, device, hw_load: float = 1.0) -> Any:
     if name == "pil":
         return None
     if name in ("auto", "nvimgcodec") and device.type == "cuda":
         try:
-            return _NvImageCodecDecoder(device.index or 0)
+            return _NvImageCodecDecoder(device.index or 0, hw_load=hw_load)
         except ImportError:
             if name == "nvimgcodec":
                 raise EngineError(
@@ -409,6 +461,10 @@ class GpuClassifier:
         half: run the network in FP16 (default on CUDA).
         cpu_decode_threads: Pillow threads for inputs the GPU decoder cannot take.
         pipeline: overlap decode/preprocessing of the next batch with the network on this one.
+        prep_workers: threads preparing batches ahead of the network, each with its own CUDA stream and decoder
+            (more than one keeps the hardware JPEG engines busy while another batch is resized).
+        hw_decode_load: with nvImageCodec, the share of each batch given to the hardware JPEG engines; the rest
+            goes to CUDA nvJPEG on the SMs (1.0: all to the engines, which leaves the SMs to the network).
     """
 
     def __init__(
@@ -425,6 +481,8 @@ class GpuClassifier:
         half: bool | None = None,
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
+        prep_workers: int = 2,
+        hw_decode_load: float = 1.0,
     ):
         torch = _torch()
         if decoder not in DECODERS:
@@ -439,6 +497,8 @@ class GpuClassifier:
         self._torch = torch
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True
@@ -450,7 +510,10 @@ class GpuClassifier:
         self.dtype = torch.float16 if self.half else torch.float32
         self.use_graph = cuda_graph and self.is_cuda
         self.pipeline = pipeline
-        self.decoder = _make_decoder(decoder, self.device)
+        self._decoder_args = (decoder, self.device, hw_decode_load)
+        self._local = threading.local()  # per preparing thread: its CUDA stream and decoder
+        self._state_lock = threading.Lock()
+        self.decoder = _make_decoder(*self._decoder_args)
         self.decoder_name = self.decoder.name if self.decoder else "pil"
         self.layout = self.decoder.layout if self.decoder else "HWC"
         net = network.eval().to(self.device)
@@ -465,8 +528,8 @@ class GpuClassifier:
         ).view(1, 3, 1, 1)
         self._graphs: dict[int, tuple] = {}
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._prep_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="gpu-prep") if pipeline else None
+        self.prep_workers = max(1, prep_workers) if pipeline else 1
+        self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-prep") if pipeline else None
         self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(8, os.cpu_count() or 1), "gpu-pil")
         self._lock = threading.Lock()
         self.times = StageTimes()
@@ -479,6 +542,8 @@ class GpuClassifier:
             "fp16" if self.half else "fp32",
             self.use_graph,
         )
+        if self.use_graph:
+            self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
 
     # ---- public ---------------------------------------------------------------------------------
 
@@ -525,15 +590,15 @@ class GpuClassifier:
         pending: list = []  # (chunk, ids_host, scores_host, done_event)
         net_s = 0.0
         futures = []
+        ahead = self.prep_workers + 1  # batches prepared ahead of the network: hides decode, bounds memory
         if self._prep_pool:
-            # Two batches prepared ahead of the network at most: enough to hide decode, bounded memory.
-            for c in chunks[:2]:
+            for c in chunks[:ahead]:
                 futures.append(self._prep_pool.submit(self._prepare, c))
         for ci, chunk in enumerate(chunks):
             if self._prep_pool:
                 futures[ci].result()
-                if ci + 2 < len(chunks):
-                    futures.append(self._prep_pool.submit(self._prepare, chunks[ci + 2]))
+                if ci + ahead < len(chunks):
+                    futures.append(self._prep_pool.submit(self._prepare, chunks[ci + ahead]))
             else:
                 self._prepare(chunk)
             tn = time.perf_counter()
@@ -572,6 +637,17 @@ class GpuClassifier:
         w, h = info.upright_size
         return _Item(index, data, info if (info.gpu_decodable and self.decoder) else None, w, h)
 
+    def _thread_state(self):
+        """This thread's preparation stream and decoder (decoders are not shared between threads)."""
+        local = self._local
+        if not hasattr(local, "stream"):
+            local.stream = self._torch.cuda.Stream(self.device) if self.is_cuda else None
+            with self._state_lock:
+                first = not getattr(self, "_decoder_taken", False)
+                self._decoder_taken = True
+            local.decoder = self.decoder if first else _make_decoder(*self._decoder_args)
+        return local.stream, local.decoder
+
     def _stream_ctx(self, stream):
         return self._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -584,12 +660,13 @@ class GpuClassifier:
         """Decode + pack + resize + normalise one chunk on the preprocessing stream; records ``chunk.ready``."""
         torch = self._torch
         t0 = time.perf_counter()
-        with self._stream_ctx(self._prep_stream):
+        stream, decoder = self._thread_state()
+        with self._stream_ctx(stream):
             gpu_items = [it for it in chunk.items if it.info is not None]
             decoded: dict[int, Any] = {}
             on_gpu: set[int] = set()  # decoded by the GPU decoder: EXIF orientation still to apply
             if gpu_items:
-                outs = self.decoder.decode([it.data for it in gpu_items], self._prep_stream)
+                outs = decoder.decode([it.data for it in gpu_items], stream)
                 for it, img in zip(gpu_items, outs):
                     if img is not None:
                         decoded[it.index] = img
@@ -630,7 +707,7 @@ class GpuClassifier:
                 chunk.inputs = self._preprocess(tensors, np.asarray(sizes, dtype=np.int64))
             if self.is_cuda:
                 chunk.ready = torch.cuda.Event()
-                chunk.ready.record(self._prep_stream)
+                chunk.ready.record(stream)
             chunk.decode_s = t1 - t0
             chunk.preprocess_s = time.perf_counter() - t1
 
@@ -682,15 +759,14 @@ class GpuClassifier:
     def _weights(self, in_sizes, starts_len, out_size: int, src_max: int):
         """Dense [n, out, src_max] resampling matrices from Pillow's coefficients (one scatter on the device)."""
         torch = self._torch
-        starts, weights = resample_coefficients(in_sizes, starts_len[0], starts_len[1], out_size, self.spec.interpolation)
-        n, _, taps = weights.shape
-        idx = starts[..., None] + np.arange(taps)[None, None, :]
-        weights = np.where(idx < src_max, weights, 0.0).astype(np.float32)
-        idx = np.minimum(idx, src_max - 1)
-        dense = torch.zeros(n, out_size, src_max, dtype=torch.float32, device=self.device)
-        dense.scatter_add_(
-            2, torch.as_tensor(idx, device=self.device), torch.as_tensor(weights, device=self.device)
+        starts, weights = resample_coefficients_torch(
+            in_sizes, starts_len[0], starts_len[1], out_size, self.spec.interpolation, self.device
         )
+        n, _, taps = weights.shape
+        idx = starts[..., None] + torch.arange(taps, device=self.device)[None, None, :]
+        weights = torch.where(idx < src_max, weights, torch.zeros_like(weights))
+        dense = torch.zeros(n, out_size, src_max, dtype=torch.float32, device=self.device)
+        dense.scatter_add_(2, idx.clamp_(max=src_max - 1), weights)
         return dense.to(self.dtype)
 
     def _resize(self, padded, sizes: np.ndarray):
@@ -738,7 +814,8 @@ class GpuClassifier:
                 self.network(static_in)
         torch.cuda.current_stream(self.device).wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: the preprocessing threads' CUDA calls must not invalidate this capture
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             static_out = self.network(static_in)
         self._graphs[size] = (g, static_in, static_out)
         log.info("captured a CUDA graph for batch %d", size)
@@ -898,15 +975,23 @@ def gpu_config(
     network: str = "auto",
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
+    error_output: bool | None = None,
 ) -> str:
-    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input)."""
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
+
+    ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
+    wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
+    it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
+    """
     from pipeline import gpu_model as gm  # noqa: PLC0415
     from pipeline import tensor_names as tn  # noqa: PLC0415
     from pipeline.repo import _contract_io, _mc, _text  # noqa: PLC0415 - one definition of the contract's tensors
 
     mc = _mc()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    _contract_io(config, top_k, with_error=True)
+    if error_output is None:
+        error_output = int(np.__version__.split(".")[0]) < 2
+    _contract_io(config, top_k, with_error=error_output)
     for tensor in config.input:
         if tensor.name == tn.INPUT_IMAGE:
             # Requests padded to different lengths can then share one execute() (the backend sees each request).

@@ -131,7 +131,14 @@ class TritonPythonModel:
             start = 0
             for r, bl in members:
                 end = start + len(bl)
-                responses[r] = pb.InferenceResponse(output_tensors=self._tensors(raw, start, end))
+                failed = [e for e in raw.errors[start:end] if e]
+                if failed and not self.has_error:
+                    # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
+                    # isolate the bad input, whose own one-image request then carries its error text.
+                    msg = failed[0] if len(bl) == 1 else f"{len(failed)} of {len(bl)} images failed; first: {failed[0]}"
+                    responses[r] = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(msg))
+                else:
+                    responses[r] = pb.InferenceResponse(output_tensors=self._tensors(raw, start, end))
                 start = end
         return responses
 

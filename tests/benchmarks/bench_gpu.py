@@ -1,0 +1,589 @@
+"""GPU benchmark (one H200 call): model-only ceiling, naive path, gpu engine in process and through a local Triton.
+
+Run on a GPU machine with torch, torchvision, tritonclient and (optionally) nvidia-nvimgcodec installed::
+
+    python tests/benchmarks/bench_gpu.py --out results/
+
+It builds its JPEG set from the repository's real photos (tests/data/photos: scikit-image's bundled photos):
+random crops (35-100% of the area, 4:3 or 3:4), resized to 500x375 / 375x500 with Lanczos, random mirror and
+brightness, JPEG quality 90-96 with 4:2:0 chroma: ImageNet-like files of about 100 KB. It then prints, for
+ResNet-50 FP16 (torchvision, random weights) and the default model (EfficientNet-Lite0):
+
+- model only (ceiling): the network on a ready batch, CUDA graph, FP16 channels-last;
+- naive: torchvision nvJPEG decode -> per-image resize/crop/normalize -> network -> top-5, sequential;
+- gpu engine in process: ``GpuClassifier`` with each decoder (nvImageCodec / torchvision);
+- gpu engine through Triton: the ``gpu`` profile in tritonserver, client = ``TritonEngine`` (gRPC, padded
+  UINT8 + LENGTH, concurrent requests, like the Ray actor), with the average batch Triton formed
+  (nv_inference_count / nv_inference_exec_count);
+
+with ratios to the naive path and to the ceiling, stage times, and GPU-vs-CPU parity of the default model
+(top-1 agreement with the ONNX Runtime CPU reference on 520 photo-derived JPEGs of varied sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
+from pipeline.preprocess import PreprocessSpec  # noqa: E402
+
+PHOTOS = REPO / "tests" / "data" / "photos"
+IMAGENET_SPEC = PreprocessSpec(
+    resize_shorter=256,
+    interpolation="bilinear",
+    crop=(224, 224),
+    mean=(123.675, 116.28, 103.53),
+    std=(58.395, 57.12, 57.375),
+)
+LOG = logging.getLogger("bench_gpu")
+# In-process engine variants measured on each set.
+ENGINE_VARIANTS = {
+    "nvimgcodec": {"decoder": "nvimgcodec"},
+    "nvimgcodec_hw0.7": {"decoder": "nvimgcodec", "hw_decode_load": 0.7},
+    "torchvision": {"decoder": "torchvision"},
+}
+NOISE_SIGMA = 5.0
+QUALITY = (94, 98)
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+
+
+def _photos() -> list:
+    from PIL import Image
+
+    return [Image.open(p).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
+
+
+def _make_one(args) -> bytes:
+    """One deterministic JPEG: crop, resize, mirror, brightness and quality drawn from ``seed``."""
+    seed, size_mode = args
+    from PIL import Image, ImageEnhance
+
+    rng = np.random.default_rng(seed)
+    photos = _photos_cache()
+    img = photos[seed % len(photos)]
+    w, h = img.size
+    portrait = rng.random() < 0.3
+    aspect = 3 / 4 if portrait else 4 / 3
+    area = rng.uniform(0.35, 1.0) * w * h
+    cw = min(w, int(round((area * aspect) ** 0.5)))
+    ch = min(h, int(round(cw / aspect)))
+    cw = min(cw, int(round(ch * aspect)))
+    x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    crop = img.crop((x0, y0, x0 + cw, y0 + ch))
+    if size_mode in ("imagenet", "light"):
+        out_w, out_h = (375, 500) if portrait else (500, 375)
+    else:  # parity set: varied sizes, some upscaled, some small
+        long_side = int(rng.integers(160, 1100))
+        out_w, out_h = (int(long_side * 3 / 4), long_side) if portrait else (long_side, int(long_side * 3 / 4))
+    crop = crop.resize((out_w, out_h), Image.Resampling.LANCZOS)
+    if rng.random() < 0.5:
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    crop = ImageEnhance.Brightness(crop).enhance(float(rng.uniform(0.8, 1.2)))
+    if size_mode == "imagenet":
+        # Sensor-like grain: the photos are at most 640 px, so upscaled crops are smoother (and their JPEGs
+        # smaller) than camera photos; mild noise brings the files to ImageNet's ~100 KB at 500x375.
+        arr = np.asarray(crop, dtype=np.float32)
+        arr = arr + rng.normal(0.0, NOISE_SIGMA, arr.shape).astype(np.float32)
+        crop = Image.fromarray(np.clip(arr + 0.5, 0, 255).astype(np.uint8))
+        quality = int(rng.integers(QUALITY[0], QUALITY[1] + 1))
+    elif size_mode == "light":  # the light files of the earlier device notes (~40 KB): quality 85, no grain
+        quality = 85
+    else:
+        quality = int(rng.integers(80, 96))
+        if rng.random() < 0.1:
+            crop = crop.convert("L")
+    buf = io.BytesIO()
+    crop.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+_PHOTO_CACHE: list = []
+
+
+def _photos_cache() -> list:
+    if not _PHOTO_CACHE:
+        _PHOTO_CACHE.extend(_photos())
+    return _PHOTO_CACHE
+
+
+def make_set(count: int, size_mode: str, seed0: int) -> list[bytes]:
+    with ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_make_one, [(seed0 + i, size_mode) for i in range(count)], chunksize=32))
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
+    """img/s of ``fn`` (which processes ``images_per_call`` images and leaves the GPU idle when it returns)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        _sync()
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            return calls * images_per_call / dt
+
+
+def networks():
+    from pipeline.default_model import load_checkpoint
+    from pipeline.torch_models import efficientnet_lite0, resnet50_random
+
+    return {
+        "resnet50": (resnet50_random(), IMAGENET_SPEC),
+        "default": (efficientnet_lite0(load_checkpoint()), DEFAULT_SPEC),
+    }
+
+
+def model_only(net, batch: int, min_s: float) -> float:
+    """The ceiling: the network alone on a ready FP16 channels-last batch, replayed as a CUDA graph."""
+    import torch
+
+    net = net.cuda().half().to(memory_format=torch.channels_last).eval()
+    x = torch.randn(batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                net(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = net(x)
+
+        def step():
+            for _ in range(10):
+                g.replay()
+
+        r = rate(step, 10 * batch, min_s)
+    del y
+    return r
+
+
+def naive(net, spec: PreprocessSpec, images: list[bytes], batch: int, min_s: float) -> tuple[float, dict]:
+    """The naive path: batched nvJPEG decode, then a per-image resize/crop/normalize loop, then the network."""
+    import torch
+    import torch.nn.functional as F
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    net = net.cuda().half().to(memory_format=torch.channels_last).eval()
+    mean = torch.tensor(spec.mean, device="cuda").view(3, 1, 1)
+    std = torch.tensor(spec.std, device="cuda").view(3, 1, 1)
+    ch, cw = spec.crop
+    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
+    stage = {"decode_ms": 0.0, "preprocess_ms": 0.0, "model_ms": 0.0}
+    counter = {"n": 0}
+
+    def one(blobs):
+        t0 = time.perf_counter()
+        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        imgs = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
+        _sync()
+        t1 = time.perf_counter()
+        out = []
+        for im in imgs:
+            h, w = im.shape[1:]
+            f = spec.resize_shorter / min(h, w)
+            nh, nw = max(ch, round(h * f)), max(cw, round(w * f))
+            r = F.interpolate(im[None].float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+            top, left = (nh - ch) // 2, (nw - cw) // 2
+            out.append(((r[0, :, top : top + ch, left : left + cw] - mean) / std).half())
+        x = torch.stack(out).contiguous(memory_format=torch.channels_last)
+        _sync()
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            p = net(x).float().softmax(-1).topk(5)
+            p.indices.cpu()
+        t3 = time.perf_counter()
+        stage["decode_ms"] += (t1 - t0) * 1e3
+        stage["preprocess_ms"] += (t2 - t1) * 1e3
+        stage["model_ms"] += (t3 - t2) * 1e3
+        counter["n"] += 1
+
+    def run():
+        for b in batches:
+            one(b)
+
+    r = rate(run, len(batches) * batch, min_s)
+    n = counter["n"]
+    return r, {k: round(v / n, 2) for k, v in stage.items()}
+
+
+def engine_rate(clf, images: list[bytes], min_s: float) -> tuple[float, dict]:
+    clf.classify(images[: clf.batch_size * 2])  # warm-up: graphs, cudnn plans, decoder buffers
+    clf.times.__init__()
+    r = rate(lambda: clf.classify(images), len(images), min_s, warmup=0)
+    t = clf.times
+    calls = max(1, t.images / clf.batch_size)
+    per_batch = {
+        "decode_ms": round(t.decode_s / calls * 1e3, 2),
+        "preprocess_ms": round(t.preprocess_s / calls * 1e3, 2),
+        "net_launch_ms": round(t.network_s / calls * 1e3, 2),
+        "wall_ms": round(t.total_s / calls * 1e3, 2),
+    }
+    return r, per_batch
+
+
+def decode_only(images: list[bytes], batch: int, min_s: float) -> dict:
+    """Decode throughput alone: nvImageCodec's hardware engines, CUDA nvJPEG, a split of both, two threads on the
+    engines, and torchvision's batched nvJPEG."""
+    import torch
+
+    from pipeline.engine_gpu import _NvImageCodecDecoder, _TorchvisionDecoder
+
+    out = {}
+    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
+    variants = {
+        "nvimgcodec_hw": lambda: _NvImageCodecDecoder(0, hw_load=1.0),
+        "nvimgcodec_cuda": lambda: _NvImageCodecDecoder(0, hw_load=0.0),
+        "nvimgcodec_hw0.6_cuda0.4": lambda: _NvImageCodecDecoder(0, hw_load=0.6),
+        "torchvision": lambda: _TorchvisionDecoder(torch.device("cuda")),
+    }
+    for name, make in variants.items():
+        try:
+            dec = make()
+            stream = torch.cuda.Stream()
+
+            def run(dec=dec, stream=stream):
+                for b in batches:
+                    dec.decode(b, stream)
+
+            out[name] = round(rate(run, len(batches) * batch, min_s))
+        except Exception as e:  # noqa: BLE001 - report and continue
+            out[name] = f"failed: {e}"
+    try:  # two threads, each with its own decoder and stream, on the hardware engines
+        decs = [(_NvImageCodecDecoder(0, hw_load=1.0), torch.cuda.Stream()) for _ in range(2)]
+
+        def two():
+            ts = [threading.Thread(target=lambda d=d, st=st, half=half: [d.decode(b, st) for b in half])
+                  for (d, st), half in zip(decs, (batches[0::2], batches[1::2]))]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        out["nvimgcodec_hw_2threads"] = round(rate(two, len(batches) * batch, min_s))
+    except Exception as e:  # noqa: BLE001
+        out["nvimgcodec_hw_2threads"] = f"failed: {e}"
+    return out
+
+
+def preprocess_only(clf, images: list[bytes], min_s: float) -> float:
+    """img/s of pack + resize + normalize on decoded batches (decode excluded)."""
+    import torch
+
+    b = clf.batch_size
+    decoded = clf.decoder.decode(images[:b], torch.cuda.current_stream())
+    sizes = np.asarray([(t.shape[0], t.shape[1]) if clf.layout == "HWC" else (t.shape[1], t.shape[2]) for t in decoded])
+    tensors = [t.contiguous() for t in decoded]
+    return rate(lambda: clf._preprocess(tensors, sizes), b, min_s)
+
+
+# ---- Triton -----------------------------------------------------------------------------------------------
+
+
+def metrics(url: str) -> dict[str, dict[str, float]]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for key in ("nv_inference_count", "nv_inference_exec_count", "nv_inference_request_success"):
+            if line.startswith(key + "{"):
+                model = line.split('model="')[1].split('"')[0]
+                out.setdefault(model, {})[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
+    from pipeline.engine_gpu import build_gpu_repository
+    from pipeline.engine_triton import TritonEngine
+    from pipeline.triton_server import TritonServer
+
+    repo = Path(tempfile.mkdtemp(prefix="gpu-repo-"))
+    models = {"resnet50": "classifier_resnet50", "default": "classifier"}
+    for net, name in models.items():
+        tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
+        build_gpu_repository(
+            None, tmp, network="resnet50" if net == "resnet50" else "auto", instances=args.instances,
+            batch_size=args.batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
+            queue_delay_us=args.queue_delay_us,
+        )
+        (tmp / "classifier").rename(repo / name)
+        cfg = repo / name / "config.pbtxt"
+        cfg.write_text(cfg.read_text().replace('name: "classifier"', f'name: "{name}"'))
+        if net == "resnet50":
+            (repo / name / "1" / "preprocess.json").write_text(IMAGENET_SPEC.to_json())
+
+    class Bundle:
+        labels = tuple(str(i) for i in range(1000))
+
+    t0 = time.perf_counter()
+    with TritonServer(repo, startup_timeout_s=300) as server:
+        results["triton_startup_s"] = round(time.perf_counter() - t0, 1)
+        # Bad inputs inside a request: each must come back as its own error row, the rest classified.
+        eng = TritonEngine(Bundle(), url=server.grpc_url, request_batch=8, concurrency=1)
+        bench_set = sets["imagenet"]
+        mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
+        rows = eng.classify(mixed)
+        eng.close()
+        results["triton_bad_inputs"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
+        print("triton bad inputs:", results["triton_bad_inputs"], flush=True)
+        for set_name, bench_set in sets.items():
+          for net, name in models.items():
+            if net == "default" and set_name != "imagenet":
+                continue
+            for request_batch, concurrency in args.client:
+                eng = TritonEngine(Bundle(), url=server.grpc_url, model_name=name, request_batch=request_batch,
+                                   concurrency=concurrency)
+                try:
+                    images = bench_set * max(1, args.triton_images // len(bench_set))
+                    eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+                    before = metrics(server.metrics_url).get(name, {})
+                    r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                    after = metrics(server.metrics_url).get(name, {})
+                    count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
+                    execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
+                    key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
+                    results[key] = {
+                        "img_s": round(r),
+                        "avg_batch_images": round(count / max(execs, 1), 1),
+                        "inference_count": count,
+                        "exec_count": execs,
+                    }
+                    print(f"{key}: {results[key]}", flush=True)
+                finally:
+                    eng.close()
+        results["triton_log_tail"] = server.log_tail(15)
+
+
+# ---- parity -----------------------------------------------------------------------------------------------
+
+
+def parity(results: dict, clf_default, clf_fp32=None) -> None:
+    """Top-1 agreement of the gpu engine (FP16, GPU decode and resize) with the ONNX Runtime CPU reference."""
+    from pipeline.model import load_model
+
+    parity_set = make_set(520, "varied", 10_000)
+    bundle = load_model(None)
+    try:
+        from pipeline.engine import OnnxEngine
+
+        ref_engine = OnnxEngine(bundle, top_k=5)
+        ref = ref_engine.classify(parity_set)
+        ref_engine.close()
+    except ImportError:
+        raise SystemExit("pipeline.engine.OnnxEngine is needed for the parity check")
+    for label, clf in (("parity", clf_default), ("parity_fp32_network", clf_fp32)):
+        if clf is not None:
+            _compare(results, label, parity_set, ref, clf.classify(parity_set))
+
+
+def _compare(results: dict, label: str, parity_set: list[bytes], ref, raw) -> None:
+    agree, n, dprob, disagreements = 0, 0, [], []
+    decisive, decisive_agree = 0, 0
+    for i, r in enumerate(ref):
+        if r.status != "ok" or raw.errors[i]:
+            disagreements.append({"i": i, "ref": r.error, "gpu": raw.errors[i]})
+            continue
+        n += 1
+        g1 = int(raw.class_ids[i, 0])
+        margin = r.scores[0] - (r.scores[1] if len(r.scores) > 1 else 0.0)
+        if margin > 0.01:  # the reference's top-1 leads its top-2 by more than 1 point
+            decisive += 1
+            decisive_agree += int(g1 == r.class_ids[0])
+        if g1 == r.class_ids[0]:
+            agree += 1
+            dprob.append(abs(float(raw.scores[i, 0]) - r.scores[0]))
+        else:
+            disagreements.append({
+                "i": i, "ref_top2": r.class_ids[:2], "ref_p": [round(p, 4) for p in r.scores[:2]],
+                "gpu_top2": raw.class_ids[i, :2].tolist(), "gpu_p": [round(float(p), 4) for p in raw.scores[i, :2]],
+            })
+    results[label] = {
+        "images": len(parity_set),
+        "decisive_images": decisive,
+        "decisive_top1_agreement": round(decisive_agree / max(decisive, 1), 4),
+        "mean_kb": round(sum(map(len, parity_set)) / len(parity_set) / 1024, 1),
+        "compared": n,
+        "top1_agreement": round(agree / max(n, 1), 4),
+        "mean_abs_top1_prob_diff": round(float(np.mean(dprob)) if dprob else 0.0, 5),
+        "max_abs_top1_prob_diff": round(float(np.max(dprob)) if dprob else 0.0, 5),
+        "disagreements": disagreements[:20],
+    }
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+
+
+def _client_pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in pair.split("x")) for pair in text.split(",")]  # type: ignore[misc]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench_gpu_out"))
+    p.add_argument("--images", type=int, default=2048, help="unique JPEGs in the benchmark set")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=4.0, help="minimum timed seconds per measurement")
+    p.add_argument("--decoder", default="auto")
+    p.add_argument("--instances", type=int, default=2, help="Triton model instances")
+    p.add_argument("--triton-max-batch", type=int, default=1024)
+    p.add_argument("--queue-delay-us", type=int, default=2000)
+    p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
+    p.add_argument("--client", type=_client_pairs, default=_client_pairs("64x8,128x8"),
+                   help="request_batch x concurrency pairs, comma-separated")
+    p.add_argument("--parts", default="decode,ceiling,naive,engine,triton,parity")
+    p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    import torch
+
+    from pipeline.engine_gpu import GpuClassifier
+
+    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
+    t0 = time.perf_counter()
+    sets = {name: make_set(args.images, name, 0) for name in args.sets.split(",")}
+    results["sets"] = {k: {"images": len(v), "mean_kb": round(sum(map(len, v)) / len(v) / 1024, 1)} for k, v in sets.items()}
+    results["set_build_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(results), flush=True)
+
+    def save():
+        (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+
+    def attempt(label, fn):
+        """Runs one part; a failure is recorded and the run goes on (one device call must give every number)."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            LOG.exception("%s failed", label)
+            results.setdefault("failures", {})[label] = f"{type(e).__name__}: {e}"
+            save()
+            return None
+
+    nets = networks()
+    for name, (net, _spec) in nets.items():
+        if "ceiling" in parts:
+            results.setdefault(name, {})["model_only"] = attempt(
+                f"{name} ceiling", lambda: round(model_only(net, args.batch, args.seconds)))
+            print(name, "model only", results[name]["model_only"], flush=True)
+    for set_name, bench_set in sets.items():
+        if "decode" in parts:
+            results[f"decode_only_{set_name}"] = attempt("decode", lambda: decode_only(bench_set, args.batch, args.seconds / 2))
+            print("decode only", set_name, results[f"decode_only_{set_name}"], flush=True)
+        for name, (net, spec) in nets.items():
+            row = results.setdefault(name, {}).setdefault(set_name, {})
+            if "naive" in parts:
+                got = attempt(f"{name} naive", lambda: naive(net, spec, bench_set, args.batch, args.seconds))
+                if got:
+                    row["naive"], row["naive_stage_ms_per_batch"] = round(got[0]), got[1]
+                    print(name, set_name, "naive", row["naive"], row["naive_stage_ms_per_batch"], flush=True)
+            save()
+            if "engine" not in parts:
+                continue
+            for label, options in ENGINE_VARIANTS.items():
+                try:
+                    clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, **options)
+                except Exception as e:  # noqa: BLE001 - report and continue
+                    row[f"engine_{label}"] = f"unavailable: {e}"
+                    continue
+                got = attempt(f"{name} engine {label}", lambda: engine_rate(clf, bench_set * 4, args.seconds))
+                if got:
+                    row[f"engine_{label}"] = round(got[0])
+                    row[f"engine_{label}_stage_ms_per_batch"] = got[1]
+                if label == "nvimgcodec":
+                    pre = attempt(f"{name} preprocess", lambda: preprocess_only(clf, bench_set, args.seconds / 2))
+                    row["preprocess_only"] = round(pre) if pre else pre
+                print(name, set_name, label, row.get(f"engine_{label}"), row.get(f"engine_{label}_stage_ms_per_batch"),
+                      flush=True)
+                clf.close()
+            save()
+    if "parity" in parts:
+        net, spec = nets["default"]
+        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch)
+        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=False)
+        attempt("parity", lambda: parity(results, clf, clf32))
+        for key in ("parity", "parity_fp32_network"):
+            print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)
+        clf.close()
+        clf32.close()
+        save()
+    torch.cuda.empty_cache()
+    if "triton" in parts:
+        attempt("triton", lambda: triton_part(args, results, sets))
+    save()
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    print()
+    print(f"device: {results.get('device')}  sets: {results.get('sets')}  batch {results.get('batch')}")
+    for key in results:
+        if key.startswith("decode_only_"):
+            print(f"{key} (img/s): {results[key]}")
+    header = f"{'network':<9} {'set':<9} {'path':<40} {'img/s':>8} {'x naive':>8} {'% ceiling':>10}"
+    print(header)
+    print("-" * len(header))
+    for net in ("resnet50", "default"):
+        ceiling = results.get(net, {}).get("model_only")
+        for set_name in results.get("sets", {}):
+            row = results.get(net, {}).get(set_name, {})
+            base = row.get("naive")
+            lines = [("model only (ceiling)", ceiling), ("naive", base)]
+            lines += [(f"engine in process ({k[7:]})", v) for k, v in row.items()
+                      if k.startswith("engine_") and not k.endswith("per_batch")]
+            for key, val in results.items():
+                if key.startswith(f"triton_{net}_{set_name}_"):
+                    label = key.split(f"{set_name}_", 1)[1]
+                    lines.append((f"triton {label} (avg batch {val['avg_batch_images']})", val["img_s"]))
+            for label, v in lines:
+                if not isinstance(v, (int, float)):
+                    print(f"{net:<9} {set_name:<9} {label:<40} {str(v)[:30]:>8}")
+                    continue
+                xb = f"{v / base:.2f}" if base else "-"
+                pc = f"{100 * v / ceiling:.1f}%" if ceiling else "-"
+                print(f"{net:<9} {set_name:<9} {label:<40} {v:>8,.0f} {xb:>8} {pc:>10}")
+    for net in ("resnet50", "default"):
+        for set_name in results.get("sets", {}):
+            row = results.get(net, {}).get(set_name, {})
+            for key in sorted(row):
+                if key.endswith("stage_ms_per_batch") or key.startswith("preprocess_only"):
+                    print(f"{net} {set_name} {key}: {row[key]}")
+    for key in ("parity", "parity_fp32_network"):
+        if key in results:
+            print(key, {k: v for k, v in results[key].items() if k != "disagreements"})
+    if "failures" in results:
+        print("failures:", results["failures"])
+
+
+if __name__ == "__main__":
+    main()
