@@ -24,15 +24,16 @@ class _Progress:
     """A tqdm bar on a terminal (images done of total, img/s, errors); silent otherwise."""
 
     def __init__(self, enabled: bool):
+        self.enabled = enabled
         self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=None, unit="img", dynamic_ncols=True, file=sys.stderr, desc="classified")
 
     def __call__(self, done: int, total: int | None, errors: int) -> None:
-        if self.bar is None:
+        if not self.enabled:
             return
+        if self.bar is None:  # opened at the first result, below Ray's start-up lines
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="img", dynamic_ncols=True, file=sys.stderr, desc="classified")
         if total is not None and total != self.bar.total:
             self.bar.total = max(total, done)
         self.bar.update(done - self.bar.n)

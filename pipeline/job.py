@@ -181,9 +181,14 @@ def _init_ray() -> None:
     import ray
     from ray.data import DataContext
 
+    if not LOG.isEnabledFor(logging.INFO):
+        # Ray's start-up chatter (token auth, progress-bar notices) is noise to
+        # our users unless they asked for -v; real failures still surface as exceptions.
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict[str, Any] = {"address": address, "log_to_driver": True, "logging_level": logging.WARNING}
+        kwargs: dict[str, Any] = {"address": address, "log_to_driver": True, "logging_level": logging.ERROR}
         if address is None:
             kwargs.update(include_dashboard=False, configure_logging=True)
         ray.init(**kwargs)
