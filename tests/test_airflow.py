@@ -54,6 +54,7 @@ dag = bag.dags.get({DAG_ID!r})
 sys.path.insert(0, {str(DAGS)!r})
 import bulk_classify_nightly as m
 cfg = m.scan_config({{"source": "s3://in/x", "output_root": "s3://out/y/"}}, {{"args": ["--engine", "triton"]}})
+local = m.scan_config({{"source": "s3://in/x", "output_root": "s3://o", "working_dir": "."}}, {{"source": "s3://in/z"}})
 print(json.dumps({{
     "errors": {{k: str(v) for k, v in bag.import_errors.items()}},
     "dags": sorted(bag.dags),
@@ -64,6 +65,7 @@ print(json.dumps({{
     "catchup": dag.catchup,
     "ids": [m.submission_id("2026-11-29"), m.submission_id("2026-11-29", 3)],
     "entrypoint": m.entrypoint(cfg, "2026-11-29"),
+    "local": m.entrypoint(local, "2026-11-29"),
 }}))
 """)
     assert got["errors"] == {}
@@ -72,8 +74,10 @@ print(json.dumps({{
     assert got["retries"] >= 1 and got["max_active_runs"] == 1 and got["catchup"] is False
     assert got["timetable"] == "0 2 * * *"
     assert got["ids"] == ["bulk-classify-nightly-2026-11-29", "bulk-classify-nightly-2026-11-29-attempt-3"]
-    assert got["entrypoint"] == ("python jobs/nightly_scan.py --source s3://in/x --output-root s3://out/y/ "
-                                 "--date 2026-11-29 --engine triton")
+    # no working_dir: the copy in the worker image; params override the Variable
+    assert got["entrypoint"] == ("python /opt/bulk-classify/jobs/nightly_scan.py --source s3://in/x "
+                                 "--output-root s3://out/y/ --date 2026-11-29 --engine triton")
+    assert got["local"] == "python jobs/nightly_scan.py --source s3://in/z --output-root s3://o --date 2026-11-29"
 
 
 def run_task(env: dict, day: str, cluster, s3_server, source: str) -> subprocess.CompletedProcess:

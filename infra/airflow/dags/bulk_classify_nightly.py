@@ -9,8 +9,9 @@ Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/a
 
       {"source": "s3://photos/incoming", "output_root": "s3://labels/nightly",
        "args": ["--engine", "triton", "--batch-size", "64"],   # more nightly_scan.py options
-       "script": "jobs/nightly_scan.py",                      # path in working_dir (or in the image)
        "working_dir": null,                                   # a checkout to upload; null: the image's copy
+       "script": null,                                        # default: jobs/nightly_scan.py in working_dir,
+                                                              #   else /opt/bulk-classify/jobs/... (image)
        "env_vars": {"AWS_REGION": "eu-west-1"},               # the job's environment (runtime_env)
        "poll_s": 30}
 
@@ -42,7 +43,8 @@ ADDRESS_VARIABLE = "bulk_classify_ray_address"
 TOKEN_VARIABLE = "bulk_classify_ray_token"
 CONFIG_VARIABLE = "bulk_classify_nightly"
 SUBMISSION_PREFIX = "bulk-classify-nightly"
-DEFAULT_SCRIPT = "jobs/nightly_scan.py"
+DEFAULT_SCRIPT = "jobs/nightly_scan.py"  # relative to an uploaded working_dir
+IMAGE_SCRIPT = "/opt/bulk-classify/jobs/nightly_scan.py"  # where the worker image (infra/docker) keeps it
 DEFAULT_PORT = 8265
 MAX_ATTEMPTS = 20
 LIVE = ("PENDING", "RUNNING")
@@ -50,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "source": None,
     "output_root": None,
     "args": [],
-    "script": DEFAULT_SCRIPT,
+    "script": None,  # DEFAULT_SCRIPT with a working_dir, else IMAGE_SCRIPT
     "working_dir": None,
     "env_vars": {},
     "poll_s": 30,
@@ -96,6 +98,8 @@ def scan_config(variable: Mapping[str, Any] | None, params: Mapping[str, Any] | 
     if missing:
         raise AirflowException(f"nightly scan needs {', '.join(missing)}: set them in Variable {CONFIG_VARIABLE} "
                                f'(JSON, e.g. {{"source": "s3://bucket/in", "output_root": "s3://bucket/out"}})')
+    if not cfg.get("script"):
+        cfg["script"] = DEFAULT_SCRIPT if cfg.get("working_dir") else IMAGE_SCRIPT
     if not isinstance(cfg["args"], list):
         raise AirflowException(f"{CONFIG_VARIABLE}.args must be a list of strings, got {cfg['args']!r}")
     return cfg

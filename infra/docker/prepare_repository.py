@@ -1,0 +1,153 @@
+"""Worker start-up: put a production Triton repository for THIS node's GPU and TensorRT version in place.
+
+TensorRT plans load only on the GPU architecture (compute capability) and TensorRT version that built
+them, so the image ships no plan. At start each GPU worker:
+
+1. keeps the repository already at ``$BULK_CLASSIFY_REPOSITORY`` when its stamp names the same model,
+   top-k, batch size and plan key (a restart on a node with a persistent volume);
+2. else fetches ``<plan cache>/<model>-<onnx sha>-k<top_k>-b<batch>/sm<cc>-trt<version>.tar.gz`` from
+   ``$BULK_CLASSIFY_PLAN_CACHE`` (any fsspec URL, e.g. ``s3://bucket/trt-plans``) when it is there;
+3. else builds it with ``pipeline.repo.build_repository("production", ...)`` (a few minutes on the GPU)
+   and uploads it to the cache for the next node of the same kind.
+
+Environment: ``BULK_CLASSIFY_REPOSITORY`` (default ``/models/repository``), ``BULK_CLASSIFY_MODEL``
+(``default`` or a model folder), ``BULK_CLASSIFY_PLAN_CACHE`` (optional), ``BULK_CLASSIFY_TOP_K`` (5),
+``BULK_CLASSIFY_MAX_BATCH`` (64). Exit status 0 when the repository is ready, 1 with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+LOG = logging.getLogger("bulk_classify.prepare")
+STAMP = ".bulk-classify-repository.json"
+DEFAULT_REPOSITORY = "/models/repository"
+
+
+def cache_name(model_name: str, onnx_sha256: str, key: Any, *, top_k: int, max_batch_size: int) -> str:
+    """Cache object name of one built repository: model identity, output shape and plan key."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
+    sm = str(key.compute_capability).replace(".", "")
+    return f"{safe}-{onnx_sha256[:16]}-k{top_k}-b{max_batch_size}/sm{sm}-trt{key.tensorrt}.tar.gz"
+
+
+def pack(folder: Path) -> bytes:
+    """The repository folder as a gzipped tar (paths relative to it)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.name != STAMP:
+                tar.add(path, arcname=str(path.relative_to(folder)), recursive=False)
+    return buf.getvalue()
+
+
+def unpack(data: bytes, folder: Path) -> None:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():  # a cache object is data, never trusted with paths outside the folder
+            target = (folder / member.name).resolve()
+            if not str(target).startswith(str(folder.resolve())) or member.issym() or member.islnk():
+                raise RuntimeError(f"cache archive entry {member.name!r} escapes the repository; delete that object")
+        tar.extractall(folder)
+
+
+def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = 5,
+            max_batch_size: int = 64, key: Any = None,
+            build: Callable[..., Path] | None = None) -> dict[str, Any]:
+    """Make ``repository`` a production repository whose plan matches this node; return what was done.
+
+    ``key`` (a ``pipeline.repo.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
+    """
+    from pipeline.model import load_model
+    from pipeline.repo import build_repository, check_repository, find_plan, local_plan_key
+    from pipeline import tensor_names as tn
+
+    key = key or local_plan_key()
+    if key is None:
+        raise RuntimeError("no GPU (nvidia-smi) or no TensorRT Python package here: a production repository "
+                           "needs both; run this in the worker image on a GPU node")
+    build = build or build_repository
+    bundle = load_model(model)
+    onnx_sha = hashlib.sha256(Path(bundle.onnx_path).read_bytes()).hexdigest()
+    name = cache_name(bundle.name, onnx_sha, key, top_k=top_k, max_batch_size=max_batch_size)
+    dest = Path(repository)
+    stamp_path = dest / STAMP
+    if stamp_path.is_file():
+        stamp = json.loads(stamp_path.read_text())
+        if stamp.get("cache_name") == name:
+            find_plan(dest / tn.CLASSIFIER_TRT_MODEL, key)
+            LOG.info("repository %s already holds %s", dest, name)
+            return {**stamp, "action": "kept"}
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".prepare-", dir=dest.parent))
+    try:
+        action = "built"
+        fs = root = None
+        if plan_cache:
+            from pipeline.source import open_fs
+
+            fs, root = open_fs(plan_cache)
+            cached = f"{root.rstrip('/')}/{name}"
+            try:
+                data = fs.cat_file(cached)
+            except FileNotFoundError:
+                data = None
+            if data is not None:
+                unpack(data, work)
+                action = "fetched"
+                LOG.info("fetched %s from %s", name, plan_cache)
+        if action == "built":
+            t0 = time.monotonic()
+            LOG.info("building %s (TensorRT %s, sm%s); this takes minutes", name, key.tensorrt,
+                     key.compute_capability)
+            build("production", model, str(work), top_k=top_k, max_batch_size=max_batch_size)
+            LOG.info("built in %.0f s", time.monotonic() - t0)
+        find_plan(work / tn.CLASSIFIER_TRT_MODEL, key)  # a repository without this node's plan is no use
+        check_repository(work)
+        if action == "built" and fs is not None:
+            target = f"{root.rstrip('/')}/{name}"
+            fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # folders for local caches; no-op on S3
+            fs.pipe_file(target, pack(work))  # one PUT: readers see all of it or none
+            LOG.info("uploaded %s to %s", name, plan_cache)
+        stamp = {"cache_name": name, "model": bundle.name, "onnx_sha256": onnx_sha, "top_k": top_k,
+                 "max_batch_size": max_batch_size, "compute_capability": key.compute_capability,
+                 "tensorrt": key.tensorrt, "source": action, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (work / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        work.rename(dest)
+        return {**stamp, "action": action}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        done = prepare(
+            os.environ.get("BULK_CLASSIFY_REPOSITORY", DEFAULT_REPOSITORY),
+            os.environ.get("BULK_CLASSIFY_MODEL") or None,
+            plan_cache=os.environ.get("BULK_CLASSIFY_PLAN_CACHE") or None,
+            top_k=int(os.environ.get("BULK_CLASSIFY_TOP_K", "5")),
+            max_batch_size=int(os.environ.get("BULK_CLASSIFY_MAX_BATCH", "64")),
+        )
+    except Exception as err:  # noqa: BLE001  (one line for the pod log, then a non-zero exit)
+        print(f"prepare_repository: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+    print(f"prepare_repository: {done['action']} {done['cache_name']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

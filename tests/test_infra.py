@@ -1,0 +1,246 @@
+"""The worker image and the KubeRay job, checked as far as a machine without Docker or Kubernetes allows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "infra" / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+ENTRYPOINT = DOCKER / "entrypoint.sh"
+RAYJOB = REPO / "infra" / "k8s" / "rayjob-nightly.yaml"
+PINNED_TAG = re.compile(r"^\d{2}\.\d{2}-py3$")  # NVIDIA's YY.MM release tags; never "latest"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+# --- Dockerfile ------------------------------------------------------------------------------------------
+
+
+def test_base_image_is_nvidia_triton_with_a_pinned_tag_from_a_required_registry_arg():
+    instr = dockerfile_instructions()
+    froms = [rest for word, rest in instr if word == "FROM"]
+    assert len(froms) == 1
+    image = froms[0]
+    assert image.startswith("${REGISTRY}/nvidia/tritonserver:"), image
+    assert PINNED_TAG.match(image.rsplit(":", 1)[1]), image
+    # REGISTRY is declared before FROM and has no default: the builder must name it
+    first_from = next(i for i, (w, _) in enumerate(instr) if w == "FROM")
+    args = [rest for w, rest in instr[:first_from] if w == "ARG"]
+    assert args == ["REGISTRY"]
+
+
+def test_image_installs_ray_and_the_package_and_copies_only_what_exists():
+    instr = dockerfile_instructions()
+    runs = " ".join(rest for w, rest in instr if w == "RUN")
+    assert 'pip install ".[gpu]"' in runs
+    assert "tensorrt-cu12==${TRT_VERSION}" in runs and "libnvinfer10" in runs
+    assert "wget" in runs  # KubeRay's probes
+    for word, rest in instr:
+        if word == "COPY":
+            *sources, _dest = rest.split()
+            for src in sources:
+                assert (REPO / src).exists(), f"COPY {src}: not in the repository"
+    entry = next(rest for w, rest in instr if w == "ENTRYPOINT")
+    assert "/opt/bulk-classify/infra/docker/entrypoint.sh" in entry
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text()
+    assert "**/.venv*" in ignore and ".git" in ignore
+    # ray[default] (dashboard + job server for `ray job submit`) comes with the package
+    assert '"ray[default]' in (REPO / "pyproject.toml").read_text()
+
+
+def test_no_image_reference_names_a_registry_host():
+    refs = [rest for w, rest in dockerfile_instructions() if w == "FROM"]
+    refs += re.findall(r"^\s*image:\s*(\S+)", RAYJOB.read_text(), flags=re.M)
+    assert refs
+    for ref in refs:
+        assert ref.startswith("${REGISTRY}/"), f"{ref}: use the REGISTRY placeholder, name no host"
+
+
+def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
+    # PATH without nvidia-smi, as on this machine and on the CPU head
+    base = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], env={**base, **env}, capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the behaviour of a node without a GPU")
+def test_entrypoint_without_gpu_skips_preparation_and_runs_the_command_or_kuberays_ray_start():
+    assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
+    assert os.access(ENTRYPOINT, os.X_OK)
+    proc = run_entrypoint("echo", "worker started")
+    assert proc.returncode == 0 and proc.stdout.strip() == "worker started"
+    assert "no GPU visible; skipping" in proc.stderr
+    proc = run_entrypoint(KUBERAY_GEN_RAY_START_CMD="echo 'ray start --block'", BULK_CLASSIFY_PREPARE="0")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ray start --block" and proc.stderr == ""
+    proc = run_entrypoint("echo", "never", BULK_CLASSIFY_PREPARE="1")
+    assert proc.returncode == 1 and "never" not in proc.stdout
+    assert "BULK_CLASSIFY_PREPARE=1 but no GPU is visible" in proc.stderr
+
+
+# --- RayJob ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rayjob() -> dict:
+    return yaml.safe_load(RAYJOB.read_text())
+
+
+def test_rayjob_runs_the_nightly_script_and_cleans_up(rayjob):
+    assert rayjob["apiVersion"] == "ray.io/v1" and rayjob["kind"] == "RayJob"
+    assert rayjob["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    spec = rayjob["spec"]
+    argv = spec["entrypoint"].split()
+    assert argv[:2] == ["python", "/opt/bulk-classify/jobs/nightly_scan.py"]
+    for flag in ("--source", "--output-root", "--engine"):
+        assert flag in argv
+    assert argv[argv.index("--engine") + 1] == "triton"
+    assert spec["shutdownAfterJobFinishes"] is True and spec["activeDeadlineSeconds"] > 0
+    from packaging.version import Version
+
+    low, high = re.search(r'"ray\[default\]>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text()).groups()
+    assert Version(low) <= Version(spec["rayClusterSpec"]["rayVersion"]) < Version(high)
+    # the script the entrypoint names is where the image copies jobs/
+    assert (REPO / "jobs" / "nightly_scan.py").is_file()
+
+
+def containers(group: dict) -> list[dict]:
+    return group["template"]["spec"]["containers"]
+
+
+def test_head_is_cpu_only_and_workers_have_exactly_one_gpu(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    for c in containers(head):
+        for section in ("requests", "limits"):
+            assert "nvidia.com/gpu" not in c["resources"].get(section, {})
+    groups = cluster["workerGroupSpecs"]
+    assert len(groups) == 1
+    worker = groups[0]
+    assert worker["rayStartParams"]["num-gpus"] == "1"
+    assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+    (c,) = containers(worker)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    entry_repo = re.search(r"repository=(\S+)", rayjob["spec"]["entrypoint"]).group(1)
+    assert env["BULK_CLASSIFY_REPOSITORY"] == entry_repo  # the engine serves what the entrypoint prepared
+    assert env["BULK_CLASSIFY_PREPARE"] == "1"
+    for group in (head, worker):
+        for cont in containers(group):
+            assert cont["command"] == ["/bin/bash", "-lc", "--"]
+            assert "infra/docker/entrypoint.sh" in cont["args"][0] and "ulimit -n" in cont["args"][0]
+
+
+def to_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(quantity))
+    assert m, quantity
+    return int(m.group(1)) * units.get(m.group(2), 1)
+
+
+def test_workers_have_a_memory_backed_dev_shm_sized_for_triton_and_the_object_store(rayjob):
+    worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    pod = worker["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert "/dev/shm" in mounts
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    shm = to_bytes(volume["emptyDir"]["sizeLimit"])
+    assert shm >= 4 * 2**30  # Docker's 64 MiB default breaks Triton's python backend and DALI
+    object_store = int(worker["rayStartParams"]["object-store-memory"])
+    assert object_store < shm  # leave Triton room in the same /dev/shm
+    assert shm < to_bytes(c["resources"]["limits"]["memory"])  # memory-backed shm counts in the limit
+
+
+# --- repository preparation at worker start -------------------------------------------------------------
+
+
+def load_prepare():
+    spec = importlib.util.spec_from_file_location("prepare_repository", DOCKER / "prepare_repository.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["prepare_repository"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp_path):
+    """The real production build (configs, DALI source, ONNX head); TensorRT itself needs a GPU, so the plan
+    step writes a placeholder plan under this node's key: what is tested is the keying and the cache."""
+    from pipeline import tensor_names as tn
+    from pipeline.repo import PlanKey, build_repository, write_plan_key
+
+    prep = load_prepare()
+    key = PlanKey("9.0", "10.5.0")
+    builds = []
+
+    def build_on_gpu(profile, model, out, **kw):
+        builds.append(out)
+        build_repository(profile, model, out, **kw)
+        trt_dir = Path(out) / tn.CLASSIFIER_TRT_MODEL
+        (trt_dir / "1" / key.filename).write_bytes(b"plan for sm90 trt10.5")
+        write_plan_key(trt_dir, key)
+        return Path(out)
+
+    cache = tmp_path / "cache"
+    node_a = tmp_path / "a" / "repository"
+    first = prep.prepare(str(node_a), None, plan_cache=str(cache), key=key, build=build_on_gpu)
+    assert first["action"] == "built" and len(builds) == 1
+    assert first["cache_name"].endswith("-k5-b64/sm90-trt10.5.0.tar.gz")
+    assert (cache / first["cache_name"]).is_file()
+    assert (node_a / tn.CLASSIFIER_TRT_MODEL / "1" / key.filename).is_file()
+
+    assert prep.prepare(str(node_a), None, plan_cache=str(cache), key=key, build=build_on_gpu)["action"] == "kept"
+    node_b = tmp_path / "b" / "repository"
+    second = prep.prepare(str(node_b), None, plan_cache=str(cache), key=key, build=build_on_gpu)
+    assert second["action"] == "fetched" and len(builds) == 1
+    assert (node_b / tn.CLASSIFIER_TRT_MODEL / "1" / key.filename).read_bytes() == b"plan for sm90 trt10.5"
+
+    # Another GPU kind is another cache entry: node_b's repository is rebuilt, not reused.
+    other = PlanKey("8.0", "10.5.0")
+    with pytest.raises(Exception, match="no TensorRT plan for this machine"):
+        prep.prepare(str(node_b), None, plan_cache=str(cache), key=other, build=build_on_gpu)
+    assert len(builds) == 2
+    assert (node_b / tn.CLASSIFIER_TRT_MODEL / "1" / key.filename).is_file()  # a failed prepare keeps the old one
+
+
+def test_prepare_without_gpu_says_what_is_missing(tmp_path, monkeypatch):
+    prep = load_prepare()
+    monkeypatch.setattr("pipeline.repo.local_plan_key", lambda: None)
+    with pytest.raises(RuntimeError, match="no GPU .* or no TensorRT"):
+        prep.prepare(str(tmp_path / "r"), None)
+
+
+def test_cache_archive_cannot_write_outside_the_repository(tmp_path):
+    import io
+    import tarfile
+
+    prep = load_prepare()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("../escape.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(RuntimeError, match="escapes the repository"):
+        prep.unpack(buf.getvalue(), tmp_path / "repo")
+    assert not (tmp_path / "escape.txt").exists()
