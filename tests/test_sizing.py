@@ -103,3 +103,17 @@ def test_errors_say_what_to_fix(tmp_path, perf_csv):
     junk.write_text("img_per_s\nfast\n")
     with pytest.raises(ConfigError, match="is not a number"):
         size_fleet(str(junk), target_rate=10)
+
+
+def test_real_perf_analyzer_csv_rows_out_of_order():
+    """tests/data/perf_analyzer_portable_cpu_b8.csv: perf_analyzer 2.51 -f output (portable profile on 2 CPUs,
+    batch 8, concurrency 1..4), made with tests/benchmarks/bench_perf_analyzer.py; it lists rows unsorted."""
+    from pathlib import Path
+
+    curve = Path(__file__).parent / "data" / "perf_analyzer_portable_cpu_b8.csv"
+    r = size_fleet(str(curve), target_rate=100)
+    assert [p["load"] for p in r["points"]] == [1, 2, 3, 4]
+    assert r["plateau_img_per_s"] == 37.02 and r["plateau_load"] == 3
+    assert r["operating_point"] == {"load": 3, "img_per_s": 37.02, "p99_ms": 815.515}
+    assert r["gpus_for_target"] == math.ceil(100 / (0.65 * 37.0208)) == 5
+    assert r["gpus"] == 6
