@@ -141,3 +141,9 @@ def test_summarize_output_without_shards_says_what_to_do(tmp_path):
         summarize_output(str(tmp_path))
     with pytest.raises(OutputError, match="holds no part"):
         summarize_output(str(tmp_path / "missing"))
+    # a nightly output root: name the date folders to pick from
+    for day in ("date=2026-11-27", "date=2026-11-28"):
+        (tmp_path / day).mkdir()
+        pq.write_table(shard([ok("x", "tabby")]), tmp_path / day / "part-0.parquet")
+    with pytest.raises(OutputError, match=r"holds run folders: date=2026-11-27, date=2026-11-28; give one of them"):
+        summarize_output(str(tmp_path))
