@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from pipeline.results import STATUS_OK
-from pipeline.schema import CALLS, DATA, INFER_S
+from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S
 
 LOG = logging.getLogger(__name__)
 
@@ -64,11 +64,18 @@ class ClassifyActor:
         when = batch.column("classified_at").to_pylist()
         now = datetime.now(timezone.utc)
         infer_s = [0.0] * n
+        decode_s: list[float | None] = [None] * n
         calls = [0.0] * n
         if todo:
+            before = dict(getattr(self.engine, "stage_seconds", None) or {})
             start = time.perf_counter()
             results = self.engine.classify([data[i] for i in todo])
-            share = (time.perf_counter() - start) / len(todo)
+            wall = time.perf_counter() - start
+            after = getattr(self.engine, "stage_seconds", None) or {}
+            # Engines that can split decode from inference say so in stage_seconds; else all is "infer".
+            decode = after.get("decode_preprocess", 0.0) - before.get("decode_preprocess", 0.0) if after else None
+            infer = after.get("infer", 0.0) - before.get("infer", 0.0) if after else wall
+            share = infer / len(todo)
             if len(results) != len(todo):
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")
             for i, r in zip(todo, results):
@@ -76,6 +83,7 @@ class ClassifyActor:
                 class_ids[i], labels[i], scores[i] = r.class_ids, r.labels, r.scores
                 width[i], height[i] = r.width, r.height
                 infer_s[i], calls[i] = share, 1.0 / len(todo)
+                decode_s[i] = None if decode is None else decode / len(todo)
         for i in range(n):
             if carried[i]:
                 continue
@@ -88,7 +96,7 @@ class ClassifyActor:
         for name, values in (
             ("status", status), ("error", error), ("class_ids", class_ids), ("labels", labels),
             ("scores", scores), ("width", width), ("height", height), ("model", model), ("engine", engine),
-            ("classified_at", when), (INFER_S, infer_s), (CALLS, calls),
+            ("classified_at", when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
         ):
             idx = out.schema.get_field_index(name)
             out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))

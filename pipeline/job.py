@@ -52,14 +52,15 @@ class _ListingCounter:
     def __init__(self):
         self.listed = 0
         self.skipped = 0
-        self.done = False
+        self.seconds = 0.0
 
-    def add(self, listed: int, skipped: int) -> None:
+    def add(self, listed: int, skipped: int, seconds: float) -> None:
         self.listed += listed
         self.skipped += skipped
+        self.seconds += seconds
 
-    def get(self) -> tuple[int, int]:
-        return self.listed, self.skipped
+    def get(self) -> tuple[int, int, float]:
+        return self.listed, self.skipped, self.seconds
 
 
 def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> RunSummary:
@@ -100,6 +101,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     kinds: Counter = Counter()
     stage = Counter()
     done = 0
+    decode_known = False
     from pipeline.metrics import JobMetrics
 
     metrics = JobMetrics(config.metrics_port)
@@ -113,12 +115,15 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                 kinds.update(json.loads(rec["error_kinds"]))
                 for key in ("fetch_s", "infer_s", "write_s", "engine_calls"):
                     stage[key] += rec[key]
+                if rec["decode_s"] is not None:
+                    stage["decode_s"] += rec["decode_s"]
+                    decode_known = True
                 metrics.add_rows(ok=rec["ok"], error=rec["errors"], engine_calls=int(round(rec["engine_calls"])))
-            listed, _ = ray.get(counter.get.remote())
+            listed, _, _ = ray.get(counter.get.remote())
             metrics.set_listed(listed)
             if progress is not None:
                 progress(done, listed, totals["error"])
-        listed, skipped = ray.get(counter.get.remote())
+        listed, skipped, list_s = ray.get(counter.get.remote())
     finally:
         metrics.close()
         ray.kill(counter)
@@ -138,9 +143,9 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
         "already_done": skipped,
         "elapsed_s": elapsed,
         "stage_seconds": {
-            "list": list_prep_s,
+            "list": list_prep_s + list_s,
             "fetch": stage["fetch_s"],
-            "decode_preprocess": None,
+            "decode_preprocess": stage["decode_s"] if decode_known else None,
             "infer": stage["infer_s"],
             "write": stage["write_s"],
         },

@@ -28,13 +28,15 @@ OUTPUT_SCHEMA = pa.schema(
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"
 FETCH_S = "_fetch_s"
+DECODE_S = "_decode_s"
 INFER_S = "_infer_s"
 CALLS = "_engine_calls"
 WORK_SCHEMA = pa.schema(
     list(OUTPUT_SCHEMA)
-    + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (INFER_S, pa.float64()), (CALLS, pa.float64())]
+    + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (DECODE_S, pa.float64()), (INFER_S, pa.float64()),
+       (CALLS, pa.float64())]
 )
-WORK_ONLY = [DATA, FETCH_S, INFER_S, CALLS]
+WORK_ONLY = [DATA, FETCH_S, DECODE_S, INFER_S, CALLS]
 
 
 def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterator, Mapping
 
@@ -210,6 +211,8 @@ class ListingDatasource(Datasource):
         carried_idx: list[int] = []
         skipped = 0
 
+        clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
+
         def flush() -> Iterator[pa.Table]:
             nonlocal fresh, carried_idx, skipped
             parts = []
@@ -220,11 +223,12 @@ class ListingDatasource(Datasource):
                 rows = rows.set_column(rows.schema.get_field_index("carried"), "carried",
                                        pa.array([True] * rows.num_rows))
                 parts.append(conform(rows, WORK_SCHEMA))
-            if self.counter is not None and (parts or skipped):
-                self.counter.add.remote(len(fresh) + len(carried_idx), skipped)
+            if self.counter is not None:
+                self.counter.add.remote(len(fresh) + len(carried_idx), skipped, time.perf_counter() - clock[0])
             fresh, carried_idx, skipped = [], [], 0
             if parts:
                 yield pa.concat_tables(parts)
+            clock[0] = time.perf_counter()
 
         for kind, item in group:
             rows = walk_files(fs, item, self.extensions) if kind == "dir" else (entry_row(fs, e) for e in item)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schema import CALLS, FETCH_S, INFER_S, OUTPUT_SCHEMA, conform
+from pipeline.schema import CALLS, DECODE_S, FETCH_S, INFER_S, OUTPUT_SCHEMA, conform
 from pipeline.source import is_local, open_fs
 
 LOG = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ COMMIT_SCHEMA = pa.schema(
         ("carried", pa.int64()),
         ("error_kinds", pa.string()),  # JSON {kind: count}
         ("fetch_s", pa.float64()),
+        ("decode_s", pa.float64()),  # null when the engine cannot separate decoding from inference
         ("infer_s", pa.float64()),
         ("write_s", pa.float64()),
         ("engine_calls", pa.float64()),
@@ -95,11 +96,16 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
         "carried": [carried],
         "error_kinds": [json.dumps(dict(kinds))],
         "fetch_s": [total(FETCH_S)],
+        "decode_s": [total(DECODE_S) if _any(batch, DECODE_S) else None],
         "infer_s": [total(INFER_S)],
         "write_s": [time.perf_counter() - start],
         "engine_calls": [total(CALLS)],
     }
     return pa.Table.from_pydict(record, schema=COMMIT_SCHEMA)
+
+
+def _any(batch: pa.Table, col: str) -> bool:
+    return col in batch.column_names and batch.column(col).null_count < batch.num_rows
 
 
 def committed_parts(fs: Any, dest: str) -> list[str]:
