@@ -317,7 +317,7 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
-                     instances: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                     instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True) -> Path:
     """Writes a complete repository of ``profile`` for ``model`` (a model folder, or None for the default).
 
@@ -329,17 +329,20 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     Returns:
         the repository folder.
     """
+    if not 1 <= top_k <= 1000 or (max_batch_size is not None and max_batch_size < 1):
+        raise ConfigError(f"top_k={top_k} and max_batch_size={max_batch_size} must be positive")
     if profile == "gpu":
         try:
             from pipeline.engine_gpu import build_gpu_repository  # noqa: PLC0415 - the GPU engineer's profile
         except ImportError:
             raise ConfigError("the gpu profile's builder (pipeline.engine_gpu.build_gpu_repository) is not "
                               "installed; use --profile portable or production") from None
-        return build_gpu_repository(model, output)
+        options = {"top_k": top_k}
+        options.update({k: v for k, v in (("instances", instances), ("max_batch_size", max_batch_size)) if v})
+        return build_gpu_repository(model, output, **options)
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
-    if not 1 <= top_k <= 1000 or max_batch_size < 1:
-        raise ConfigError(f"top_k={top_k} and max_batch_size={max_batch_size} must be positive")
+    max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
     out = Path(output).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     bundle = None
