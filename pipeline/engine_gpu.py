@@ -24,6 +24,7 @@ worker image have it).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -516,7 +517,8 @@ class GpuClassifier:
         self.decoder = _make_decoder(*self._decoder_args)
         self.decoder_name = self.decoder.name if self.decoder else "pil"
         self.layout = self.decoder.layout if self.decoder else "HWC"
-        net = network.eval().to(self.device)
+        # A private copy: converting dtype/layout in place would change a module another classifier holds.
+        net = copy.deepcopy(network).eval().to(self.device)
         net = net.to(memory_format=torch.channels_last)
         self.network = net.half() if self.half else net.float()
         crop_h, crop_w = spec.crop
@@ -641,7 +643,9 @@ class GpuClassifier:
         """This thread's preparation stream and decoder (decoders are not shared between threads)."""
         local = self._local
         if not hasattr(local, "stream"):
-            local.stream = self._torch.cuda.Stream(self.device) if self.is_cuda else None
+            # High priority: the short decode/resize kernels go ahead of the network's queued ones, so the
+            # next batch is ready when the network finishes this one.
+            local.stream = self._torch.cuda.Stream(self.device, priority=-1) if self.is_cuda else None
             with self._state_lock:
                 first = not getattr(self, "_decoder_taken", False)
                 self._decoder_taken = True
@@ -950,7 +954,7 @@ def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
 # The gpu profile of the model repository.
 
 GPU_MAX_BATCH_SIZE = 1024  # images per execute() at most; the model cuts them into batch_size network calls
-GPU_INSTANCES = 2  # two stub processes: one's CPU work and decode fill the other's gaps on the GPU
+GPU_INSTANCES = 3  # stub processes, each with its own GIL: one's CPU work and decode fill the others' GPU gaps
 GPU_QUEUE_DELAY_US = 2000
 GPU_SHIM_FILE = "model.py"
 _GPU_SHIM_TEXT = '''"""Triton python-backend entry of the gpu profile; the model is pipeline.gpu_model (written by
@@ -976,6 +980,7 @@ def gpu_config(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
+    prep_workers: int = 1,
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -1003,6 +1008,7 @@ def gpu_config(
         gm.PARAM_DECODER: decoder,
         gm.PARAM_BATCH_SIZE: str(batch_size),
         gm.PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
+        gm.PARAM_PREP_WORKERS: str(prep_workers),
     }
     for key, value in params.items():
         config.parameters[key].string_value = value

@@ -29,6 +29,7 @@ PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the defa
 PARAM_DECODER = "decoder"
 PARAM_BATCH_SIZE = "batch_size"
 PARAM_CUDA_GRAPH = "cuda_graph"
+PARAM_PREP_WORKERS = "prep_workers"
 PARAM_MAX_BYTES = "max_bytes"
 PARAM_MAX_PIXELS = "max_pixels"
 
@@ -89,6 +90,7 @@ class TritonPythonModel:
             batch_size=int(_param(config, PARAM_BATCH_SIZE, "256")),
             device=device,
             cuda_graph=_param(config, PARAM_CUDA_GRAPH, "true").lower() == "true",
+            prep_workers=int(_param(config, PARAM_PREP_WORKERS, "1")),
         )
         self.classifier.warmup()
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
@@ -136,11 +138,16 @@ class TritonPythonModel:
                     # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
                     # isolate the bad input, whose own one-image request then carries its error text.
                     msg = failed[0] if len(bl) == 1 else f"{len(failed)} of {len(bl)} images failed; first: {failed[0]}"
-                    responses[r] = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(msg))
+                    responses[r] = pb.InferenceResponse(output_tensors=[], error=self._bad_input(msg))
                 else:
                     responses[r] = pb.InferenceResponse(output_tensors=self._tensors(raw, start, end))
                 start = end
         return responses
+
+    def _bad_input(self, msg: str):
+        """An INVALID_ARG error (not INTERNAL, which clients read as a failing server)."""
+        code = getattr(self.pb.TritonError, "INVALID_ARG", None)
+        return self.pb.TritonError(msg, code) if code is not None else self.pb.TritonError(msg)
 
     def _tensors(self, raw, start: int, end: int) -> list:
         import torch  # noqa: PLC0415 - present wherever this model runs

@@ -54,9 +54,10 @@ IMAGENET_SPEC = PreprocessSpec(
 LOG = logging.getLogger("bench_gpu")
 # In-process engine variants measured on each set.
 ENGINE_VARIANTS = {
-    "nvimgcodec": {"decoder": "nvimgcodec"},
-    "nvimgcodec_hw0.7": {"decoder": "nvimgcodec", "hw_decode_load": 0.7},
-    "torchvision": {"decoder": "torchvision"},
+    "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
+    "nvimgcodec_2workers": {"decoder": "nvimgcodec", "prep_workers": 2},
+    "torchvision": {"decoder": "torchvision", "prep_workers": 1},
+    "torchvision_2workers": {"decoder": "torchvision", "prep_workers": 2},
 }
 NOISE_SIGMA = 5.0
 QUALITY = (94, 98)
@@ -334,7 +335,7 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         build_gpu_repository(
             None, tmp, network="resnet50" if net == "resnet50" else "auto", instances=args.instances,
             batch_size=args.batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
-            queue_delay_us=args.queue_delay_us,
+            queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
@@ -454,7 +455,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=4.0, help="minimum timed seconds per measurement")
     p.add_argument("--decoder", default="auto")
-    p.add_argument("--instances", type=int, default=2, help="Triton model instances")
+    p.add_argument("--instances", type=int, default=3, help="Triton model instances")
+    p.add_argument("--prep-workers", type=int, default=1, help="preparing threads per Triton instance")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--queue-delay-us", type=int, default=2000)
     p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
@@ -520,7 +522,7 @@ def main() -> None:
                 if got:
                     row[f"engine_{label}"] = round(got[0])
                     row[f"engine_{label}_stage_ms_per_batch"] = got[1]
-                if label == "nvimgcodec":
+                if label == "nvimgcodec" and "preprocess_only" not in row:
                     pre = attempt(f"{name} preprocess", lambda: preprocess_only(clf, bench_set, args.seconds / 2))
                     row["preprocess_only"] = round(pre) if pre else pre
                 print(name, set_name, label, row.get(f"engine_{label}"), row.get(f"engine_{label}_stage_ms_per_batch"),
