@@ -136,3 +136,16 @@ def test_make_engine(default_bundle):
     assert engine.name == "onnx" and engine.top_k == 2
     assert engine.classify([]) == []
     engine.close()
+
+
+def test_engine_applies_its_decode_limits(default_bundle, photo_bytes):
+    from pipeline.preprocess import DecodeLimits
+
+    with OnnxEngine(default_bundle, limits=DecodeLimits(max_bytes=40_000, max_pixels=200_000)) as engine:
+        chelsea, coffee, astronaut = engine.classify([photo_bytes[n] for n in ("chelsea", "coffee", "astronaut")])
+    assert chelsea.status == "ok"  # 35 KB, 451x300
+    assert coffee.error.startswith("too_large: ") and "max_bytes=40000" in coffee.error  # 72 KB
+    assert astronaut.error.startswith("too_large: ")  # 68 KB
+    with OnnxEngine(default_bundle, limits=DecodeLimits(max_pixels=200_000)) as engine:
+        (astronaut,) = engine.classify([photo_bytes["astronaut"]])
+    assert astronaut.error == "too_many_pixels: 512x512 = 262144 pixels is over max_pixels=200000; raise the limit to accept it"
