@@ -157,12 +157,13 @@ class TritonServer:
         if env.get("LD_LIBRARY_PATH"):
             lib_dirs.append(env["LD_LIBRARY_PATH"])
         env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
-        paths = [str(REPO_ROOT), *sysconfig.get_paths()["purelib"].split(os.pathsep)]
-        platlib = sysconfig.get_paths()["platlib"]
-        if platlib not in paths:
-            paths.append(platlib)
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
+        # This interpreter's package folders (venv, site- and dist-packages, PYTHONPATH), in its own order.
+        package_dirs = [p for p in sys.path if p and ("site-packages" in p or "dist-packages" in p)]
+        package_dirs += [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        paths = [str(REPO_ROOT)]
+        for path in [*env.get("PYTHONPATH", "").split(os.pathsep), *package_dirs]:
+            if path and path not in paths:
+                paths.append(path)
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env[STUB_PATH_ENV] = env["PYTHONPATH"]
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
