@@ -117,3 +117,22 @@ def test_real_perf_analyzer_csv_rows_out_of_order():
     assert r["operating_point"] == {"load": 3, "img_per_s": 37.02, "p99_ms": 815.515}
     assert r["gpus_for_target"] == math.ceil(100 / (0.65 * 37.0208)) == 5
     assert r["gpus"] == 6
+
+
+def test_gpu_benchmark_json_one_curve_per_network(tmp_path):
+    path = tmp_path / "bench_gpu.json"
+    path.write_text(json.dumps({
+        "device": "H200",
+        "triton_default_imagenet_r32_c1": {"img_s": 4000, "avg_batch_images": 30.1},
+        "triton_default_imagenet_r32_c4": {"img_s": 9000, "avg_batch_images": 60.2},
+        "triton_default_imagenet_r64_c4": {"img_s": 9500, "avg_batch_images": 63.0},
+        "triton_resnet50_imagenet_r64_c4": {"img_s": 7000, "avg_batch_images": 63.0},
+    }))
+    with pytest.raises(ConfigError, match="holds 2 curves .*pick one: .*#triton_default_imagenet"):
+        size_fleet(str(path), target_rate=10_000)
+    r = size_fleet(f"{path}#triton_default_imagenet", target_rate=10_000)
+    assert [p["load"] for p in r["points"]] == [32, 128, 256]  # images in flight
+    assert r["plateau_img_per_s"] == 9500 and r["operating_point"]["load"] == 128
+    assert r["gpus"] == math.ceil(10_000 / (0.65 * 9500)) + 1 == 3
+    with pytest.raises(ConfigError, match="has no 'triton_x'"):
+        size_fleet(f"{path}#triton_x", target_rate=1)
