@@ -15,6 +15,9 @@ Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/a
        "env_vars": {"AWS_REGION": "eu-west-1"},               # the job's environment (runtime_env)
        "poll_s": 30}
 
+Why no operator from a provider: Airflow ships no maintained Ray provider (Astronomer's astro-provider-ray
+is deprecated), so the task calls Ray's own ``JobSubmissionClient``, the API ``ray job submit`` uses.
+
 Idempotence: the submission id is ``bulk-classify-nightly-<logical date>``. A retry of the task looks
 that id up first and waits on the job it finds (running, pending or succeeded) instead of starting a
 second one; only when the earlier job FAILED or was STOPPED does it submit ``...-attempt-N``, which
