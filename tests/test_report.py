@@ -147,3 +147,19 @@ def test_summarize_output_without_shards_says_what_to_do(tmp_path):
         pq.write_table(shard([ok("x", "tabby")]), tmp_path / day / "part-0.parquet")
     with pytest.raises(OutputError, match=r"holds run folders: date=2026-11-27, date=2026-11-28; give one of them"):
         summarize_output(str(tmp_path))
+
+
+def test_cli_report_prints_the_summary(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    def put(path, data):
+        (tmp_path / path.rsplit("/", 1)[-1]).write_bytes(data)
+
+    write_output(put, str(tmp_path), complete=True)
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert ": complete" in result.output and "tabby" in result.output and "decode_error" in result.output
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "nothing")])
+    assert result.exit_code != 0 and "holds no part-*.parquet shard" in result.output

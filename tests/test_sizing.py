@@ -136,3 +136,18 @@ def test_gpu_benchmark_json_one_curve_per_network(tmp_path):
     assert r["gpus"] == math.ceil(10_000 / (0.65 * 9500)) + 1 == 3
     with pytest.raises(ConfigError, match="has no 'triton_x'"):
         size_fleet(f"{path}#triton_x", target_rate=1)
+
+
+def test_cli_size_prints_the_fleet():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    curve = Path(__file__).parent / "data" / "perf_analyzer_portable_cpu_b8.csv"
+    result = CliRunner().invoke(main, ["size", str(curve), "--target-rate", "100"])
+    assert result.exit_code == 0, result.output
+    assert "5 GPU(s) + 1 spare = 6 GPU(s)" in result.output
+    result = CliRunner().invoke(main, ["size", str(curve), "--target-rate", "-1"])
+    assert result.exit_code != 0 and "--target-rate" in result.output
