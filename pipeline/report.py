@@ -119,8 +119,8 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
     parts = sorted(p for p in names if p.rsplit("/", 1)[-1].startswith(PART_PREFIX) and p.endswith(".parquet"))
     if not parts:
-        runs = sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names
-                      if fs.isdir(n) and any(p.rsplit("/", 1)[-1].startswith(PART_PREFIX) for p in fs.ls(n, detail=False)))
+        runs = sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names if fs.isdir(n) and any(
+            p.rsplit("/", 1)[-1].startswith(PART_PREFIX) for p in fs.ls(n, detail=False)))
         inside = f" (it holds run folders: {', '.join(runs[-3:])}; give one of them)" if runs else ""
         raise OutputError(f"{dest!r} holds no part-*.parquet shard; point 'report' at a run's --output folder{inside}")
 

@@ -74,7 +74,8 @@ class LocalRayCluster:
                 return
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"Ray job API at {self.address} not up in {timeout_s} s; see {self.temp_dir}/session_latest/logs")
+        raise RuntimeError(f"Ray job API at {self.address} not up in {timeout_s} s; "
+                           f"see {self.temp_dir}/session_latest/logs")
 
     def client(self):
         """A JobSubmissionClient of this cluster, its token passed explicitly."""
