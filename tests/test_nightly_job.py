@@ -97,8 +97,13 @@ def test_missing_required_options_say_how_to_fix(tmp_path):
 
 
 def test_example_config_is_valid():
+    from pipeline.config import RunConfig
+
     opts = ns.load_options_file(str(REPO / "jobs" / "nightly.example.yaml"))
     assert opts["source"].startswith("s3://") and opts["output_root"].startswith("s3://")
+    run_opts = {k: v for k, v in opts.items() if k not in ns.NIGHTLY_KEYS}
+    config = RunConfig.build({**run_opts, "source": opts["source"], "output": "s3://x/date=2026-11-29"}, env={})
+    assert config.engine == "triton" and config.num_gpus_per_actor == 1
 
 
 # --- real `ray job submit` against a real local Ray cluster and moto S3 ---------------------------------
