@@ -531,7 +531,9 @@ class GpuClassifier:
         self._graphs: dict[int, tuple] = {}
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.prep_workers = max(1, prep_workers) if pipeline else 1
-        self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-prep") if pipeline else None
+        # Two stages ahead of the network: decode thread(s), then one resize thread, each on its own stream.
+        self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-decode") if pipeline else None
+        self._resize_pool = ThreadPoolExecutor(1, thread_name_prefix="gpu-resize") if pipeline else None
         self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(8, os.cpu_count() or 1), "gpu-pil")
         self._lock = threading.Lock()
         self.times = StageTimes()
@@ -567,6 +569,7 @@ class GpuClassifier:
     def close(self) -> None:
         if self._prep_pool:
             self._prep_pool.shutdown(wait=True)
+            self._resize_pool.shutdown(wait=True)
         self._cpu_pool.shutdown(wait=True)
         self._graphs.clear()
 
@@ -592,15 +595,19 @@ class GpuClassifier:
         pending: list = []  # (chunk, ids_host, scores_host, done_event)
         net_s = 0.0
         futures = []
-        ahead = self.prep_workers + 1  # batches prepared ahead of the network: hides decode, bounds memory
+        ahead = self.prep_workers + 2  # batches in the decode and resize stages: hides them, bounds memory
+
+        def submit(c):
+            return self._resize_pool.submit(self._resize_after, c, self._prep_pool.submit(self._decode_stage, c))
+
         if self._prep_pool:
             for c in chunks[:ahead]:
-                futures.append(self._prep_pool.submit(self._prepare, c))
+                futures.append(submit(c))
         for ci, chunk in enumerate(chunks):
             if self._prep_pool:
                 futures[ci].result()
                 if ci + ahead < len(chunks):
-                    futures.append(self._prep_pool.submit(self._prepare, chunks[ci + ahead]))
+                    futures.append(submit(chunks[ci + ahead]))
             else:
                 self._prepare(chunk)
             tn = time.perf_counter()
@@ -639,18 +646,24 @@ class GpuClassifier:
         w, h = info.upright_size
         return _Item(index, data, info if (info.gpu_decodable and self.decoder) else None, w, h)
 
-    def _thread_state(self):
-        """This thread's preparation stream and decoder (decoders are not shared between threads)."""
+    def _thread_stream(self):
         local = self._local
         if not hasattr(local, "stream"):
             # High priority: the short decode/resize kernels go ahead of the network's queued ones, so the
             # next batch is ready when the network finishes this one.
             local.stream = self._torch.cuda.Stream(self.device, priority=-1) if self.is_cuda else None
+        return local.stream
+
+    def _thread_state(self):
+        """This thread's preparation stream and decoder (decoders are not shared between threads)."""
+        local = self._local
+        stream = self._thread_stream()
+        if not hasattr(local, "decoder"):
             with self._state_lock:
                 first = not getattr(self, "_decoder_taken", False)
                 self._decoder_taken = True
             local.decoder = self.decoder if first else _make_decoder(*self._decoder_args)
-        return local.stream, local.decoder
+        return stream, local.decoder
 
     def _stream_ctx(self, stream):
         return self._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -661,7 +674,15 @@ class GpuClassifier:
         return np.array(img, dtype=np.uint8)  # writable: torch.from_numpy wants it
 
     def _prepare(self, chunk: _Chunk) -> None:
-        """Decode + pack + resize + normalise one chunk on the preprocessing stream; records ``chunk.ready``."""
+        """Decode, then pack + resize + normalise one chunk in this thread (no pipelining)."""
+        self._resize_stage(chunk, self._decode_stage(chunk))
+
+    def _resize_after(self, chunk: _Chunk, decoding) -> None:
+        """The resize stage of a chunk whose decode runs (or ran) in the decode thread(s)."""
+        self._resize_stage(chunk, decoding.result())
+
+    def _decode_stage(self, chunk: _Chunk):
+        """GPU decode (Pillow for the rest) on this thread's stream; returns (decoded, on_gpu, event)."""
         torch = self._torch
         t0 = time.perf_counter()
         stream, decoder = self._thread_state()
@@ -686,7 +707,22 @@ class GpuClassifier:
                     arr = arr.permute(2, 0, 1)
                 it.width, it.height = int(res.shape[1]), int(res.shape[0])
                 decoded[it.index] = arr
-            t1 = time.perf_counter()
+            event = None
+            if self.is_cuda:
+                event = torch.cuda.Event()
+                event.record(stream)
+        chunk.decode_s = time.perf_counter() - t0
+        return decoded, on_gpu, event
+
+    def _resize_stage(self, chunk: _Chunk, decoding) -> None:
+        """Pack + resize + crop + normalise decoded images on this thread's stream; records ``chunk.ready``."""
+        torch = self._torch
+        decoded, on_gpu, event = decoding
+        t1 = time.perf_counter()
+        stream = self._thread_stream()
+        with self._stream_ctx(stream):
+            if event is not None:
+                stream.wait_event(event)
             tensors, sizes = [], []
             for pos, it in enumerate(chunk.items):
                 img = decoded.get(it.index)
@@ -706,14 +742,13 @@ class GpuClassifier:
                 tensors.append(img.contiguous())
                 sizes.append((h, w))
                 it.width, it.height = w, h
-            chunk.keep = tensors
+            chunk.keep = [decoded, tensors]  # alive until the network has read this chunk
             if tensors:
                 chunk.inputs = self._preprocess(tensors, np.asarray(sizes, dtype=np.int64))
             if self.is_cuda:
                 chunk.ready = torch.cuda.Event()
                 chunk.ready.record(stream)
-            chunk.decode_s = t1 - t0
-            chunk.preprocess_s = time.perf_counter() - t1
+        chunk.preprocess_s = time.perf_counter() - t1
 
     def _safe_pil(self, item: _Item):
         try:
@@ -913,10 +948,13 @@ class GpuEngine:
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.torch_models import load_network  # noqa: PLC0415 - needs torch
+        from pipeline.torch_models import default_network, load_network  # noqa: PLC0415 - needs torch
 
         network = options.pop("network", None)
         if network is None or isinstance(network, str):
+            if "half" not in options and default_network(bundle, network):
+                # FP32 for the default model: it is decode-bound, and FP16 flips its near-ties (GPU_NOTES.md).
+                options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
         self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)

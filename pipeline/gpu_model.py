@@ -30,6 +30,7 @@ PARAM_DECODER = "decoder"
 PARAM_BATCH_SIZE = "batch_size"
 PARAM_CUDA_GRAPH = "cuda_graph"
 PARAM_PREP_WORKERS = "prep_workers"
+PARAM_HALF = "half"  # "auto": FP32 for the default model (decode-bound; parity), FP16 otherwise
 PARAM_MAX_BYTES = "max_bytes"
 PARAM_MAX_PIXELS = "max_pixels"
 
@@ -65,7 +66,7 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
         from pipeline.engine_gpu import GpuClassifier  # noqa: PLC0415
-        from pipeline.torch_models import load_network  # noqa: PLC0415
+        from pipeline.torch_models import default_network, load_network  # noqa: PLC0415
 
         self.pb = pb_utils
         config = json.loads(args["model_config"])
@@ -76,7 +77,11 @@ class TritonPythonModel:
         self.has_error = tn.OUTPUT_ERROR in outputs
         kind = args.get("model_instance_kind", "GPU")
         device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if kind == "GPU" else "cpu"
-        network = load_network(_FolderBundle(folder, spec, 1000), _param(config, PARAM_NETWORK, "auto"))
+        bundle = _FolderBundle(folder, spec, 1000)
+        net_name = _param(config, PARAM_NETWORK, "auto")
+        half = _param(config, PARAM_HALF, "auto").lower()
+        half = (not default_network(bundle, net_name)) if half == "auto" else half == "true"
+        network = load_network(bundle, net_name)
         self.limits = DecodeLimits(
             max_bytes=int(_param(config, PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
             max_pixels=int(_param(config, PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
@@ -91,6 +96,7 @@ class TritonPythonModel:
             device=device,
             cuda_graph=_param(config, PARAM_CUDA_GRAPH, "true").lower() == "true",
             prep_workers=int(_param(config, PARAM_PREP_WORKERS, "1")),
+            half=half,
         )
         self.classifier.warmup()
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
