@@ -118,7 +118,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                 if rec["decode_s"] is not None:
                     stage["decode_s"] += rec["decode_s"]
                     decode_known = True
-                metrics.add_rows(ok=rec["ok"], error=rec["errors"], engine_calls=int(round(rec["engine_calls"])))
+                metrics.add_rows(ok=rec["ok"], error=rec["errors"], engine_calls=int(round(rec["engine_calls"])),
+                                 carried=rec["carried"])
             listed, _, _ = ray.get(counter.get.remote())
             metrics.set_listed(listed)
             if progress is not None:
