@@ -117,6 +117,12 @@ class TreeSampler:
     max_procs: int = 0
     samples: int = 0
     names: set[str] = field(default_factory=set)
+    cpu_s: dict[int, float] = field(default_factory=dict)  # last user+sys seconds seen per process
+
+    @property
+    def cpu_total_s(self) -> float:
+        """CPU seconds of the tree (each process as last sampled: up to one interval short per process)."""
+        return sum(self.cpu_s.values())
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -147,6 +153,8 @@ class TreeSampler:
                 total[key] += mem[key]
             try:
                 self.names.add(proc.name())
+                times = proc.cpu_times()
+                self.cpu_s[proc.pid] = times.user + times.system
             except psutil.Error:
                 pass
         if not alive:
@@ -244,14 +252,15 @@ def main() -> None:
     base = rows[0][3].peak["pss"]
     print()
     print("Peak memory of the process tree (CLI driver + all descendants: raylet, gcs, workers, actors)")
-    print(f"{'images':>7} {'wall s':>7} {'job s':>7} {'img/s':>7} {'PSS MiB':>8} {'shm MiB':>8} "
+    print(f"{'images':>7} {'wall s':>7} {'job s':>7} {'img/s':>7} {'CPU s':>7} {'PSS MiB':>8} {'shm MiB':>8} "
           f"{'RSS MiB':>8} {'USS MiB':>8} {'procs':>5} {'PSS ratio':>9}")
     for n, wall, job_s, s in rows:
-        print(f"{n:>7} {wall:>7.1f} {job_s:>7.1f} {n / wall:>7.1f} {s.peak['pss'] / MIB:>8.0f} "
+        print(f"{n:>7} {wall:>7.1f} {job_s:>7.1f} {n / wall:>7.1f} {s.cpu_total_s:>7.0f} {s.peak['pss'] / MIB:>8.0f} "
               f"{s.peak_pss_shm / MIB:>8.0f} {s.peak['rss'] / MIB:>8.0f} {s.peak['uss'] / MIB:>8.0f} "
               f"{s.max_procs:>5} {s.peak['pss'] / base:>9.2f}")
     print("wall s: the CLI subprocess, Ray start and stop included; job s: elapsed_s of _REPORT.json; "
-          "img/s = images / wall s.")
+          "img/s = images / wall s; "
+          "CPU s: user+sys seconds of the whole tree.")
     print("PSS: summed proportional set size, shared pages (incl. Ray's /dev/shm object store) counted once; "
           "shm: the object-store (shared memory) part of the peak PSS sample; RSS overcounts shared pages, "
           "USS leaves them out.")

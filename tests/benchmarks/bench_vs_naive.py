@@ -1,8 +1,8 @@
 """Benchmark: our job against a naive Ray Data pipeline (read_images + map_batches + write_parquet), same images.
 
 Usage:
-    python tests/benchmarks/bench_vs_naive.py [--images 800] [--rounds 2] [--batch-size 64] [--naive-actors 1]
-        [--workdir DIR]
+    python tests/benchmarks/bench_vs_naive.py [--images 800] [--size 500x375] [--rounds 2] [--batch-size 64]
+        [--naive-actors 1] [--ours-args "--decode-threads 1"] [--tiny 16] [--workdir DIR]
 
 Images: ~500x375 JPEGs (quality 90; every fourth one portrait 375x500) cut from the committed photos
 (tests/data/photos) by seeded crops and scales, so both pipelines read the same realistic files.
@@ -21,7 +21,9 @@ all the machine's CPUs (same ``num_cpus`` for both):
 Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
 _REPORT.json; naive: ray.init to the end of write_parquet, the same span), img/s, peak PSS of the process tree
 (see bench_streaming.py), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
-Top-1 agreement between the two outputs is printed too: they must do the same work.
+Top-1 agreement between the two outputs is printed too: they must do the same work. ``--tiny N`` adds one run
+per side on N images to split the fixed start-up cost (Ray, workers, model load) from the per-image rate;
+``--size`` makes bigger images (decode weighs more); ``--ours-args`` passes options to our side only (tuning).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -54,8 +57,9 @@ JPEG_QUALITY = 90
 GOAL_RATIO = 2.0
 
 
-def make_images(root: Path, count: int) -> None:
-    """``count`` JPEGs of ~500x375 cut from the committed photos; image i depends only on i."""
+def make_images(root: Path, count: int, size: tuple[int, int] = LANDSCAPE) -> None:
+    """``count`` JPEGs of ``size`` (every fourth one portrait) cut from the committed photos; image i depends only
+    on i."""
     photos = [Image.open(p).convert("RGB") for p in sorted(PHOTOS.glob("*.jpg"))]
     if not photos:
         raise SystemExit(f"no photos in {PHOTOS}; run tests/data/make_photos.py")
@@ -66,7 +70,7 @@ def make_images(root: Path, count: int) -> None:
             continue
         rng = np.random.default_rng(1000 + i)
         src = photos[i % len(photos)]
-        out_w, out_h = LANDSCAPE if i % 4 else LANDSCAPE[::-1]
+        out_w, out_h = size if i % 4 else size[::-1]
         aspect = out_w / out_h
         # The largest box of the output's aspect that fits, scaled by 60-100%, at a random position.
         box_w = min(src.width, src.height * aspect) * rng.uniform(0.6, 1.0)
@@ -136,12 +140,33 @@ def top1(dest: Path, path_col: str) -> dict[str, int]:
                                                           table.column("class_ids").to_pylist())}
 
 
+def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """One measured subprocess run of ``side`` ("ours" or "naive") over ``src``; its times and memory."""
+    shutil.rmtree(dest, ignore_errors=True)
+    if side == "ours":
+        cmd = [cli_path(), "run", str(src), "--output", str(dest), "--quiet",
+               "--batch-size", str(args.batch_size), "--top-k", str(args.top_k), *shlex.split(args.ours_args)]
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
+               "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
+               "--top-k", str(args.top_k)]
+    wall, sampler, _ = run_measured(cmd, env, args.interval_s)
+    info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
+    return {"side": side, "wall": wall, "job": json.loads(info.read_text())["elapsed_s"],
+            "cpu": sampler.cpu_total_s, "pss": sampler.peak["pss"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=800, help="how many ~500x375 JPEGs (default 800)")
+    parser.add_argument("--images", type=int, default=800, help="how many JPEGs (default 800)")
+    parser.add_argument("--size", default="500x375", help="landscape WxH of the JPEGs (default 500x375)")
     parser.add_argument("--rounds", type=int, default=2, help="A,B rounds, interleaved (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per model call, both sides (default 64)")
     parser.add_argument("--naive-actors", type=int, default=1, help="actors of the naive pipeline (default 1)")
+    parser.add_argument("--ours-args", default="", help="extra 'bulk-classify run' options for our side, quoted")
+    parser.add_argument("--tiny", type=int, default=0,
+                        help="also run each side once on this many images (e.g. 16) to split fixed start-up cost "
+                             "from the per-image rate (default 0: off)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--interval-s", type=float, default=0.2, help="memory sampling period (default 0.2 s)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
@@ -150,35 +175,38 @@ def main() -> None:
     if args.naive:
         naive_main(*args.naive, args.batch_size, args.naive_actors, args.top_k)
         return
+    try:
+        size = tuple(int(v) for v in args.size.lower().split("x"))
+        assert len(size) == 2 and min(size) >= 224
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--size {args.size!r} must be WIDTHxHEIGHT, both at least 224, e.g. 500x375") from None
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vs-naive-"))
     ray_tmp = Path(tempfile.mkdtemp(prefix="bcb", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
-    src = workdir / f"src-{args.images}"
+    env = ray_env(ray_tmp)
+    src = workdir / f"src-{size[0]}x{size[1]}-{args.images}"
     t0 = time.perf_counter()
-    make_images(src, args.images)
+    make_images(src, args.images, size)
     size_mb = sum(p.stat().st_size for p in src.iterdir()) / 1e6
-    print(f"{args.images} JPEGs (~500x375, {size_mb:.1f} MB) in {src} ({time.perf_counter() - t0:.1f}s); "
-          f"{os.cpu_count()} CPUs; batch size {args.batch_size}; naive actors {args.naive_actors}", flush=True)
+    print(f"{args.images} JPEGs ({size[0]}x{size[1]}, {size_mb:.1f} MB) in {src} ({time.perf_counter() - t0:.1f}s); "
+          f"{os.cpu_count()} CPUs; batch size {args.batch_size}; naive actors {args.naive_actors}; "
+          f"ours extra options: {args.ours_args or '-'}", flush=True)
 
-    runs: list[tuple[str, int, float, float, int]] = []
+    runs: list[dict] = []
+    tiny: dict[str, dict] = {}
     try:
         for r in range(args.rounds):
             for side in ("ours", "naive"):
-                dest = workdir / f"out-{side}-{r}"
-                shutil.rmtree(dest, ignore_errors=True)
-                if side == "ours":
-                    cmd = [cli_path(), "run", str(src), "--output", str(dest), "--quiet",
-                           "--batch-size", str(args.batch_size), "--top-k", str(args.top_k)]
-                else:
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
-                           "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
-                           "--top-k", str(args.top_k)]
-                wall, sampler, _ = run_measured(cmd, ray_env(ray_tmp), args.interval_s)
-                info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
-                job_s = json.loads(info.read_text())["elapsed_s"]
-                runs.append((side, r, wall, job_s, sampler.peak["pss"]))
-                print(f"  round {r} {side:>5}: wall {wall:6.1f}s job {job_s:6.1f}s "
-                      f"{args.images / job_s:6.1f} img/s, peak PSS {sampler.peak['pss'] / MIB:.0f} MiB", flush=True)
+                run = run_side(side, src, workdir / f"out-{side}-{r}", args, env)
+                runs.append({**run, "round": r})
+                print(f"  round {r} {side:>5}: wall {run['wall']:6.1f}s job {run['job']:6.1f}s CPU {run['cpu']:6.1f}s "
+                      f"{args.images / run['job']:6.1f} img/s, peak PSS {run['pss'] / MIB:.0f} MiB", flush=True)
+        if args.tiny:
+            tiny_src = workdir / f"src-{size[0]}x{size[1]}-{args.tiny}"
+            make_images(tiny_src, args.tiny, size)
+            for side in ("ours", "naive"):
+                tiny[side] = run_side(side, tiny_src, workdir / f"out-{side}-tiny", args, env)
+                print(f"  tiny ({args.tiny} images) {side:>5}: job {tiny[side]['job']:6.1f}s", flush=True)
         ours_top1 = top1(workdir / "out-ours-0", "uri")
         naive_top1 = top1(workdir / "out-naive-0", "path")
     finally:
@@ -188,19 +216,28 @@ def main() -> None:
     agree = sum(ours_top1[k] == naive_top1.get(k) for k in ours_top1) / len(ours_top1)
 
     print()
-    print(f"{'run':>10} {'round':>5} {'wall s':>7} {'job s':>7} {'img/s':>7} {'peak PSS MiB':>12}")
-    for side, r, wall, job_s, pss in runs:
-        print(f"{side:>10} {r:>5} {wall:>7.1f} {job_s:>7.1f} {args.images / job_s:>7.1f} {pss / MIB:>12.0f}")
-    med = {side: (statistics.median(w for s, _, w, _, _ in runs if s == side),
-                  statistics.median(j for s, _, _, j, _ in runs if s == side)) for side in ("ours", "naive")}
+    print(f"{'run':>12} {'round':>5} {'wall s':>7} {'job s':>7} {'img/s':>7} {'CPU s':>7} {'peak PSS MiB':>12}")
+    for run in runs:
+        print(f"{run['side']:>12} {run['round']:>5} {run['wall']:>7.1f} {run['job']:>7.1f} "
+              f"{args.images / run['job']:>7.1f} {run['cpu']:>7.1f} {run['pss'] / MIB:>12.0f}")
+    med = {side: {k: statistics.median(run[k] for run in runs if run["side"] == side) for k in ("wall", "job", "cpu")}
+           for side in ("ours", "naive")}
     for side in ("ours", "naive"):
-        print(f"{side + ' median':>10} {'':>5} {med[side][0]:>7.1f} {med[side][1]:>7.1f} "
-              f"{args.images / med[side][1]:>7.1f}")
-    wall_ratio = med["naive"][0] / med["ours"][0]
-    job_ratio = med["naive"][1] / med["ours"][1]
-    verdict = "meets" if job_ratio >= GOAL_RATIO else "MISSES"
-    print(f"speed-up ours vs naive (naive time / ours time, medians): job {job_ratio:.2f}x, wall {wall_ratio:.2f}x "
-          f"({verdict} the >= {GOAL_RATIO}x goal); top-1 agreement {agree:.1%}")
+        m = med[side]
+        print(f"{side + ' median':>12} {'':>5} {m['wall']:>7.1f} {m['job']:>7.1f} {args.images / m['job']:>7.1f} "
+              f"{m['cpu']:>7.1f}")
+    ratio = {k: med["naive"][k] / med["ours"][k] for k in ("wall", "job", "cpu")}
+    verdict = "meets" if ratio["job"] >= GOAL_RATIO else "MISSES"
+    print(f"speed-up ours vs naive (naive time / ours time, medians): job {ratio['job']:.2f}x, wall "
+          f"{ratio['wall']:.2f}x ({verdict} the >= {GOAL_RATIO}x goal); CPU seconds naive/ours {ratio['cpu']:.2f}x; "
+          f"top-1 agreement {agree:.1%}")
+    if tiny:
+        # Fixed cost = the tiny run's job time; per-image rate = the rest of the images over the rest of the time.
+        marginal = {side: (args.images - args.tiny) / max(1e-9, med[side]["job"] - tiny[side]["job"])
+                    for side in ("ours", "naive")}
+        print(f"fixed start-up (job s of {args.tiny} images): ours {tiny['ours']['job']:.1f}s, naive "
+              f"{tiny['naive']['job']:.1f}s; per-image rate past start-up: ours {marginal['ours']:.1f} img/s, "
+              f"naive {marginal['naive']:.1f} img/s, ratio {marginal['ours'] / marginal['naive']:.2f}x")
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 
