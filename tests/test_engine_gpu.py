@@ -1,0 +1,319 @@
+"""The gpu engine: its CPU logic (JPEG header triage, Pillow-exact resampling, grouping, the Triton profile) always;
+its torch code on the CPU where torch is installed; the real thing on a GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import tensor_names as tn
+from pipeline.default_model import DEFAULT_SPEC
+from pipeline.engine_gpu import (
+    _area_groups,
+    build_gpu_repository,
+    crop_boxes,
+    gpu_config,
+    parse_jpeg_header,
+    resample_coefficients,
+)
+from pipeline.errors import ImageError
+from pipeline.preprocess import PreprocessSpec, load_and_preprocess
+from pipeline.repo import check_repository
+
+PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
+FILTERS = ("nearest", "bilinear", "bicubic", "lanczos")
+_PIL = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
+
+
+def _jpeg(img: Image.Image, **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **save)
+    return buf.getvalue()
+
+
+def _photo(name: str = "chelsea") -> Image.Image:
+    return Image.open(PHOTOS / f"{name}.jpg").convert("RGB")
+
+
+# ---- JPEG header triage -----------------------------------------------------------------------------------
+
+
+def test_header_reads_size_and_process_without_decoding():
+    img = _photo()
+    info = parse_jpeg_header(_jpeg(img, quality=90))
+    assert (info.width, info.height, info.components, info.precision) == (img.width, img.height, 3, 8)
+    assert info.process == "baseline" and info.orientation == 1 and info.complete and info.gpu_decodable
+    prog = parse_jpeg_header(_jpeg(img, progressive=True))
+    assert prog.process == "progressive" and prog.gpu_decodable
+    gray = parse_jpeg_header(_jpeg(img.convert("L")))
+    assert gray.components == 1 and gray.gpu_decodable
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_header_reads_exif_orientation_and_upright_size(orientation):
+    img = _photo()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    info = parse_jpeg_header(_jpeg(img, exif=exif.tobytes()))
+    assert info.orientation == orientation
+    upright = Image.open(io.BytesIO(_jpeg(img, exif=exif.tobytes())))
+    from PIL import ImageOps
+
+    assert info.upright_size == ImageOps.exif_transpose(upright).size
+
+
+def test_header_routes_what_nvjpeg_cannot_take_to_pillow():
+    img = _photo()
+    cmyk = parse_jpeg_header(_jpeg(img.convert("CMYK")))
+    assert cmyk.components == 4 and not cmyk.gpu_decodable
+    data = _jpeg(img)
+    assert not parse_jpeg_header(data[:-2]).gpu_decodable  # no EOI: Pillow gives the authoritative verdict
+    assert not parse_jpeg_header(data + b"trailing").complete
+
+
+def test_header_rejects_non_jpeg_and_cut_headers():
+    assert parse_jpeg_header(b"\x89PNG\r\n\x1a\n....") is None
+    assert parse_jpeg_header(b"") is None
+    with pytest.raises(ImageError, match="^decode_error: truncated JPEG"):
+        parse_jpeg_header(_jpeg(_photo())[:60])
+    with pytest.raises(ImageError, match="^decode_error: corrupt JPEG header"):
+        parse_jpeg_header(b"\xff\xd8\x00\x00\x00\x00")
+
+
+# ---- Pillow-exact resampling ------------------------------------------------------------------------------
+
+
+def _apply(src: np.ndarray, starts: np.ndarray, weights: np.ndarray, axis: int) -> np.ndarray:
+    """Applies coefficients along one axis of an HWC float image (for one image: starts[0], weights[0])."""
+    src = np.moveaxis(src, axis, 0)
+    out = np.zeros((weights.shape[1],) + src.shape[1:])
+    for j in range(weights.shape[1]):
+        for k in range(weights.shape[2]):
+            idx = min(starts[0, j] + k, src.shape[0] - 1)
+            out[j] += weights[0, j, k] * src[idx]
+    return np.moveaxis(out, 0, axis)
+
+
+@pytest.mark.parametrize("interpolation", FILTERS)
+def test_coefficients_reproduce_pillows_resize_with_box(interpolation):
+    img = _photo("coffee")
+    w, h = img.size
+    spec = PreprocessSpec(resize_shorter=256, interpolation=interpolation, crop=(224, 200),
+                          antialias=interpolation != "nearest")
+    left, top, bw, bh = (float(v[0]) for v in crop_boxes(np.array([w]), np.array([h]), spec))
+    ref = np.asarray(img.resize((200, 224), _PIL[interpolation], box=(left, top, left + bw, top + bh)), np.float64)
+    sx, wx = resample_coefficients(np.array([w]), np.array([left]), np.array([bw]), 200, interpolation)
+    sy, wy = resample_coefficients(np.array([h]), np.array([top]), np.array([bh]), 224, interpolation)
+    src = np.asarray(img, np.float64)
+    # Pillow's order: horizontal pass, rounded to 8 bits, then vertical.
+    mid = np.clip(np.round(_apply(src, sx, wx, axis=1)), 0, 255)
+    got = np.clip(np.round(_apply(mid, sy, wy, axis=0)), 0, 255)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() <= 1.0  # Pillow's fixed-point coefficients round a few values the other way
+    assert np.abs(got - ref).mean() < 0.05
+
+
+def test_coefficients_widen_the_kernel_when_downscaling_and_sum_to_one():
+    starts, weights = resample_coefficients(np.array([1000, 100]), np.zeros(2), np.array([1000.0, 100.0]), 100,
+                                            "bilinear")
+    assert weights.shape[2] == 2 * 10 + 1  # support 1 x factor 10, both sides, + 1
+    assert np.allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert (weights[1, :, 3:] == 0).all()  # the 1:1 image needs no wide kernel
+    assert starts.dtype == np.int64 and (starts >= 0).all()
+
+
+def test_crop_boxes_match_the_reference_geometry():
+    left, top, bw, bh = crop_boxes(np.array([500, 375]), np.array([375, 500]), DEFAULT_SPEC)
+    assert np.allclose(bw, 224 * 375 / 256) and np.allclose(bh, 224 * 375 / 256)
+    assert np.allclose(left, [(500 - bw[0]) / 2, (375 - bw[1]) / 2])
+    assert np.allclose(top, [(375 - bh[0]) / 2, (500 - bh[1]) / 2])
+
+
+def test_area_groups_bound_the_padded_buffer():
+    sizes = np.array([[375, 500]] * 10 + [[4000, 3000]])
+    assert _area_groups(sizes[:10], 10 * 375 * 500) == [list(range(10))]
+    groups = _area_groups(sizes, 12 * 375 * 500)
+    assert sorted(i for g in groups for i in g) == list(range(11))
+    for g in groups:
+        sub = sizes[g]
+        assert len(g) == 1 or len(g) * sub[:, 0].max() * sub[:, 1].max() <= 12 * 375 * 500
+
+
+# ---- the Triton profile -----------------------------------------------------------------------------------
+
+
+def test_gpu_config_is_the_contract_with_a_ragged_image_input():
+    text = gpu_config(top_k=3, instances=2, batch_size=128, error_output=True)
+    assert "allow_ragged_batch: true" in text and "KIND_GPU" in text and "dims: 3" in text
+    assert f'name: "{tn.OUTPUT_ERROR}"' in text
+    assert f'name: "{tn.OUTPUT_ERROR}"' not in gpu_config(error_output=False)
+
+
+def test_built_gpu_repository_passes_the_repository_check(tmp_path):
+    out = build_gpu_repository(None, tmp_path / "repo", error_output=True)
+    assert check_repository(out) == [tn.MODEL_NAME]
+    version = out / tn.MODEL_NAME / "1"
+    assert PreprocessSpec.from_json((version / "preprocess.json").read_text()) == DEFAULT_SPEC
+    assert "from pipeline.gpu_model import TritonPythonModel" in (version / "model.py").read_text()
+
+
+def test_committed_gpu_profile_passes_the_repository_check():
+    repo = Path(__file__).resolve().parents[1] / "model_repository" / "gpu"
+    assert check_repository(repo) == [tn.MODEL_NAME]
+
+
+def test_gpu_repository_refuses_an_onnx_only_model(tmp_path):
+    from pipeline.errors import EngineError
+    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["input"], ["flat"]), helper.make_node("Slice", ["flat", "s", "e"], ["logits"])],
+        "tiny",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 2])],
+        [helper.make_tensor("s", TensorProto.INT64, [1], [0]), helper.make_tensor("e", TensorProto.INT64, [1], [2])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / MODEL_FILE)
+    (folder / LABELS_FILE).write_text("a\nb\n")
+    (folder / SPEC_FILE).write_text(DEFAULT_SPEC.to_json())
+    with pytest.raises(EngineError, match="has no model.torchscript"):
+        build_gpu_repository(str(folder), tmp_path / "repo")
+
+
+# ---- torch code on the CPU (skipped where torch is not installed) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    pytest.importorskip("torch")
+    from pipeline.default_model import load_checkpoint
+    from pipeline.torch_models import efficientnet_lite0
+
+    return efficientnet_lite0(load_checkpoint())
+
+
+def _inputs() -> list[bytes]:
+    datas = [p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))]
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    datas.append(_jpeg(_photo(), exif=exif.tobytes()))
+    buf = io.BytesIO()
+    _photo("rocket").save(buf, "PNG")
+    datas.append(buf.getvalue())
+    return datas
+
+
+@pytest.mark.parametrize("decoder", ["pil", "torchvision"])
+def test_torch_resize_matches_the_reference_preprocessing(lite0, decoder):
+    if decoder == "torchvision":
+        pytest.importorskip("torchvision")
+    from pipeline.engine_gpu import GpuClassifier, _Chunk
+
+    clf = GpuClassifier(lite0, DEFAULT_SPEC, decoder=decoder, device="cpu", pipeline=False, batch_size=32)
+    datas = _inputs()
+    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    clf._prepare(chunk)
+    assert len(chunk.ok) == len(datas) and not chunk.errors
+    for row, pos in enumerate(chunk.ok):
+        item = chunk.items[pos]
+        ref, width, height = load_and_preprocess(item.data, DEFAULT_SPEC)
+        got = chunk.inputs[row].float().numpy()
+        levels = np.abs(got - ref) * np.array(DEFAULT_SPEC.std)[:, None, None]
+        assert (item.width, item.height) == (width, height)
+        assert levels.max() <= 3.0 and levels.mean() < 0.25  # rounding of two 8-bit passes, both sides
+    clf.close()
+
+
+def test_torch_coefficients_equal_the_numpy_ones():
+    torch = pytest.importorskip("torch")
+    from pipeline.engine_gpu import resample_coefficients_torch
+
+    sizes, starts, lengths = np.array([500, 375, 90]), np.array([10.5, 0.0, 3.25]), np.array([420.0, 375.0, 80.0])
+    for interpolation in FILTERS:
+        s_np, w_np = resample_coefficients(sizes, starts, lengths, 224, interpolation)
+        s_t, w_t = resample_coefficients_torch(sizes, starts, lengths, 224, interpolation, torch.device("cpu"))
+        assert np.array_equal(s_np, s_t.numpy())
+        assert np.allclose(w_np, w_t.numpy(), atol=1e-6)
+
+
+def test_lite0_torch_module_equals_the_onnx_graph(lite0):
+    torch = pytest.importorskip("torch")
+    from pipeline.model import load_model
+    import onnxruntime as ort
+
+    bundle = load_model(None)
+    sess = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 224, 224)).astype(np.float32)
+    ref = sess.run([bundle.output_name], {bundle.input_name: x})[0]
+    with torch.no_grad():
+        got = lite0(torch.from_numpy(x)).numpy()
+    assert np.abs(got - ref).max() < 1e-3
+
+
+def test_engine_isolates_bad_images_and_keeps_order(lite0):
+    from pipeline.engine_gpu import GpuClassifier
+
+    clf = GpuClassifier(lite0, DEFAULT_SPEC, decoder="pil", device="cpu", batch_size=4, prep_workers=2)
+    good = _inputs()[:5]
+    datas = [good[0], b"", good[1][: len(good[1]) // 2], good[2], b"not an image", good[3], good[4]]
+    raw = clf.classify(datas)
+    assert raw.errors[1].startswith("empty: ") and raw.errors[2].startswith("decode_error: ")
+    assert raw.errors[4].startswith("unsupported: ")
+    alone = clf.classify([good[0], good[1], good[2], good[3], good[4]])
+    for i, j in ((0, 0), (3, 2), (5, 3), (6, 4)):
+        assert raw.errors[i] == "" and raw.class_ids[i, 0] == alone.class_ids[j, 0]
+        assert np.allclose(raw.scores[i], alone.scores[j], atol=1e-5)
+    assert (np.diff(raw.scores[0]) <= 0).all() and 0 < raw.scores[0, 0] <= 1
+    clf.close()
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
+    from pipeline.engine import OnnxEngine
+    from pipeline.engine_gpu import GpuEngine
+    from pipeline.model import load_model
+
+    bundle = load_model(None)
+    datas = _inputs()
+    ref = OnnxEngine(bundle, top_k=5).classify(datas)
+    gpu = GpuEngine(bundle, top_k=5)
+    got = gpu.classify(datas)
+    gpu.close()
+    assert [r.status for r in got] == ["ok"] * len(datas)
+    assert sum(g.class_ids[0] == r.class_ids[0] for g, r in zip(got, ref)) >= len(datas) - 1
+    assert [(g.width, g.height) for g in got] == [(r.width, r.height) for r in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decoder", ["nvimgcodec", "torchvision"])
+def test_gpu_decoders_match_the_reference_preprocessing(decoder):
+    torch = pytest.importorskip("torch")
+    from pipeline.engine_gpu import GpuClassifier, _Chunk
+
+    clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, decoder=decoder, cuda_graph=False, half=False,
+                        pipeline=False)
+    datas = _inputs()
+    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    clf._prepare(chunk)
+    for row, pos in enumerate(chunk.ok):
+        ref, _, _ = load_and_preprocess(chunk.items[pos].data, DEFAULT_SPEC)
+        levels = np.abs(chunk.inputs[row].float().cpu().numpy() - ref) * 128.0
+        assert levels.mean() < 1.5  # nvJPEG's IDCT and chroma upsampling differ from libjpeg by a level or two
+    clf.close()
