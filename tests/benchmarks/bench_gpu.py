@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import logging
 import os
@@ -360,31 +361,30 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         eng.close()
         results["triton_bad_inputs"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
         print("triton bad inputs:", results["triton_bad_inputs"], flush=True)
-        for set_name, bench_set in sets.items():
-          for net, name in models.items():
-            if net == "default" and set_name != "imagenet":
-                continue
-            for request_batch, concurrency in args.client:
-                eng = TritonEngine(Bundle(), url=server.grpc_url, model_name=name, request_batch=request_batch,
-                                   concurrency=concurrency)
-                try:
-                    images = bench_set * max(1, args.triton_images // len(bench_set))
-                    eng.classify(images[: request_batch * concurrency * 2])  # warm-up
-                    before = metrics(server.metrics_url).get(name, {})
-                    r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
-                    after = metrics(server.metrics_url).get(name, {})
-                    count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
-                    execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
-                    key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
-                    results[key] = {
-                        "img_s": round(r),
-                        "avg_batch_images": round(count / max(execs, 1), 1),
-                        "inference_count": count,
-                        "exec_count": execs,
-                    }
-                    print(f"{key}: {results[key]}", flush=True)
-                finally:
-                    eng.close()
+        runs = [(s, n) for s in sets for n in models if n == "resnet50" or s == "imagenet"]
+        for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
+            name = models[net]
+            eng = TritonEngine(Bundle(), url=server.grpc_url, model_name=name, request_batch=request_batch,
+                               concurrency=concurrency)
+            try:
+                bench_set = sets[set_name]
+                images = bench_set * max(1, args.triton_images // len(bench_set))
+                eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+                before = metrics(server.metrics_url).get(name, {})
+                r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                after = metrics(server.metrics_url).get(name, {})
+                count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
+                execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
+                key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
+                results[key] = {
+                    "img_s": round(r),
+                    "avg_batch_images": round(count / max(execs, 1), 1),
+                    "inference_count": count,
+                    "exec_count": execs,
+                }
+                print(f"{key}: {results[key]}", flush=True)
+            finally:
+                eng.close()
         results["triton_log_tail"] = server.log_tail(15)
 
 
@@ -456,7 +456,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench_gpu_out"))
     p.add_argument("--images", type=int, default=2048, help="unique JPEGs in the benchmark set")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--seconds", type=float, default=4.0, help="minimum timed seconds per measurement")
+    p.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per measurement")
     p.add_argument("--decoder", default="auto")
     p.add_argument("--instances", type=int, default=3, help="Triton model instances")
     p.add_argument("--prep-workers", type=int, default=1, help="preparing threads per Triton instance")
@@ -464,7 +464,7 @@ def main() -> None:
     p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")
     p.add_argument("--queue-delay-us", type=int, default=2000)
     p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
-    p.add_argument("--client", type=_client_pairs, default=_client_pairs("64x8,128x8"),
+    p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x12,256x8"),
                    help="request_batch x concurrency pairs, comma-separated")
     p.add_argument("--parts", default="decode,ceiling,naive,engine,triton,parity")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
