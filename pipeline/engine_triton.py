@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline import tensor_names as tn
-from pipeline.errors import ConfigError, EngineError, ImageError, TritonError
+from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.preprocess import DecodeLimits, decode_image
 from pipeline.results import STATUS_OK, Result
 
@@ -66,6 +66,16 @@ def _check_caps(data: bytes, limits: DecodeLimits) -> None:
         return
     if width * height > limits.max_pixels:
         decode_image(data, limits)
+
+
+def _error_text(reason: str) -> str:
+    """The error row of an input whose one-image request failed: the server's "kind: detail" when it gives one
+    (python-backend profiles without the ERROR output), else decode_error/engine_error with its message."""
+    kind = reason.split(":", 1)[0].strip()
+    if kind in ERROR_KINDS and ":" in reason:
+        return reason[:1000]
+    kind = "decode_error" if "decod" in reason.lower() else "engine_error"
+    return str(ImageError(kind, f"server: {reason[:500]}"))
 
 
 def _pack(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -255,8 +265,7 @@ class TritonEngine:
         except InferenceServerException as err:
             reason = (err.message() or str(err)).strip()
             if len(indices) == 1:
-                kind = "decode_error" if "decod" in reason.lower() else "engine_error"
-                return [(indices[0], Result.failed(str(ImageError(kind, f"server: {reason[:500]}"))))]
+                return [(indices[0], Result.failed(_error_text(reason)))]
             LOG.info("request of %d images failed (%s); splitting it to isolate the input", len(indices), reason[:200])
         except _ServerDown as err:
             if len(indices) == 1:
@@ -303,10 +312,16 @@ class TritonEngine:
                         self._after_restart()
 
     def _server_down(self, err) -> bool:
+        """Is this failure the server's (restart/retry) rather than the request's (split)?"""
         status = str(err.status() or "")
         if self.server is not None:
             return not self.server.is_ready() or any(code in status for code in ("UNAVAILABLE", "CANCELLED"))
-        return any(code in status for code in SERVER_DOWN_CODES)
+        if not any(code in status for code in SERVER_DOWN_CODES):
+            return False
+        try:  # a model's own INTERNAL error on one input comes from a server that is still ready
+            return not self._client().is_server_ready()
+        except Exception:  # noqa: BLE001 - no answer at all: down
+            return True
 
     def _results(self, response, n: int) -> list[Result]:
         ids = response.as_numpy(tn.OUTPUT_CLASS_IDS).reshape(n, -1)

@@ -44,6 +44,18 @@ def _as_numpy(tensor) -> np.ndarray:
         return tensor.as_numpy()
 
 
+NUMPY_2 = int(np.__version__.split(".")[0]) >= 2
+
+
+def _to_tensor(pb, name: str, value: np.ndarray):
+    # Under numpy 2, pb_utils.Tensor(name, ndarray) sends numeric tensors empty: go through DLPack. Under numpy 1
+    # it is the other way round: numpy's own DLPack capsule crashes the stub ("PyCapsule_GetPointer called with
+    # incorrect name"). BYTES tensors cannot travel by DLPack at all (hence error_output=False under numpy 2).
+    if NUMPY_2 and value.dtype != np.object_:
+        return pb.Tensor.from_dlpack(name, np.ascontiguousarray(value))
+    return pb.Tensor(name, value)
+
+
 class Classifier:
     """Decodes, preprocesses and classifies one request's images; no Triton types, so it is testable alone."""
 
@@ -110,6 +122,9 @@ class TritonPythonModel:
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         folder = Path(args["model_repository"]) / args["model_version"]
+        # Without the BYTES ERROR output (numpy 2 in this Python cannot send BYTES tensors), a request with a
+        # bad image fails with that image's error text and the client splits it to isolate the input.
+        self.has_error = any(o["name"] == tn.OUTPUT_ERROR for o in config.get("output", []))
         instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         cpus = os.cpu_count() or 1
         limits = DecodeLimits(
@@ -145,12 +160,24 @@ class TritonPythonModel:
                 if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
                     raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
                 outputs = self.classifier.classify(images, lengths, self._request_limits(request))
-                tensors = [pb.Tensor(name, value) for name, value in outputs.items()]
+                if not self.has_error:
+                    errors = [e.decode("utf-8") for e in outputs.pop(tn.OUTPUT_ERROR).reshape(-1) if e]
+                    if errors:
+                        responses.append(pb.InferenceResponse(output_tensors=[], error=self._bad_input(
+                            errors[0] if len(images) == 1 else
+                            f"{len(errors)} of {len(images)} images failed; first: {errors[0]}")))
+                        continue
+                tensors = [_to_tensor(pb, name, value) for name, value in outputs.items()]
                 responses.append(pb.InferenceResponse(output_tensors=tensors))
             except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
                 LOG.exception("request failed")
                 responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
         return responses
+
+    def _bad_input(self, message: str):
+        """INVALID_ARG, not INTERNAL: the client must read it as a bad input, not a failing server."""
+        code = getattr(self.pb.TritonError, "INVALID_ARG", None)
+        return self.pb.TritonError(message, code) if code is not None else self.pb.TritonError(message)
 
     def finalize(self):
         self.classifier.pool.shutdown(wait=False)

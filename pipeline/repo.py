@@ -105,12 +105,22 @@ def _text(config) -> str:
     return text_format.MessageToString(config)
 
 
+def numpy_can_send_bytes() -> bool:
+    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (shared/FACTS.md)."""
+    import numpy as np  # noqa: PLC0415
+
+    return int(np.__version__.split(".")[0]) < 2
+
+
 def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
-                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> str:
-    """config.pbtxt of the portable profile's one model (python backend, CPU)."""
+                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None) -> str:
+    """config.pbtxt of the portable profile's one model (python backend, CPU).
+
+    ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
+    """
     mc = _mc()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    _contract_io(config, top_k, with_error=True)
+    _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
     config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
     return _text(config)
@@ -318,13 +328,14 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
-                     artifacts: bool = True) -> Path:
+                     artifacts: bool = True, error_output: bool | None = None) -> Path:
     """Writes a complete repository of ``profile`` for ``model`` (a model folder, or None for the default).
 
     portable: ``classifier`` (python backend: reference preprocessing + ONNX Runtime).
     production: ``preprocess`` (DALI, ``dali.py`` kept as source, serialized by the backend at load),
     ``classifier_trt`` (the ONNX with softmax/top-k, and an FP16 plan where TensorRT is installed) and the
     ``classifier`` ensemble. ``artifacts=False`` writes only configs and sources (what is committed).
+    ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
 
     Returns:
         the repository folder.
@@ -355,7 +366,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
         (folder / VERSION).mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_FILE).write_text(
             portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
-                            max_batch_size=max_batch_size), encoding="utf-8")
+                            max_batch_size=max_batch_size, error_output=error_output), encoding="utf-8")
         (folder / VERSION / PORTABLE_SHIM).write_text(_PORTABLE_SHIM_TEXT, encoding="utf-8")
         if artifacts:
             add_topk_head(bundle.onnx_path, folder / VERSION / HEAD_ONNX, k=top_k, output_name=bundle.output_name)

@@ -267,3 +267,23 @@ def test_cli_run_with_triton_matches_onnx(tmp_path):
             assert max(abs(a - b) for a, b in zip(t["scores"], o["scores"])) < SCORE_TOLERANCE, name
     assert triton["odd_truncated_jpeg.jpg"]["error"].startswith("decode_error: ")
     assert triton["odd_empty.jpg"]["status"] == "error"
+
+
+def test_portable_profile_without_error_output_gives_the_same_rows(bundle, onnx_engine, tmp_path):
+    """The numpy-2 variant (no BYTES ERROR output): bad inputs fail their request, the engine splits it, and
+    each bad input's own request carries the reference's exact error text."""
+    from pipeline.repo import build_repository
+
+    repo = build_repository("portable", None, str(tmp_path), error_output=False)
+    odd = oddities()
+    names = ["jpeg", "empty", "plain_text", "truncated_jpeg", "gif", "exif_rotated_jpeg", "random_bytes"]
+    blobs = [odd[n][0] for n in names] + list(_photos().values())
+    engine = make_engine("triton", bundle, top_k=TOP_K, repository=str(repo), request_batch=16)
+    try:
+        assert engine.has_error_output is False
+        got = engine.classify(blobs)
+    finally:
+        engine.close()
+    want = onnx_engine.classify(blobs)
+    assert [(g.status, g.error) for g in got] == [(w.status, w.error) for w in want]
+    assert [g.class_ids[:1] for g in got] == [w.class_ids[:1] for w in want]

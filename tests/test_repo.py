@@ -35,7 +35,7 @@ def production(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("profile", COMMITTED_PROFILES)
 def test_committed_profile_is_what_the_generator_writes(profile, tmp_path):
     """Configs come from pipeline.tensor_names: a hand edit of the committed files (or of the names) shows here."""
-    fresh = build_repository(profile, None, str(tmp_path), artifacts=False)
+    fresh = build_repository(profile, None, str(tmp_path), artifacts=False, error_output=True)
     committed = MODEL_REPOSITORY / profile
     fresh_files = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*") if p.is_file()}
     committed_files = {p.relative_to(committed): p.read_text() for p in committed.rglob("*")
