@@ -1,4 +1,4 @@
-"""GPU engine: nvJPEG decode, batched resize + crop + normalize, FP16 network and top-k on one GPU (in process or in Triton).
+"""GPU engine: nvJPEG decode, batched resize/crop/normalize, FP16 network and top-k on one GPU, in process or in Triton.
 
 One implementation, two hosts: ``GpuEngine`` runs it in the calling process (``--engine gpu``) and the ``gpu``
 profile's Triton python model (``model_repository/gpu``) runs the same ``GpuClassifier`` inside tritonserver.
@@ -10,11 +10,12 @@ The hot path per batch, with no per-image Python loop on the GPU side:
 2. decode on the GPU: nvImageCodec (hardware JPEG engines first, then CUDA) or torchvision's batched nvJPEG;
 3. pack the decoded images into one zero-padded batch with a single gather;
 4. resize + crop as two batched matrix products with Pillow's own resampling coefficients (exact antialiasing,
-   any filter), then normalize, in FP16 channels-last;
-5. the network in FP16 (a CUDA graph per batch size), softmax and top-k on the GPU: only k values per image
+   any filter), then normalize, in FP16 (or FP32) channels-last;
+5. the network (a CUDA graph captured at start), softmax and top-k on the GPU: only k values per image
    come back.
 
-Steps 1-4 for batch n+1 run on a second CUDA stream in a helper thread while the network runs batch n.
+Decode (step 2) and resize (3-4) of the next batches run in two helper threads, each on its own high-priority
+CUDA stream, while the network runs the current batch; events order the three streams.
 A bad image becomes that image's error; the rest of the batch still succeeds.
 
 torch is not a dependency of the package: it is imported when a GPU engine is built (GPU machines and the
@@ -28,7 +29,6 @@ import copy
 import logging
 import math
 import os
-import queue
 import threading
 import time
 import warnings
@@ -632,7 +632,8 @@ class GpuClassifier:
             raise ImageError("empty", "the object has zero bytes")
         if len(data) > self.limits.max_bytes:
             raise ImageError(
-                "too_large", f"{len(data)} bytes is over max_bytes={self.limits.max_bytes}; raise the limit to accept it"
+                "too_large",
+                f"{len(data)} bytes is over max_bytes={self.limits.max_bytes}; raise the limit to accept it",
             )
         info = parse_jpeg_header(data)
         if info is None:

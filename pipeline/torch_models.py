@@ -88,7 +88,8 @@ def efficientnet_lite0(weights: dict[str, np.ndarray]):
                     s = stride if r == 0 else 1
                     cin = in_f if r == 0 else out_f
                     blocks.append(
-                        Block(f"_blocks.{index}", kernel=kernel, stride=s, expand=expand, cin=cin, cout=out_f, size=size)
+                        Block(f"_blocks.{index}", kernel=kernel, stride=s, expand=expand, cin=cin, cout=out_f,
+                              size=size)
                     )
                     size = -(-size // s)
                     index += 1
@@ -96,7 +97,9 @@ def efficientnet_lite0(weights: dict[str, np.ndarray]):
             self.head = ConvBN("_conv_head", "_bn1", stride=1, size=size)
             fc_w = weights["_fc.weight"]
             if fc_w.shape[1] != HEAD_CHANNELS:
-                raise ModelError(f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}")
+                raise ModelError(
+                    f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}"
+                )
             self.fc = nn.Linear(HEAD_CHANNELS, fc_w.shape[0])
             with torch.no_grad():
                 self.fc.weight.copy_(torch.from_numpy(fc_w.astype(np.float32)))

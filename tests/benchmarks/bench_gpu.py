@@ -479,7 +479,9 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()
     sets = {name: make_set(args.images, name, 0) for name in args.sets.split(",")}
-    results["sets"] = {k: {"images": len(v), "mean_kb": round(sum(map(len, v)) / len(v) / 1024, 1)} for k, v in sets.items()}
+    results["sets"] = {
+        k: {"images": len(v), "mean_kb": round(sum(map(len, v)) / len(v) / 1024, 1)} for k, v in sets.items()
+    }
     results["set_build_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(results), flush=True)
 
@@ -504,7 +506,8 @@ def main() -> None:
             print(name, "model only", results[name]["model_only"], flush=True)
     for set_name, bench_set in sets.items():
         if "decode" in parts:
-            results[f"decode_only_{set_name}"] = attempt("decode", lambda: decode_only(bench_set, args.batch, args.seconds / 2))
+            results[f"decode_only_{set_name}"] = attempt(
+                "decode", lambda: decode_only(bench_set, args.batch, args.seconds / 2))
             print("decode only", set_name, results[f"decode_only_{set_name}"], flush=True)
         for name, (net, spec) in nets.items():
             row = results.setdefault(name, {}).setdefault(set_name, {})
