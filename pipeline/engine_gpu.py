@@ -48,7 +48,7 @@ DECODERS = ("auto", "nvimgcodec", "torchvision", "pil")
 DEFAULT_BATCH_SIZE = 256
 # A sub-batch's zero-padded pixel buffer is at most this many pixels (x3 channels, uint8 then fp16): images of
 # very different sizes are grouped by area so that one large photo does not pad a whole batch to its size.
-MAX_PADDED_PIXELS = 160 * 1024 * 1024
+MAX_PADDED_PIXELS = 96 * 1024 * 1024
 # Pillow's filter supports (Resample.c); "nearest" is a one-tap special case.
 FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
 BICUBIC_A = -0.5  # Pillow's bicubic uses a = -0.5
@@ -966,6 +966,12 @@ class GpuEngine:
 
     def close(self) -> None:
         self.classifier.close()
+
+    def __enter__(self) -> "GpuEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:

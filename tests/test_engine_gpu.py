@@ -13,6 +13,7 @@ from PIL import Image
 from pipeline import tensor_names as tn
 from pipeline.default_model import DEFAULT_SPEC
 from pipeline.engine_gpu import (
+    GpuEngine,
     _area_groups,
     build_gpu_repository,
     crop_boxes,
@@ -317,3 +318,38 @@ def test_gpu_decoders_match_the_reference_preprocessing(decoder):
         levels = np.abs(chunk.inputs[row].float().cpu().numpy() - ref) * 128.0
         assert levels.mean() < 1.5  # nvJPEG's IDCT and chroma upsampling differ from libjpeg by a level or two
     clf.close()
+
+
+def test_gpu_profile_through_tritonserver_on_the_cpu(tmp_path):
+    """The gpu profile's python model in a real tritonserver (instances on the CPU here): ragged requests share
+    execute() calls, results match the in-process classifier, a bad image is isolated to its own row."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import urllib.request
+
+    from pipeline.engine_triton import TritonEngine
+    from pipeline.model import load_model
+    from pipeline.triton_server import TritonServer
+
+    repo = build_gpu_repository(None, tmp_path / "repo", decoder="torchvision", instances=1, batch_size=8,
+                                max_batch_size=64, error_output=False, queue_delay_us=20000)
+    config = repo / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    bundle = load_model(None)
+    good = _inputs()[:6]
+    datas = good[:3] + [good[3][:2000], b"not an image"] + good[3:]
+    with TritonServer(repo) as server:
+        engine = TritonEngine(bundle, url=server.grpc_url, request_batch=2, concurrency=4)
+        rows = engine.classify(datas)
+        engine.close()
+        metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    assert rows[3].error.startswith("decode_error: ") and rows[4].error.startswith("unsupported: ")
+    ok = [r for i, r in enumerate(rows) if i not in (3, 4)]
+    assert [r.status for r in ok] == ["ok"] * 6
+    with GpuEngine(bundle, top_k=5, device="cpu", decoder="pil") as local:
+        expected = local.classify(good)
+    assert [r.class_ids[0] for r in ok] == [r.class_ids[0] for r in expected]
+    assert [(r.width, r.height) for r in ok] == [(r.width, r.height) for r in expected]
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith(("nv_inference_request_success{", "nv_inference_exec_count{"))}
+    assert counts["nv_inference_exec_count"] < counts["nv_inference_request_success"]  # requests were merged
