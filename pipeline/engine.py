@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("onnx", "triton", "gpu")
 DEFAULT_TOP_K = 5
-DEFAULT_MAX_BATCH = 64  # images per ORT run: bounds the input tensor (64 x 3x224x224 float32 = 38 MB)
+# Images per ORT run. Small batches are the most CPU-efficient for this depthwise-conv network: one ORT thread
+# made 204 img/CPU-s at batch 4, 168 at 8, 145 at 64 (2-core x86 VM, tests/benchmarks/bench_engine.py).
+DEFAULT_MAX_BATCH = 8
 MAX_DECODE_THREADS = 8
 
 

@@ -1,7 +1,7 @@
 """Benchmark: OnnxEngine img/s on this machine by batch size and decode threads, with ratios to the first row.
 
 Usage:
-    python tests/benchmarks/bench_engine.py [--images 192] [--batch-sizes 1,8,32,64] [--threads 1,2]
+    python tests/benchmarks/bench_engine.py [--images 192] [--batch-sizes 1,4,8,32,64] [--threads 1,2]
         [--intra-op-threads N] [--big]
 
 Inputs are the committed photos (tests/data/photos, 300-640 px JPEGs), repeated; --big upsizes them to a long
@@ -66,7 +66,7 @@ def rate(fn, count: int, repeat: int = 3) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=192)
-    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--batch-sizes", default="1,4,8,32,64")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--intra-op-threads", type=int, default=None)
     parser.add_argument("--big", action="store_true", help="upsize the photos to 1600 px long side")
