@@ -32,7 +32,11 @@ DEFAULT_CONCURRENCY = 2
 # Requests are padded to their longest file: cap the padded size so one big file does not make a 2 GB message.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
-MAX_RESTARTS_PER_REQUEST = 2
+# A request that brings the server down again right after a restart is poison: its inputs are then sent one by
+# one, so only the culprit costs a restart and an error row.
+MAX_RESTARTS_PER_REQUEST = 1
+# What Triton answers, with the server still "ready", once a python-backend stub has died (a crashing decoder).
+STUB_DEAD_MARKER = "is not healthy"
 EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
 # gRPC status codes that mean "the server is gone or not answering", not "this request is bad".
 SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED", "INTERNAL")
@@ -161,6 +165,9 @@ class TritonEngine:
         self._local = threading.local()
         self._generation = 0
         self._restart_lock = threading.Lock()
+        # Held while inputs that brought the server down are retried one at a time: no other request is sent
+        # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
+        self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
         try:
             if url:
@@ -268,12 +275,21 @@ class TritonEngine:
                 return [(indices[0], Result.failed(_error_text(reason)))]
             LOG.info("request of %d images failed (%s); splitting it to isolate the input", len(indices), reason[:200])
         except _ServerDown as err:
-            if len(indices) == 1:
+            if self._in_quarantine() and len(indices) == 1:
                 return [(indices[0], Result.failed(str(ImageError("engine_error", str(err)))))]
-            LOG.warning("server went down %d times on a request of %d images; splitting it", MAX_RESTARTS_PER_REQUEST,
+            LOG.warning("a request of %d images brought the server down twice; sending them one at a time, alone",
                         len(indices))
+            with self._quarantine:
+                self._local.quarantined = True
+                try:
+                    return [pair for i in indices for pair in self._isolating([i], images)]
+                finally:
+                    self._local.quarantined = False
         half = len(indices) // 2
         return self._isolating(indices[:half], images) + self._isolating(indices[half:], images)
+
+    def _in_quarantine(self) -> bool:
+        return getattr(self._local, "quarantined", False)
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
         """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
@@ -291,25 +307,35 @@ class TritonEngine:
         retries = list(EXTERNAL_RETRY_S)
         restarts = 0
         while True:
+            with self._quarantine:  # wait while another thread isolates a crashing input
+                generation = self._generation
             try:
                 response = self._client().infer(self.model_name, [image_input, length_input], outputs=outputs,
                                                 parameters=parameters, client_timeout=self.request_timeout_s)
                 return self._results(response, len(blobs))
             except InferenceServerException as err:
-                if not self._server_down(err):
+                stub_dead = STUB_DEAD_MARKER in (err.message() or str(err))
+                if not (stub_dead or self._server_down(err)):
                     raise
                 if self.server is None:
+                    if stub_dead:
+                        raise  # not ours to restart: each input of the request becomes an error row
                     if not retries:
                         raise EngineError(f"tritonserver at {self.url} stopped answering ({err}); check that it "
                                           "is running, or let the engine start its own (no url)") from None
                     time.sleep(retries.pop(0))
                     continue
-                if restarts >= MAX_RESTARTS_PER_REQUEST:
-                    raise _ServerDown(f"tritonserver died {restarts} times while serving this input") from None
-                restarts += 1
                 with self._restart_lock:
-                    if self.server.ensure_running():
-                        self._after_restart()
+                    if self._generation == generation:  # else another request's thread restarted it already
+                        if stub_dead:
+                            self.server.restart()
+                            self._after_restart()
+                        elif self.server.ensure_running():
+                            self._after_restart()
+                if restarts >= MAX_RESTARTS_PER_REQUEST:
+                    raise _ServerDown(f"tritonserver failed {restarts + 1} times serving this input "
+                                      f"(last: {(err.message() or str(err))[:200]})") from None
+                restarts += 1
 
     def _server_down(self, err) -> bool:
         """Is this failure the server's (restart/retry) rather than the request's (split)?"""

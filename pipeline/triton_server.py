@@ -25,7 +25,7 @@ from pipeline.errors import TritonError
 LOG = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 40
 PORT_RETRIES = 3
 SHM_DIR = Path("/dev/shm")
@@ -293,10 +293,19 @@ class TritonServer:
                 "not ready" if self.is_alive() else f"dead (exit code {self._proc.returncode if self._proc else None})",
                 self.log_tail(),
             )
-            self._terminate()
+            self._terminate(graceful=False)
             self.restarts += 1
             self.start()
             return True
+
+    def restart(self) -> None:
+        """Stop and start again (new ports, new shared memory): for a server that is up but cannot serve, e.g.
+        one whose python backend stub crashed (Triton keeps answering "Stub process ... is not healthy")."""
+        with self._lock:
+            LOG.warning("restarting tritonserver (pid %s). Log tail:\n%s", self.pid, self.log_tail())
+            self._terminate(graceful=False)  # it cannot serve: waiting for a clean unload only loses time
+            self.restarts += 1
+            self.start()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines the server wrote (stdout and stderr)."""
@@ -313,9 +322,12 @@ class TritonServer:
         with self._lock:
             self._terminate()
 
-    def _terminate(self) -> None:
+    def _terminate(self, graceful: bool = True) -> None:
         proc = self._proc
         if proc is not None:
+            if proc.poll() is None and not graceful:
+                proc.kill()
+                proc.wait()
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 try:

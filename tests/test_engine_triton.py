@@ -287,3 +287,40 @@ def test_portable_profile_without_error_output_gives_the_same_rows(bundle, onnx_
     want = onnx_engine.classify(blobs)
     assert [(g.status, g.error) for g in got] == [(w.status, w.error) for w in want]
     assert [g.class_ids[:1] for g in got] == [w.class_ids[:1] for w in want]
+
+
+# The portable model, except that an input starting with b"CRASH" kills its stub, as a segfaulting decoder would.
+# Triton then keeps answering "Stub process ... is not healthy" while reporting itself ready.
+CRASHING_MODEL = '''
+import os, sys
+sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+import triton_python_backend_utils as pb_utils
+from pipeline.portable_model import TritonPythonModel as Portable
+
+class TritonPythonModel(Portable):
+    def execute(self, requests):
+        for request in requests:
+            images = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy()
+            if any(bytes(row[:5]) == b"CRASH" for row in images):
+                os._exit(1)
+        return super().execute(requests)
+'''
+
+
+@pytest.mark.slow
+def test_an_input_that_crashes_the_backend_costs_one_row_and_the_run_goes_on(bundle, tmp_path):
+    from pipeline.repo import build_repository
+
+    repo = build_repository("portable", None, str(tmp_path))
+    (repo / tn.MODEL_NAME / "1" / "model.py").write_text(CRASHING_MODEL)
+    photos = list(_photos().values())
+    blobs = photos + [b"CRASH" + bytes(100)] + photos
+    engine = make_engine("triton", bundle, top_k=TOP_K, repository=str(repo), request_batch=8, concurrency=2)
+    try:
+        results = engine.classify(blobs)
+        assert [r.status for r in results] == ["ok"] * len(photos) + ["error"] + ["ok"] * len(photos)
+        assert results[len(photos)].error.startswith("engine_error: tritonserver failed 2 times serving this input")
+        assert engine.server.restarts >= 2
+        assert [r.status for r in engine.classify(photos[:3])] == ["ok"] * 3  # and the server serves again
+    finally:
+        engine.close()
