@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +38,12 @@ PR_SET_PDEATHSIG = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The python backend stub ignores PYTHONPATH; our python models prepend this variable's folders to sys.path.
 STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Engines restart servers
+# from short-lived request threads (and Ray may run actor methods in pool threads), so every server is forked
+# from this one thread, which lives as long as the process.
+_LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tritonserver-launcher")
 
 
 def _die_with_parent() -> None:
@@ -240,7 +247,8 @@ class TritonServer:
         self._log_path = self._workdir / "tritonserver.log"
         self._log_file = open(self._log_path, "wb")  # noqa: SIM115 - closed in _terminate
         LOG.info("starting tritonserver on %s (grpc %d): %s", LOOPBACK, self.grpc_port, " ".join(cmd))
-        self._proc = subprocess.Popen(  # noqa: S603 - our own command line
+        self._proc = _LAUNCHER.submit(
+            subprocess.Popen,  # noqa: S603 - our own command line
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
@@ -249,7 +257,7 @@ class TritonServer:
             cwd=self._workdir,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PR_SET_PDEATHSIG
             start_new_session=True,  # its own process group, so stop() also reaps the backend stubs
-        )
+        ).result()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -163,3 +163,19 @@ def test_server_dies_with_its_parent(echo_repo, tmp_path):
         parent.kill()
         parent.wait()
     assert _gone(server_tree, timeout_s=15), "tritonserver outlived its killed parent"
+
+
+def test_a_server_started_from_a_short_lived_thread_outlives_it(echo_repo):
+    """PR_SET_PDEATHSIG follows the forking thread; servers are forked from one long-lived launcher thread."""
+    import threading
+
+    holder = {}
+    thread = threading.Thread(target=lambda: holder.setdefault("server", TritonServer(echo_repo).start()))
+    thread.start()
+    thread.join()
+    server = holder["server"]
+    try:
+        time.sleep(1.0)
+        assert server.is_ready(), "the server died with the thread that started it"
+    finally:
+        server.stop()
