@@ -1,8 +1,8 @@
 """Benchmark: our job against a naive Ray Data pipeline (read_images + map_batches + write_parquet), same images.
 
 Usage:
-    python tests/benchmarks/bench_vs_naive.py [--images 800] [--size 500x375] [--rounds 2] [--batch-size 64]
-        [--naive-actors 1] [--ours-args "--decode-threads 1"] [--tiny 16] [--workdir DIR]
+    python tests/benchmarks/bench_vs_naive.py [--images 2000] [--size 500x375] [--rounds 2] [--batch-size 64]
+        [--naive-actors 1] [--ours-args "--decode-threads 1"] [--tiny 16] [--timeout-s 900] [--workdir DIR]
 
 Images: ~500x375 JPEGs (quality 90; every fourth one portrait 375x500) cut from the committed photos
 (tests/data/photos) by seeded crops and scales, so both pipelines read the same realistic files.
@@ -21,8 +21,8 @@ all the machine's CPUs (same ``num_cpus`` for both):
 Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
 _REPORT.json; naive: ray.init to the end of write_parquet, the same span), img/s, peak PSS of the process tree
 (see bench_streaming.py), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
-Top-1 agreement between the two outputs is printed too: they must do the same work. ``--tiny N`` adds one run
-per side on N images to split the fixed start-up cost (Ray, workers, model load) from the per-image rate;
+Top-1 agreement between the two outputs is printed too: they must do the same work. ``--tiny N`` (default 16) adds one
+run per side on N images to split the fixed start-up cost (Ray, workers, model load) from the per-image rate;
 ``--size`` makes bigger images (decode weighs more); ``--ours-args`` passes options to our side only (tuning).
 """
 
@@ -150,7 +150,7 @@ def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: di
         cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
                "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
                "--top-k", str(args.top_k)]
-    wall, sampler, _ = run_measured(cmd, env, args.interval_s)
+    wall, sampler, _ = run_measured(cmd, env, args.interval_s, args.timeout_s)
     info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
     return {"side": side, "wall": wall, "job": json.loads(info.read_text())["elapsed_s"],
             "cpu": sampler.cpu_total_s, "pss": sampler.peak["pss"]}
@@ -158,18 +158,19 @@ def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=800, help="how many JPEGs (default 800)")
+    parser.add_argument("--images", type=int, default=2000, help="how many JPEGs (default 2000)")
     parser.add_argument("--size", default="500x375", help="landscape WxH of the JPEGs (default 500x375)")
     parser.add_argument("--rounds", type=int, default=2, help="A,B rounds, interleaved (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per model call, both sides (default 64)")
     parser.add_argument("--naive-actors", type=int, default=1, help="actors of the naive pipeline (default 1)")
     parser.add_argument("--ours-args", default="", help="extra 'bulk-classify run' options for our side, quoted")
-    parser.add_argument("--tiny", type=int, default=0,
-                        help="also run each side once on this many images (e.g. 16) to split fixed start-up cost "
-                             "from the per-image rate (default 0: off)")
+    parser.add_argument("--tiny", type=int, default=16,
+                        help="also run each side once on this many images to split the fixed start-up cost from "
+                             "the per-image rate (default 16; 0: off)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--interval-s", type=float, default=0.2, help="memory sampling period (default 0.2 s)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
+    parser.add_argument("--timeout-s", type=float, default=900, help="stop a run that takes longer (default 900)")
     parser.add_argument("--naive", nargs=2, metavar=("SRC", "DEST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive:
