@@ -235,7 +235,8 @@ def main() -> None:
           f"top-1 agreement {agree:.1%}")
     if tiny_runs:
         # Fixed cost = the tiny runs' job time; per-image rate = the other images over the rest of the time.
-        fixed = {side: statistics.median(t["job"] for t in tiny_runs if t["side"] == side) for side in ("ours", "naive")}
+        fixed = {side: statistics.median(t["job"] for t in tiny_runs if t["side"] == side)
+                 for side in ("ours", "naive")}
         rate = {side: (args.images - args.tiny) / (med[side]["job"] - fixed[side])
                 if med[side]["job"] - fixed[side] > 1.0 else float("nan") for side in ("ours", "naive")}
         print(f"fixed start-up (median job s on {args.tiny} images): ours {fixed['ours']:.1f}s, naive "
