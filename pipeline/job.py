@@ -28,6 +28,7 @@ REPORT = "_REPORT.json"
 RUN_INFO = "_RUN.json"
 OWNED_PREFIXES = ("part-", ".part-", "_SUCCESS", "_REPORT.json", "_RUN.json")
 FETCH_BATCH = 32
+IO_TASK_CPUS = 0.25  # listing, fetch and write tasks wait on storage, not on a core
 ProgressCallback = Callable[[int, "int | None", int], None]
 
 
@@ -222,16 +223,18 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         actors = max(1, int(gpus / num_gpus))
     else:
         actors = max(1, cpus // 4)
+    # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
+    actor_cpus = 1.0 if actors < cpus else max(0.25, (cpus - 3 * IO_TASK_CPUS) / actors)
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, skip_keys=skip_keys,
                                 previous=previous_ref, counter=counter)
-    ds = ray.data.read_datasource(listing, override_num_blocks=max(2, cpus))
+    ds = ray.data.read_datasource(listing, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS)
     ds = ds.map_batches(
         fetch_batch,
         fn_kwargs={"source": config.source, "storage_options": config.storage_options,
                    "threads": config.fetch_threads, "max_bytes": config.max_bytes, "retries": config.retries},
         batch_size=FETCH_BATCH,
         batch_format="pyarrow",
-        num_cpus=0.25,
+        num_cpus=IO_TASK_CPUS,
     )
     ds = ds.map_batches(
         ClassifyActor,
@@ -242,7 +245,7 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=actors),
         # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
-        num_cpus=1,
+        num_cpus=actor_cpus,
         num_gpus=num_gpus or None,
     )
     ds = ds.map_batches(
@@ -250,7 +253,7 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         fn_kwargs={"output": config.output, "storage_options": config.storage_options},
         batch_size=config.shard_size,
         batch_format="pyarrow",
-        num_cpus=0.25,
+        num_cpus=IO_TASK_CPUS,
     )
     return ds
 
