@@ -154,7 +154,7 @@ class TreeSampler:
             for key in total:
                 total[key] += mem[key]
             try:
-                name = _label(proc)
+                name = _label(proc, self.root_pid)
                 self.names.add(name)
                 if mem["pss"] > self.proc_peak.get(proc.pid, ("", 0))[1]:
                     self.proc_peak[proc.pid] = (name, mem["pss"])
@@ -177,26 +177,27 @@ class TreeSampler:
             self._stop.wait(self.interval_s)
 
 
-def _label(proc: psutil.Process) -> str:
+def _label(proc: psutil.Process, root_pid: int) -> str:
     """A short role name: Ray workers show their task or actor in the title (ray::MapWorker(...))."""
+    if proc.pid == root_pid:
+        return "driver (bulk-classify)"
     cmdline = proc.cmdline()
     title = cmdline[0] if cmdline else proc.name()
     if title.startswith("ray::"):
         return title.split(".")[0][:48]
-    if "bulk-classify" in " ".join(cmdline[:2]):
-        return "driver (bulk-classify)"
     for part in cmdline[:3]:
         if part.endswith(".py"):
             return Path(part).name
     return proc.name()
 
 
-def role_peaks(sampler: TreeSampler) -> dict[str, int]:
-    """Peak PSS summed per role name (each process at its own peak, so the sum is above the tree's peak)."""
-    out: dict[str, int] = {}
+def role_peaks(sampler: TreeSampler) -> dict[str, tuple[int, int]]:
+    """(processes, peak PSS summed) per role name; each process at its own peak, so sums exceed the tree's peak."""
+    out: dict[str, tuple[int, int]] = {}
     for name, pss in sampler.proc_peak.values():
         role = "ray::IDLE/worker" if name in ("ray::IDLE", "default_worker.py") else name
-        out[role] = out.get(role, 0) + pss
+        count, total = out.get(role, (0, 0))
+        out[role] = (count + 1, total + pss)
     return out
 
 
@@ -322,12 +323,13 @@ def main() -> None:
           "shm: the object-store (shared memory) part of the peak PSS sample; RSS overcounts shared pages, "
           "USS leaves them out.")
     roles = [role_peaks(r[3]) for r in rows]
-    names = sorted(set().union(*roles), key=lambda k: -roles[-1].get(k, 0))
+    names = sorted(set().union(*roles), key=lambda k: -roles[-1].get(k, (0, 0))[1])
     print()
-    print("Peak PSS MiB by process role (each process at its own peak), per size")
-    print(f"{'role':>48} " + " ".join(f"{n:>8}" for n, *_ in rows))
+    print("Peak PSS MiB by process role (each process at its own peak; in brackets: how many processes), per size")
+    print(f"{'role':>48} " + " ".join(f"{n:>11}" for n, *_ in rows))
     for name in names[:10]:
-        print(f"{name:>48} " + " ".join(f"{r.get(name, 0) / MIB:>8.0f}" for r in roles))
+        cells = [r.get(name, (0, 0)) for r in roles]
+        print(f"{name:>48} " + " ".join(f"{total / MIB:>6.0f} ({count:>2})" for count, total in cells))
     ratio = rows[-1][3].peak["pss"] / base
     verdict = "meets" if ratio <= GOAL_RATIO else "MISSES"
     print(f"growth {rows[0][0]} -> {rows[-1][0]} images: {ratio:.2f}x peak PSS ({verdict} the <= {GOAL_RATIO}x goal)")
