@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import queue
+import secrets
 import shutil
 import tempfile
 import threading
@@ -24,6 +27,7 @@ from pipeline import tensor_names as tn
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.preprocess import DecodeLimits, decode_image
 from pipeline.results import STATUS_OK, Result
+from pipeline.triton_server import SHM_PREFIX
 
 LOG = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED",
 
 
 ENGINE_OPTIONS = ("repository", "url", "instances", "startup_timeout_s", "request_batch", "concurrency",
-                  "server_args", "model_name", "request_timeout_s", "decode_threads")
+                  "server_args", "model_name", "request_timeout_s", "decode_threads", "shared_memory")
 
 
 class _ServerDown(Exception):
@@ -108,6 +112,45 @@ def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: i
     return requests
 
 
+class _ShmSlot:
+    """One system shared-memory region for one request in flight: the padded IMAGE tensor is written into it
+    instead of travelling in the gRPC message. Grown on demand; registered again with a restarted server."""
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, name: str):
+        self.name = name
+        self.key = "/" + name
+        self.capacity = 0
+        self.handle = None
+        self.registered_generation = None
+
+    def buffer(self, client, nbytes: int, generation: int) -> np.ndarray:
+        import tritonclient.utils.shared_memory as shm  # noqa: PLC0415
+
+        if nbytes > self.capacity:
+            self.release(client)
+            self.capacity = max(nbytes, 2 * self.capacity, self.MIN_BYTES)
+            self.handle = shm.create_shared_memory_region(self.name, self.key, self.capacity, create_only=True)
+        if self.registered_generation != generation:
+            client.register_system_shared_memory(self.name, self.key, self.capacity)
+            self.registered_generation = generation
+        return np.ndarray((self.capacity,), dtype=np.uint8, buffer=self.handle._mpsm_handle.buf)
+
+    def release(self, client=None) -> None:
+        import tritonclient.utils.shared_memory as shm  # noqa: PLC0415
+
+        if self.handle is None:
+            return
+        if client is not None and self.registered_generation is not None:
+            try:
+                client.unregister_system_shared_memory(self.name)
+            except Exception:  # noqa: BLE001 - the server may be gone; the region is ours to remove anyway
+                pass
+        shm.destroy_shared_memory_region(self.handle)
+        self.handle, self.capacity, self.registered_generation = None, 0, None
+
+
 class TritonEngine:
     """Classifies through a tritonserver that serves pipeline.tensor_names' contract (any profile).
 
@@ -126,6 +169,8 @@ class TritonEngine:
         model_name: the model to call (default pipeline.tensor_names.MODEL_NAME).
         request_timeout_s: how long one request may take before it counts as failed.
         decode_threads: accepted for symmetry with the other engines; decoding happens in the server.
+        shared_memory: send the images through system shared memory (/dev/shm) instead of inside the gRPC
+            message; the server must run on this machine.
     """
 
     name = "triton"
@@ -146,6 +191,7 @@ class TritonEngine:
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         decode_threads: int | None = None,
+        shared_memory: bool = False,
         **unknown,
     ):
         if unknown:
@@ -169,6 +215,15 @@ class TritonEngine:
         # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
+        self._slots: queue.SimpleQueue | None = None
+        self._all_slots: list[_ShmSlot] = []
+        if shared_memory:
+            self._slots = queue.SimpleQueue()
+            for i in range(concurrency):
+                # Named so that pipeline.triton_server.sweep_stale_shared_memory finds it if this process is killed.
+                slot = _ShmSlot(f"{SHM_PREFIX}engine_{os.getpid()}_{secrets.token_hex(4)}_{i}")
+                self._all_slots.append(slot)
+                self._slots.put(slot)
         try:
             if url:
                 self.url = url
@@ -293,12 +348,27 @@ class TritonEngine:
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
         """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
+        if self._slots is not None:
+            slot = self._slots.get()
+            try:
+                return self._infer_tries(blobs, slot)
+            finally:
+                self._slots.put(slot)
+        return self._infer_tries(blobs, None)
+
+    def _infer_tries(self, blobs: list[bytes], slot: _ShmSlot | None) -> list[Result]:
         import tritonclient.grpc as grpcclient  # noqa: PLC0415
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
-        images, lengths = _pack(blobs)
-        image_input = grpcclient.InferInput(tn.INPUT_IMAGE, list(images.shape), tn.INPUTS[tn.INPUT_IMAGE])
-        image_input.set_data_from_numpy(images)
+        longest = max(1, max(len(b) for b in blobs))
+        shape = [len(blobs), longest]
+        if slot is None:
+            images, lengths = _pack(blobs)
+        else:
+            lengths = np.array([[len(b)] for b in blobs], dtype=np.int32)
+        image_input = grpcclient.InferInput(tn.INPUT_IMAGE, shape, tn.INPUTS[tn.INPUT_IMAGE])
+        if slot is None:
+            image_input.set_data_from_numpy(images)
         length_input = grpcclient.InferInput(tn.INPUT_LENGTH, list(lengths.shape), tn.INPUTS[tn.INPUT_LENGTH])
         length_input.set_data_from_numpy(lengths)
         wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
@@ -310,6 +380,16 @@ class TritonEngine:
             with self._quarantine:  # wait while another thread isolates a crashing input
                 generation = self._generation
             try:
+                if slot is not None:
+                    # Written (again) for each try: a restarted server needs the region registered anew.
+                    nbytes = len(blobs) * longest
+                    flat = slot.buffer(self._client(), nbytes, self._generation)
+                    view = flat[:nbytes].reshape(len(blobs), longest)
+                    for i, blob in enumerate(blobs):
+                        view[i, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+                        view[i, len(blob) :] = 0
+                    del view, flat  # no exported pointers left when the region is resized or destroyed
+                    image_input.set_shared_memory(slot.name, nbytes)
                 response = self._client().infer(self.model_name, [image_input, length_input], outputs=outputs,
                                                 parameters=parameters, client_timeout=self.request_timeout_s)
                 return self._results(response, len(blobs))
@@ -381,6 +461,12 @@ class TritonEngine:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        for slot in getattr(self, "_all_slots", []):
+            try:
+                client = self._client() if self.server is not None or self.url else None
+            except Exception:  # noqa: BLE001 - unregistering is a courtesy; removing the region is what matters
+                client = None
+            slot.release(client)
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -52,6 +52,34 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+SHM_PREFIX = "bulkcls_"
+
+
+def sweep_stale_shared_memory() -> list[str]:
+    """Removes /dev/shm files of our servers and engines whose process is gone (a SIGKILLed actor cleans nothing).
+
+    Names are ``bulkcls_<pid>_…`` (python backend regions) and ``bulkcls_engine_<pid>_…`` (engine input regions).
+    """
+    removed = []
+    for path in SHM_DIR.glob(SHM_PREFIX + "*"):
+        parts = path.name[len(SHM_PREFIX):].split("_")
+        pid_text = parts[1] if parts[0] == "engine" and len(parts) > 1 else parts[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    if removed:
+        LOG.info("removed %d shared-memory file(s) of dead processes: %s", len(removed), ", ".join(removed[:5]))
+    return removed
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
@@ -238,11 +266,12 @@ class TritonServer:
             raise last_error
 
     def _spawn(self) -> None:
+        sweep_stale_shared_memory()
         self._workdir = Path(tempfile.mkdtemp(prefix="bulk-classify-triton-"))
         backend_dir = self._prepare_backends(self._workdir)
         self.http_port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         # Unique per server, so two servers (two actors) never share python-backend shared memory.
-        self.shm_prefix = f"bulkcls_{os.getpid()}_{secrets.token_hex(4)}_"
+        self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_"
         cmd = self._command(backend_dir)
         self._log_path = self._workdir / "tritonserver.log"
         self._log_file = open(self._log_path, "wb")  # noqa: SIM115 - closed in _terminate

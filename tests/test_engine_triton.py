@@ -322,3 +322,24 @@ def test_an_input_that_crashes_the_backend_costs_one_row_and_the_run_goes_on(bun
         assert [r.status for r in engine.classify(photos[:3])] == ["ok"] * 3  # and the server serves again
     finally:
         engine.close()
+
+
+def test_shared_memory_transport_gives_the_same_rows_survives_a_restart_and_cleans_up(bundle, onnx_engine):
+    photos = list(_photos().values())
+    odd = oddities()
+    blobs = photos + [odd[n][0] for n in ("empty", "truncated_jpeg", "plain_text", "exif_rotated_jpeg")]
+    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=4, concurrency=2, shared_memory=True)
+    try:
+        got = engine.classify(blobs)
+        regions = [p for p in SHM_DIR.glob(f"bulkcls_engine_{os.getpid()}_*")]
+        assert len(regions) == 2  # one per request in flight
+        os.kill(engine.server.pid, signal.SIGKILL)
+        psutil.Process(engine.server.pid).wait(10)
+        again = engine.classify(blobs)  # the new server must have the regions registered again
+    finally:
+        engine.close()
+    want = onnx_engine.classify(blobs)
+    for rows in (got, again):
+        assert [(r.status, r.error, r.width) for r in rows] == [(w.status, w.error, w.width) for w in want]
+        assert [r.class_ids[:1] for r in rows] == [w.class_ids[:1] for w in want]
+    assert not any(p.exists() for p in regions)

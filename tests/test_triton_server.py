@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from pipeline.errors import TritonError
-from pipeline.triton_server import BINARY_ENV, SHM_DIR, TritonServer
+from pipeline.triton_server import BINARY_ENV, SHM_DIR, TritonServer, sweep_stale_shared_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,6 +163,25 @@ def test_server_dies_with_its_parent(echo_repo, tmp_path):
         parent.kill()
         parent.wait()
     assert _gone(server_tree, timeout_s=15), "tritonserver outlived its killed parent"
+    # Whatever the dead parent's server left in /dev/shm, the next start (or a sweep) removes.
+    sweep_stale_shared_memory()
+    assert not list(SHM_DIR.glob(f"bulkcls_{parent.pid}_*"))
+
+
+def test_sweep_removes_only_regions_of_dead_processes():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine = [SHM_DIR / f"bulkcls_{os.getpid()}_test_a", SHM_DIR / f"bulkcls_engine_{os.getpid()}_test_b"]
+    stale = [SHM_DIR / f"bulkcls_{dead.pid}_test_c", SHM_DIR / f"bulkcls_engine_{dead.pid}_test_d"]
+    for path in mine + stale:
+        path.write_bytes(b"x")
+    try:
+        removed = sweep_stale_shared_memory()
+        assert {p.name for p in stale} <= set(removed)
+        assert all(p.exists() for p in mine) and not any(p.exists() for p in stale)
+    finally:
+        for path in mine + stale:
+            path.unlink(missing_ok=True)
 
 
 def test_a_server_started_from_a_short_lived_thread_outlives_it(echo_repo):
