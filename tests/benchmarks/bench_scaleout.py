@@ -1,0 +1,286 @@
+"""Scale-out benchmark: the same Ray job on 1, 2, ... GPUs (one classify actor and one local Triton per GPU).
+
+Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see model_repository/GPU_NOTES.md)::
+
+    python tests/benchmarks/bench_scaleout.py --gpus 1,2 --out results/
+
+For each GPU count N it starts a fresh local Ray with N GPUs and runs one ``pipeline.job.run_job`` with
+``engine="triton"``, ``num_actors=N`` and the ``gpu`` profile repository, so Ray gives every actor its own GPU
+(CUDA_VISIBLE_DEVICES) and every actor starts its own tritonserver on loopback. The images are ImageNet-like JPEGs
+(500x375, ~100 KB) made from the repository's photos by ``bench_gpu.make_set``, hard-linked many times into
+sub-folders. It prints, per N: images, wall seconds, start-up (job start to the first actor call), steady img/s
+(rows whose actor call started between those of the rows at 15% and 90%, by the rows' own ``classified_at``,
+so actor and server start-up and the tail are excluded), the whole job's img/s, the ratio to the first N, and each
+GPU's mean utilization and peak memory (``nvidia-smi`` sampled every 0.5 s) over the steady window; and it checks
+that every input has exactly one output row.
+
+``--dry-run-cpu`` runs the same code without GPUs (portable profile, ONNX Runtime on the CPU, a few hundred
+images), to check the script end to end on a laptop; its rates mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+
+LOG = logging.getLogger("bench_scaleout")
+# The python backend moves inputs through shared memory that starts at 1 MB and grows 1 MB at a time: start it
+# large enough for several multi-MB requests (as bench_gpu.py does).
+GPU_SERVER_ARGS = ["--backend-config=python,shm-default-byte-size=268435456",
+                   "--backend-config=python,shm-growth-byte-size=67108864"]
+STEADY = (0.15, 0.90)
+SMI_FIELDS = "timestamp,index,utilization.gpu,memory.used"
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------
+
+
+def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: int = 1000) -> Path:
+    """``total`` JPEG paths under ``root/images/dNNN/`` hard-linked from ``unique`` generated files; reused."""
+    images = root / "images"
+    marker = images / ".done"
+    want = f"{total} {unique} {set_name}"
+    if marker.is_file() and marker.read_text() == want:
+        return images
+    from bench_gpu import make_set
+
+    shutil.rmtree(images, ignore_errors=True)
+    shutil.rmtree(root / "unique", ignore_errors=True)
+    (root / "unique").mkdir(parents=True)
+    blobs = make_set(unique, set_name, 0)
+    sources = []
+    for i, blob in enumerate(blobs):
+        path = root / "unique" / f"u{i:05d}.jpg"
+        path.write_bytes(blob)
+        sources.append(path)
+    for i in range(total):
+        folder = images / f"d{i // per_folder:03d}"
+        if i % per_folder == 0:
+            folder.mkdir(parents=True)
+        os.link(sources[i % unique], folder / f"img{i:06d}.jpg")
+    marker.write_text(want)
+    LOG.info("%d images (%d unique, mean %.1f KB) under %s", total, unique,
+             sum(map(len, blobs)) / len(blobs) / 1024, images)
+    return images
+
+
+def make_repository(root: Path, dry_run: bool, args) -> Path:
+    """The gpu profile (or, dry run, the portable profile) for the default model; reused when present."""
+    repo = root / ("repo-portable" if dry_run else "repo-gpu")
+    if (repo / "classifier" / "config.pbtxt").is_file():
+        return repo
+    if dry_run:
+        from pipeline.repo import build_repository
+
+        build_repository("portable", None, str(repo), instances=args.instances)
+    else:
+        from pipeline.engine_gpu import build_gpu_repository
+
+        build_gpu_repository(None, str(repo), instances=args.instances, batch_size=args.triton_batch,
+                             max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
+                             prep_workers=1)
+    return repo
+
+
+# ---- GPU sampling -----------------------------------------------------------------------------------------
+
+
+class SmiSampler:
+    """``nvidia-smi -lms`` in the background, raw lines kept in a CSV; no-op where nvidia-smi is missing."""
+
+    def __init__(self, path: Path, period_ms: int = 500):
+        self.path = path
+        self.proc = None
+        if shutil.which("nvidia-smi") is None:
+            LOG.warning("nvidia-smi not found: no GPU readings")
+            return
+        self.file = open(path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+            stdout=self.file, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.file.close()
+
+    def samples(self) -> list[tuple[float, int, float, float]]:
+        """(unix time, gpu index, utilization %, memory MiB) for every complete line so far."""
+        if self.proc is None or not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 4:
+                continue
+            try:
+                when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                out.append((when, int(parts[1]), float(parts[2]), float(parts[3])))
+            except ValueError:
+                continue
+        return out
+
+
+def gpu_summary(samples, start: float, end: float) -> dict[int, dict[str, float]]:
+    """Per GPU: mean utilization over [start, end] and peak memory used."""
+    per: dict[int, list[tuple[float, float]]] = {}
+    for when, index, util, mem in samples:
+        if start <= when <= end:
+            per.setdefault(index, []).append((util, mem))
+    return {i: {"util_mean": round(sum(u for u, _ in v) / len(v), 1), "mem_peak_mib": max(m for _, m in v),
+                "samples": len(v)} for i, v in sorted(per.items())}
+
+
+# ---- one run ----------------------------------------------------------------------------------------------
+
+
+def steady_rate(starts: list[float]) -> tuple[float | None, float, float]:
+    """img/s over the middle of the run from the rows' own ``classified_at`` (the start of their actor call).
+
+    The window runs from the call start of the row at 15% to that of the row at 90% (rows sorted by time); the
+    rows counted are those whose calls started inside it, which have finished by its end (one call at a time
+    per actor), so actor and server start-up and the tail are left out.
+    """
+    if len(starts) < 10:
+        return None, 0.0, 0.0
+    ordered = sorted(starts)
+    lo, hi = ordered[int(STEADY[0] * len(ordered))], ordered[int(STEADY[1] * len(ordered))]
+    if hi - lo < 0.5:  # too few actor calls to tell start-up apart
+        return None, lo, hi
+    inside = sum(1 for t in ordered if lo <= t < hi)
+    return inside / (hi - lo), lo, hi
+
+
+def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSampler) -> dict:
+    import pyarrow.dataset as pads
+    import ray
+
+    from pipeline.config import RunConfig
+    from pipeline.job import run_job
+
+    out = root / f"out-{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    total = sum(1 for _ in images.rglob("*.jpg"))
+    ray.init(num_gpus=0 if args.dry_run_cpu else n, include_dashboard=False, logging_level=logging.ERROR,
+             log_to_driver=True)
+    points: list[tuple[float, int]] = []
+
+    def progress(done: int, listed, errors: int) -> None:
+        points.append((time.time(), done))
+        LOG.info("%d GPU(s): %d/%s rows, %d errors", n, done, listed, errors)
+
+    options = {"repository": str(repo), "request_batch": args.request_batch, "concurrency": args.concurrency,
+               "startup_timeout_s": args.startup_timeout_s}
+    if not args.dry_run_cpu:
+        options["server_args"] = GPU_SERVER_ARGS
+    config = RunConfig(source=str(images), output=str(out), engine="triton", num_actors=n,
+                       batch_size=args.batch_size, shard_size=args.shard_size, engine_options=options)
+    t0 = time.time()
+    try:
+        summary = run_job(config, progress=progress)
+    finally:
+        ray.shutdown()
+    wall = time.time() - t0
+    table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "classified_at"])
+    uris = table.column("uri").to_pylist()
+    starts = [t.timestamp() for t in table.column("classified_at").to_pylist() if t is not None]
+    rate, lo, hi = steady_rate(starts)
+    row = {
+        "gpus": n, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
+        "every_row_once": len(uris) == len(set(uris)) == total, "counts": summary.counts,
+        "wall_s": round(wall, 1), "startup_s": round(min(starts) - t0, 1) if starts else None,
+        "steady_img_s": round(rate, 1) if rate else None, "steady_window_s": round(hi - lo, 1),
+        "job_img_s": round(total / wall, 1),
+        "gpu": gpu_summary(sampler.samples(), lo, hi) if rate else {},
+        "gpu_whole_run": gpu_summary(sampler.samples(), t0, t0 + wall),
+        "progress": [(round(t - t0, 2), d) for t, d in points],
+    }
+    LOG.warning("run %s", json.dumps({k: v for k, v in row.items() if k != "progress"}))
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    base = rows[0]["steady_img_s"] if rows else None
+    header = (f"{'GPUs':>4} {'images':>7} {'rows once':>9} {'wall s':>7} {'start-up s':>10} {'steady img/s':>12} "
+              f"{'x first':>7} {'job img/s':>9}  mean GPU util % (steady) / peak MiB")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = f"{r['steady_img_s'] / base:.2f}" if base and r["steady_img_s"] else "-"
+        gpus = ", ".join(f"gpu{i}: {g['util_mean']:.0f}% / {g['mem_peak_mib']:.0f}" for i, g in r["gpu"].items())
+        print(f"{r['gpus']:>4} {r['images']:>7} {str(r['every_row_once']):>9} {r['wall_s']:>7.1f} "
+              f"{r['startup_s']:>10.1f} {str(r['steady_img_s']):>12} {ratio:>7} {str(r['job_img_s']):>9}"
+              f"  {gpus or '-'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", default="1,2", help="GPU counts to run, comma-separated (one actor per GPU)")
+    p.add_argument("--out", type=Path, default=Path("bench_scaleout_out"))
+    p.add_argument("--work", type=Path, default=None, help="folder for images, repository and outputs (reused)")
+    p.add_argument("--images", type=int, default=None, help="files in the source (hard links); 36000, dry run 240")
+    p.add_argument("--unique", type=int, default=None, help="distinct JPEGs behind them; 2048, dry run 48")
+    p.add_argument("--set", default="imagenet", help="bench_gpu set: imagenet (~100 KB) or light (~35 KB)")
+    p.add_argument("--batch-size", type=int, default=1536, help="images per actor call (RunConfig.batch_size)")
+    p.add_argument("--shard-size", type=int, default=1000, help="rows per Parquet shard (progress granularity)")
+    p.add_argument("--request-batch", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--instances", type=int, default=3, help="Triton model instances per server")
+    p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the gpu model")
+    p.add_argument("--triton-max-batch", type=int, default=1024)
+    p.add_argument("--queue-delay-us", type=int, default=2000)
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--prepare-only", action="store_true", help="build images, model cache and repository, then stop")
+    p.add_argument("--dry-run-cpu", action="store_true", help="no GPUs: portable profile, few images (script check)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("ray", "ray.data", "pipeline"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if args.dry_run_cpu:
+        args.images, args.unique = args.images or 240, args.unique or 48
+        args.batch_size, args.request_batch, args.concurrency, args.instances = 32, 16, 2, 1
+        args.shard_size = min(args.shard_size, max(10, args.images // 12))
+    args.images, args.unique = args.images or 36000, args.unique or 2048
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = args.work or Path(tempfile.mkdtemp(prefix="scaleout-"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    from pipeline.model import load_model
+
+    t0 = time.perf_counter()
+    load_model(None)  # builds the default model's ONNX into the cache once, before any actor
+    images = make_images(root, args.images, args.unique, args.set)
+    repo = make_repository(root, args.dry_run_cpu, args)
+    LOG.warning("prepared in %.1f s: %s, %s", time.perf_counter() - t0, images, repo)
+    if args.prepare_only:
+        return
+    sampler = SmiSampler(args.out / "nvidia_smi.csv")
+    rows = []
+    try:
+        for n in (int(v) for v in args.gpus.split(",")):
+            rows.append(run_once(n, images, repo, root, args, sampler))
+            (args.out / "bench_scaleout.json").write_text(json.dumps(rows, indent=2))
+    finally:
+        sampler.stop()
+    print()
+    print_table(rows)
+    if not all(r["every_row_once"] for r in rows):
+        raise SystemExit("some input has no row or more than one row: see bench_scaleout.json")
+
+
+if __name__ == "__main__":
+    main()
