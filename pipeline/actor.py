@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from datetime import datetime, timezone
@@ -45,6 +46,9 @@ class ClassifyActor:
             **options,
         )
         self.engine_name = engine
+        # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
+        # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
+        atexit.register(self.close)
         LOG.info("actor ready: model=%s engine=%s", self.bundle.name, engine)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -102,10 +106,12 @@ class ClassifyActor:
             out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
 
-    def __del__(self):
-        engine = getattr(self, "engine", None)
+    def close(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             try:
                 engine.close()
             except Exception:  # noqa: BLE001 - best effort at interpreter exit
-                pass
+                LOG.warning("closing the %s engine failed", self.engine_name, exc_info=True)
+
+    __del__ = close

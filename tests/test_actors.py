@@ -44,9 +44,13 @@ def test_two_triton_actors_run_two_loopback_servers_and_leave_nothing_behind(ray
     parents: dict[int, int] = {}
     stop = threading.Event()
 
+    max_alive = [0]
+
     def watch() -> None:
         while not stop.is_set():
-            for proc in tritonservers():
+            alive = tritonservers()
+            max_alive[0] = max(max_alive[0], len(alive))
+            for proc in alive:
                 if proc.pid in before:
                     continue
                 try:
@@ -69,11 +73,49 @@ def test_two_triton_actors_run_two_loopback_servers_and_leave_nothing_behind(ray
     assert summary.counts == {"ok": 50, "error": 0}
     uris = pads.dataset(str(tmp_path / "out"), format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
     assert len(uris) == len(set(uris)) == 50
-    assert len(seen) == 2, f"expected one server per actor, saw {seen} with parents {parents}"
-    for pid, addrs in seen.items():
-        assert addrs and addrs <= {"127.0.0.1", "::ffff:127.0.0.1"}, f"server {pid} listens on {addrs}"
+    # Two actors, two servers alive at once, one per actor (no restarts); every listening socket on loopback.
+    # (On a loaded machine the second actor's server may still be starting when the first finishes the work.)
+    assert max_alive[0] == 2 and len(seen) == 2, f"saw {seen} with parents {parents}"
+    assert len(set(parents.values())) == 2, f"one server per actor expected, parents {parents}"
+    listening = {pid: addrs for pid, addrs in seen.items() if addrs}
+    assert listening, "no server was seen listening"
+    for pid, addrs in listening.items():
+        assert addrs <= {"127.0.0.1", "::ffff:127.0.0.1"}, f"server {pid} listens on {addrs}"
     deadline = time.time() + 30
     while time.time() < deadline and any(psutil.pid_exists(pid) for pid in seen):
         time.sleep(0.5)
     assert not any(psutil.pid_exists(pid) for pid in seen), "a tritonserver outlived the job"
-    assert set(Path("/dev/shm").glob("bulkcls_*")) <= shm_before, "shared memory left behind"
+    actors = {str(pid) for pid in parents.values()}
+    ours = [p.name for p in set(Path("/dev/shm").glob("bulkcls_*")) - shm_before
+            if actors & set(p.name.split("_"))]  # bulkcls_<actor pid>_… and bulkcls_engine_<actor pid>_…
+    assert not ours, f"shared memory left behind: {ours}"
+
+
+def test_killing_an_actors_tritonserver_mid_job_loses_no_row(ray_local, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(120):
+        (src / f"img{i:03d}.jpg").write_bytes(make_jpeg(i))
+    out = tmp_path / "out"
+    result = {}
+
+    def job() -> None:
+        result["summary"] = run_job(RunConfig(source=str(src), output=str(out), engine="triton", num_actors=1,
+                                              batch_size=8, shard_size=16))
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    killed = None
+    deadline = time.time() + 240
+    while time.time() < deadline and killed is None and runner.is_alive():
+        servers = tritonservers()
+        if servers and list(out.glob("part-*.parquet")):
+            killed = servers[0].pid
+            servers[0].kill()
+        time.sleep(0.1)
+    runner.join(300)
+    assert killed is not None, "the job ended before its server could be killed"
+    assert result["summary"].counts == {"ok": 120, "error": 0}
+    uris = pads.dataset(str(out), format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
+    assert len(uris) == len(set(uris)) == 120
+    assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == psutil.STATUS_ZOMBIE
