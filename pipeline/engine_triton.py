@@ -170,7 +170,9 @@ class TritonEngine:
         request_timeout_s: how long one request may take before it counts as failed.
         decode_threads: accepted for symmetry with the other engines; decoding happens in the server.
         shared_memory: send the images through system shared memory (/dev/shm) instead of inside the gRPC
-            message; the server must run on this machine.
+            message; the server must run on this machine. Default: on when this engine starts the server
+            (measured +7 to +26 % img/s on the H200, gpu profile), off with ``url``. Falls back to gRPC if a
+            region cannot be made (e.g. a container's small /dev/shm).
     """
 
     name = "triton"
@@ -191,7 +193,7 @@ class TritonEngine:
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         decode_threads: int | None = None,
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
         **unknown,
     ):
         if unknown:
@@ -216,8 +218,9 @@ class TritonEngine:
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
         self._slots: queue.SimpleQueue | None = None
+        self._slots_disabled = False
         self._all_slots: list[_ShmSlot] = []
-        if shared_memory:
+        if shared_memory if shared_memory is not None else not url:
             self._slots = queue.SimpleQueue()
             for i in range(concurrency):
                 # Named so that pipeline.triton_server.sweep_stale_shared_memory finds it if this process is killed.
@@ -343,12 +346,22 @@ class TritonEngine:
         half = len(indices) // 2
         return self._isolating(indices[:half], images) + self._isolating(indices[half:], images)
 
+    def _write_shm(self, slot: _ShmSlot, blobs: list[bytes], longest: int, image_input) -> None:
+        nbytes = len(blobs) * longest
+        flat = slot.buffer(self._client(), nbytes, self._generation)
+        view = flat[:nbytes].reshape(len(blobs), longest)
+        for i, blob in enumerate(blobs):
+            view[i, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            view[i, len(blob) :] = 0
+        del view, flat  # no exported pointers may remain when the region is resized or destroyed
+        image_input.set_shared_memory(slot.name, nbytes)
+
     def _in_quarantine(self) -> bool:
         return getattr(self._local, "quarantined", False)
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
         """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
-        if self._slots is not None:
+        if self._slots is not None and not self._slots_disabled:
             slot = self._slots.get()
             try:
                 return self._infer_tries(blobs, slot)
@@ -362,13 +375,10 @@ class TritonEngine:
 
         longest = max(1, max(len(b) for b in blobs))
         shape = [len(blobs), longest]
-        if slot is None:
-            images, lengths = _pack(blobs)
-        else:
-            lengths = np.array([[len(b)] for b in blobs], dtype=np.int32)
+        lengths = np.array([[len(b)] for b in blobs], dtype=np.int32)
         image_input = grpcclient.InferInput(tn.INPUT_IMAGE, shape, tn.INPUTS[tn.INPUT_IMAGE])
         if slot is None:
-            image_input.set_data_from_numpy(images)
+            image_input.set_data_from_numpy(_pack(blobs)[0])
         length_input = grpcclient.InferInput(tn.INPUT_LENGTH, list(lengths.shape), tn.INPUTS[tn.INPUT_LENGTH])
         length_input.set_data_from_numpy(lengths)
         wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
@@ -382,14 +392,16 @@ class TritonEngine:
             try:
                 if slot is not None:
                     # Written (again) for each try: a restarted server needs the region registered anew.
-                    nbytes = len(blobs) * longest
-                    flat = slot.buffer(self._client(), nbytes, self._generation)
-                    view = flat[:nbytes].reshape(len(blobs), longest)
-                    for i, blob in enumerate(blobs):
-                        view[i, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-                        view[i, len(blob) :] = 0
-                    del view, flat  # no exported pointers left when the region is resized or destroyed
-                    image_input.set_shared_memory(slot.name, nbytes)
+                    try:
+                        self._write_shm(slot, blobs, longest, image_input)
+                    except InferenceServerException:
+                        raise
+                    except Exception as err:  # noqa: BLE001 - no shared memory here: gRPC still works
+                        LOG.warning("cannot use shared memory (%s: %s); sending images over gRPC", type(err).__name__, err)
+                        slot.release()
+                        self._slots_disabled = True
+                        slot = None
+                        image_input.set_data_from_numpy(_pack(blobs)[0])
                 response = self._client().infer(self.model_name, [image_input, length_input], outputs=outputs,
                                                 parameters=parameters, client_timeout=self.request_timeout_s)
                 return self._results(response, len(blobs))

@@ -213,11 +213,13 @@ def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle)
         tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         assert len(tree) >= 2 and list(SHM_DIR.glob(server.shm_prefix + "*"))
         prefix, repository = server.shm_prefix, server.repository
+        slots = [SHM_DIR / slot.name for slot in engine._all_slots]  # shared memory is on by default
+        assert slots and all(p.exists() for p in slots)
     finally:
         engine.close()
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive
-    assert not list(SHM_DIR.glob(prefix + "*"))
+    assert not list(SHM_DIR.glob(prefix + "*")) and not any(p.exists() for p in slots)
     assert not repository.exists()
 
 
@@ -331,8 +333,8 @@ def test_shared_memory_transport_gives_the_same_rows_survives_a_restart_and_clea
     engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=4, concurrency=2, shared_memory=True)
     try:
         got = engine.classify(blobs)
-        regions = [p for p in SHM_DIR.glob(f"bulkcls_engine_{os.getpid()}_*")]
-        assert len(regions) == 2  # one per request in flight
+        regions = [SHM_DIR / slot.name for slot in engine._all_slots]
+        assert len(regions) == 2 and all(p.exists() for p in regions)  # one per request in flight
         os.kill(engine.server.pid, signal.SIGKILL)
         psutil.Process(engine.server.pid).wait(10)
         again = engine.classify(blobs)  # the new server must have the regions registered again
@@ -343,3 +345,18 @@ def test_shared_memory_transport_gives_the_same_rows_survives_a_restart_and_clea
         assert [(r.status, r.error, r.width) for r in rows] == [(w.status, w.error, w.width) for w in want]
         assert [r.class_ids[:1] for r in rows] == [w.class_ids[:1] for w in want]
     assert not any(p.exists() for p in regions)
+
+
+def test_without_usable_shared_memory_the_engine_falls_back_to_grpc(bundle, triton_engine, monkeypatch):
+    import tritonclient.utils.shared_memory as shm
+
+    def refuse(*_args, **_kwargs):
+        raise shm.SharedMemoryException("no space left on /dev/shm")
+
+    monkeypatch.setattr(shm, "create_shared_memory_region", refuse)
+    engine = make_engine("triton", bundle, top_k=TOP_K, url=triton_engine.url, shared_memory=True)
+    try:
+        results = engine.classify(list(_photos().values())[:3])
+    finally:
+        engine.close()
+    assert [r.status for r in results] == ["ok"] * 3 and engine._slots_disabled
