@@ -112,12 +112,17 @@ def repo() -> None:
 @click.option("--profile", type=click.Choice(["portable", "production", "gpu"]), default="portable", show_default=True, help="Which repository profile to fill.")
 @click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
-def repo_build(profile: str, model: str | None, output: str) -> None:
+@click.option("--top-k", type=int, default=5, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
+@click.option("--instances", type=int, default=None, help="Model instances per server (default: the profile's).")
+@click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
+def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
+               max_batch_size: int | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
     from pipeline.repo import build_repository
 
     try:
-        path = build_repository(profile, model, output)
+        path = build_repository(profile, model, output, top_k=top_k, instances=instances,
+                                max_batch_size=max_batch_size)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"built {profile} repository in {path}")

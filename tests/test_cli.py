@@ -104,3 +104,16 @@ def test_environment_sets_defaults_and_options_win(monkeypatch):
 
     with pytest.raises(ConfigError, match="BULK_CLASSIFY_TOP_K='x' is not an integer"):
         RunConfig.build({"source": "a", "output": "b"}, env={"BULK_CLASSIFY_TOP_K": "x"})
+
+
+def test_repo_build_and_check_through_the_cli(tmp_path):
+    runner = CliRunner()
+    built = runner.invoke(main, ["repo", "build", "--profile", "portable", "--output", str(tmp_path / "r"),
+                                 "--top-k", "3", "--instances", "2"])
+    assert built.exit_code == 0, built.output
+    config = (tmp_path / "r" / "classifier" / "config.pbtxt").read_text()
+    assert "count: 2" in config and "3" in config
+    checked = runner.invoke(main, ["repo", "check", str(tmp_path / "r")])
+    assert checked.exit_code == 0 and "ok: 1 models checked (classifier)" in checked.output
+    bad = runner.invoke(main, ["repo", "build", "--output", str(tmp_path / "x"), "--top-k", "0"])
+    assert bad.exit_code == 1 and "must be positive" in bad.output
