@@ -207,7 +207,7 @@ def _init_ray() -> None:
 
 def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, counter: Any):
     import ray
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     from pipeline.actor import ClassifyActor
     from pipeline.fetch import fetch_batch
@@ -235,6 +235,8 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_size=FETCH_BATCH,
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
+        # Each concurrent task is a worker process to start; threads inside a task do the concurrent I/O.
+        compute=TaskPoolStrategy(size=max(2, cpus)),
     )
     ds = ds.map_batches(
         ClassifyActor,
@@ -254,6 +256,7 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
         batch_size=config.shard_size,
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
+        compute=TaskPoolStrategy(size=max(1, cpus // 8)),
     )
     return ds
 
