@@ -271,6 +271,10 @@ def _prepare_output(fs: Any, root: str, config: RunConfig) -> None:
         probe = f"{root.rstrip('/')}/_probe.{os.getpid()}"
         fs.pipe_file(probe, b"")
         fs.rm_file(probe)
+        # A run in progress is not a completed run: _SUCCESS comes back when this one completes.
+        success = f"{root.rstrip('/')}/{SUCCESS}"
+        if fs.exists(success):
+            fs.rm_file(success)
     except OutputError:
         raise
     except Exception as err:  # noqa: BLE001

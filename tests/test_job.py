@@ -101,6 +101,14 @@ def test_rerun_processes_only_new_objects_and_overwrite_keeps_foreign_files(tmp_
     assert (second.classified, second.already_done, second.total) == (5, 30, 35)
     assert len(read_rows(str(out))) == 35
 
+    (src / "broken.jpg").write_bytes(b"not a jpeg")
+    states = []
+    run_job(RunConfig(source=str(src), output=str(out), shard_size=7),
+            progress=lambda done, total, errors: states.append((out / "_SUCCESS").exists()))
+    assert states and not any(states), "a run in progress must not look complete"
+    assert (out / "_SUCCESS").exists()
+    (src / "broken.jpg").unlink()
+
     (out / "keep-me.txt").write_text("not ours")
     third = run_job(RunConfig(source=str(src), output=str(out), overwrite=True))
     assert (third.classified, third.already_done, third.total) == (35, 0, 35)
