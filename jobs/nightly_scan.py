@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import re
 import sys
@@ -38,6 +37,7 @@ except ImportError:  # run as `python jobs/nightly_scan.py` from a checkout: the
 
 from pipeline.config import RunConfig, parse_storage_option  # noqa: E402
 from pipeline.errors import BulkClassifyError, ConfigError, OutputError  # noqa: E402
+from pipeline.writer import committed_parts, read_json  # noqa: E402
 
 LOG = logging.getLogger("bulk_classify.nightly")
 DATE_PREFIX = "date="
@@ -145,9 +145,8 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
 
     fs, root = _open(dest, storage_options)
     try:
-        done = _read_json(fs, f"{root}/{SUCCESS}")
-        shards = [p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith("part-")] \
-            if fs.exists(root) else []
+        done = read_json(fs, root, SUCCESS)
+        shards = committed_parts(fs, root)
     except (OSError, ValueError) as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
     if done is not None and not options.get("overwrite"):
@@ -168,7 +167,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
 
     summary = run_job(config, progress=progress)
     return NightlyResult("completed", day, dest, previous=previous, resumed_shards=len(shards), summary=summary,
-                         success=_read_json(fs, f"{root}/{SUCCESS}"))
+                         success=read_json(fs, root, SUCCESS))
 
 
 def parse_args(argv: list[str] | None) -> dict[str, Any]:
@@ -258,13 +257,6 @@ def _open(url: str, storage_options: Mapping[str, Any] | None):
     from pipeline.source import open_fs
 
     return open_fs(url, storage_options)
-
-
-def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(fs.cat_file(path))
-    except FileNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
 from typing import Any, Mapping
 
 from pipeline.errors import ConfigError, OutputError
+from pipeline.writer import PART_PREFIX, committed_parts, read_json
 
 LOG = logging.getLogger(__name__)
 
@@ -17,7 +17,6 @@ STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
 TOP_LABELS = 10
 REPORT_NAME = "_REPORT.json"
 SUCCESS_NAME = "_SUCCESS"
-PART_PREFIX = "part-"
 # Columns summarize_output reads; everything else in the shards is left on storage.
 SUMMARY_COLUMNS = ("status", "error", "labels", "model")
 
@@ -117,7 +116,7 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         names = fs.ls(root, detail=False) if fs.isdir(root) else []
     except (ImportError, ValueError, TypeError, OSError) as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
-    parts = sorted(p for p in names if p.rsplit("/", 1)[-1].startswith(PART_PREFIX) and p.endswith(".parquet"))
+    parts = committed_parts(fs, root) if names else []
     if not parts:
         runs = sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names if fs.isdir(n) and any(
             p.rsplit("/", 1)[-1].startswith(PART_PREFIX) for p in fs.ls(n, detail=False)))
@@ -148,8 +147,8 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         if "model" in present:
             models.update(_value_counts(table.column("model")))
 
-    success = _read_json(fs, f"{root.rstrip('/')}/{SUCCESS_NAME}")
-    run = _read_json(fs, f"{root.rstrip('/')}/{REPORT_NAME}")
+    success = read_json(fs, root, SUCCESS_NAME)
+    run = read_json(fs, root, REPORT_NAME)
     rows = sum(status.values())
     return {
         "dest": dest,
@@ -201,16 +200,6 @@ def _value_counts(array: Any) -> dict[str, int]:
         if item["values"] is not None:
             out[str(item["values"])] = int(item["counts"])
     return out
-
-
-def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(fs.cat_file(path))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        LOG.warning("%s is not JSON; ignored", path)
-        return None
 
 
 def _count(value: Any, name: str) -> int:

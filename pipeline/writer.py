@@ -144,6 +144,9 @@ def read_json(fs: Any, dest: str, name: str) -> dict[str, Any] | None:
         return json.loads(fs.cat_file(path))
     except FileNotFoundError:
         return None
+    except ValueError:
+        LOG.warning("%s is not JSON; ignored", path)
+        return None
 
 
 def open_dest(output: str, storage_options: Mapping[str, Any]):
