@@ -189,7 +189,8 @@ def test_a_request_failing_on_one_input_is_split_so_only_that_input_fails(bundle
 def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle):
     photos = list(_photos().values())
     blobs = [photos[i % len(photos)] for i in range(160)]
-    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=8, concurrency=2)
+    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=8, concurrency=2,
+                         shared_memory=True)  # restart and cleanup with the shared-memory transport too
     try:
         reference = {blob: r.class_ids[0] for blob, r in zip(photos, engine.classify(photos))}
         victim = engine.server.pid
@@ -213,7 +214,7 @@ def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle)
         tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         assert len(tree) >= 2 and list(SHM_DIR.glob(server.shm_prefix + "*"))
         prefix, repository = server.shm_prefix, server.repository
-        slots = [SHM_DIR / slot.name for slot in engine._all_slots]  # shared memory is on by default
+        slots = [SHM_DIR / slot.name for slot in engine._all_slots]  # shared_memory=True above
         assert slots and all(p.exists() for p in slots)
     finally:
         engine.close()
