@@ -184,6 +184,20 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     )
 
 
+# Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
+# worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
+# TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
+# Ray we start ourselves has no dashboard to read those metrics, so it runs without them;
+# set either variable yourself to override. A cluster given by RAY_ADDRESS is left as is.
+LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}
+
+
+def local_ray_env() -> None:
+    """Set the environment a local Ray we start needs (workers inherit it)."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def _init_ray() -> None:
     import ray
     from ray.data import DataContext
@@ -197,6 +211,7 @@ def _init_ray() -> None:
         address = os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = {"address": address, "log_to_driver": True, "logging_level": logging.ERROR}
         if address is None:
+            local_ray_env()
             kwargs.update(include_dashboard=False, configure_logging=True)
         ray.init(**kwargs)
     ctx = DataContext.get_current()
