@@ -27,7 +27,7 @@ from pipeline import tensor_names as tn
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.preprocess import DecodeLimits, decode_image
 from pipeline.results import STATUS_OK, Result
-from pipeline.triton_server import SHM_PREFIX
+from pipeline.triton_server import HEALTH_TIMEOUT_S, SHM_PREFIX
 
 LOG = logging.getLogger(__name__)
 
@@ -434,8 +434,13 @@ class TritonEngine:
     def _server_down(self, err) -> bool:
         """Is this failure the server's (restart/retry) rather than the request's (split)?"""
         status = str(err.status() or "")
+        if "INVALID_ARG" in status:
+            return False  # the server read the request and refused one of its inputs: it is up
         if self.server is not None:
-            return not self.server.is_ready() or any(code in status for code in ("UNAVAILABLE", "CANCELLED"))
+            if any(code in status for code in ("UNAVAILABLE", "CANCELLED")):
+                return True
+            # A loaded host can keep a healthy server from answering within a couple of seconds.
+            return not self.server.is_ready(HEALTH_TIMEOUT_S)
         if not any(code in status for code in SERVER_DOWN_CODES):
             return False
         try:  # a model's own INTERNAL error on one input comes from a server that is still ready

@@ -43,6 +43,8 @@ STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Engines restart servers
 # from short-lived request threads (and Ray may run actor methods in pool threads), so every server is forked
 # from this one thread, which lives as long as the process.
+# How long a running server may take to answer a health check before it counts as hung (see ensure_running).
+HEALTH_TIMEOUT_S = 15.0
 _LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tritonserver-launcher")
 
 
@@ -320,9 +322,13 @@ class TritonServer:
             return False
 
     def ensure_running(self) -> bool:
-        """Health check between batches: restart a crashed or hung server. True if it was restarted."""
+        """Health check between batches: restart a crashed or hung server. True if it was restarted.
+
+        A live server gets HEALTH_TIMEOUT_S to answer: on a host whose CPUs are saturated (decode threads, other
+        actors) a healthy server can take seconds, and killing it then would turn its requests into error rows.
+        """
         with self._lock:
-            if self.is_ready():
+            if self.is_ready(HEALTH_TIMEOUT_S):
                 return False
             LOG.warning(
                 "tritonserver (pid %s) is %s; restarting it. Log tail:\n%s",

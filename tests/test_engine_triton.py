@@ -361,3 +361,19 @@ def test_without_usable_shared_memory_the_engine_falls_back_to_grpc(bundle, trit
     finally:
         engine.close()
     assert [r.status for r in results] == ["ok"] * 3 and engine._slots_disabled
+
+
+def test_a_refused_input_never_counts_as_a_server_down(triton_engine, monkeypatch):
+    """INVALID_ARG means the server read the request: no health check (which a loaded host may time out) and so no
+    restart of a healthy server."""
+    from tritonclient.utils import InferenceServerException
+
+    def no_health_check(*_args, **_kwargs):
+        raise AssertionError("a refused input must not trigger a health check")
+
+    monkeypatch.setattr(triton_engine.server, "is_ready", no_health_check)
+    refused = InferenceServerException("decode_error: cannot identify image file", status="StatusCode.INVALID_ARGUMENT")
+    assert triton_engine._server_down(refused) is False
+    monkeypatch.undo()
+    gone = InferenceServerException("connection refused", status="StatusCode.UNAVAILABLE")
+    assert triton_engine._server_down(gone) is True
