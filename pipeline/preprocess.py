@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -198,7 +199,10 @@ def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
 def _upright(img: Image.Image) -> Image.Image:
     """Applies the EXIF orientation; a corrupt EXIF block leaves the pixels as stored rather than failing them."""
     try:
-        return ImageOps.exif_transpose(img)
+        # In place: without an orientation tag exif_transpose would otherwise copy the whole decoded image
+        # (4% of the actor's time on 1600x1200 photos); with one, the pixels are the same either way.
+        ImageOps.exif_transpose(img, in_place=True)
+        return img
     except Exception as e:  # Pillow's EXIF parser raises assorted types on corrupt blocks
         log.debug("ignoring unreadable EXIF: %s", e)
         return img
@@ -247,8 +251,25 @@ def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     return normalize_array(np.asarray(out), spec)
 
 
+@functools.lru_cache(maxsize=16)
+def _value_table(scale: float, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """[3, 256] float32: the normalized value of each 8-bit level per output channel, computed with the same float32
+    arithmetic as the array expression in normalize_array, so looking values up gives identical numbers."""
+    levels = np.arange(256, dtype=np.float32)[:, None].repeat(3, axis=1)
+    table = (levels * np.float32(scale) - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return np.ascontiguousarray(table.T, dtype=np.float32)
+
+
 def normalize_array(rgb: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
     """The value part of the spec: uint8 HWC RGB (already cropped) -> float32 in the spec's range, order, layout."""
+    rgb = np.asarray(rgb)
+    if rgb.dtype == np.uint8 and rgb.ndim == 3 and rgb.shape[2] == 3:
+        # 8-bit input: one table lookup per value (3-4x faster than the arithmetic, same float32 results).
+        table = _value_table(float(spec.scale), tuple(map(float, spec.mean)), tuple(map(float, spec.std)))
+        source = rgb[:, :, ::-1] if spec.channel_order == "BGR" else rgb
+        if spec.layout == "NCHW":
+            return np.stack([table[c][source[:, :, c]] for c in range(3)])
+        return np.stack([table[c][source[:, :, c]] for c in range(3)], axis=-1)
     arr = np.asarray(rgb, dtype=np.float32)
     if spec.channel_order == "BGR":
         arr = arr[:, :, ::-1]

@@ -184,3 +184,21 @@ def test_multi_frame_uses_the_first_frame():
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
     rgb = np.asarray(decode_image(buf.getvalue()))
     assert rgb[..., 0].mean() > 200 and rgb[..., 2].mean() < 50
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("order", ["RGB", "BGR"])
+def test_table_lookup_normalization_is_bit_identical_to_the_arithmetic(layout, order):
+    import dataclasses
+
+    spec = dataclasses.replace(DEFAULT_SPEC, layout=layout, channel_order=order, scale=1 / 255.0,
+                               mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    rgb = np.random.default_rng(3).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    rgb[0, :3] = [[0, 0, 0], [255, 255, 255], [1, 128, 254]]  # both ends of the range
+    got = normalize_array(rgb, spec)
+    arithmetic = (rgb[:, :, ::-1] if order == "BGR" else rgb).astype(np.float32)
+    want = (arithmetic * np.float32(spec.scale) - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    want = want.transpose(2, 0, 1) if layout == "NCHW" else want
+    assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == want.shape
+    assert np.array_equal(got, want)  # exactly, not approximately
+    assert np.array_equal(normalize_array(rgb.astype(np.float32), spec), want)  # the float path agrees
