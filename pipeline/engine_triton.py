@@ -171,8 +171,10 @@ class TritonEngine:
         decode_threads: accepted for symmetry with the other engines; decoding happens in the server.
         shared_memory: send the images through system shared memory (/dev/shm) instead of inside the gRPC
             message; the server must run on this machine. Default: off (opt in with ``shared_memory=True``: measured
-            +7 to +26 % img/s on the H200, gpu profile, but full CI runs saw wrong answers for a few images
-            with it, not yet explained). Falls back to gRPC if a region cannot be made.
+            +7 to +26 % img/s on the H200, gpu profile; but two of six full CI runs on 2026-11-29 saw wrong answers
+            for a few images with it on, not reproduced since: three runs of tests/test_engine_triton.py with it forced
+            on beside two CPU burners, and 101 rounds of shuffled batches with 21 server kills, all matched ONNX).
+            Falls back to gRPC if a region cannot be made.
     """
 
     name = "triton"
