@@ -173,7 +173,8 @@ class TritonEngine:
             message; the server must run on this machine. Default: off (opt in with ``shared_memory=True``: measured
             +7 to +26 % img/s on the H200, gpu profile; but two of six full CI runs on 2026-11-29 saw wrong answers
             for a few images with it on, not reproduced since: three runs of tests/test_engine_triton.py with it forced
-            on beside two CPU burners, and 101 rounds of shuffled batches with 21 server kills, all matched ONNX).
+            on beside two CPU burners, and tests/benchmarks/stress_triton_shm.py: 9,919 images, 21 server kills, all
+            matched ONNX).
             Falls back to gRPC if a region cannot be made.
     """
 

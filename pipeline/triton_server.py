@@ -43,8 +43,6 @@ STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Engines restart servers
 # from short-lived request threads (and Ray may run actor methods in pool threads), so every server is forked
 # from this one thread, which lives as long as the process.
-# How long a running server may take to answer a health check before it counts as hung (see ensure_running).
-HEALTH_TIMEOUT_S = 15.0
 _LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tritonserver-launcher")
 
 
@@ -55,6 +53,8 @@ def _die_with_parent() -> None:
 
 
 SHM_PREFIX = "bulkcls_"
+# How long a running server may take to answer a health check before it counts as hung (see ensure_running).
+HEALTH_TIMEOUT_S = 15.0
 
 
 def sweep_stale_shared_memory() -> list[str]:
