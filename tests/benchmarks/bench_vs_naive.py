@@ -3,6 +3,7 @@
 Usage:
     python tests/benchmarks/bench_vs_naive.py [--images 2000] [--size 500x375] [--rounds 2] [--batch-size 64]
         [--naive-actors 1] [--ours-args "--decode-threads 1"] [--tiny 16] [--timeout-s 900] [--workdir DIR]
+    python tests/benchmarks/bench_vs_naive.py --size 500x375,1600x1200,4032x3024 --images 2000,1200,300 --rounds 1
 
 Images: ~500x375 JPEGs (quality 90; every fourth one portrait 375x500) cut from the committed photos
 (tests/data/photos) by seeded crops and scales, so both pipelines read the same realistic files.
@@ -20,10 +21,12 @@ all the machine's CPUs (same ``num_cpus`` for both):
 
 Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
 _REPORT.json; naive: ray.init to the end of write_parquet, the same span), img/s, peak PSS of the process tree
-(see bench_streaming.py), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
+(see bench_streaming.py; sampled every ``--memory-interval-s``, 2 s, since sampling memory is not free), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
 Top-1 agreement between the two outputs is printed too: they must do the same work. ``--tiny N`` (default 16) adds a
 run per side and round on N images to split the fixed start-up cost (Ray, workers, model load) from the per-image rate;
-``--size`` makes bigger images (decode weighs more); ``--ours-args`` passes options to our side only (tuning).
+``--size`` makes other sizes (bigger: decode weighs more, and so do the naive pipeline's full-size decoded
+arrays in the object store); several sizes run one after the other and end with a table of ratios by size.
+``--ours-args`` passes options to our side only (tuning).
 """
 
 from __future__ import annotations
@@ -150,16 +153,101 @@ def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: di
         cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
                "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
                "--top-k", str(args.top_k)]
-    wall, sampler, _ = run_measured(cmd, env, args.interval_s, args.timeout_s)
+    wall, sampler, _ = run_measured(cmd, env, args.interval_s, args.timeout_s, args.memory_interval_s)
     info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
     return {"side": side, "wall": wall, "job": json.loads(info.read_text())["elapsed_s"],
             "cpu": sampler.cpu_total_s, "pss": sampler.peak["pss"]}
 
 
+def parse_sizes(sizes: str, images: str) -> list[tuple[tuple[int, int], int]]:
+    """``--size 500x375,4032x3024`` and ``--images 2000,300`` (or one count for all) -> [((w, h), count), ...]."""
+    try:
+        parsed = [tuple(int(v) for v in item.lower().split("x")) for item in sizes.split(",")]
+        assert all(len(size) == 2 and min(size) >= 224 for size in parsed)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--size {sizes!r} must be WIDTHxHEIGHT[,WIDTHxHEIGHT...], each side at least 224, "
+                         "e.g. 500x375,1600x1200") from None
+    try:
+        counts = [int(v) for v in images.split(",")]
+        assert all(c >= 1 for c in counts) and len(counts) in (1, len(parsed))
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--images {images!r} must be one positive count, or one per --size "
+                         f"({len(parsed)}), e.g. 2000,600") from None
+    return list(zip(parsed, counts * len(parsed) if len(counts) == 1 else counts))
+
+
+def bench_size(size: tuple[int, int], images: int, args: argparse.Namespace, env: dict[str, str],
+               workdir: Path) -> dict:
+    """All rounds of both sides on ``images`` JPEGs of ``size``; prints its runs and returns its summary."""
+    src = workdir / f"src-{size[0]}x{size[1]}-{images}"
+    t0 = time.perf_counter()
+    make_images(src, images, size)
+    size_mb = sum(p.stat().st_size for p in src.iterdir()) / 1e6
+    print(f"{images} JPEGs ({size[0]}x{size[1]}, {size_mb:.1f} MB) in {src} ({time.perf_counter() - t0:.1f}s); "
+          f"{os.cpu_count()} CPUs; batch size {args.batch_size}; naive actors {args.naive_actors}; "
+          f"ours extra options: {args.ours_args or '-'}", flush=True)
+    tag = f"{size[0]}x{size[1]}"
+    runs: list[dict] = []
+    tiny_runs: list[dict] = []
+    tiny_src = workdir / f"src-{tag}-{args.tiny}"
+    if args.tiny:
+        make_images(tiny_src, args.tiny, size)
+    for r in range(args.rounds):
+        for side in ("ours", "naive"):
+            run = run_side(side, src, workdir / f"out-{tag}-{side}-{r}", args, env)
+            runs.append({**run, "round": r})
+            print(f"  round {r} {side:>5}: wall {run['wall']:6.1f}s job {run['job']:6.1f}s CPU {run['cpu']:6.1f}s "
+                  f"{images / run['job']:6.1f} img/s, peak PSS {run['pss'] / MIB:.0f} MiB", flush=True)
+        for side in ("ours", "naive") if args.tiny else ():
+            run = run_side(side, tiny_src, workdir / f"out-{tag}-{side}-tiny", args, env)
+            tiny_runs.append(run)
+            print(f"  round {r} {side:>5} on {args.tiny} images: job {run['job']:6.1f}s", flush=True)
+    ours_top1 = top1(workdir / f"out-{tag}-ours-0", "uri")
+    naive_top1 = top1(workdir / f"out-{tag}-naive-0", "path")
+    if len(ours_top1) != images or len(naive_top1) != images:
+        raise SystemExit(f"row counts differ from {images}: ours {len(ours_top1)}, naive {len(naive_top1)}")
+    agree = sum(ours_top1[k] == naive_top1.get(k) for k in ours_top1) / len(ours_top1)
+
+    print()
+    print(f"{'run':>12} {'round':>5} {'wall s':>7} {'job s':>7} {'img/s':>7} {'CPU s':>7} {'peak PSS MiB':>12}")
+    for run in runs:
+        print(f"{run['side']:>12} {run['round']:>5} {run['wall']:>7.1f} {run['job']:>7.1f} "
+              f"{images / run['job']:>7.1f} {run['cpu']:>7.1f} {run['pss'] / MIB:>12.0f}")
+    med = {side: {k: statistics.median(run[k] for run in runs if run["side"] == side)
+                  for k in ("wall", "job", "cpu", "pss")} for side in ("ours", "naive")}
+    for side in ("ours", "naive"):
+        m = med[side]
+        print(f"{side + ' median':>12} {'':>5} {m['wall']:>7.1f} {m['job']:>7.1f} {images / m['job']:>7.1f} "
+              f"{m['cpu']:>7.1f} {m['pss'] / MIB:>12.0f}")
+    ratio = {k: med["naive"][k] / med["ours"][k] for k in ("wall", "job", "cpu", "pss")}
+    verdict = "meets" if ratio["job"] >= GOAL_RATIO else "MISSES"
+    print(f"speed-up ours vs naive (naive time / ours time, medians): job {ratio['job']:.2f}x, wall "
+          f"{ratio['wall']:.2f}x ({verdict} the >= {GOAL_RATIO}x goal); CPU seconds naive/ours {ratio['cpu']:.2f}x; "
+          f"top-1 agreement {agree:.1%}")
+    rate = {"ours": float("nan"), "naive": float("nan")}
+    if tiny_runs:
+        # Fixed cost = the tiny runs' job time; per-image rate = the other images over the rest of the time.
+        fixed = {side: statistics.median(t["job"] for t in tiny_runs if t["side"] == side)
+                 for side in ("ours", "naive")}
+        rate = {side: (images - args.tiny) / (med[side]["job"] - fixed[side])
+                if med[side]["job"] - fixed[side] > 1.0 else float("nan") for side in ("ours", "naive")}
+        print(f"fixed start-up (median job s on {args.tiny} images): ours {fixed['ours']:.1f}s, naive "
+              f"{fixed['naive']:.1f}s; per-image rate past start-up: ours {rate['ours']:.1f} img/s, naive "
+              f"{rate['naive']:.1f} img/s, ratio {rate['ours'] / rate['naive']:.2f}x (a difference of medians: "
+              f"noisy when the machine is busy)")
+    print(flush=True)
+    return {"size": tag, "mp": size[0] * size[1] / 1e6, "images": images, "kb": size_mb * 1e3 / images,
+            "ours": med["ours"]["job"], "naive": med["naive"]["job"], "ratio": ratio["job"], "cpu_ratio": ratio["cpu"],
+            "pss_ratio": ratio["pss"], "rate_ratio": rate["ours"] / rate["naive"], "agree": agree}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=2000, help="how many JPEGs (default 2000)")
-    parser.add_argument("--size", default="500x375", help="landscape WxH of the JPEGs (default 500x375)")
+    parser.add_argument("--images", default="2000",
+                        help="how many JPEGs: one count, or one per --size (default 2000)")
+    parser.add_argument("--size", default="500x375",
+                        help="landscape WxH of the JPEGs; several, comma-separated, run one after the other and end "
+                             "with a table of ratios by size (default 500x375)")
     parser.add_argument("--rounds", type=int, default=2, help="A,B rounds, interleaved (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per model call, both sides (default 64)")
     parser.add_argument("--naive-actors", type=int, default=1, help="actors of the naive pipeline (default 1)")
@@ -168,7 +256,10 @@ def main() -> None:
                         help="also run each side once on this many images to split the fixed start-up cost from "
                              "the per-image rate (default 16; 0: off)")
     parser.add_argument("--top-k", type=int, default=5)
-    parser.add_argument("--interval-s", type=float, default=0.2, help="memory sampling period (default 0.2 s)")
+    parser.add_argument("--interval-s", type=float, default=0.2, help="CPU sampling period (default 0.2 s)")
+    parser.add_argument("--memory-interval-s", type=float, default=2.0,
+                        help="memory sampling period (default 2 s: reading every Ray process's smaps_rollup costs "
+                             "~45 ms of CPU, which at 0.2 s took ~12%% of this 2-core machine from the runs)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
     parser.add_argument("--timeout-s", type=float, default=900, help="stop a run that takes longer (default 900)")
     parser.add_argument("--naive", nargs=2, metavar=("SRC", "DEST"), help=argparse.SUPPRESS)
@@ -176,73 +267,24 @@ def main() -> None:
     if args.naive:
         naive_main(*args.naive, args.batch_size, args.naive_actors, args.top_k)
         return
-    try:
-        size = tuple(int(v) for v in args.size.lower().split("x"))
-        assert len(size) == 2 and min(size) >= 224
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--size {args.size!r} must be WIDTHxHEIGHT, both at least 224, e.g. 500x375") from None
+    plan = parse_sizes(args.size, args.images)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vs-naive-"))
     ray_tmp = Path(tempfile.mkdtemp(prefix="bcb", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
     env = ray_env(ray_tmp)
-    src = workdir / f"src-{size[0]}x{size[1]}-{args.images}"
-    t0 = time.perf_counter()
-    make_images(src, args.images, size)
-    size_mb = sum(p.stat().st_size for p in src.iterdir()) / 1e6
-    print(f"{args.images} JPEGs ({size[0]}x{size[1]}, {size_mb:.1f} MB) in {src} ({time.perf_counter() - t0:.1f}s); "
-          f"{os.cpu_count()} CPUs; batch size {args.batch_size}; naive actors {args.naive_actors}; "
-          f"ours extra options: {args.ours_args or '-'}", flush=True)
-
-    runs: list[dict] = []
-    tiny_runs: list[dict] = []
-    tiny_src = workdir / f"src-{size[0]}x{size[1]}-{args.tiny}"
-    if args.tiny:
-        make_images(tiny_src, args.tiny, size)
     try:
-        for r in range(args.rounds):
-            for side in ("ours", "naive"):
-                run = run_side(side, src, workdir / f"out-{side}-{r}", args, env)
-                runs.append({**run, "round": r})
-                print(f"  round {r} {side:>5}: wall {run['wall']:6.1f}s job {run['job']:6.1f}s CPU {run['cpu']:6.1f}s "
-                      f"{args.images / run['job']:6.1f} img/s, peak PSS {run['pss'] / MIB:.0f} MiB", flush=True)
-            for side in ("ours", "naive") if args.tiny else ():
-                run = run_side(side, tiny_src, workdir / f"out-{side}-tiny", args, env)
-                tiny_runs.append(run)
-                print(f"  round {r} {side:>5} on {args.tiny} images: job {run['job']:6.1f}s", flush=True)
-        ours_top1 = top1(workdir / "out-ours-0", "uri")
-        naive_top1 = top1(workdir / "out-naive-0", "path")
+        rows = [bench_size(size, images, args, env, workdir) for size, images in plan]
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    if len(ours_top1) != args.images or len(naive_top1) != args.images:
-        raise SystemExit(f"row counts differ from {args.images}: ours {len(ours_top1)}, naive {len(naive_top1)}")
-    agree = sum(ours_top1[k] == naive_top1.get(k) for k in ours_top1) / len(ours_top1)
-
-    print()
-    print(f"{'run':>12} {'round':>5} {'wall s':>7} {'job s':>7} {'img/s':>7} {'CPU s':>7} {'peak PSS MiB':>12}")
-    for run in runs:
-        print(f"{run['side']:>12} {run['round']:>5} {run['wall']:>7.1f} {run['job']:>7.1f} "
-              f"{args.images / run['job']:>7.1f} {run['cpu']:>7.1f} {run['pss'] / MIB:>12.0f}")
-    med = {side: {k: statistics.median(run[k] for run in runs if run["side"] == side) for k in ("wall", "job", "cpu")}
-           for side in ("ours", "naive")}
-    for side in ("ours", "naive"):
-        m = med[side]
-        print(f"{side + ' median':>12} {'':>5} {m['wall']:>7.1f} {m['job']:>7.1f} {args.images / m['job']:>7.1f} "
-              f"{m['cpu']:>7.1f}")
-    ratio = {k: med["naive"][k] / med["ours"][k] for k in ("wall", "job", "cpu")}
-    verdict = "meets" if ratio["job"] >= GOAL_RATIO else "MISSES"
-    print(f"speed-up ours vs naive (naive time / ours time, medians): job {ratio['job']:.2f}x, wall "
-          f"{ratio['wall']:.2f}x ({verdict} the >= {GOAL_RATIO}x goal); CPU seconds naive/ours {ratio['cpu']:.2f}x; "
-          f"top-1 agreement {agree:.1%}")
-    if tiny_runs:
-        # Fixed cost = the tiny runs' job time; per-image rate = the other images over the rest of the time.
-        fixed = {side: statistics.median(t["job"] for t in tiny_runs if t["side"] == side)
-                 for side in ("ours", "naive")}
-        rate = {side: (args.images - args.tiny) / (med[side]["job"] - fixed[side])
-                if med[side]["job"] - fixed[side] > 1.0 else float("nan") for side in ("ours", "naive")}
-        print(f"fixed start-up (median job s on {args.tiny} images): ours {fixed['ours']:.1f}s, naive "
-              f"{fixed['naive']:.1f}s; per-image rate past start-up: ours {rate['ours']:.1f} img/s, naive "
-              f"{rate['naive']:.1f} img/s, ratio {rate['ours'] / rate['naive']:.2f}x (a difference of medians: "
-              f"noisy when the machine is busy)")
+    if len(rows) > 1:
+        print(f"{'size':>10} {'MP':>5} {'images':>6} {'KB/img':>6} {'ours s':>7} {'naive s':>7} {'ratio':>6} "
+              f"{'CPU-s':>6} {'PSS':>6} {'past start-up':>13} {'top-1 agree':>11}")
+        for row in rows:
+            print(f"{row['size']:>10} {row['mp']:>5.2f} {row['images']:>6} {row['kb']:>6.0f} {row['ours']:>7.1f} "
+                  f"{row['naive']:>7.1f} {row['ratio']:>5.2f}x {row['cpu_ratio']:>5.2f}x {row['pss_ratio']:>5.2f}x "
+                  f"{row['rate_ratio']:>12.2f}x {row['agree']:>11.1%}")
+        print(f"ratio: naive job time / ours (>= {GOAL_RATIO}x is the goal); CPU-s and PSS: naive / ours; past "
+              "start-up: per-image rate ours / naive")
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 
