@@ -47,23 +47,6 @@ class RunSummary:
     nothing_to_do: bool = False
 
 
-class _ListingCounter:
-    """Counts listed and already-committed objects as read tasks stream, for the progress total."""
-
-    def __init__(self):
-        self.listed = 0
-        self.skipped = 0
-        self.seconds = 0.0
-
-    def add(self, listed: int, skipped: int, seconds: float) -> None:
-        self.listed += listed
-        self.skipped += skipped
-        self.seconds += seconds
-
-    def get(self) -> tuple[int, int, float]:
-        return self.listed, self.skipped, self.seconds
-
-
 def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> RunSummary:
     """Classify every image under ``config.source`` that has no committed row in ``config.output``.
 
@@ -94,7 +77,9 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     import ray
 
     _init_ray()
-    counter = ray.remote(num_cpus=0)(_ListingCounter).remote()
+    from pipeline.listing_counter import ListingCounter
+
+    counter = ray.remote(num_cpus=0)(ListingCounter).remote()
     previous_ref = ray.put(previous) if previous is not None else None
     ds = _build_dataset(config, skip_keys, previous_ref, counter)
 
