@@ -5,8 +5,8 @@ Usage:
 
 Where a job's CPU goes besides the engine: Ray's driver, raylet, GCS and agents, and one worker process per task
 pool or support actor. Samples the tree with bench_streaming's TreeSampler every 0.5 s (a process that lives less
-than that is missed). A worker is named as it was at its peak memory, so a task worker (e.g. fetch_batch)
-may show as ray::IDLE.
+than that is missed; memory, which names the processes, every 2 s: reading it costs CPU). A worker is named as it
+was at its peak memory, so a task worker (e.g. fetch_batch) may show as ray::IDLE.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bench_streaming import run_measured  # noqa: E402
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    wall, sampler, _ = run_measured(sys.argv[1:], dict(os.environ), interval_s=0.5)
+    wall, sampler, _ = run_measured(sys.argv[1:], dict(os.environ), interval_s=0.5, memory_interval_s=2.0)
     by_role: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     for pid, cpu in sampler.cpu_s.items():
