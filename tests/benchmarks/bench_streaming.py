@@ -152,28 +152,33 @@ class TreeSampler:
         with_memory = now >= self._next_memory
         if with_memory and self.memory_interval_s is not None:
             self._next_memory = now + self.memory_interval_s
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+                self.cpu_s[proc.pid] = times.user + times.system
+            except psutil.Error:
+                pass
+        if with_memory:
+            self._sample_memory(procs)
+
+    def _sample_memory(self, procs: list[psutil.Process]) -> None:
         total = {"rss": 0, "pss": 0, "shm": 0, "uss": 0}
         alive = 0
         for proc in procs:
-            if with_memory:
-                mem = rollup(proc.pid)
-                if mem is None:
-                    continue
-            else:
-                mem = {"rss": 0, "pss": 0, "shm": 0, "uss": 0}
+            mem = rollup(proc.pid)
+            if mem is None:
+                continue
             alive += 1
             for key in total:
                 total[key] += mem[key]
             try:
                 name = _label(proc, self.root_pid)
-                self.names.add(name)
-                if with_memory and mem["pss"] > self.proc_peak.get(proc.pid, ("", 0))[1]:
-                    self.proc_peak[proc.pid] = (name, mem["pss"])
-                times = proc.cpu_times()
-                self.cpu_s[proc.pid] = times.user + times.system
             except psutil.Error:
-                pass
-        if not alive or not with_memory:
+                continue
+            self.names.add(name)
+            if mem["pss"] > self.proc_peak.get(proc.pid, ("", 0))[1]:
+                self.proc_peak[proc.pid] = (name, mem["pss"])
+        if not alive:
             return
         self.samples += 1
         self.max_procs = max(self.max_procs, alive)
