@@ -9,13 +9,15 @@ from typing import Any
 import click
 
 from pipeline import __version__
-from pipeline.config import DEFAULT_EXTENSIONS, ENGINES, RunConfig, parse_storage_option
+from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
+from pipeline.engines.base import ENGINE_NAMES, REGISTRY
 from pipeline.errors import BulkClassifyError
+from pipeline.triton.contract import PROFILES
 
 
-def _options(items: tuple[str, ...]) -> dict[str, Any]:
+def _options(items: tuple[str, ...], flag: str = "--storage-option", example: str = "anon=true") -> dict[str, Any]:
     try:
-        return dict(parse_storage_option(i) for i in items)
+        return dict(parse_option(i, flag, example) for i in items)
     except BulkClassifyError as err:
         raise click.BadParameter(str(err)) from None
 
@@ -56,7 +58,7 @@ def main(verbose: bool) -> None:
 @click.argument("source")
 @click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
 @click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0.")
-@click.option("--engine", type=click.Choice(ENGINES), default=None, help="onnx (CPU, default), triton (local tritonserver per actor) or gpu.")
+@click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None, help="; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + ".")
 @click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5).")
 @click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64).")
 @click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000).")
@@ -76,17 +78,18 @@ def main(verbose: bool) -> None:
 def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
         extensions: str | None, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
-    from pipeline.job import run_job
-    from pipeline.report import format_run_report
-
     explicit = dict(options, source=source, storage_options=_options(storage_options),
-                    engine_options=_options(engine_options))
+                    engine_options=_options(engine_options, "--engine-option", "max_batch=8"))
     if extensions is not None:
         explicit["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
     try:
         config = RunConfig.build(explicit)
+        config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
+    from pipeline.job import run_job
+    from pipeline.report import format_run_report
+
     progress = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
         summary = run_job(config, progress=progress)
@@ -109,7 +112,7 @@ def repo() -> None:
 
 
 @repo.command("build")
-@click.option("--profile", type=click.Choice(["portable", "production", "gpu"]), default="portable", show_default=True, help="Which repository profile to fill.")
+@click.option("--profile", type=click.Choice(PROFILES), default="portable", show_default=True, help="Which repository profile to fill.")
 @click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
 @click.option("--top-k", type=int, default=5, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
@@ -118,7 +121,7 @@ def repo() -> None:
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
                max_batch_size: int | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
-    from pipeline.repo import build_repository
+    from pipeline.triton.repository import build_repository
 
     try:
         path = build_repository(profile, model, output, top_k=top_k, instances=instances,
@@ -132,7 +135,7 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
 @click.argument("path", required=False)
 def repo_check(path: str | None) -> None:
     """Parse every config.pbtxt with Triton's schema and check the ensemble's wiring."""
-    from pipeline.repo import check_repository
+    from pipeline.triton.checks import check_repository
 
     try:
         models = check_repository(path)

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import RunConfig
+from pipeline.engines.base import engine_spec
 from pipeline.errors import ModelError, OutputError
 from pipeline.schema import OUTPUT_SCHEMA
 from pipeline.source import (
@@ -53,6 +54,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
+    config.check_requirements()
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     src_fs, src_root = open_fs(config.source, config.storage_options)
@@ -215,7 +217,7 @@ def _build_dataset(config: RunConfig, skip_keys: np.ndarray, previous_ref: Any, 
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    gpu_engine = config.engine in ("gpu", "triton") and gpus > 0
+    gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
     num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else (1.0 if gpu_engine else 0.0)
     if config.num_actors is not None:
         actors = config.num_actors
