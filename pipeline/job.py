@@ -142,9 +142,11 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
     }
+    from pipeline.quality import quality_of_parts
     from pipeline.report import build_run_report
 
     report = build_run_report(stats)
+    report["quality"] = quality_of_parts(dst_fs, committed_parts(dst_fs, dst_root))  # every committed row
     write_json(dst_fs, dst_root, REPORT, report)
     all_counts = _count_output(dst_fs, dst_root)
     write_json(dst_fs, dst_root, SUCCESS, {
