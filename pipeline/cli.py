@@ -72,6 +72,8 @@ def main(verbose: bool) -> None:
 @click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5).")
 @click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. instances=2; repeatable.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port).")
+@click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor).")
+@click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
 def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
         extensions: str | None, **options: Any) -> None:
