@@ -41,7 +41,7 @@ from pipeline.writer import committed_parts, read_json  # noqa: E402
 
 LOG = logging.getLogger("bulk_classify.nightly")
 DATE_PREFIX = "date="
-SUCCESS = "_SUCCESS"
+from pipeline.schema import SUCCESS  # noqa: E402
 DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 PROGRESS_EVERY_S = 30.0
 # Keys of the config file (and options) that belong to the nightly layer rather than to RunConfig.

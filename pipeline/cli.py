@@ -74,6 +74,8 @@ def main(verbose: bool) -> None:
 @click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5).")
 @click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. instances=2; repeatable.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port).")
+@click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor).")
+@click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
 def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
         extensions: str | None, **options: Any) -> None:
@@ -146,16 +148,56 @@ def repo_check(path: str | None) -> None:
 
 @main.command()
 @click.argument("dest")
-@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST; repeatable.")
-def report(dest: str, storage_options: tuple[str, ...]) -> None:
-    """Summarise a finished output: counts, top labels, error kinds, model."""
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST and --against; repeatable.")
+@click.option("--against", default=None, metavar="PREV", help="Compare DEST with an earlier output PREV ('previous': the night DEST's nightly run compared itself with); exits 3 on drift.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--html", "html_file", default=None, metavar="FILE", help="With --against: write a self-contained page (charts, no network) to FILE.")
+@click.option("--psi-max", type=float, default=None, help="Largest PSI of the top-1 confidence histogram that passes (default 0.25).")
+@click.option("--js-max", type=float, default=None, help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes (default 0.05).")
+@click.option("--error-rate-max-increase", type=float, default=None, help="Largest rise of an error kind's share of rows that passes (default 0.02).")
+@click.option("--min-rows", type=int, default=None, help="Fewer rows on either side: report, never fail (default 20).")
+def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_json: bool, html_file: str | None,
+           **thresholds: Any) -> None:
+    """Summarise a finished output, or with --against gate it on drift from an earlier one.
+
+    \b
+    Exit status with --against: 0 no threshold crossed, 3 drift (a threshold crossed),
+    1 an output cannot be read, 2 a bad option.
+    """
+    import json
+
     from pipeline.report import format_summary, summarize_output
 
+    options = _options(storage_options)
+    if against is None:
+        if html_file:
+            raise click.UsageError("--html needs --against PREV: the page compares two outputs")
+        try:
+            summary = summarize_output(dest, options)
+        except BulkClassifyError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+        return
+
+    from pipeline.quality import DRIFT_EXIT_CODE, DriftThresholds, compare_outputs, format_comparison
+
     try:
-        summary = summarize_output(dest, _options(storage_options))
+        limits = DriftThresholds(**{k: v for k, v in thresholds.items() if v is not None})
+    except BulkClassifyError as err:
+        raise click.UsageError(str(err)) from None
+    try:
+        result = compare_outputs(dest, against, limits, options)
+        if html_file:
+            from pipeline.quality_html import write_html
+
+            write_html(result, html_file)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(format_summary(summary))
+    click.echo(json.dumps(result, indent=2) if as_json else format_comparison(result))
+    if html_file and not as_json:
+        click.echo(f"page: {html_file}")
+    if not result["passed"]:
+        sys.exit(DRIFT_EXIT_CODE)
 
 
 @main.command()
