@@ -20,7 +20,7 @@ def bgr(data: bytes) -> bytes:
     return _jpeg(Image.merge("RGB", (b, g, r)), quality=95)
 
 
-def recompress(data: bytes, quality: int = 5) -> bytes:
+def recompress(data: bytes, quality: int = 10) -> bytes:
     """Re-encoded as a very low quality JPEG (a thumbnailer or a CDN set too aggressively)."""
     return _jpeg(Image.open(io.BytesIO(data)), quality=quality)
 
