@@ -98,7 +98,7 @@ class Option:
     name: str
     type: type  # int, float, bool, str, or list (of strings; a string is split like a shell would)
     help: str
-    minimum: float | None = None
+    minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
 
     def parse(self, engine: str, value: Any) -> Any:
@@ -117,6 +117,8 @@ class Option:
                 parsed = self.type(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} is not {_type_name(self.type)}; {self.help}") from None
+        if self.minimum is not None and self.type is float and parsed <= self.minimum:
+            raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
         if self.choices and parsed not in self.choices:
@@ -171,7 +173,7 @@ def _positive_int(name: str, help: str) -> Option:
 
 
 def _positive_float(name: str, help: str) -> Option:
-    return Option(name, float, help, minimum=1e-9)
+    return Option(name, float, help, minimum=0)
 
 
 def check_torch(options: Mapping[str, Any]) -> None:
