@@ -44,7 +44,7 @@ from pipeline.results import Result
 
 log = logging.getLogger(__name__)
 
-DECODERS = ("auto", "nvimgcodec", "torchvision", "pil")
+DECODERS = ("auto", "dali", "nvimgcodec", "torchvision", "pil")
 DEFAULT_BATCH_SIZE = 256
 # A sub-batch's zero-padded pixel buffer is at most this many pixels (x3 channels, uint8 then fp16): images of
 # very different sizes are grouped by area so that one large photo does not pad a whole batch to its size.
@@ -447,6 +447,34 @@ def _orient(img, orientation: int, layout: str):
     return img
 
 
+def triage(index: int, data: bytes, limits: DecodeLimits, *, gpu: bool = True) -> _Item:
+    """CPU triage of one encoded file, no decode: caps, then the JPEG header. The item's ``info`` is set when the
+    GPU decoder can take it (8-bit gray/YCbCr baseline or progressive JPEG ending with EOI); ``None`` sends it to
+    Pillow (the reference), which says what is wrong with it.
+
+    Raises:
+        ImageError: empty, too_large, too_many_pixels, or a cut/malformed JPEG header.
+    """
+    if len(data) == 0:
+        raise ImageError("empty", "the object has zero bytes")
+    if len(data) > limits.max_bytes:
+        raise ImageError(
+            "too_large",
+            f"{len(data)} bytes is over max_bytes={limits.max_bytes}; raise the limit to accept it",
+        )
+    info = parse_jpeg_header(data)
+    if info is None:
+        return _Item(index, data, None)
+    if info.width * info.height > limits.max_pixels:
+        raise ImageError(
+            "too_many_pixels",
+            f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
+            f"max_pixels={limits.max_pixels}; raise the limit to accept it",
+        )
+    w, h = info.upright_size
+    return _Item(index, data, info if (info.gpu_decodable and gpu) else None, w, h)
+
+
 class GpuClassifier:
     """Decode, preprocess and classify batches of encoded images on one device; the shared core of the gpu engine.
 
@@ -488,6 +516,8 @@ class GpuClassifier:
         torch = _torch()
         if decoder not in DECODERS:
             raise EngineError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+        if decoder == "dali":
+            raise EngineError("decoder 'dali' is pipeline.engine_dali.DaliClassifier: build it with make_classifier")
         if batch_size < 1:
             raise EngineError(f"batch_size must be positive, got {batch_size}")
         if spec.layout != "NCHW":
@@ -628,24 +658,7 @@ class GpuClassifier:
         return RawResults(ids, scores, width, height, errors)
 
     def _triage(self, index: int, data: bytes) -> _Item:
-        if len(data) == 0:
-            raise ImageError("empty", "the object has zero bytes")
-        if len(data) > self.limits.max_bytes:
-            raise ImageError(
-                "too_large",
-                f"{len(data)} bytes is over max_bytes={self.limits.max_bytes}; raise the limit to accept it",
-            )
-        info = parse_jpeg_header(data)
-        if info is None:
-            return _Item(index, data, None)
-        if info.width * info.height > self.limits.max_pixels:
-            raise ImageError(
-                "too_many_pixels",
-                f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
-                f"max_pixels={self.limits.max_pixels}; raise the limit to accept it",
-            )
-        w, h = info.upright_size
-        return _Item(index, data, info if (info.gpu_decodable and self.decoder) else None, w, h)
+        return triage(index, data, self.limits, gpu=bool(self.decoder))
 
     def _thread_stream(self):
         local = self._local
@@ -958,7 +971,9 @@ class GpuEngine:
                 options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        from pipeline.engine_dali import make_classifier  # noqa: PLC0415 - DALI is optional
+
+        self.classifier = make_classifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         raw = self.classifier.classify(images)
@@ -1026,6 +1041,8 @@ def gpu_config(
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
     prep_workers: int = 1,
+    hw_decoder_load: float | None = None,
+    half: str = "auto",
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -1055,6 +1072,10 @@ def gpu_config(
         gm.PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         gm.PARAM_PREP_WORKERS: str(prep_workers),
     }
+    if hw_decoder_load is not None:
+        params[gm.PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)
+    if half != "auto":
+        params[gm.PARAM_HALF] = str(half).lower()
     for key, value in params.items():
         config.parameters[key].string_value = value
     return _text(config)

@@ -26,7 +26,8 @@ LOG = logging.getLogger(__name__)
 SPEC_FILE = "preprocess.json"
 # config.pbtxt `parameters` (string values) and the request parameters a client may send.
 PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-PARAM_DECODER = "decoder"
+PARAM_DECODER = "decoder"  # "auto" (DALI where installed), "dali", "nvimgcodec", "torchvision", "pil"
+PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI / nvImageCodec: share of each batch for the hardware JPEG engines
 PARAM_BATCH_SIZE = "batch_size"
 PARAM_CUDA_GRAPH = "cuda_graph"
 PARAM_PREP_WORKERS = "prep_workers"
@@ -65,7 +66,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
-        from pipeline.engine_gpu import GpuClassifier  # noqa: PLC0415
+        from pipeline.engine_dali import DEFAULT_HW_DECODER_LOAD, make_classifier  # noqa: PLC0415
         from pipeline.torch_models import default_network, load_network  # noqa: PLC0415
 
         self.pb = pb_utils
@@ -86,9 +87,10 @@ class TritonPythonModel:
             max_bytes=int(_param(config, PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
             max_pixels=int(_param(config, PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
         )
-        self.classifier = GpuClassifier(
+        self.classifier = make_classifier(
             network,
             spec,
+            hw_decode_load=float(_param(config, PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
             top_k=self.top_k,
             limits=self.limits,
             decoder=_param(config, PARAM_DECODER, "auto"),
