@@ -109,10 +109,11 @@ class DaliPrep:
 
         a = self._args
 
-        # Fed and run one batch at a time: a failure belongs to the batch just fed. Overlap comes from several
-        # pipelines in several threads, and from the network running while they prepare.
+        # Fed and run one batch at a time (queue depth 1): a failure belongs to the batch just fed. Overlap comes
+        # from several pipelines in several threads, and from the network running while they prepare. The graph's
+        # sizes go from GPU to CPU, which DALI allows only with the async pipelined executor.
         @pipeline_def(batch_size=a["batch_size"], num_threads=a["num_threads"], device_id=a["device_id"],
-                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+                      prefetch_queue_depth=1, exec_async=True, exec_pipelined=True)
         def graph():
             encoded = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
             out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
@@ -201,16 +202,24 @@ def _classifier_base():
     return GpuClassifier
 
 
+def uses_dali(decoder: str, device: str | None = None) -> bool:
+    """Whether ``make_classifier`` runs DALI for this decoder choice on this device."""
+    if decoder == "dali":
+        return True
+    if decoder != "auto" or not dali_available():
+        return False
+    if device is None:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
+
+
 def make_classifier(network, spec: PreprocessSpec, *, decoder: str = "auto", **options: Any):
     """The gpu engine's classifier for ``decoder``: "dali" (or "auto" where DALI and a GPU are there) runs
     ``DaliClassifier``; "nvimgcodec", "torchvision" and "pil" run the hand-written ``GpuClassifier``."""
     GpuClassifier = _classifier_base()
-    if decoder == "auto":
-        import torch  # noqa: PLC0415
-
-        device = options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        decoder = "dali" if dali_available() and str(device).startswith("cuda") else "auto"
-    if decoder == "dali":
+    if uses_dali(decoder, options.get("device")):
         return dali_classifier_class()(network, spec, **options)
     options.pop("dali_threads", None)
     return GpuClassifier(network, spec, decoder=decoder, **options)

@@ -966,8 +966,12 @@ class GpuEngine:
 
         network = options.pop("network", None)
         if network is None or isinstance(network, str):
-            if "half" not in options and default_network(bundle, network):
-                # FP32 for the default model: it is decode-bound, and FP16 flips its near-ties (GPU_NOTES.md).
+            from pipeline.engine_dali import uses_dali  # noqa: PLC0415
+
+            on_dali = uses_dali(options.get("decoder", "auto"), options.get("device"))
+            if "half" not in options and default_network(bundle, network) and not on_dali:
+                # FP32 for the default model on the hand-written resampler: FP16 flips its near-ties there; on
+                # DALI the FP32 network agrees no better (GPU_NOTES.md).
                 options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)

@@ -544,6 +544,7 @@ def main() -> None:
     p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x12,256x8"),
                    help="request_batch x concurrency pairs, comma-separated")
     p.add_argument("--parts", default="dali,decode,ceiling,naive,engine,parity,oddities,triton")
+    p.add_argument("--engine-variants", default="", help="in-process variants to run (default: all)")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI in Triton (default: the model's)")
     p.add_argument("--half", default="auto", help="Triton model's network precision: auto, true, false")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
@@ -602,6 +603,8 @@ def main() -> None:
             if "engine" not in parts:
                 continue
             for label, options in ENGINE_VARIANTS.items():
+                if args.engine_variants and label not in args.engine_variants.split(","):
+                    continue
                 try:
                     clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, **options)
                 except Exception as e:  # noqa: BLE001 - report and continue
