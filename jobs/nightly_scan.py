@@ -35,13 +35,13 @@ try:
 except ImportError:  # run as `python jobs/nightly_scan.py` from a checkout: the package is one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import RunConfig, parse_storage_option  # noqa: E402
+from pipeline.config import RunConfig, parse_option  # noqa: E402
 from pipeline.errors import BulkClassifyError, ConfigError, OutputError  # noqa: E402
 from pipeline.writer import committed_parts, read_json  # noqa: E402
 
 LOG = logging.getLogger("bulk_classify.nightly")
 DATE_PREFIX = "date="
-SUCCESS = "_SUCCESS"
+from pipeline.schema import SUCCESS  # noqa: E402
 DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 PROGRESS_EVERY_S = 30.0
 # Keys of the config file (and options) that belong to the nightly layer rather than to RunConfig.
@@ -200,8 +200,8 @@ def parse_args(argv: list[str] | None) -> dict[str, Any]:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = load_options_file(args.pop("config")) if args.get("config") else {}
     args.pop("config", None)
-    storage = dict(parse_storage_option(s) for s in args.pop("storage_option"))
-    engine_opts = dict(parse_storage_option(s) for s in args.pop("engine_option"))
+    storage = dict(parse_option(s) for s in args.pop("storage_option"))
+    engine_opts = dict(parse_option(s, "--engine-option", "max_batch=8") for s in args.pop("engine_option"))
     if storage:
         options["storage_options"] = {**dict(options.get("storage_options") or {}), **storage}
     if engine_opts:

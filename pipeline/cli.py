@@ -9,13 +9,15 @@ from typing import Any
 import click
 
 from pipeline import __version__
-from pipeline.config import DEFAULT_EXTENSIONS, ENGINES, RunConfig, parse_storage_option
+from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
+from pipeline.engines.base import ENGINE_NAMES, REGISTRY
 from pipeline.errors import BulkClassifyError
+from pipeline.triton.contract import PROFILES
 
 
-def _options(items: tuple[str, ...]) -> dict[str, Any]:
+def _options(items: tuple[str, ...], flag: str = "--storage-option", example: str = "anon=true") -> dict[str, Any]:
     try:
-        return dict(parse_storage_option(i) for i in items)
+        return dict(parse_option(i, flag, example) for i in items)
     except BulkClassifyError as err:
         raise click.BadParameter(str(err)) from None
 
@@ -56,7 +58,7 @@ def main(verbose: bool) -> None:
 @click.argument("source")
 @click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
 @click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0.")
-@click.option("--engine", type=click.Choice(ENGINES), default=None, help="onnx (CPU, default), triton (local tritonserver per actor) or gpu.")
+@click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None, help="; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + ".")
 @click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5).")
 @click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64).")
 @click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000).")
@@ -72,21 +74,24 @@ def main(verbose: bool) -> None:
 @click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5).")
 @click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. instances=2; repeatable.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port).")
+@click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor).")
+@click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
 def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
         extensions: str | None, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
-    from pipeline.job import run_job
-    from pipeline.report import format_run_report
-
     explicit = dict(options, source=source, storage_options=_options(storage_options),
-                    engine_options=_options(engine_options))
+                    engine_options=_options(engine_options, "--engine-option", "max_batch=8"))
     if extensions is not None:
         explicit["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
     try:
         config = RunConfig.build(explicit)
+        config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
+    from pipeline.job import run_job
+    from pipeline.report import format_run_report
+
     progress = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
         summary = run_job(config, progress=progress)
@@ -109,7 +114,7 @@ def repo() -> None:
 
 
 @repo.command("build")
-@click.option("--profile", type=click.Choice(["portable", "production", "gpu"]), default="portable", show_default=True, help="Which repository profile to fill.")
+@click.option("--profile", type=click.Choice(PROFILES), default="portable", show_default=True, help="Which repository profile to fill.")
 @click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
 @click.option("--top-k", type=int, default=5, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
@@ -118,7 +123,7 @@ def repo() -> None:
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
                max_batch_size: int | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
-    from pipeline.repo import build_repository
+    from pipeline.triton.repository import build_repository
 
     try:
         path = build_repository(profile, model, output, top_k=top_k, instances=instances,
@@ -132,7 +137,7 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
 @click.argument("path", required=False)
 def repo_check(path: str | None) -> None:
     """Parse every config.pbtxt with Triton's schema and check the ensemble's wiring."""
-    from pipeline.repo import check_repository
+    from pipeline.triton.checks import check_repository
 
     try:
         models = check_repository(path)
@@ -143,16 +148,56 @@ def repo_check(path: str | None) -> None:
 
 @main.command()
 @click.argument("dest")
-@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST; repeatable.")
-def report(dest: str, storage_options: tuple[str, ...]) -> None:
-    """Summarise a finished output: counts, top labels, error kinds, model."""
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST and --against; repeatable.")
+@click.option("--against", default=None, metavar="PREV", help="Compare DEST with an earlier output PREV ('previous': the night DEST's nightly run compared itself with); exits 3 on drift.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--html", "html_file", default=None, metavar="FILE", help="With --against: write a self-contained page (charts, no network) to FILE.")
+@click.option("--psi-max", type=float, default=None, help="Largest PSI of the top-1 confidence histogram that passes (default 0.25).")
+@click.option("--js-max", type=float, default=None, help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes (default 0.05).")
+@click.option("--error-rate-max-increase", type=float, default=None, help="Largest rise of an error kind's share of rows that passes (default 0.02).")
+@click.option("--min-rows", type=int, default=None, help="Fewer rows on either side: report, never fail (default 20).")
+def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_json: bool, html_file: str | None,
+           **thresholds: Any) -> None:
+    """Summarise a finished output, or with --against gate it on drift from an earlier one.
+
+    \b
+    Exit status with --against: 0 no threshold crossed, 3 drift (a threshold crossed),
+    1 an output cannot be read, 2 a bad option.
+    """
+    import json
+
     from pipeline.report import format_summary, summarize_output
 
+    options = _options(storage_options)
+    if against is None:
+        if html_file:
+            raise click.UsageError("--html needs --against PREV: the page compares two outputs")
+        try:
+            summary = summarize_output(dest, options)
+        except BulkClassifyError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+        return
+
+    from pipeline.quality import DRIFT_EXIT_CODE, DriftThresholds, compare_outputs, format_comparison
+
     try:
-        summary = summarize_output(dest, _options(storage_options))
+        limits = DriftThresholds(**{k: v for k, v in thresholds.items() if v is not None})
+    except BulkClassifyError as err:
+        raise click.UsageError(str(err)) from None
+    try:
+        result = compare_outputs(dest, against, limits, options)
+        if html_file:
+            from pipeline.quality_html import write_html
+
+            write_html(result, html_file)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(format_summary(summary))
+    click.echo(json.dumps(result, indent=2) if as_json else format_comparison(result))
+    if html_file and not as_json:
+        click.echo(f"page: {html_file}")
+    if not result["passed"]:
+        sys.exit(DRIFT_EXIT_CODE)
 
 
 @main.command()

@@ -14,7 +14,7 @@ What is exposed (all prefixed ``bulk_classify_``), scraped from ``http://127.0.0
     start_time_seconds         gauge    Unix time the job started
 
 Each actor's local tritonserver has its own metrics endpoint (``nv_inference_*`` counters, GPU
-utilisation and memory) on a loopback port that ``pipeline.triton_server`` picks; it is not
+utilisation and memory) on a loopback port that ``pipeline.triton.server`` picks; it is not
 re-exported here. Prometheus on another host scrapes neither directly: run a node-local agent or a
 sidecar that scrapes loopback and forwards (remote-write), which keeps both ports off the network.
 """
@@ -25,9 +25,12 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
 
@@ -121,6 +124,11 @@ class JobMetrics:
         self._calls_c.inc(engine_calls)
         if engine_calls and classified:
             self._batch_h.observe(classified / engine_calls)
+
+    def add_shard(self, shard: "ShardStats") -> None:
+        """Record one committed shard's stats."""
+        self.add_rows(ok=shard.ok, error=shard.errors, engine_calls=int(round(shard.engine_calls)),
+                      carried=shard.carried)
 
     def images_per_second(self) -> float:
         """Classified rows per second over the last ``RATE_WINDOW_S`` seconds (0 before the first shard)."""

@@ -8,15 +8,14 @@ from collections import Counter
 from typing import Any, Mapping
 
 from pipeline.errors import ConfigError, OutputError
-from pipeline.writer import PART_PREFIX, committed_parts, read_json
+from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
+from pipeline.writer import committed_parts, read_json
 
 LOG = logging.getLogger(__name__)
 
 REPORT_VERSION = 1
 STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
 TOP_LABELS = 10
-REPORT_NAME = "_REPORT.json"
-SUCCESS_NAME = "_SUCCESS"
 # Columns summarize_output reads; everything else in the shards is left on storage.
 SUMMARY_COLUMNS = ("status", "error", "labels", "model")
 
@@ -147,8 +146,8 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         if "model" in present:
             models.update(_value_counts(table.column("model")))
 
-    success = read_json(fs, root, SUCCESS_NAME)
-    run = read_json(fs, root, REPORT_NAME)
+    success = read_json(fs, root, SUCCESS)
+    run = read_json(fs, root, REPORT)
     rows = sum(status.values())
     return {
         "dest": dest,

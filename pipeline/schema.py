@@ -1,4 +1,4 @@
-"""The output table's schema, and the working columns that travel between the job's stages."""
+"""The output's names: its table schema, its bookkeeping files and layout, and the working columns between stages."""
 
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ OUTPUT_SCHEMA = pa.schema(
         ("carried", pa.bool_()),  # copied from the previous run's output: the object had not changed
     ]
 )
+
+# Bookkeeping files in DEST. They start with "_" (or "." while being written) so Parquet readers skip them.
+SUCCESS = "_SUCCESS"  # JSON: counts, options, times; written last, only when a run completes
+REPORT = "_REPORT.json"  # the last run's report
+RUN_INFO = "_RUN.json"  # model and top-k of the rows in DEST
+PART_PREFIX = "part-"  # committed shards: part-<content hash>.parquet
+PART_SUFFIX = ".parquet"
+# Shards live in DEST/<group>/, the group being the first GROUP_CHARS hex digits of the shard's content hash:
+# 256 folders, so 100 M rows in 1,000-row shards put ~400 files in a folder (10,000 at 2.5 G rows).
+GROUP_CHARS = 2
+# This tool's files in DEST (what --overwrite may delete); group folders are removed when they end up empty.
+OWNED_PREFIXES = (PART_PREFIX, "." + PART_PREFIX, SUCCESS, REPORT, RUN_INFO)
+# Each shard's Parquet footer carries its commit record (counts, model, sorted int64 URI hashes and the
+# identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
+RECORD_KEY = b"bulk_classify.record"
+SHARD_META_KEY = b"bulk_classify.shard"
 
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"

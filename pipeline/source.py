@@ -1,22 +1,30 @@
-"""Listing the source: recursive, extension-filtered, streamed per sub-prefix as a Ray Data datasource."""
+"""Listing the source: recursive, extension-filtered, split into key ranges that tasks list in parallel (no Ray here)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
+import zlib
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import fsspec
 import numpy as np
 import pyarrow as pa
-from ray.data import Datasource
+import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
+LOCAL_SPLIT_FILES = 20_000  # a local folder with more files than this directly in it is listed by several tasks
+S3_PAGE = 1000  # keys per LIST call (the S3 maximum)
+S3_MAX_PROBES = 512  # LIST calls the planner may spend finding split points in one flat prefix
+S3_RANGES_PER_TASK = 4  # key ranges planned per listing task, so uneven ranges even out
+MAX_CHAR = "\U0010ffff"  # sorts after every character a key can hold next (S3 orders keys by UTF-8 bytes)
+CARRY_FLUSH = 100_000  # carried identities a listing task sends to the counter at once
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 LISTING_SCHEMA = pa.schema(
     [
@@ -77,6 +85,26 @@ def uri_hash(uri: str) -> int:
     return int.from_bytes(hashlib.blake2b(uri.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+def uri_hashes(uris: list[str]) -> np.ndarray:
+    """``uri_hash`` of many URIs, as an int64 array."""
+    return np.fromiter((uri_hash(u) for u in uris), dtype=np.int64, count=len(uris))
+
+
+def identity_hashes(uris: list[str], etags: list, sizes: list, mtimes_us: list) -> np.ndarray:
+    """``identity_hash`` of many rows (mtimes already in microseconds), as an int64 array."""
+    return np.fromiter((identity_hash(u, e, s, m) for u, e, s, m in zip(uris, etags, sizes, mtimes_us)),
+                       dtype=np.int64, count=len(uris))
+
+
+def member(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Boolean mask: which ``values`` are in the sorted array ``keys`` (vectorised binary search)."""
+    if keys.size == 0 or values.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    idx = np.searchsorted(keys, values)
+    idx[idx == keys.size] = 0
+    return keys[idx] == values
+
+
 def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | None) -> int:
     """Key of an object's version: the ETag when the storage has one, else size and mtime (in microseconds)."""
     if etag:
@@ -101,16 +129,7 @@ def mtime_us(value: Any) -> int | None:
         return None
 
 
-def entry_row(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> dict[str, Any]:
-    etag = info.get("ETag") or info.get("etag")
-    stamp = mtime_us(info.get("LastModified") or info.get("mtime") or info.get("last_modified"))
-    return {
-        "uri": fs.unstrip_protocol(info["name"]),
-        "size_bytes": int(info.get("size") or 0),
-        "etag": str(etag).strip('"') if etag else None,
-        "mtime": stamp,
-        "carried": False,
-    }
+Entry = tuple  # (uri, size_bytes, etag, mtime_us)
 
 
 def matches(name: str, extensions: tuple[str, ...]) -> bool:
@@ -121,145 +140,283 @@ def matches(name: str, extensions: tuple[str, ...]) -> bool:
     return bool(dot) and ext.lower() in extensions
 
 
-def walk_files(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """Yield listing rows under ``root`` in a stable order, one directory at a time."""
-    for _dirpath, _dirs, files in fs.walk(root, detail=True):
-        for name in sorted(files):
-            info = files[name]
-            if info.get("type", "file") == "file" and matches(info["name"], extensions):
-                yield entry_row(fs, info)
+def fsspec_entry(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> Entry:
+    etag = info.get("ETag") or info.get("etag")
+    stamp = mtime_us(info.get("LastModified") or info.get("mtime") or info.get("last_modified"))
+    return (fs.unstrip_protocol(info["name"]), int(info.get("size") or 0), str(etag).strip('"') if etag else None,
+            stamp)
 
 
-def partitions(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], parallelism: int) -> list[list]:
-    """Split the listing into up to ``parallelism`` groups of top-level entries, so sub-prefixes list in parallel."""
-    entries = sorted(fs.ls(root, detail=True), key=lambda e: e["name"])
-    files = [e for e in entries if e.get("type") == "file" and matches(e["name"], extensions)]
-    dirs = [e["name"] for e in entries if e.get("type") == "directory" and e["name"].rstrip("/") != root.rstrip("/")]
-    groups: list[list] = [[] for _ in range(max(1, min(parallelism, len(dirs) + (1 if files else 0))))]
-    for i, d in enumerate(dirs):
-        groups[i % len(groups)].append(("dir", d))
-    if files:
-        groups[-1].append(("files", files))
+# ---- planning: which key ranges each listing task takes (runs where Ray Data plans the read) ----
+
+def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], tasks: int) -> list[list]:
+    """Split the listing of ``root`` into up to ``tasks`` groups of units; each unit lists a disjoint part.
+
+    Local folders: sub-folders are spread over the tasks; the files directly in a large folder are split by a
+    hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
+    after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
+    """
+    tasks = max(1, tasks)
+    if is_local(fs):
+        units = _plan_local(root, tasks)
+    elif _is_s3(fs):
+        units = _plan_s3(fs, root, tasks)
+    else:
+        units = _plan_fsspec(fs, root, extensions)
+    groups: list[list] = [[] for _ in range(max(1, min(tasks, len(units))))]
+    for i, unit in enumerate(units):
+        groups[i % len(groups)].append(unit)
     return groups
 
 
-def _rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=LISTING_SCHEMA)
+def _plan_local(root: str, tasks: int) -> list:
+    dirs, files = [], 0
+    with os.scandir(root) as it:
+        for entry in it:
+            if entry.is_dir():
+                dirs.append(entry.path)
+            else:
+                files += 1
+    units: list = [("local_dir", d) for d in sorted(dirs)]
+    split = max(1, min(tasks, -(-files // LOCAL_SPLIT_FILES)))
+    units += [("local_files", root, i, split) for i in range(split)] if files else []
+    return units
 
 
-def sorted_keys(values) -> np.ndarray:
-    return np.unique(np.asarray(list(values), dtype=np.int64))
+def _plan_fsspec(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...]) -> list:
+    entries = sorted(fs.ls(root, detail=True), key=lambda e: e["name"])
+    files = [e for e in entries if e.get("type") == "file" and matches(e["name"], extensions)]
+    dirs = [e["name"] for e in entries if e.get("type") == "directory" and e["name"].rstrip("/") != root.rstrip("/")]
+    return [("fs_dir", d) for d in dirs] + ([("fs_files", files)] if files else [])
 
 
-def contains(keys: np.ndarray, value: int) -> bool:
-    if keys.size == 0:
-        return False
-    i = np.searchsorted(keys, value)
-    return bool(i < keys.size and keys[i] == value)
+def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocols and hasattr(fs, "call_s3")
 
 
-class ListingDatasource(Datasource):
-    """Ray Data datasource over a recursive listing: one read task per group of sub-prefixes.
+def _s3_split(root: str) -> tuple[str, str]:
+    bucket, _, key = root.strip("/").partition("/")
+    return bucket, (key.rstrip("/") + "/" if key else "")
 
-    Rows already committed in DEST (``skip_keys``: uri hashes) are dropped; rows whose version matches a
-    row of the previous run (``previous``: a Ray object holding that table with an ``_identity`` column)
-    come out complete with that row and ``carried=True``, so nothing downstream touches their bytes.
+
+def _list_page(fs: Any, bucket: str, prefix: str, start_after: str | None = None, max_keys: int | None = None,
+               token: str | None = None) -> dict:
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": max_keys or S3_PAGE}
+    if start_after is not None:
+        kwargs["StartAfter"] = start_after
+    if token is not None:
+        kwargs["ContinuationToken"] = token
+    return fs.call_s3("list_objects_v2", **kwargs)
+
+
+class _Prober:
+    """Finds the first key at or after a point of a prefix's key space, one 1-key LIST call at a time."""
+
+    def __init__(self, fs: Any, bucket: str):
+        self.fs, self.bucket, self.calls = fs, bucket, 0
+
+    def first(self, prefix: str, start_after: str | None) -> dict | None:
+        self.calls += 1
+        contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
+        return contents[0] if contents else None
+
+    def children(self, q: str, first: dict) -> list[tuple[str, dict]]:
+        """(q + next character, first key under it) for every character that follows ``q`` in some key."""
+        out: list[tuple[str, dict]] = []
+        entry: dict | None = first
+        while entry is not None and self.calls < S3_MAX_PROBES:
+            key = entry["Key"]
+            if len(key) == len(q):  # the prefix itself is a key: it is its own range start
+                out.append((key + "\0", entry))
+                entry = self.first(q, key)
+                continue
+            child = q + key[len(q)]
+            if out and out[-1][0] == child:  # a key beyond MAX_CHAR: take it as is, move on
+                entry = self.first(q, key)
+                continue
+            out.append((child, entry))
+            entry = self.first(q, child + MAX_CHAR)
+        return out  # out of probes, the keys left stay in the last child's range
+
+
+def _plan_s3(fs: Any, root: str, tasks: int) -> list:
+    bucket, prefix = _s3_split(root)
+    page = _list_page(fs, bucket, prefix)
+    contents = page.get("Contents") or []
+    if not page.get("IsTruncated"):
+        return [("s3_keys", bucket, contents)] if contents else []
+    prober = _Prober(fs, bucket)
+    leaves: list[tuple[str, dict]] = [(prefix, contents[0])]
+    target = tasks * S3_RANGES_PER_TASK
+    for _depth in range(256):
+        if len(leaves) >= target or prober.calls >= S3_MAX_PROBES:
+            break
+        grown: list[tuple[str, dict]] = []
+        for q, first in leaves:
+            if q.endswith("\0") or len(first["Key"]) <= len(q) or prober.calls >= S3_MAX_PROBES:
+                grown.append((q, first))
+            else:
+                grown.extend(prober.children(q, first))
+        if [q for q, _ in grown] == [q for q, _ in leaves]:
+            break
+        leaves = grown
+    starts = sorted({first["Key"]: first for _q, first in leaves}.values(), key=lambda e: e["Key"])
+    LOG.info("listing s3://%s/%s in %d key ranges (%d probe calls)", bucket, prefix, len(starts), prober.calls)
+    return [("s3_range", bucket, prefix, start, starts[i + 1]["Key"] if i + 1 < len(starts) else None)
+            for i, start in enumerate(starts)]
+
+
+# ---- listing one unit (runs in the read task) ----
+
+def _local_entry(path: str, st: os.stat_result) -> Entry:
+    return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
+
+
+def _walk_local(folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
+    stack = [folder]
+    while stack:
+        current = stack.pop()
+        try:
+            with os.scandir(current) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        subdirs = []
+        for entry in entries:
+            if entry.is_dir():
+                subdirs.append(entry.path)
+            elif matches(entry.name, extensions) and entry.is_file():
+                yield _local_entry(entry.path, entry.stat())
+        stack.extend(reversed(subdirs))
+
+
+def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...]) -> Iterator[Entry]:
+    with os.scandir(folder) as it:
+        for entry in it:
+            if parts > 1 and zlib.crc32(entry.name.encode()) % parts != part:
+                continue
+            if matches(entry.name, extensions) and entry.is_file():
+                yield _local_entry(entry.path, entry.stat())
+
+
+def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
+    etag = item.get("ETag")
+    return (f"s3://{bucket}/{item['Key']}", int(item.get("Size") or 0), str(etag).strip('"') if etag else None,
+            mtime_us(item.get("LastModified")))
+
+
+def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
+              extensions: tuple[str, ...]) -> Iterator[Entry]:
+    """Keys in [start, stop): the start key itself (found by the planner), then LIST pages after it."""
+    if matches(start["Key"], extensions):
+        yield _s3_entry(bucket, start)
+    token = None
+    while True:
+        page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
+        for item in page.get("Contents") or []:
+            if stop is not None and item["Key"] >= stop:
+                return
+            if matches(item["Key"], extensions):
+                yield _s3_entry(bucket, item)
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not token:
+            return
+
+
+def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...]) -> Iterator[Entry]:
+    """The entries of one planned unit, in a stable order."""
+    kind = unit[0]
+    if kind == "local_dir":
+        yield from _walk_local(unit[1], extensions)
+    elif kind == "local_files":
+        yield from _local_files(unit[1], unit[2], unit[3], extensions)
+    elif kind == "s3_keys":
+        yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
+    elif kind == "s3_range":
+        yield from _s3_range(fs, unit[1], unit[2], unit[3], unit[4], extensions)
+    elif kind == "fs_dir":
+        for _dirpath, _dirs, files in fs.walk(unit[1], detail=True):
+            for name in sorted(files):
+                info = files[name]
+                if info.get("type", "file") == "file" and matches(info["name"], extensions):
+                    yield fsspec_entry(fs, info)
+    elif kind == "fs_files":
+        yield from (fsspec_entry(fs, info) for info in unit[1])
+    else:  # pragma: no cover - units come from plan_listing
+        raise ValueError(f"unknown listing unit {kind!r}")
+
+
+def entries_table(entries: list[Entry]) -> pa.Table:
+    uris, sizes, etags, mtimes = zip(*entries) if entries else ((), (), (), ())
+    return pa.Table.from_arrays(
+        [pa.array(uris, pa.string()), pa.array(sizes, pa.int64()), pa.array(etags, pa.string()),
+         pa.array(mtimes, pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([False] * len(uris))],
+        schema=LISTING_SCHEMA)
+
+
+def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple[str, ...], *, done: np.ndarray,
+                   previous: np.ndarray, report: Callable[[int, int, float, np.ndarray | None], None] | None = None,
+                   ) -> Iterator[pa.Table]:
+    """List a group of units as blocks of listing rows (``LISTING_SCHEMA``), dropping done and carried objects.
+
+    Objects already committed (``done``: sorted uri hashes) are skipped. Objects whose version matches a carryable
+    row of the previous run (``previous``: sorted identity hashes) are left out of the blocks; their identities
+    go to ``report(listed, skipped, seconds, carried_identities)`` (sent every CARRY_FLUSH objects and at the end),
+    so the job copies those rows afterwards, shard by shard.
     """
+    carried: list[np.ndarray] = []
+    pending: list[Entry] = []
+    clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
 
-    def __init__(
-        self,
-        url: str,
-        storage_options: Mapping[str, Any],
-        extensions: tuple[str, ...],
-        *,
-        skip_keys: np.ndarray,
-        previous: Any = None,
-        counter: Any = None,
-    ):
-        self.url = url
-        self.storage_options = dict(storage_options)
-        self.extensions = extensions
-        self.skip_keys = skip_keys
-        self.previous = previous
-        self.counter = counter
+    def flush(final: bool = False) -> Iterator[pa.Table]:
+        nonlocal pending, carried
+        block = entries_table(pending)
+        pending = []
+        keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
+        skipped = int(block.num_rows - keep.sum())
+        block = block.filter(pa.array(keep))
+        n_carried = 0
+        if previous.size and block.num_rows:
+            ids = identity_hashes(block.column("uri").to_pylist(), block.column("etag").to_pylist(),
+                                  block.column("size_bytes").to_pylist(),
+                                  pc.cast(block.column("mtime"), pa.int64()).to_pylist())
+            same = member(previous, ids)
+            n_carried = int(same.sum())
+            if n_carried:
+                carried.append(ids[same])
+                block = block.filter(pa.array(~same))
+        send = None
+        if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
+            send, carried = np.concatenate(carried), []
+        if report is not None:
+            report(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0], send)
+        if block.num_rows:
+            yield block
+        clock[0] = time.perf_counter()
 
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
-
-    def get_name(self) -> str:
-        return "Listing"
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None):
-        from ray.data.block import BlockMetadata
-        from ray.data.datasource import ReadTask
-
-        fs, root = open_fs(self.url, self.storage_options)
-        groups = partitions(fs, root, self.extensions, max(1, parallelism))
-        tasks = []
-        for group in groups:
-            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-            tasks.append(ReadTask(lambda g=group: self._read(g), meta))
-        return tasks
-
-    def _read(self, group: list) -> Iterator[pa.Table]:
-        from pipeline.schema import WORK_SCHEMA, conform
-
-        fs, _root = open_fs(self.url, self.storage_options)
-        previous = _resolve_previous(self.previous)
-        prev_keys = previous.column("_identity").to_numpy() if previous is not None else np.empty(0, np.int64)
-        fresh: list[dict[str, Any]] = []
-        carried_idx: list[int] = []
-        skipped = 0
-
-        clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
-
-        def flush() -> Iterator[pa.Table]:
-            nonlocal fresh, carried_idx, skipped
-            parts = []
-            if fresh:
-                parts.append(conform(_rows_to_table(fresh), WORK_SCHEMA))
-            if carried_idx:
-                rows = previous.take(pa.array(carried_idx, pa.int64())).drop_columns(["_identity"])
-                rows = rows.set_column(rows.schema.get_field_index("carried"), "carried",
-                                       pa.array([True] * rows.num_rows))
-                parts.append(conform(rows, WORK_SCHEMA))
-            if self.counter is not None:
-                self.counter.add.remote(len(fresh) + len(carried_idx), skipped, time.perf_counter() - clock[0])
-            fresh, carried_idx, skipped = [], [], 0
-            if parts:
-                yield pa.concat_tables(parts)
-            clock[0] = time.perf_counter()
-
-        for kind, item in group:
-            rows = walk_files(fs, item, self.extensions) if kind == "dir" else (entry_row(fs, e) for e in item)
-            for row in rows:
-                if contains(self.skip_keys, uri_hash(row["uri"])):
-                    skipped += 1
-                    continue
-                if prev_keys.size:
-                    key = identity_hash(row["uri"], row["etag"], row["size_bytes"], row["mtime"])
-                    i = np.searchsorted(prev_keys, key)
-                    if i < prev_keys.size and prev_keys[i] == key:
-                        carried_idx.append(int(i))
-                        continue
-                fresh.append(row)
-                if len(fresh) + len(carried_idx) >= BLOCK_ROWS:
-                    yield from flush()
-        yield from flush()
+    for unit in group:
+        for entry in list_unit(fs, unit, extensions):
+            pending.append(entry)
+            if len(pending) >= BLOCK_ROWS:
+                yield from flush()
+    yield from flush(final=True)
 
 
-_PREVIOUS_CACHE: dict[Any, pa.Table] = {}
+_KEYS_CACHE: dict[Any, np.ndarray] = {}
 
 
-def _resolve_previous(ref: Any) -> pa.Table | None:
+def resolve_keys(ref: Any) -> np.ndarray:
+    """A sorted int64 key array given as an array or a Ray object ref (fetched once per worker, zero-copy)."""
     if ref is None:
-        return None
-    if isinstance(ref, pa.Table):
+        return np.empty(0, np.int64)
+    if isinstance(ref, np.ndarray):
         return ref
-    key = ref.hex() if hasattr(ref, "hex") else id(ref)
-    if key not in _PREVIOUS_CACHE:
+    key = ref.hex()
+    if key not in _KEYS_CACHE:
         import ray
 
-        _PREVIOUS_CACHE.clear()
-        _PREVIOUS_CACHE[key] = ray.get(ref)
-    return _PREVIOUS_CACHE[key]
+        if len(_KEYS_CACHE) > 4:
+            _KEYS_CACHE.clear()
+        _KEYS_CACHE[key] = ray.get(ref)
+    return _KEYS_CACHE[key]

@@ -1,41 +1,37 @@
-"""Writing output: each shard's rows committed atomically under a name derived from its content."""
+"""Writing output: each shard's rows committed atomically under a name derived from its content, with its record."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections import Counter
-from typing import Any, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.schema import CALLS, DECODE_S, FETCH_S, INFER_S, OUTPUT_SCHEMA, conform
-from pipeline.source import is_local, open_fs
+from pipeline.schema import (
+    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
+    SHARD_META_KEY, conform,
+)
+from pipeline.source import identity_hashes, is_local, open_fs, uri_hashes
+from pipeline.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
-PART_PREFIX = "part-"
-SHARD_META_KEY = b"bulk_classify.shard"
-COMMIT_SCHEMA = pa.schema(
-    [
-        ("shard", pa.string()),
-        ("rows", pa.int64()),
-        ("ok", pa.int64()),
-        ("errors", pa.int64()),
-        ("carried", pa.int64()),
-        ("error_kinds", pa.string()),  # JSON {kind: count}
-        ("fetch_s", pa.float64()),
-        ("decode_s", pa.float64()),  # null when the engine cannot separate decoding from inference
-        ("infer_s", pa.float64()),
-        ("write_s", pa.float64()),
-        ("engine_calls", pa.float64()),
-    ]
-)
+GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")
+RECORD_VERSION = 1
+FOOTER_READERS = 16  # concurrent footer reads on object stores
 
 
 def shard_id(uris: list[str]) -> str:
@@ -48,11 +44,69 @@ def shard_id(uris: list[str]) -> str:
 
 
 def part_name(shard: str) -> str:
-    return f"{PART_PREFIX}{shard}.parquet"
+    """Path of a shard relative to DEST: ``<group>/part-<shard>.parquet``."""
+    return f"{shard[:GROUP_CHARS]}/{PART_PREFIX}{shard}{PART_SUFFIX}"
+
+
+@dataclass
+class ShardRecord:
+    """A committed shard's record, read from its Parquet footer: counts and the sorted hashes resume needs."""
+
+    rows: int
+    ok: int
+    errors: int
+    carried: int
+    model: str | None
+    top_k: int | None
+    uri_hashes: np.ndarray  # sorted int64 uri_hash of every row
+    identities: np.ndarray  # sorted int64 identity_hash of the ok rows (the ones a later run may carry)
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "version": RECORD_VERSION, "rows": self.rows, "ok": self.ok, "errors": self.errors,
+            "carried": self.carried, "model": self.model, "top_k": self.top_k,
+            "uri_hashes": base64.b64encode(self.uri_hashes.astype("<i8").tobytes()).decode(),
+            "identities": base64.b64encode(self.identities.astype("<i8").tobytes()).decode(),
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "ShardRecord":
+        d = json.loads(data)
+        arrays = {k: np.frombuffer(base64.b64decode(d[k]), dtype="<i8").astype(np.int64) for k in
+                  ("uri_hashes", "identities")}
+        return cls(rows=d["rows"], ok=d["ok"], errors=d["errors"], carried=d["carried"], model=d["model"],
+                   top_k=d["top_k"], **arrays)
+
+    @classmethod
+    def of_rows(cls, rows: pa.Table) -> "ShardRecord":
+        """The record of output rows (also how a shard written before records existed is read)."""
+        status = rows.column("status")
+        ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
+        ok_rows = rows.filter(ok_mask)
+        lengths = set(pc.list_value_length(ok_rows.column("class_ids")).to_pylist()) if ok_rows.num_rows else set()
+        models = set(rows.column("model").to_pylist()) if "model" in rows.column_names else set()
+        carried = rows.column("carried") if "carried" in rows.column_names else pa.array([], pa.bool_())
+        return cls(
+            rows=rows.num_rows,
+            ok=ok_rows.num_rows,
+            errors=rows.num_rows - ok_rows.num_rows,
+            carried=int(pc.sum(pc.fill_null(carried, False)).as_py() or 0),
+            model=next(iter(models)) if len(models) == 1 else None,
+            top_k=next(iter(lengths)) if len(lengths) == 1 else None,
+            uri_hashes=np.sort(uri_hashes(rows.column("uri").to_pylist())),
+            identities=np.sort(row_identities(ok_rows)),
+        )
+
+
+def row_identities(rows: pa.Table) -> np.ndarray:
+    """``identity_hash`` of output or listing rows (uri, etag, size_bytes, mtime)."""
+    mtimes = pc.cast(rows.column("mtime"), pa.int64()).to_pylist()
+    return identity_hashes(rows.column("uri").to_pylist(), rows.column("etag").to_pylist(),
+                           rows.column("size_bytes").to_pylist(), mtimes)
 
 
 def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mapping[bytes, bytes]) -> None:
-    """Write one Parquet file so readers see all of it or none of it.
+    """Write one Parquet file so readers see all of it or none of it (``name`` may hold one folder level).
 
     Local and POSIX-like file systems: a hidden temporary name, fsync, then rename (atomic in one folder).
     Object stores: one PUT of the whole object, which S3 and its kin make visible atomically.
@@ -63,7 +117,9 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
     payload = buf.getvalue()
     final = f"{dest.rstrip('/')}/{name}"
     if is_local(fs):
-        tmp = f"{dest.rstrip('/')}/.{name}.{uuid.uuid4().hex}.tmp"
+        folder, base = final.rsplit("/", 1)
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{folder}/.{base}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
@@ -74,34 +130,24 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
 
 
 def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any]) -> pa.Table:
-    """Commit one batch of finished rows as a Parquet shard; return a one-row commit record."""
+    """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row."""
     start = time.perf_counter()
     fs, dest = open_fs(output, storage_options)
-    uris = batch.column("uri").to_pylist()
-    shard = shard_id(uris)
+    shard = shard_id(batch.column("uri").to_pylist())
     rows = conform(batch, OUTPUT_SCHEMA)
-    statuses = rows.column("status").to_pylist()
+    record = ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
-    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode()})
-    carried = sum(1 for c in rows.column("carried").to_pylist() if c)
+    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json()})
 
     def total(col: str) -> float:
-        return float(sum(v for v in batch.column(col).to_pylist() if v is not None)) if col in batch.column_names else 0.0
+        return float(pc.sum(batch.column(col)).as_py() or 0.0) if col in batch.column_names else 0.0
 
-    record = {
-        "shard": [shard],
-        "rows": [rows.num_rows],
-        "ok": [statuses.count("ok")],
-        "errors": [statuses.count("error")],
-        "carried": [carried],
-        "error_kinds": [json.dumps(dict(kinds))],
-        "fetch_s": [total(FETCH_S)],
-        "decode_s": [total(DECODE_S) if _any(batch, DECODE_S) else None],
-        "infer_s": [total(INFER_S)],
-        "write_s": [time.perf_counter() - start],
-        "engine_calls": [total(CALLS)],
-    }
-    return pa.Table.from_pydict(record, schema=COMMIT_SCHEMA)
+    stats = ShardStats(
+        rows=record.rows, ok=record.ok, errors=record.errors, carried=record.carried, error_kinds=dict(kinds),
+        fetch_s=total(FETCH_S), decode_s=total(DECODE_S) if _any(batch, DECODE_S) else None, infer_s=total(INFER_S),
+        write_s=time.perf_counter() - start, engine_calls=total(CALLS),
+    )
+    return stats.to_table()
 
 
 def _any(batch: pa.Table, col: str) -> bool:
@@ -109,11 +155,52 @@ def _any(batch: pa.Table, col: str) -> bool:
 
 
 def committed_parts(fs: Any, dest: str) -> list[str]:
-    """Paths of committed shards in DEST (temporary and bookkeeping files start with '.' or '_')."""
+    """Paths of committed shards in DEST and its group folders (older flat outputs hold them in DEST itself).
+
+    Temporary and bookkeeping files start with '.' or '_' and are never listed.
+    """
     if not fs.exists(dest):
         return []
-    return sorted(p for p in fs.ls(dest, detail=False) if p.rsplit("/", 1)[-1].startswith(PART_PREFIX)
-                  and p.endswith(".parquet"))
+    parts, groups = [], []
+    for info in fs.ls(dest, detail=True):
+        base = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        if info.get("type") == "directory" and GROUP_RE.match(base):
+            groups.append(info["name"])
+        elif _is_part(base):
+            parts.append(info["name"])
+    for group in groups:
+        parts.extend(p for p in fs.ls(group, detail=False) if _is_part(p.rsplit("/", 1)[-1]))
+    return sorted(parts)
+
+
+def _is_part(base: str) -> bool:
+    return base.startswith(PART_PREFIX) and base.endswith(PART_SUFFIX)
+
+
+def read_record(fs: Any, path: str) -> ShardRecord:
+    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
+    if is_local(fs):
+        meta = pq.read_metadata(path)
+    else:
+        with fs.open(path, "rb", block_size=1 << 17) as f:
+            meta = pq.ParquetFile(f).metadata
+    raw = (meta.metadata or {}).get(RECORD_KEY)
+    if raw is not None:
+        return ShardRecord.from_json(raw)
+    columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]
+    return ShardRecord.of_rows(read_columns(fs, [path], columns))
+
+
+def iter_records(fs: Any, paths: list[str]) -> Iterator[tuple[str, ShardRecord]]:
+    """Records of many shards, read concurrently on object stores, in order, a bounded window at a time."""
+    if is_local(fs):
+        for path in paths:
+            yield path, read_record(fs, path)
+        return
+    with ThreadPoolExecutor(FOOTER_READERS) as pool:
+        for i in range(0, len(paths), FOOTER_READERS * 4):
+            window = paths[i:i + FOOTER_READERS * 4]
+            yield from zip(window, pool.map(lambda p: read_record(fs, p), window))
 
 
 def read_columns(fs: Any, paths: list[str], columns: list[str]) -> pa.Table:
@@ -147,7 +234,3 @@ def read_json(fs: Any, dest: str, name: str) -> dict[str, Any] | None:
     except ValueError:
         LOG.warning("%s is not JSON; ignored", path)
         return None
-
-
-def open_dest(output: str, storage_options: Mapping[str, Any]):
-    return open_fs(output, storage_options)

@@ -109,7 +109,7 @@ def test_killing_an_actors_tritonserver_mid_job_loses_no_row(ray_local, tmp_path
     deadline = time.time() + 240
     while time.time() < deadline and killed is None and runner.is_alive():
         servers = tritonservers()
-        if servers and list(out.glob("part-*.parquet")):
+        if servers and list(out.rglob("part-*.parquet")):
             killed = servers[0].pid
             servers[0].kill()
         time.sleep(0.1)

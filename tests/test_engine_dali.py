@@ -1,4 +1,4 @@
-"""The gpu profile's DALI path (pipeline.engine_dali) where it runs without a GPU: DALI's CPU backend through the same
+"""The gpu profile's DALI path (pipeline.engines.gpu.dali) where it runs without a GPU: DALI's CPU backend through the same
 graph and the same triage / refusal / reference fallback the GPU runs (the network half needs torch and a GPU:
 ``-m gpu`` on the device)."""
 
@@ -11,12 +11,12 @@ import pytest
 from oddities import EXPECTED_SIZES, oddities
 
 from pipeline.default_model import DEFAULT_SPEC
-from pipeline.engine_gpu import triage
+from pipeline.engines.gpu.classifier import triage
 from pipeline.errors import ImageError
-from pipeline.preprocess import DecodeLimits, load_and_preprocess
+from pipeline.imaging import DecodeLimits, load_and_preprocess
 
 pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.engine_dali import DaliPrep, host_array  # noqa: E402
+from pipeline.engines.gpu.dali import DaliPrep, host_array  # noqa: E402
 
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
 DALI_UNDECODABLE_ALPHA = {"rgba_png", "palette_png_transparent"}

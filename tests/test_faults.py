@@ -29,7 +29,7 @@ CLI = [sys.executable, "-m", "pipeline.cli"]
 
 
 def committed_uris(dest: Path) -> list[str]:
-    parts = sorted(str(p) for p in dest.glob("part-*.parquet")) if dest.exists() else []
+    parts = sorted(str(p) for p in dest.rglob("part-*.parquet")) if dest.exists() else []
     if not parts:
         return []
     return pads.dataset(parts, format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()

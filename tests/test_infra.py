@@ -211,8 +211,8 @@ def load_prepare():
 def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp_path):
     """The real production build (configs, DALI source, ONNX head); TensorRT itself needs a GPU, so the plan
     step writes a placeholder plan under this node's key: what is tested is the keying and the cache."""
-    from pipeline import tensor_names as tn
-    from pipeline.repo import PlanKey, build_repository, write_plan_key
+    from pipeline.triton import contract as tn
+    from pipeline.triton.repository import PlanKey, build_repository, write_plan_key
 
     prep = load_prepare()
     key = PlanKey("9.0", "10.5.0")
@@ -250,7 +250,7 @@ def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp
 
 def test_prepare_without_gpu_says_what_is_missing(tmp_path, monkeypatch):
     prep = load_prepare()
-    monkeypatch.setattr("pipeline.repo.local_plan_key", lambda: None)
+    monkeypatch.setattr("pipeline.triton.repository.local_plan_key", lambda: None)
     with pytest.raises(RuntimeError, match="no GPU .* or no TensorRT"):
         prep.prepare(str(tmp_path / "r"), None)
 

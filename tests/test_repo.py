@@ -10,17 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import tensor_names as tn
+from pipeline.triton import contract as tn
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model import load_model
-from pipeline.repo import (
+from pipeline.triton.checks import check_repository, repository_top_k
+from pipeline.triton.repository import (
     MODEL_REPOSITORY,
     PlanKey,
     add_topk_head,
     build_repository,
-    check_repository,
     find_plan,
-    repository_top_k,
     write_plan_key,
 )
 
@@ -34,7 +33,7 @@ def production(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("profile", COMMITTED_PROFILES)
 def test_committed_profile_is_what_the_generator_writes(profile, tmp_path):
-    """Configs come from pipeline.tensor_names: a hand edit of the committed files (or of the names) shows here."""
+    """Configs come from pipeline.triton.contract: a hand edit of the committed files (or of the names) shows here."""
     fresh = build_repository(profile, None, str(tmp_path), artifacts=False, error_output=True)
     committed = MODEL_REPOSITORY / profile
     fresh_files = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*") if p.is_file()}

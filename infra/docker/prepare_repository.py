@@ -7,7 +7,7 @@ them, so the image ships no plan. At start each GPU worker:
    top-k, batch size and plan key (a restart on a node with a persistent volume);
 2. else fetches ``<plan cache>/<model>-<onnx sha>-k<top_k>-b<batch>/sm<cc>-trt<version>.tar.gz`` from
    ``$BULK_CLASSIFY_PLAN_CACHE`` (any fsspec URL, e.g. ``s3://bucket/trt-plans``) when it is there;
-3. else builds it with ``pipeline.repo.build_repository("production", ...)`` (a few minutes on the GPU)
+3. else builds it with ``pipeline.triton.repository.build_repository("production", ...)`` (a few minutes on the GPU)
    and uploads it to the cache for the next node of the same kind.
 
 Environment: ``BULK_CLASSIFY_REPOSITORY`` (default ``/models/repository``), ``BULK_CLASSIFY_MODEL``
@@ -66,11 +66,12 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
     """Make ``repository`` a production repository whose plan matches this node; return what was done.
 
-    ``key`` (a ``pipeline.repo.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
+    ``key`` (a ``pipeline.triton.repository.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
     """
     from pipeline.model import load_model
-    from pipeline.repo import build_repository, check_repository, find_plan, local_plan_key
-    from pipeline import tensor_names as tn
+    from pipeline.triton.checks import check_repository
+    from pipeline.triton.repository import build_repository, find_plan, local_plan_key
+    from pipeline.triton import contract as tn
 
     key = key or local_plan_key()
     if key is None:

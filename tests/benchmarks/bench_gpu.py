@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.preprocess import PreprocessSpec  # noqa: E402
+from pipeline.imaging import PreprocessSpec  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 IMAGENET_SPEC = PreprocessSpec(
@@ -162,7 +162,7 @@ def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
 
 def networks():
     from pipeline.default_model import load_checkpoint
-    from pipeline.torch_models import efficientnet_lite0, resnet50_random
+    from pipeline.engines.gpu.networks import efficientnet_lite0, resnet50_random
 
     return {
         "resnet50": (resnet50_random(), IMAGENET_SPEC),
@@ -265,7 +265,7 @@ def decode_only(images: list[bytes], batch: int, min_s: float) -> dict:
     engines, and torchvision's batched nvJPEG."""
     import torch
 
-    from pipeline.engine_gpu import _NvImageCodecDecoder, _TorchvisionDecoder
+    from pipeline.engines.gpu.decoders import _NvImageCodecDecoder, _TorchvisionDecoder
 
     out = {}
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
@@ -310,8 +310,8 @@ def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: floa
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from pipeline.engine_dali import DaliPrep
-    from pipeline.preprocess import DecodeLimits
+    from pipeline.engines.gpu.dali import DaliPrep
+    from pipeline.imaging import DecodeLimits
 
     out = {}
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
@@ -354,8 +354,8 @@ def oddities_part(results: dict, net, spec) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from oddities import oddities
 
-    from pipeline.engine import OnnxEngine
-    from pipeline.engine_dali import make_classifier
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.engines.gpu.dali import make_classifier
     from pipeline.model import load_model
 
     odd = oddities()
@@ -400,9 +400,9 @@ def metrics(url: str) -> dict[str, dict[str, float]]:
 
 
 def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
-    from pipeline.engine_gpu import build_gpu_repository
-    from pipeline.engine_triton import TritonEngine
-    from pipeline.triton_server import TritonServer
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.server import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="gpu-repo-"))
     models = {"resnet50": "classifier_resnet50", "default": "classifier"}
@@ -475,13 +475,13 @@ def parity(results: dict, clf_default, clf_fp32=None) -> None:
     parity_set = make_set(520, "varied", 10_000)
     bundle = load_model(None)
     try:
-        from pipeline.engine import OnnxEngine
+        from pipeline.engines.onnx import OnnxEngine
 
         ref_engine = OnnxEngine(bundle, top_k=5)
         ref = ref_engine.classify(parity_set)
         ref_engine.close()
     except ImportError:
-        raise SystemExit("pipeline.engine.OnnxEngine is needed for the parity check")
+        raise SystemExit("pipeline.engines.onnx.OnnxEngine is needed for the parity check")
     for label, clf in (("parity", clf_default), ("parity_fp32_network", clf_fp32)):
         if clf is not None:
             _compare(results, label, parity_set, ref, clf.classify(parity_set))
@@ -554,7 +554,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     import torch
 
-    from pipeline.engine_dali import make_classifier
+    from pipeline.engines.gpu.dali import make_classifier
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()

@@ -83,11 +83,11 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
     if (repo / "classifier" / "config.pbtxt").is_file():
         return repo
     if dry_run:
-        from pipeline.repo import build_repository
+        from pipeline.triton.repository import build_repository
 
         build_repository("portable", None, str(repo), instances=args.instances)
     else:
-        from pipeline.engine_gpu import build_gpu_repository
+        from pipeline.triton.repository import build_gpu_repository
 
         build_gpu_repository(None, str(repo), instances=args.instances, batch_size=args.triton_batch,
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,

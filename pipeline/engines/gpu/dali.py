@@ -1,11 +1,11 @@
 """The gpu profile's preprocessing on DALI: the production ensemble's DALI graph, fed in process, its output handed to
 the network without leaving the GPU.
 
-``DaliClassifier`` is ``pipeline.engine_gpu.GpuClassifier`` with the hand-written decoder and resampler replaced by
-``pipeline.dali_pipeline.preprocess_graph`` (the same definition the production profile's DALI model uses):
+``DaliClassifier`` is ``pipeline.engines.gpu.classifier.GpuClassifier`` with the hand-written decoder and resampler replaced by
+``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's DALI model uses):
 
-1. CPU triage (``engine_gpu.triage``): size caps and the JPEG header; JPEGs the GPU decodes go to DALI, anything
-   else (PNG, CMYK, 12-bit, truncated, ...) to the reference (``pipeline.preprocess``, Pillow);
+1. CPU triage (``classifier.triage``): size caps and the JPEG header; JPEGs the GPU decodes go to DALI, anything
+   else (PNG, CMYK, 12-bit, truncated, ...) to the reference (``pipeline.imaging``, Pillow);
 2. DALI, "mixed" decoder with a measured ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
    nvJPEG the rest), resize + crop + normalize per the model's ``PreprocessSpec``, FP16 or FP32, NHWC on the GPU;
 3. the batch is copied on the GPU into the network's input (channels-last), the network (CUDA graph), softmax,
@@ -33,10 +33,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline import tensor_names as tn
-from pipeline.dali_pipeline import _first_line, preprocess_graph
 from pipeline.errors import EngineError, ImageError
-from pipeline.preprocess import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.triton import contract as tn
+from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def host_array(out) -> np.ndarray:
 
 
 def _classifier_base():
-    from pipeline.engine_gpu import GpuClassifier  # noqa: PLC0415 - engine_gpu imports this module lazily
+    from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - it imports this module lazily
 
     return GpuClassifier
 

@@ -35,7 +35,7 @@ CONTAINER_BACKENDS = Path("..") / "backends"
 # Set this to a tritonserver binary to override discovery (e.g. a build outside PATH).
 BINARY_ENV = "BULK_CLASSIFY_TRITONSERVER"
 PR_SET_PDEATHSIG = 1
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # The python backend stub ignores PYTHONPATH; our python models prepend this variable's folders to sys.path.
 STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
 
@@ -407,6 +407,11 @@ class TritonServer:
                 self._terminate()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def find_tritonserver() -> Path:
+    """The tritonserver binary a ``TritonServer`` would run here; TritonError says how to get one."""
+    return TritonServer._locate(None)[0]
 
 
 def _container_backends(binary: Path) -> Path | None:

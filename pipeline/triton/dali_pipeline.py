@@ -1,5 +1,5 @@
 """The DALI preprocessing pipeline (decode, resize, crop, normalize per a PreprocessSpec): GPU "mixed" for the
-production Triton profile, CPU for tests and parity checks against the reference (pipeline.preprocess).
+production Triton profile, CPU for tests and parity checks against the reference (pipeline.imaging).
 
 The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
 centred ``crop`` taken, done as one ``fn.resize`` over the source region of interest (no rounded intermediate size),
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline import tensor_names as tn
-from pipeline.preprocess import PreprocessSpec
+from pipeline.triton import contract as tn
+from pipeline.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     """Decode + resize + crop + normalize of a DataNode of encoded files; returns (PREPROCESSED, WIDTH, HEIGHT).
 
     The one definition shared by the production ensemble's DALI model (``pipeline_graph``) and the gpu profile
-    (``pipeline.engine_dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
+    (``pipeline.engines.gpu.dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
     "mixed" decoder gives the hardware JPEG engines (DALI's default when None). ``half``: FP16 output.
     ``layout``: "CHW" or "HWC" (default: the spec's layout)."""
     import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
@@ -67,7 +67,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
     shorter = dmath.min(height, width)
-    # The crop box in source pixels, exact as in pipeline.preprocess.preprocess_image.
+    # The crop box in source pixels, exact as in pipeline.imaging.preprocess_image.
     box_h = crop_h * shorter / float(spec.resize_shorter)
     box_w = crop_w * shorter / float(spec.resize_shorter)
     top = (height - box_h) / 2.0
