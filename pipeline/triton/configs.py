@@ -129,6 +129,8 @@ def gpu_config(
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
     prep_workers: int = 1,
+    hw_decoder_load: float | None = None,
+    half: str = "auto",
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -154,6 +156,10 @@ def gpu_config(
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
     }
+    if hw_decoder_load is not None:
+        params[tn.GPU_PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)
+    if half != "auto":
+        params[tn.GPU_PARAM_HALF] = str(half).lower()
     for key, value in params.items():
         config.parameters[key].string_value = value
     return _text(config)

@@ -58,11 +58,12 @@ DEFAULT_TOP_K = 5
 # also accepted as request parameters), written by pipeline.triton.configs and read by the gpu profile's model.
 SPEC_FILE = "preprocess.json"
 GPU_PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-GPU_PARAM_DECODER = "decoder"
+GPU_PARAM_DECODER = "decoder"  # "auto" (DALI where installed), "dali", "nvimgcodec", "torchvision", "pil"
+GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI / nvImageCodec: share of a batch for the hardware JPEG engines
 GPU_PARAM_BATCH_SIZE = "batch_size"
 GPU_PARAM_CUDA_GRAPH = "cuda_graph"
 GPU_PARAM_PREP_WORKERS = "prep_workers"
-GPU_PARAM_HALF = "half"  # "auto": FP32 for the default model (decode-bound; parity), FP16 otherwise
+GPU_PARAM_HALF = "half"  # "auto": FP16, but FP32 for the default model on the hand-written resampler (parity)
 GPU_PARAM_MAX_BYTES = "max_bytes"
 GPU_PARAM_MAX_PIXELS = "max_pixels"
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default

@@ -100,6 +100,34 @@ class StageTimes:
 
 
 
+def triage(index: int, data: bytes, limits: DecodeLimits, *, gpu: bool = True) -> _Item:
+    """CPU triage of one encoded file, no decode: caps, then the JPEG header. The item's ``info`` is set when the
+    GPU decoder can take it (8-bit gray/YCbCr baseline or progressive JPEG ending with EOI); ``None`` sends it to
+    Pillow (the reference), which says what is wrong with it.
+
+    Raises:
+        ImageError: empty, too_large, too_many_pixels, or a cut/malformed JPEG header.
+    """
+    if len(data) == 0:
+        raise ImageError("empty", "the object has zero bytes")
+    if len(data) > limits.max_bytes:
+        raise ImageError(
+            "too_large",
+            f"{len(data)} bytes is over max_bytes={limits.max_bytes}; raise the limit to accept it",
+        )
+    info = parse_jpeg_header(data)
+    if info is None:
+        return _Item(index, data, None)
+    if info.width * info.height > limits.max_pixels:
+        raise ImageError(
+            "too_many_pixels",
+            f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
+            f"max_pixels={limits.max_pixels}; raise the limit to accept it",
+        )
+    w, h = info.upright_size
+    return _Item(index, data, info if (info.gpu_decodable and gpu) else None, w, h)
+
+
 class GpuClassifier:
     """Decode, preprocess and classify batches of encoded images on one device; the shared core of the gpu engine.
 
@@ -141,6 +169,8 @@ class GpuClassifier:
         torch = _torch()
         if decoder not in DECODERS:
             raise EngineError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+        if decoder == "dali":
+            raise EngineError("decoder 'dali' is pipeline.engines.gpu.dali.DaliClassifier: build it with make_classifier")
         if batch_size < 1:
             raise EngineError(f"batch_size must be positive, got {batch_size}")
         if spec.layout != "NCHW":
@@ -281,24 +311,7 @@ class GpuClassifier:
         return RawResults(ids, scores, width, height, errors)
 
     def _triage(self, index: int, data: bytes) -> _Item:
-        if len(data) == 0:
-            raise ImageError("empty", "the object has zero bytes")
-        if len(data) > self.limits.max_bytes:
-            raise ImageError(
-                "too_large",
-                f"{len(data)} bytes is over max_bytes={self.limits.max_bytes}; raise the limit to accept it",
-            )
-        info = parse_jpeg_header(data)
-        if info is None:
-            return _Item(index, data, None)
-        if info.width * info.height > self.limits.max_pixels:
-            raise ImageError(
-                "too_many_pixels",
-                f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
-                f"max_pixels={self.limits.max_pixels}; raise the limit to accept it",
-            )
-        w, h = info.upright_size
-        return _Item(index, data, info if (info.gpu_decodable and self.decoder) else None, w, h)
+        return triage(index, data, self.limits, gpu=bool(self.decoder))
 
     def _thread_stream(self):
         local = self._local
@@ -579,3 +592,4 @@ def _area_groups(sizes: np.ndarray, max_pixels: int) -> list[list[int]]:
     if cur:
         groups.append(cur)
     return groups
+

@@ -13,7 +13,7 @@ from pipeline.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-DECODERS = ("auto", "nvimgcodec", "torchvision", "pil")
+DECODERS = ("auto", "dali", "nvimgcodec", "torchvision", "pil")  # "dali": pipeline.engines.gpu.dali
 
 
 def _torch():

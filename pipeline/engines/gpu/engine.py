@@ -6,7 +6,7 @@ import time
 from typing import Any, Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
-from pipeline.engines.gpu.classifier import GpuClassifier, RawResults
+from pipeline.engines.gpu.classifier import RawResults
 from pipeline.imaging import DecodeLimits
 
 
@@ -27,17 +27,20 @@ class GpuEngine:
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
+        from pipeline.engines.gpu.dali import make_classifier, uses_dali  # noqa: PLC0415 - DALI is optional
         from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415 - needs torch
 
         network = options.pop("network", None)
         if network is None or isinstance(network, str):
-            if "half" not in options and default_network(bundle, network):
-                # FP32 for the default model: it is decode-bound, and FP16 flips its near-ties (GPU_NOTES.md).
+            on_dali = uses_dali(options.get("decoder", "auto"), options.get("device"))
+            if "half" not in options and default_network(bundle, network) and not on_dali:
+                # FP32 for the default model on the hand-written resampler: FP16 flips its near-ties there; on
+                # DALI the FP32 network agrees no better (GPU_NOTES.md).
                 options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        self.classifier = make_classifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         start = time.perf_counter()
