@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
 from pipeline.errors import ConfigError
 
 STATUS_OK = "ok"
@@ -241,7 +242,7 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="decode, resize and classify on the actor's GPU with PyTorch",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "the JPEG decoder", choices=("auto", "nvimgcodec", "torchvision", "pil")),
+                Option("decoder", str, "the JPEG decoder", choices=GPU_DECODERS),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
                 Option("device", str, "a torch device, e.g. cuda:0"),
                 Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
@@ -249,6 +250,7 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("cpu_decode_threads", "threads decoding what the GPU cannot, e.g. 4"),
                 Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
                 _positive_int("prep_workers", "resize threads, e.g. 2"),
+                Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",

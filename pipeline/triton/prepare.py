@@ -97,9 +97,9 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
         action = "built"
         fs = root = None
         if plan_cache:
-            from pipeline.source import open_fs  # noqa: PLC0415 - fsspec: only with a cache
+            import fsspec  # noqa: PLC0415 - only with a cache
 
-            fs, root = open_fs(plan_cache)
+            fs, root = fsspec.core.url_to_fs(plan_cache)
             cached = f"{root.rstrip('/')}/{name}"
             try:
                 data = fs.cat_file(cached)
