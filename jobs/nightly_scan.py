@@ -10,6 +10,9 @@ Submit it to a Ray cluster from the repository root::
   but no ``_SUCCESS``) resumes where it stopped; the job skips rows it already committed.
 * The latest earlier completed ``date=`` folder is passed as ``previous``, so objects unchanged since
   then (same URI, ETag, size and mtime) are carried over instead of reclassified (``--no-previous`` off).
+* The finished date is compared with the previous completed date (top-1 confidence PSI, label JS divergence,
+  error rates; ``pipeline/quality.py``) and the comparison recorded as ``drift`` in its ``_REPORT.json``; the
+  exit status does not depend on it: ``bulk-classify report DEST --against previous`` is the gate.
 * ``--config FILE`` (YAML) may hold any of these options (``output_root``, ``date``, ...) and any run
   option (``batch_size``, ``num_actors``, ``storage_options``, ...); the command line wins over the file,
   the file over ``BULK_CLASSIFY_*`` environment variables.
@@ -60,6 +63,7 @@ class NightlyResult:
     resumed_shards: int = 0
     summary: Any = None  # pipeline.job.RunSummary when a run happened
     success: dict[str, Any] | None = None  # the _SUCCESS record found or written
+    drift: dict[str, Any] | None = None  # the comparison with the previous date recorded in _REPORT.json
 
 
 def scan_date(value: str | None, now: datetime | None = None) -> str:
@@ -166,8 +170,12 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     from pipeline.job import run_job
 
     summary = run_job(config, progress=progress)
+    from pipeline.quality import record_drift
+
+    # The quality gate's comparison: against the previous completed date, even when nothing was carried from it.
+    drift = record_drift(dest, previous or find_previous(output_root, day, storage_options), storage_options)
     return NightlyResult("completed", day, dest, previous=previous, resumed_shards=len(shards), summary=summary,
-                         success=read_json(fs, root, SUCCESS))
+                         success=read_json(fs, root, SUCCESS), drift=drift)
 
 
 def parse_args(argv: list[str] | None) -> dict[str, Any]:
@@ -235,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if result.previous:
         print(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
     print(format_run_report(summary.report))
+    if result.drift:
+        d = result.drift
+        print(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
+              + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
     counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
     print(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}",
           flush=True)
