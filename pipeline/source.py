@@ -1,4 +1,4 @@
-"""Listing the source: recursive, extension-filtered, split into key ranges listed in parallel as a Ray Data datasource."""
+"""Listing the source: recursive, extension-filtered, split into key ranges that tasks list in parallel (no Ray here)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import os
 import time
 import zlib
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from ray.data import Datasource
 
 from pipeline.errors import ConfigError, SourceError
 
@@ -201,9 +200,9 @@ def _s3_split(root: str) -> tuple[str, str]:
     return bucket, (key.rstrip("/") + "/" if key else "")
 
 
-def _list_page(fs: Any, bucket: str, prefix: str, start_after: str | None = None, max_keys: int = S3_PAGE,
+def _list_page(fs: Any, bucket: str, prefix: str, start_after: str | None = None, max_keys: int | None = None,
                token: str | None = None) -> dict:
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": max_keys}
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": max_keys or S3_PAGE}
     if start_after is not None:
         kwargs["StartAfter"] = start_after
     if token is not None:
@@ -238,9 +237,7 @@ class _Prober:
                 continue
             out.append((child, entry))
             entry = self.first(q, child + MAX_CHAR)
-        if entry is not None:  # out of probes: the rest stays in the last child's range
-            pass
-        return out
+        return out  # out of probes, the keys left stay in the last child's range
 
 
 def _plan_s3(fs: Any, root: str, tasks: int) -> list:
@@ -358,84 +355,52 @@ def entries_table(entries: list[Entry]) -> pa.Table:
         schema=LISTING_SCHEMA)
 
 
-class ListingDatasource(Datasource):
-    """Ray Data datasource over a recursive listing, one read task per group of key ranges or sub-folders.
+def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple[str, ...], *, done: np.ndarray,
+                   previous: np.ndarray, report: Callable[[int, int, float, np.ndarray | None], None] | None = None,
+                   ) -> Iterator[pa.Table]:
+    """List a group of units as blocks of listing rows (``LISTING_SCHEMA``), dropping done and carried objects.
 
-    Objects already committed in DEST (``done``: sorted uri hashes) are dropped. Objects whose version matches
-    a carryable row of the previous run (``previous``: sorted identity hashes) are dropped too, and their
-    identities go to ``counter`` (``add_carried``), so the job copies those rows afterwards, shard by shard.
-    ``done`` and ``previous`` are Ray object refs (or arrays): read tasks map them from the object store
-    without copying, so their memory is counted once per node, not once per task.
+    Objects already committed (``done``: sorted uri hashes) are skipped. Objects whose version matches a carryable
+    row of the previous run (``previous``: sorted identity hashes) are left out of the blocks; their identities
+    go to ``report(listed, skipped, seconds, carried_identities)`` (sent every CARRY_FLUSH objects and at the end),
+    so the job copies those rows afterwards, shard by shard.
     """
+    carried: list[np.ndarray] = []
+    pending: list[Entry] = []
+    clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any], extensions: tuple[str, ...], *,
-                 done: Any = None, previous: Any = None, counter: Any = None):
-        self.url = url
-        self.storage_options = dict(storage_options)
-        self.extensions = extensions
-        self.done = done
-        self.previous = previous
-        self.counter = counter
+    def flush(final: bool = False) -> Iterator[pa.Table]:
+        nonlocal pending, carried
+        block = entries_table(pending)
+        pending = []
+        keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
+        skipped = int(block.num_rows - keep.sum())
+        block = block.filter(pa.array(keep))
+        n_carried = 0
+        if previous.size and block.num_rows:
+            ids = identity_hashes(block.column("uri").to_pylist(), block.column("etag").to_pylist(),
+                                  block.column("size_bytes").to_pylist(),
+                                  pc.cast(block.column("mtime"), pa.int64()).to_pylist())
+            same = member(previous, ids)
+            n_carried = int(same.sum())
+            if n_carried:
+                carried.append(ids[same])
+                block = block.filter(pa.array(~same))
+        send = None
+        if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
+            send, carried = np.concatenate(carried), []
+        if report is not None:
+            report(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0], send)
+        if block.num_rows:
+            yield block
+        clock[0] = time.perf_counter()
 
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
-
-    def get_name(self) -> str:
-        return "Listing"
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None):
-        from ray.data.block import BlockMetadata
-        from ray.data.datasource import ReadTask
-
-        fs, root = open_fs(self.url, self.storage_options)
-        tasks = []
-        for group in plan_listing(fs, root, self.extensions, max(1, parallelism)):
-            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-            tasks.append(ReadTask(lambda g=group: self._read(g), meta))
-        return tasks
-
-    def _read(self, group: list) -> Iterator[pa.Table]:
-        from pipeline.schema import WORK_SCHEMA, conform
-
-        fs, _root = open_fs(self.url, self.storage_options)
-        done = resolve_keys(self.done)
-        previous = resolve_keys(self.previous)
-        carried: list[np.ndarray] = []
-        pending: list[Entry] = []
-        clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
-
-        def flush(final: bool = False) -> Iterator[pa.Table]:
-            nonlocal pending, carried
-            block = entries_table(pending)
-            keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
-            skipped = int(block.num_rows - keep.sum())
-            block = block.filter(pa.array(keep))
-            n_carried = 0
-            if previous.size and block.num_rows:
-                ids = identity_hashes(block.column("uri").to_pylist(), block.column("etag").to_pylist(),
-                                      block.column("size_bytes").to_pylist(),
-                                      pc.cast(block.column("mtime"), pa.int64()).to_pylist())
-                same = member(previous, ids)
-                n_carried = int(same.sum())
-                if n_carried:
-                    carried.append(ids[same])
-                    block = block.filter(pa.array(~same))
-            if self.counter is not None:
-                self.counter.add.remote(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0])
-                if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
-                    self.counter.add_carried.remote(np.concatenate(carried))
-                    carried = []
-            pending = []
-            if block.num_rows:
-                yield conform(block, WORK_SCHEMA)
-            clock[0] = time.perf_counter()
-
-        for unit in group:
-            for entry in list_unit(fs, unit, self.extensions):
-                pending.append(entry)
-                if len(pending) >= BLOCK_ROWS:
-                    yield from flush()
-        yield from flush(final=True)
+    for unit in group:
+        for entry in list_unit(fs, unit, extensions):
+            pending.append(entry)
+            if len(pending) >= BLOCK_ROWS:
+                yield from flush()
+    yield from flush(final=True)
 
 
 _KEYS_CACHE: dict[Any, np.ndarray] = {}

@@ -12,8 +12,9 @@ import pyarrow.compute as pc
 from ray.data import Datasource
 
 from pipeline.config import RunConfig
-from pipeline.schema import OUTPUT_SCHEMA, conform
-from pipeline.source import ListingDatasource, member, open_fs, resolve_keys
+from pipeline.engines.base import engine_spec
+from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
+from pipeline.source import listing_blocks, member, open_fs, plan_listing, resolve_keys
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -75,7 +76,7 @@ def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    gpu_engine = config.engine in ("gpu", "triton") and gpus > 0
+    gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
     num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else (1.0 if gpu_engine else 0.0)
     if config.num_actors is not None:
         actors = config.num_actors
@@ -163,6 +164,51 @@ def carry_rows(table: pa.Table, carried: np.ndarray) -> pa.Table:
     table = table.filter(pa.array(keep))
     table = table.set_column(table.schema.get_field_index("carried"), "carried", pa.array([True] * table.num_rows))
     return conform(table, OUTPUT_SCHEMA)
+
+
+class ListingDatasource(Datasource):
+    """Ray Data datasource over the source's listing: one read task per planned group of key ranges or folders.
+
+    ``done`` and ``previous`` are Ray object refs of sorted int64 key arrays: read tasks map them from the object
+    store without copying, so their memory counts once per node, not once per task. Carried identities and the
+    counts go to the ``counter`` actor.
+    """
+
+    def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], *, done: Any = None,
+                 previous: Any = None, counter: Any = None):
+        self.url, self.storage_options, self.extensions = url, dict(storage_options), extensions
+        self.done, self.previous, self.counter = done, previous, counter
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_name(self) -> str:
+        return "Listing"
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None):
+        from ray.data.block import BlockMetadata
+        from ray.data.datasource import ReadTask
+
+        fs, root = open_fs(self.url, self.storage_options)
+        tasks = []
+        for group in plan_listing(fs, root, self.extensions, max(1, parallelism)):
+            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
+            tasks.append(ReadTask(lambda g=group: self._read(g), meta))
+        return tasks
+
+    def _read(self, group: list) -> Iterator[pa.Table]:
+        fs, _root = open_fs(self.url, self.storage_options)
+        counter = self.counter
+
+        def report(listed: int, skipped: int, seconds: float, carried: np.ndarray | None) -> None:
+            if counter is not None:
+                counter.add.remote(listed, skipped, seconds)
+                if carried is not None:
+                    counter.add_carried.remote(carried)
+
+        for block in listing_blocks(fs, group, self.extensions, done=resolve_keys(self.done),
+                                    previous=resolve_keys(self.previous), report=report):
+            yield conform(block, WORK_SCHEMA)
 
 
 class CarryDatasource(Datasource):

@@ -1,0 +1,62 @@
+"""Fast unit tests of pipeline.job.output: DEST preparation and the resume/carry sets from shard records (no Ray)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import RunConfig
+from pipeline.errors import OutputError
+from pipeline.job.output import count_output, index_output, prepare_output, read_previous
+from pipeline.schema import OUTPUT_SCHEMA, conform
+from pipeline.source import open_fs, uri_hash
+from pipeline.writer import committed_parts, write_shard
+from test_writer import rows
+
+
+def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path):
+    write_shard(rows(10, errors=3), output=str(tmp_path), storage_options={})
+    write_shard(rows(5, 10), output=str(tmp_path), storage_options={})
+    pq.write_table(conform(rows(2, 50), OUTPUT_SCHEMA), tmp_path / "part-flat.parquet")  # an older, flat shard
+    fs, root = open_fs(str(tmp_path))
+    index = index_output(fs, root, carry_model="m", carry_top_k=2)
+    assert len(index.parts) == 3 and index.counts == {"ok": 14, "error": 3} and index.rows == 17
+    expect = sorted(uri_hash(f"file:///src/img{i:06d}.jpg") for i in list(range(15)) + [50, 51])
+    assert index.uri_hashes.tolist() == expect and index.uri_hashes.dtype.name == "int64"
+    assert index.identities.size == 14  # ok rows only: error rows are retried, never carried
+    assert index_output(fs, root, carry_model="other", carry_top_k=2).identities.size == 0
+    assert index_output(fs, root, carry_model="m", carry_top_k=5).identities.size == 0
+    assert count_output(fs, root) == {"ok": 14, "error": 3}
+
+
+def test_the_job_library_below_the_ray_stages_imports_no_ray():
+    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.source; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_previous_without_shards_says_how_to_fix(tmp_path):
+    config = RunConfig(source=str(tmp_path / "src"), output=str(tmp_path / "out"), previous=str(tmp_path / "none"))
+    with pytest.raises(OutputError, match="holds no committed output; drop the option or fix the URL"):
+        read_previous(config, "m")
+
+
+def test_prepare_output_overwrite_removes_only_this_tools_files(tmp_path):
+    out = tmp_path / "out"
+    write_shard(rows(4), output=str(out), storage_options={})
+    (out / "_SUCCESS").write_text("{}")
+    (out / "_RUN.json").write_text("{}")
+    (out / "mine.txt").write_text("keep")
+    (out / "ab").mkdir(exist_ok=True)
+    (out / "ab" / "notes.md").write_text("keep")
+    fs, root = open_fs(str(out))
+    prepare_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out)))
+    assert not (out / "_SUCCESS").exists() and committed_parts(fs, root)  # a stale _SUCCESS goes, shards stay
+    prepare_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out), overwrite=True))
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert left == ["ab", "ab/notes.md", "mine.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file; give a folder or prefix"):
+        prepare_output(*open_fs(str(tmp_path / "file")), RunConfig(source=str(tmp_path), output=str(tmp_path / "file")))

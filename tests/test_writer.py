@@ -1,0 +1,104 @@
+"""Fast unit tests of pipeline.writer and pipeline.stats: shards, their records, the grouped layout (no Ray)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA, conform
+from pipeline.source import identity_hash, open_fs, uri_hash
+from pipeline.stats import ShardStats
+from pipeline.writer import (
+    ShardRecord, committed_parts, iter_records, part_name, read_record, shard_id, write_shard,
+)
+
+WHEN = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
+
+
+def rows(n: int, start: int = 0, *, errors: int = 0, carried: int = 0) -> pa.Table:
+    out = []
+    for i in range(start, start + n):
+        bad = i - start < errors
+        out.append({
+            "uri": f"file:///src/img{i:06d}.jpg", "status": "error" if bad else "ok",
+            "error": "decode_error: broken" if bad else None, "class_ids": None if bad else [1, 2],
+            "labels": None if bad else ["a", "b"], "scores": None if bad else [0.6, 0.4], "model": "m",
+            "engine": "onnx", "size_bytes": 1000 + i, "etag": None, "mtime": WHEN, "classified_at": WHEN,
+            "carried": i - start >= n - carried, "_fetch_s": 0.01, "_infer_s": 0.02, "_engine_calls": 0.5,
+        })
+    return conform(pa.Table.from_pylist(out, schema=WORK_SCHEMA), WORK_SCHEMA)
+
+
+def test_shard_id_is_order_independent_and_parts_are_grouped():
+    a = shard_id(["s3://b/1.jpg", "s3://b/2.jpg"])
+    assert a == shard_id(["s3://b/2.jpg", "s3://b/1.jpg"]) != shard_id(["s3://b/1.jpg"])
+    assert part_name(a) == f"{a[:2]}/part-{a}.parquet"
+
+
+def test_write_shard_commits_rows_and_a_record_in_the_footer(tmp_path):
+    batch = rows(10, errors=2, carried=3)
+    stats = next(ShardStats.from_table(write_shard(batch, output=str(tmp_path), storage_options={})))
+    assert (stats.rows, stats.ok, stats.errors, stats.carried, stats.classified) == (10, 8, 2, 3, 7)
+    assert stats.error_kinds == {"decode_error": 2} and stats.decode_s is None
+    assert stats.engine_calls == pytest.approx(5.0) and stats.infer_s == pytest.approx(0.2)
+    fs, root = open_fs(str(tmp_path))
+    [path] = committed_parts(fs, root)
+    assert path.startswith(str(tmp_path / shard_id(batch.column("uri").to_pylist())[:2]))
+    table = pq.read_table(path)
+    assert table.schema.remove_metadata() == OUTPUT_SCHEMA and table.num_rows == 10
+    rec = read_record(fs, path)
+    assert (rec.rows, rec.ok, rec.errors, rec.carried, rec.model, rec.top_k) == (10, 8, 2, 3, "m", 2)
+    assert rec.uri_hashes.tolist() == sorted(uri_hash(u) for u in batch.column("uri").to_pylist())
+    ok = [r for r in batch.to_pylist() if r["status"] == "ok"]
+    expect = sorted(identity_hash(r["uri"], None, r["size_bytes"], int(WHEN.timestamp() * 1_000_000)) for r in ok)
+    assert rec.identities.tolist() == expect
+    # a retried write of the same rows replaces the shard, never adds one
+    write_shard(batch, output=str(tmp_path), storage_options={})
+    assert committed_parts(fs, root) == [path]
+    assert pads.dataset(str(tmp_path), format="parquet").count_rows() == 10  # readers see DEST as one dataset
+
+
+def test_committed_parts_reads_flat_and_grouped_layouts_and_skips_everything_else(tmp_path):
+    fs, root = open_fs(str(tmp_path))
+    write_shard(rows(5), output=str(tmp_path), storage_options={})
+    pq.write_table(conform(rows(4, 100), OUTPUT_SCHEMA), tmp_path / "part-old.parquet")  # a flat, older output
+    (tmp_path / ".part-x.parquet.1.tmp").write_bytes(b"half")
+    (tmp_path / "date=2026-11-29").mkdir()
+    pq.write_table(conform(rows(3, 200), OUTPUT_SCHEMA), tmp_path / "date=2026-11-29" / "part-no.parquet")
+    (tmp_path / "zz").mkdir()
+    pq.write_table(conform(rows(3, 300), OUTPUT_SCHEMA), tmp_path / "zz" / "part-no.parquet")
+    parts = committed_parts(fs, root)
+    assert len(parts) == 2 and any(p.endswith("/part-old.parquet") for p in parts)
+    # the old shard has no record: it is read and hashed instead
+    records = dict(iter_records(fs, parts))
+    old = records[next(p for p in parts if p.endswith("part-old.parquet"))]
+    assert (old.rows, old.ok, old.model, old.top_k) == (4, 4, "m", 2)
+    assert old.uri_hashes.size == 4 and old.identities.size == 4
+    assert RECORD_KEY not in (pq.read_metadata(tmp_path / "part-old.parquet").metadata or {})
+
+
+def test_record_round_trips_through_json():
+    rec = ShardRecord(rows=3, ok=2, errors=1, carried=0, model="m", top_k=5,
+                      uri_hashes=np.array([-5, 1, 9], np.int64), identities=np.array([2, 3], np.int64))
+    back = ShardRecord.from_json(rec.to_json())
+    assert back.uri_hashes.tolist() == [-5, 1, 9] and back.identities.tolist() == [2, 3] and back.top_k == 5
+
+
+def test_shard_stats_sum_and_round_trip():
+    a = ShardStats(rows=3, ok=2, errors=1, carried=1, error_kinds={"x": 1}, fetch_s=1.0, infer_s=2.0,
+                   engine_calls=1.0)
+    b = ShardStats(rows=2, ok=1, errors=1, error_kinds={"x": 1, "y": 0}, decode_s=0.5, write_s=0.1)
+    total = ShardStats()
+    for s in (a, b):
+        total += s
+    assert (total.rows, total.ok, total.errors, total.carried, total.classified) == (5, 3, 2, 1, 4)
+    assert total.error_kinds == {"x": 2, "y": 0} and total.decode_s == 0.5 and total.fetch_s == 1.0
+    assert list(ShardStats.from_table(a.to_table())) == [a]
+    assert ShardStats().decode_s is None  # no engine told us: stays unknown, not zero
+    assert total.report_fields()["counts"] == {"ok": 3, "error": 2}
+    assert total.stage_seconds(0.5)["decode_preprocess"] == 0.5
