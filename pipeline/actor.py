@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
 import pyarrow as pa
 
-from pipeline.results import STATUS_OK
+from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_OK, engine_kwargs, engine_spec
 from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S
 
 LOG = logging.getLogger(__name__)
@@ -30,20 +29,14 @@ class ClassifyActor:
         decode_threads: int | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ):
-        from pipeline.engine import make_engine
+        from pipeline.imaging import DecodeLimits
         from pipeline.model import load_model
-        from pipeline.preprocess import DecodeLimits
 
         self.bundle = load_model(model)
-        options = dict(engine_options or {})
-        if decode_threads is not None:
-            options.setdefault("decode_threads", decode_threads)
-        self.engine = make_engine(
-            engine,
-            self.bundle,
-            top_k=top_k,
-            limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels),
-            **options,
+        # --decode-threads goes to the option the engine registered for it (none for a server that decodes).
+        options = engine_kwargs(engine, engine_options or {}, decode_threads=decode_threads)
+        self.engine = engine_spec(engine).build(
+            self.bundle, top_k=top_k, limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels), options=options
         )
         self.engine_name = engine
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
@@ -71,14 +64,12 @@ class ClassifyActor:
         decode_s: list[float | None] = [None] * n
         calls = [0.0] * n
         if todo:
-            before = dict(getattr(self.engine, "stage_seconds", None) or {})
-            start = time.perf_counter()
+            before = dict(self.engine.stage_seconds)
             results = self.engine.classify([data[i] for i in todo])
-            wall = time.perf_counter() - start
-            after = getattr(self.engine, "stage_seconds", None) or {}
-            # Engines that can split decode from inference say so in stage_seconds; else all is "infer".
-            decode = after.get("decode_preprocess", 0.0) - before.get("decode_preprocess", 0.0) if after else None
-            infer = after.get("infer", 0.0) - before.get("infer", 0.0) if after else wall
+            after = self.engine.stage_seconds
+            # Engines that can split decode from inference report both stages; the others report only "infer".
+            decode = after[STAGE_DECODE] - before[STAGE_DECODE] if STAGE_DECODE in after else None
+            infer = after[STAGE_INFER] - before[STAGE_INFER]
             share = infer / len(todo)
             if len(results) != len(todo):
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")

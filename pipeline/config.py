@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pipeline.engines.base import DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
 
-ENGINES = ("onnx", "triton", "gpu")
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 100_000_000
@@ -40,11 +40,11 @@ ENV_FIELDS = (
 )
 
 
-def parse_storage_option(item: str) -> tuple[str, Any]:
-    """Parse one ``KEY=VALUE`` storage option; JSON values (true, 3, {...}) are decoded."""
+def parse_option(item: str, flag: str = "--storage-option", example: str = "anon=true") -> tuple[str, Any]:
+    """Parse one ``KEY=VALUE`` of ``flag``; JSON values (true, 3, {...}) are decoded, anything else stays text."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"storage option {item!r} is not KEY=VALUE; write e.g. --storage-option anon=true")
+        raise ConfigError(f"{flag} {item!r} is not KEY=VALUE; write e.g. {flag} {example}")
     try:
         value: Any = json.loads(raw)
     except ValueError:
@@ -60,7 +60,7 @@ class RunConfig:
         source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
-        engine: ``onnx`` (CPU, embedded), ``triton`` (local tritonserver per actor), ``gpu`` (in-process GPU).
+        engine: a name in ``pipeline.engines.base.REGISTRY``; ``engine_options`` are checked against its options.
         batch_size: images per engine call; shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
@@ -71,7 +71,7 @@ class RunConfig:
     source: str
     output: str
     model: str | None = None
-    engine: str = "onnx"
+    engine: str = DEFAULT_ENGINE
     top_k: int = 5
     batch_size: int = 64
     shard_size: int = 1000
@@ -98,8 +98,7 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+        spec = engine_spec(self.engine)
         for name in ("top_k", "batch_size", "shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -108,6 +107,8 @@ class RunConfig:
             raise ConfigError(f"--top-k {self.top_k} is larger than any ImageNet head; use 1..1000")
         if self.retries < 0:
             raise ConfigError(f"--retries must be 0 or more, got {self.retries}")
+        if self.num_gpus_per_actor is not None and self.num_gpus_per_actor < 0:
+            raise ConfigError(f"--num-gpus-per-actor must be 0 or more, got {self.num_gpus_per_actor}")
         if self.num_actors is not None and self.num_actors < 1:
             raise ConfigError(f"--num-actors must be at least 1, got {self.num_actors}")
         if self.decode_threads is not None and self.decode_threads < 1:
@@ -122,7 +123,15 @@ class RunConfig:
             raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
         object.__setattr__(self, "extensions", exts)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
-        object.__setattr__(self, "engine_options", dict(self.engine_options))
+        object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
+
+    def check_requirements(self) -> None:
+        """The engine's preflight (torch, tritonserver, repository) on this machine, before Ray starts.
+
+        Skipped when ``RAY_ADDRESS`` points at a cluster: its nodes, not this driver, must meet them.
+        """
+        if not os.environ.get("RAY_ADDRESS"):
+            engine_spec(self.engine).check(self.engine_options)
 
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pipeline.errors import ModelError
-from pipeline.preprocess import PreprocessSpec
+from pipeline.imaging import PreprocessSpec
 
 log = logging.getLogger(__name__)
 

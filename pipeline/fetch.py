@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from pipeline.errors import ImageError
-from pipeline.results import STATUS_ERROR
+from pipeline.engines.base import STATUS_ERROR
 from pipeline.schema import DATA, FETCH_S
 from pipeline.source import open_fs
 

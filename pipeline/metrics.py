@@ -14,7 +14,7 @@ What is exposed (all prefixed ``bulk_classify_``), scraped from ``http://127.0.0
     start_time_seconds         gauge    Unix time the job started
 
 Each actor's local tritonserver has its own metrics endpoint (``nv_inference_*`` counters, GPU
-utilisation and memory) on a loopback port that ``pipeline.triton_server`` picks; it is not
+utilisation and memory) on a loopback port that ``pipeline.triton.server`` picks; it is not
 re-exported here. Prometheus on another host scrapes neither directly: run a node-local agent or a
 sidecar that scrapes loopback and forwards (remote-write), which keeps both ports off the network.
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import ModelError
-from pipeline.preprocess import PreprocessSpec
+from pipeline.imaging import PreprocessSpec
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ ONNX_OUTPUT = "logits"
 MODEL_FILE = "model.onnx"
 LABELS_FILE = "labels.txt"
 SPEC_FILE = "preprocess.json"
+TORCHSCRIPT_FILE = "model.torchscript"  # optional: the same network for the gpu engine (PyTorch runs no ONNX)
 DEFAULT_REFS = (None, "", "default")
 CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
 APP_NAME = "bulk-classify"

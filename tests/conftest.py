@@ -126,7 +126,7 @@ def default_bundle(model_cache):
 @pytest.fixture(scope="session")
 def onnx_engine(default_bundle):
     """One OnnxEngine on the default model (top 5, default limits), shared by the session."""
-    from pipeline.engine import OnnxEngine
+    from pipeline.engines.onnx import OnnxEngine
 
     engine = OnnxEngine(default_bundle, top_k=5, decode_threads=2, intra_op_threads=2)
     yield engine

@@ -1,4 +1,4 @@
-"""DALI parity: the production preprocessing graph, built for the CPU, against the reference (pipeline.preprocess)
+"""DALI parity: the production preprocessing graph, built for the CPU, against the reference (pipeline.imaging)
 on real photos and the odd inputs; the tensor difference and its effect on top-1 are measured and bounded."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from oddities import EXPECTED_SIZES, oddities
 
 from pipeline.errors import ImageError
 from pipeline.model import load_model
-from pipeline.preprocess import load_and_preprocess
+from pipeline.imaging import load_and_preprocess
 
 pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.dali_pipeline import DaliPreprocessor  # noqa: E402
+from pipeline.triton.dali_pipeline import DaliPreprocessor  # noqa: E402
 
 LOG = logging.getLogger(__name__)
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
@@ -121,7 +121,7 @@ def test_generated_dali_source_defines_an_autoserialized_pipeline(tmp_path):
     """The production repository keeps the pipeline as source; the DALI backend serializes it at load."""
     import importlib.util
 
-    from pipeline.repo import build_repository
+    from pipeline.triton.repository import build_repository
 
     repo = build_repository("production", None, str(tmp_path), artifacts=False)
     source = repo / "preprocess" / "1" / "dali.py"

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from oddities import EXPECTED_SIZES, exif_rotated_jpeg, photo_bytes as read_photo
-from pipeline.engine import OnnxEngine, make_engine, topk_softmax
+from pipeline.engines.base import make_engine
+from pipeline.engines.onnx import OnnxEngine, topk_softmax
 from pipeline.errors import ConfigError, ERROR_KINDS
-from pipeline.results import Result
+from pipeline.engines.base import Result
 
 PARITY = Path(__file__).parent / "data" / "parity"
 
@@ -128,9 +129,9 @@ def test_topk_softmax_matches_full_softmax():
 
 
 def test_make_engine(default_bundle):
-    with pytest.raises(ConfigError, match=r"unknown engine 'cuda'; choose one of onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match=r"--engine 'cuda' is unknown; choose one of onnx, triton, gpu"):
         make_engine("cuda", default_bundle)
-    with pytest.raises(ConfigError, match=r"engine 'onnx' has no option\(s\) instances; its options are decode_threads"):
+    with pytest.raises(ConfigError, match=r"engine 'onnx' has no option instances; its options are decode_threads, intra_op_threads, max_batch"):
         make_engine("onnx", default_bundle, instances=2)
     engine = make_engine("onnx", default_bundle, top_k=2, decode_threads=1)
     assert engine.name == "onnx" and engine.top_k == 2
@@ -139,7 +140,7 @@ def test_make_engine(default_bundle):
 
 
 def test_engine_applies_its_decode_limits(default_bundle, photo_bytes):
-    from pipeline.preprocess import DecodeLimits
+    from pipeline.imaging import DecodeLimits
 
     with OnnxEngine(default_bundle, limits=DecodeLimits(max_bytes=40_000, max_pixels=200_000)) as engine:
         chelsea, coffee, astronaut = engine.classify([photo_bytes[n] for n in ("chelsea", "coffee", "astronaut")])

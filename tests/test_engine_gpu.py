@@ -10,20 +10,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import tensor_names as tn
+from pipeline.triton import contract as tn
 from pipeline.default_model import DEFAULT_SPEC
-from pipeline.engine_gpu import (
-    GpuEngine,
-    _area_groups,
-    build_gpu_repository,
-    crop_boxes,
-    gpu_config,
-    parse_jpeg_header,
-    resample_coefficients,
-)
+from pipeline.engines.gpu.classifier import _area_groups
+from pipeline.engines.gpu.engine import GpuEngine
+from pipeline.engines.gpu.jpeg import parse_jpeg_header
+from pipeline.engines.gpu.resample import crop_boxes, resample_coefficients
+from pipeline.triton.configs import gpu_config
+from pipeline.triton.repository import build_gpu_repository
 from pipeline.errors import ImageError
-from pipeline.preprocess import PreprocessSpec, load_and_preprocess
-from pipeline.repo import check_repository
+from pipeline.imaging import PreprocessSpec, load_and_preprocess
+from pipeline.triton.checks import check_repository
 
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
 FILTERS = ("nearest", "bilinear", "bicubic", "lanczos")
@@ -164,7 +161,7 @@ def test_built_gpu_repository_passes_the_repository_check(tmp_path):
     assert check_repository(out) == [tn.MODEL_NAME]
     version = out / tn.MODEL_NAME / "1"
     assert PreprocessSpec.from_json((version / "preprocess.json").read_text()) == DEFAULT_SPEC
-    assert "from pipeline.gpu_model import TritonPythonModel" in (version / "model.py").read_text()
+    assert "from pipeline.engines.gpu.triton_model import TritonPythonModel" in (version / "model.py").read_text()
 
 
 def test_committed_gpu_profile_passes_the_repository_check():
@@ -173,7 +170,7 @@ def test_committed_gpu_profile_passes_the_repository_check():
 
 
 def test_gpu_repository_refuses_an_onnx_only_model(tmp_path):
-    from pipeline.errors import EngineError
+    from pipeline.errors import ModelError
     from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
 
     folder = tmp_path / "m"
@@ -191,7 +188,7 @@ def test_gpu_repository_refuses_an_onnx_only_model(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / MODEL_FILE)
     (folder / LABELS_FILE).write_text("a\nb\n")
     (folder / SPEC_FILE).write_text(DEFAULT_SPEC.to_json())
-    with pytest.raises(EngineError, match="has no model.torchscript"):
+    with pytest.raises(ModelError, match="has no model.torchscript"):
         build_gpu_repository(str(folder), tmp_path / "repo")
 
 
@@ -202,7 +199,7 @@ def test_gpu_repository_refuses_an_onnx_only_model(tmp_path):
 def lite0():
     pytest.importorskip("torch")
     from pipeline.default_model import load_checkpoint
-    from pipeline.torch_models import efficientnet_lite0
+    from pipeline.engines.gpu.networks import efficientnet_lite0
 
     return efficientnet_lite0(load_checkpoint())
 
@@ -222,7 +219,7 @@ def _inputs() -> list[bytes]:
 def test_torch_resize_matches_the_reference_preprocessing(lite0, decoder):
     if decoder == "torchvision":
         pytest.importorskip("torchvision")
-    from pipeline.engine_gpu import GpuClassifier, _Chunk
+    from pipeline.engines.gpu.classifier import GpuClassifier, _Chunk
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, decoder=decoder, device="cpu", pipeline=False, batch_size=32)
     datas = _inputs()
@@ -241,7 +238,7 @@ def test_torch_resize_matches_the_reference_preprocessing(lite0, decoder):
 
 def test_torch_coefficients_equal_the_numpy_ones():
     torch = pytest.importorskip("torch")
-    from pipeline.engine_gpu import resample_coefficients_torch
+    from pipeline.engines.gpu.resample import resample_coefficients_torch
 
     sizes, starts, lengths = np.array([500, 375, 90]), np.array([10.5, 0.0, 3.25]), np.array([420.0, 375.0, 80.0])
     for interpolation in FILTERS:
@@ -266,7 +263,7 @@ def test_lite0_torch_module_equals_the_onnx_graph(lite0):
 
 
 def test_engine_isolates_bad_images_and_keeps_order(lite0):
-    from pipeline.engine_gpu import GpuClassifier
+    from pipeline.engines.gpu.classifier import GpuClassifier
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, decoder="pil", device="cpu", batch_size=4, prep_workers=2)
     good = _inputs()[:5]
@@ -287,8 +284,7 @@ def test_engine_isolates_bad_images_and_keeps_order(lite0):
 
 @pytest.mark.gpu
 def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
-    from pipeline.engine import OnnxEngine
-    from pipeline.engine_gpu import GpuEngine
+    from pipeline.engines.onnx import OnnxEngine
     from pipeline.model import load_model
 
     bundle = load_model(None)
@@ -306,7 +302,7 @@ def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
 @pytest.mark.parametrize("decoder", ["nvimgcodec", "torchvision"])
 def test_gpu_decoders_match_the_reference_preprocessing(decoder):
     torch = pytest.importorskip("torch")
-    from pipeline.engine_gpu import GpuClassifier, _Chunk
+    from pipeline.engines.gpu.classifier import GpuClassifier, _Chunk
 
     clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, decoder=decoder, cuda_graph=False, half=False,
                         pipeline=False)
@@ -327,9 +323,9 @@ def test_gpu_profile_through_tritonserver_on_the_cpu(tmp_path):
     pytest.importorskip("torchvision")
     import urllib.request
 
-    from pipeline.engine_triton import TritonEngine
+    from pipeline.engines.triton import TritonEngine
     from pipeline.model import load_model
-    from pipeline.triton_server import TritonServer
+    from pipeline.triton.server import TritonServer
 
     repo = build_gpu_repository(None, tmp_path / "repo", decoder="torchvision", instances=1, batch_size=8,
                                 max_batch_size=64, error_output=False, queue_delay_us=20000)

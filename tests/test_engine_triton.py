@@ -13,14 +13,15 @@ import psutil
 import pytest
 from oddities import oddities
 
-from pipeline import tensor_names as tn
-from pipeline.engine import make_engine
-from pipeline.engine_triton import plan_requests
+from pipeline.triton import contract as tn
+from pipeline.engines.base import make_engine
+from pipeline.engines.triton import plan_requests
 from pipeline.errors import ConfigError
 from pipeline.model import load_model
-from pipeline.preprocess import DecodeLimits
-from pipeline.repo import add_topk_head, portable_config
-from pipeline.triton_server import SHM_DIR, TritonServer
+from pipeline.imaging import DecodeLimits
+from pipeline.triton.configs import portable_config
+from pipeline.triton.repository import add_topk_head
+from pipeline.triton.server import SHM_DIR, TritonServer
 
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
 # Same ONNX graph and the same reference preprocessing on both sides; only batch composition differs.
@@ -142,7 +143,7 @@ import os, sys
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p]
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from pipeline.portable_model import Classifier
+from pipeline.triton.portable_model import Classifier
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -189,8 +190,7 @@ def test_a_request_failing_on_one_input_is_split_so_only_that_input_fails(bundle
 def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle):
     photos = list(_photos().values())
     blobs = [photos[i % len(photos)] for i in range(160)]
-    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=8, concurrency=2,
-                         shared_memory=True)  # restart and cleanup with the shared-memory transport too
+    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=8, concurrency=2)
     try:
         reference = {blob: r.class_ids[0] for blob, r in zip(photos, engine.classify(photos))}
         victim = engine.server.pid
@@ -214,18 +214,16 @@ def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle)
         tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         assert len(tree) >= 2 and list(SHM_DIR.glob(server.shm_prefix + "*"))
         prefix, repository = server.shm_prefix, server.repository
-        slots = [SHM_DIR / slot.name for slot in engine._all_slots]  # shared_memory=True above
-        assert slots and all(p.exists() for p in slots)
     finally:
         engine.close()
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive
-    assert not list(SHM_DIR.glob(prefix + "*")) and not any(p.exists() for p in slots)
+    assert not list(SHM_DIR.glob(prefix + "*"))
     assert not repository.exists()
 
 
 def test_unknown_option_is_a_config_error_naming_the_valid_ones(bundle):
-    with pytest.raises(ConfigError, match=r"engine 'triton' has no option\(s\) max_batch; its options are repository"):
+    with pytest.raises(ConfigError, match=r"engine 'triton' has no option max_batch; its options are repository"):
         make_engine("triton", bundle, max_batch=3)
 
 
@@ -273,7 +271,7 @@ def test_cli_run_with_triton_matches_onnx(tmp_path, onnx_engine):
 def test_portable_profile_without_error_output_gives_the_same_rows(bundle, onnx_engine, tmp_path):
     """The numpy-2 variant (no BYTES ERROR output): bad inputs fail their request, the engine splits it, and
     each bad input's own request carries the reference's exact error text."""
-    from pipeline.repo import build_repository
+    from pipeline.triton.repository import build_repository
 
     repo = build_repository("portable", None, str(tmp_path), error_output=False)
     odd = oddities()
@@ -296,7 +294,7 @@ CRASHING_MODEL = '''
 import os, sys
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 import triton_python_backend_utils as pb_utils
-from pipeline.portable_model import TritonPythonModel as Portable
+from pipeline.triton.portable_model import TritonPythonModel as Portable
 
 class TritonPythonModel(Portable):
     def execute(self, requests):
@@ -310,7 +308,7 @@ class TritonPythonModel(Portable):
 
 @pytest.mark.slow
 def test_an_input_that_crashes_the_backend_costs_one_row_and_the_run_goes_on(bundle, tmp_path):
-    from pipeline.repo import build_repository
+    from pipeline.triton.repository import build_repository
 
     repo = build_repository("portable", None, str(tmp_path))
     (repo / tn.MODEL_NAME / "1" / "model.py").write_text(CRASHING_MODEL)
@@ -325,42 +323,6 @@ def test_an_input_that_crashes_the_backend_costs_one_row_and_the_run_goes_on(bun
         assert [r.status for r in engine.classify(photos[:3])] == ["ok"] * 3  # and the server serves again
     finally:
         engine.close()
-
-
-def test_shared_memory_transport_gives_the_same_rows_survives_a_restart_and_cleans_up(bundle, onnx_engine):
-    photos = list(_photos().values())
-    odd = oddities()
-    blobs = photos + [odd[n][0] for n in ("empty", "truncated_jpeg", "plain_text", "exif_rotated_jpeg")]
-    engine = make_engine("triton", bundle, top_k=TOP_K, request_batch=4, concurrency=2, shared_memory=True)
-    try:
-        got = engine.classify(blobs)
-        regions = [SHM_DIR / slot.name for slot in engine._all_slots]
-        assert len(regions) == 2 and all(p.exists() for p in regions)  # one per request in flight
-        os.kill(engine.server.pid, signal.SIGKILL)
-        psutil.Process(engine.server.pid).wait(10)
-        again = engine.classify(blobs)  # the new server must have the regions registered again
-    finally:
-        engine.close()
-    want = onnx_engine.classify(blobs)
-    for rows in (got, again):
-        assert [(r.status, r.error, r.width) for r in rows] == [(w.status, w.error, w.width) for w in want]
-        assert [r.class_ids[:1] for r in rows] == [w.class_ids[:1] for w in want]
-    assert not any(p.exists() for p in regions)
-
-
-def test_without_usable_shared_memory_the_engine_falls_back_to_grpc(bundle, triton_engine, monkeypatch):
-    import tritonclient.utils.shared_memory as shm
-
-    def refuse(*_args, **_kwargs):
-        raise shm.SharedMemoryException("no space left on /dev/shm")
-
-    monkeypatch.setattr(shm, "create_shared_memory_region", refuse)
-    engine = make_engine("triton", bundle, top_k=TOP_K, url=triton_engine.url, shared_memory=True)
-    try:
-        results = engine.classify(list(_photos().values())[:3])
-    finally:
-        engine.close()
-    assert [r.status for r in results] == ["ok"] * 3 and engine._slots_disabled
 
 
 def test_a_refused_input_never_counts_as_a_server_down(triton_engine, monkeypatch):

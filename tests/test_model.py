@@ -23,7 +23,7 @@ from pipeline.model import (
     ensure_default_model,
     load_model,
 )
-from pipeline.preprocess import decode_image, normalize_array
+from pipeline.imaging import decode_image, normalize_array
 
 PARITY = Path(__file__).parent / "data" / "parity"
 # Largest |ONNX logit - torch logit| allowed. Measured 2.2e-5 over the 200 parity inputs (ORT 1.30 on the H200's

@@ -1,16 +1,19 @@
-"""The nightly scan: its date/previous/config logic, and real `ray job submit` runs against moto S3."""
+"""The nightly scan (`bulk-classify nightly`, pipeline/nightly.py): its date/previous/config logic, and real
+`ray job submit` runs of jobs/nightly_scan.py against moto S3."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from click.testing import CliRunner
+
+from pipeline import cli
+from pipeline import nightly as ns
 from pipeline.errors import ConfigError
 from ray_cluster import ray_cluster  # noqa: F401  (session fixture: a real local Ray cluster)
 
@@ -19,18 +22,14 @@ PHOTOS = REPO / "tests" / "data" / "photos"
 SCRIPT = "jobs/nightly_scan.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("nightly_scan", REPO / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nightly_scan"] = module
-    spec.loader.exec_module(module)
-    return module
+def parse_args(argv: list[str]) -> dict:
+    """What `bulk-classify nightly ARGV` hands to nightly_scan."""
+    params = dict(cli.nightly.make_context("nightly", list(argv)).params)
+    params.pop("quiet")
+    return cli.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
 
 
-ns = load_script()
-
-
-# --- the script's logic, no cluster -------------------------------------------------------------------
+# --- the nightly logic, no cluster -------------------------------------------------------------------
 
 
 def test_scan_date_defaults_to_today_utc_and_rejects_bad_dates():
@@ -76,7 +75,7 @@ def test_options_come_from_config_file_then_flags(tmp_path, monkeypatch):
     cfg = tmp_path / "nightly.yaml"
     cfg.write_text("source: s3://in/photos\noutput_root: s3://out/nightly\nengine: triton\nbatch_size: 32\n"
                    "storage_options: {anon: false}\n")
-    opts = ns.parse_args(["--config", str(cfg), "--batch-size", "8", "--storage-option", "use_ssl=false",
+    opts = parse_args(["--config", str(cfg), "--batch-size", "8", "--storage-option", "use_ssl=false",
                           "--no-previous", "--extensions", "jpg,png"])
     assert opts["source"] == "s3://in/photos" and opts["engine"] == "triton"
     assert opts["batch_size"] == 8  # the flag wins over the file
@@ -85,7 +84,7 @@ def test_options_come_from_config_file_then_flags(tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("source: x\nbatchsize: 3\n")
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['batchsize'\]"):
-        ns.parse_args(["--config", str(bad)])
+        parse_args(["--config", str(bad)])
 
 
 def test_missing_required_options_say_how_to_fix(tmp_path):
@@ -93,7 +92,8 @@ def test_missing_required_options_say_how_to_fix(tmp_path):
         ns.nightly_scan({"source": str(PHOTOS)})
     with pytest.raises(ConfigError, match="give --output-root, not output"):
         ns.nightly_scan({"source": str(PHOTOS), "output_root": str(tmp_path), "output": str(tmp_path)})
-    assert ns.main(["--source", str(PHOTOS)]) == 2
+    result = CliRunner().invoke(cli.main, ["nightly", "--source", str(PHOTOS)])
+    assert result.exit_code == 2 and "--output-root is required" in result.output
 
 
 def test_example_config_is_valid():

@@ -10,20 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import tensor_names as tn
+from pipeline.triton import contract as tn
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model import load_model
-from pipeline.repo import (
-    MODEL_REPOSITORY,
+from pipeline.triton.checks import check_repository, repository_top_k
+from pipeline.triton.repository import (
     PlanKey,
     add_topk_head,
     build_repository,
-    check_repository,
     find_plan,
-    repository_top_k,
     write_plan_key,
 )
 
+MODEL_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 COMMITTED_PROFILES = ("portable", "production")
 
 
@@ -34,7 +33,7 @@ def production(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("profile", COMMITTED_PROFILES)
 def test_committed_profile_is_what_the_generator_writes(profile, tmp_path):
-    """Configs come from pipeline.tensor_names: a hand edit of the committed files (or of the names) shows here."""
+    """Configs come from pipeline.triton.contract: a hand edit of the committed files (or of the names) shows here."""
     fresh = build_repository(profile, None, str(tmp_path), artifacts=False, error_output=True)
     committed = MODEL_REPOSITORY / profile
     fresh_files = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*") if p.is_file()}
@@ -43,10 +42,12 @@ def test_committed_profile_is_what_the_generator_writes(profile, tmp_path):
     assert fresh_files == committed_files, f"regenerate with: bulk-classify repo build --profile {profile}"
 
 
-def test_committed_repositories_pass_the_check():
-    checked = check_repository(None)
+def test_committed_and_generated_repositories_pass_the_check():
+    checked = check_repository(str(MODEL_REPOSITORY))  # a folder of profiles
     assert {"portable/classifier", "production/classifier", "production/classifier_trt",
-            "production/preprocess"} <= set(checked)
+            "production/preprocess", "gpu/classifier"} <= set(checked)
+    assert set(check_repository(None)) == {"gpu/classifier", "portable/classifier", "production/classifier",
+                                           "production/classifier_trt", "production/preprocess"}
     assert check_repository(str(MODEL_REPOSITORY / "production")) == ["classifier", "classifier_trt", "preprocess"]
     assert repository_top_k(MODEL_REPOSITORY / "portable") == tn.DEFAULT_TOP_K
 

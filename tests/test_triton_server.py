@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from pipeline.errors import TritonError
-from pipeline.triton_server import BINARY_ENV, SHM_DIR, TritonServer, sweep_stale_shared_memory
+from pipeline.triton.server import BINARY_ENV, SHM_DIR, TritonServer, sweep_stale_shared_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,7 +147,7 @@ def test_server_dies_with_its_parent(echo_repo, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from pipeline.triton_server import TritonServer
+        from pipeline.triton.server import TritonServer
         server = TritonServer({str(echo_repo)!r}).start()
         open({str(pid_file)!r}, "w").write(str(server.pid))
         time.sleep(600)

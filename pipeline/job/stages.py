@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 from ray.data import Datasource
 
 from pipeline.config import RunConfig
+from pipeline.engines.base import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
 from pipeline.source import listing_blocks, member, open_fs, plan_listing, resolve_keys
 
@@ -75,7 +76,7 @@ def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    gpu_engine = config.engine in ("gpu", "triton") and gpus > 0
+    gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
     num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else (1.0 if gpu_engine else 0.0)
     if config.num_actors is not None:
         actors = config.num_actors

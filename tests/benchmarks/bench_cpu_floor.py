@@ -22,9 +22,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.engine import OnnxEngine  # noqa: E402
+from pipeline.engines.onnx import OnnxEngine  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
-from pipeline.preprocess import DecodeLimits, load_and_preprocess  # noqa: E402
+from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 

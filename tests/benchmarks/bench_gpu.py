@@ -11,13 +11,16 @@ ResNet-50 FP16 (torchvision, random weights) and the default model (EfficientNet
 
 - model only (ceiling): the network on a ready batch, CUDA graph, FP16 channels-last;
 - naive: torchvision nvJPEG decode -> per-image resize/crop/normalize -> network -> top-5, sequential;
-- gpu engine in process: ``GpuClassifier`` with each decoder (nvImageCodec / torchvision);
+- DALI alone: the gpu profile's DALI graph (mixed decode, resize, crop, normalize to FP16 NHWC on the GPU) at
+  hardware-decoder loads 0.65 / 0.9 / 1.0, one or two pipelines;
+- gpu engine in process: the classifier with each decoder (DALI / nvImageCodec / torchvision);
 - gpu engine through Triton: the ``gpu`` profile in tritonserver, client = ``TritonEngine`` (gRPC, padded
   UINT8 + LENGTH, concurrent requests, like the Ray actor), with the average batch Triton formed
   (nv_inference_count / nv_inference_exec_count);
 
-with ratios to the naive path and to the ceiling, stage times, and GPU-vs-CPU parity of the default model
-(top-1 agreement with the ONNX Runtime CPU reference on 520 photo-derived JPEGs of varied sizes).
+with ratios to the naive path and to the ceiling, stage times, GPU-vs-CPU parity of the default model (top-1
+agreement with the ONNX Runtime CPU reference on 520 photo-derived JPEGs of varied sizes, FP16 and FP32 networks),
+and tests/oddities.py through the GPU path against the onnx engine (statuses and error kinds).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.preprocess import PreprocessSpec  # noqa: E402
+from pipeline.imaging import PreprocessSpec  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 IMAGENET_SPEC = PreprocessSpec(
@@ -55,10 +58,13 @@ IMAGENET_SPEC = PreprocessSpec(
 LOG = logging.getLogger("bench_gpu")
 # In-process engine variants measured on each set.
 ENGINE_VARIANTS = {
+    "dali": {"decoder": "dali", "prep_workers": 2},
+    "dali_3workers": {"decoder": "dali", "prep_workers": 3},
+    "dali_fp32": {"decoder": "dali", "prep_workers": 2, "half": False},
     "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
     "torchvision": {"decoder": "torchvision", "prep_workers": 1},
-    "nvimgcodec_fp32": {"decoder": "nvimgcodec", "prep_workers": 1, "half": False},
 }
+DALI_LOADS = (0.65, 0.9, 1.0)
 NOISE_SIGMA = 5.0
 QUALITY = (94, 98)
 
@@ -156,7 +162,7 @@ def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
 
 def networks():
     from pipeline.default_model import load_checkpoint
-    from pipeline.torch_models import efficientnet_lite0, resnet50_random
+    from pipeline.engines.gpu.networks import efficientnet_lite0, resnet50_random
 
     return {
         "resnet50": (resnet50_random(), IMAGENET_SPEC),
@@ -259,7 +265,7 @@ def decode_only(images: list[bytes], batch: int, min_s: float) -> dict:
     engines, and torchvision's batched nvJPEG."""
     import torch
 
-    from pipeline.engine_gpu import _NvImageCodecDecoder, _TorchvisionDecoder
+    from pipeline.engines.gpu.decoders import _NvImageCodecDecoder, _TorchvisionDecoder
 
     out = {}
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
@@ -298,6 +304,76 @@ def decode_only(images: list[bytes], batch: int, min_s: float) -> dict:
     return out
 
 
+def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: float) -> dict:
+    """DALI alone (the gpu profile's DaliPrep: mixed decode + resize + crop + normalize, FP16 NHWC, copied into a
+    torch buffer as the classifier does) at each hardware-decoder load, one and two pipelines in threads."""
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    from pipeline.engines.gpu.dali import DaliPrep
+    from pipeline.imaging import DecodeLimits
+
+    out = {}
+    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
+    crop_h, crop_w = spec.crop
+    for load in DALI_LOADS:
+        for threads in (1, 2):
+            key = f"h{load}_{threads}pipe"
+            try:
+                prep = DaliPrep(spec, device="mixed", device_id=0, batch_size=batch, hw_decoder_load=load,
+                                half=True, layout="HWC", pipelines=threads)
+                bufs = [torch.empty((batch, crop_h, crop_w, 3), dtype=torch.float16, device="cuda")
+                        for _ in range(threads)]
+                streams = [torch.cuda.Stream() for _ in range(threads)]
+
+                def work(k, part, prep=prep, bufs=bufs, streams=streams):
+                    for b in part:
+                        prep.prepare(b, [True] * len(b), DecodeLimits(),
+                                     lambda o: feed_ndarray(o.as_tensor(), bufs[k], cuda_stream=streams[k]))
+
+                def run(threads=threads, work=work):
+                    if threads == 1:
+                        work(0, batches)
+                        return
+                    ts = [threading.Thread(target=work, args=(k, batches[k::threads])) for k in range(threads)]
+                    for t in ts:
+                        t.start()
+                    for t in ts:
+                        t.join()
+
+                out[key] = round(rate(run, len(batches) * batch, min_s))
+                prep.close()
+            except Exception as e:  # noqa: BLE001 - report and continue
+                out[key] = f"failed: {e}"
+            print("dali only", key, out[key], flush=True)
+    return out
+
+
+def oddities_part(results: dict, net, spec) -> None:
+    """tests/oddities.py through the gpu engine (DALI) on the device vs the onnx engine: statuses and error kinds."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from oddities import oddities
+
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.engines.gpu.dali import make_classifier
+    from pipeline.model import load_model
+
+    odd = oddities()
+    names = list(odd)
+    datas = [odd[n][0] for n in names]
+    ref = OnnxEngine(load_model(None), top_k=5).classify(datas)
+    clf = make_classifier(net, spec, decoder="dali", top_k=5, batch_size=8)
+    raw = clf.classify(datas)
+    clf.close()
+    rows, same = {}, 0
+    for i, name in enumerate(names):
+        gpu = ("error", raw.errors[i].split(":", 1)[0]) if raw.errors[i] else ("ok", None)
+        onnx = (ref[i].status, ref[i].error.split(":", 1)[0] if ref[i].error else None)
+        rows[name] = {"gpu": gpu, "onnx": onnx, "top1": [int(raw.class_ids[i, 0]), (ref[i].class_ids or [None])[0]]}
+        same += gpu == onnx
+    results["oddities"] = {"same_status_and_kind": f"{same}/{len(names)}", "rows": rows}
+
+
 def preprocess_only(clf, images: list[bytes], min_s: float) -> float:
     """img/s of pack + resize + normalize on decoded batches (decode excluded)."""
     import torch
@@ -324,9 +400,9 @@ def metrics(url: str) -> dict[str, dict[str, float]]:
 
 
 def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
-    from pipeline.engine_gpu import build_gpu_repository
-    from pipeline.engine_triton import TritonEngine
-    from pipeline.triton_server import TritonServer
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.server import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="gpu-repo-"))
     models = {"resnet50": "classifier_resnet50", "default": "classifier"}
@@ -336,6 +412,7 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
             None, tmp, network="resnet50" if net == "resnet50" else "auto", instances=args.instances,
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
+            hw_decoder_load=args.hw_decoder_load, half=args.half,
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
@@ -398,13 +475,13 @@ def parity(results: dict, clf_default, clf_fp32=None) -> None:
     parity_set = make_set(520, "varied", 10_000)
     bundle = load_model(None)
     try:
-        from pipeline.engine import OnnxEngine
+        from pipeline.engines.onnx import OnnxEngine
 
         ref_engine = OnnxEngine(bundle, top_k=5)
         ref = ref_engine.classify(parity_set)
         ref_engine.close()
     except ImportError:
-        raise SystemExit("pipeline.engine.OnnxEngine is needed for the parity check")
+        raise SystemExit("pipeline.engines.onnx.OnnxEngine is needed for the parity check")
     for label, clf in (("parity", clf_default), ("parity_fp32_network", clf_fp32)):
         if clf is not None:
             _compare(results, label, parity_set, ref, clf.classify(parity_set))
@@ -466,7 +543,10 @@ def main() -> None:
     p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
     p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x12,256x8"),
                    help="request_batch x concurrency pairs, comma-separated")
-    p.add_argument("--parts", default="decode,ceiling,naive,engine,triton,parity")
+    p.add_argument("--parts", default="dali,decode,ceiling,naive,engine,parity,oddities,triton")
+    p.add_argument("--engine-variants", default="", help="in-process variants to run (default: all)")
+    p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI in Triton (default: the model's)")
+    p.add_argument("--half", default="auto", help="Triton model's network precision: auto, true, false")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -474,7 +554,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     import torch
 
-    from pipeline.engine_gpu import GpuClassifier
+    from pipeline.engines.gpu.dali import make_classifier
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()
@@ -505,6 +585,9 @@ def main() -> None:
                 f"{name} ceiling", lambda: round(model_only(net, args.batch, args.seconds)))
             print(name, "model only", results[name]["model_only"], flush=True)
     for set_name, bench_set in sets.items():
+        if "dali" in parts:
+            results[f"dali_only_{set_name}"] = attempt(
+                "dali", lambda: dali_only(bench_set, IMAGENET_SPEC, args.batch, args.seconds / 2))
         if "decode" in parts:
             results[f"decode_only_{set_name}"] = attempt(
                 "decode", lambda: decode_only(bench_set, args.batch, args.seconds / 2))
@@ -520,8 +603,10 @@ def main() -> None:
             if "engine" not in parts:
                 continue
             for label, options in ENGINE_VARIANTS.items():
+                if args.engine_variants and label not in args.engine_variants.split(","):
+                    continue
                 try:
-                    clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, **options)
+                    clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, **options)
                 except Exception as e:  # noqa: BLE001 - report and continue
                     row[f"engine_{label}"] = f"unavailable: {e}"
                     continue
@@ -538,13 +623,18 @@ def main() -> None:
             save()
     if "parity" in parts:
         net, spec = nets["default"]
-        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch)
-        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=False)
+        clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True)
+        clf32 = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False)
         attempt("parity", lambda: parity(results, clf, clf32))
         for key in ("parity", "parity_fp32_network"):
             print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)
         clf.close()
         clf32.close()
+        save()
+    if "oddities" in parts:
+        net, spec = nets["default"]
+        attempt("oddities", lambda: oddities_part(results, net, spec))
+        print("oddities", results.get("oddities", {}).get("same_status_and_kind"), flush=True)
         save()
     torch.cuda.empty_cache()
     if "triton" in parts:
@@ -557,7 +647,7 @@ def print_table(results: dict) -> None:
     print()
     print(f"device: {results.get('device')}  sets: {results.get('sets')}  batch {results.get('batch')}")
     for key in results:
-        if key.startswith("decode_only_"):
+        if key.startswith(("decode_only_", "dali_only_")):
             print(f"{key} (img/s): {results[key]}")
     header = f"{'network':<9} {'set':<9} {'path':<40} {'img/s':>8} {'x naive':>8} {'% ceiling':>10}"
     print(header)

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline import tensor_names as tn  # noqa: E402
+from pipeline.triton import contract as tn  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 LOG = logging.getLogger("bench_perf_analyzer")
@@ -128,8 +128,8 @@ def main() -> None:
     try:
         url = args.url
         if url is None:
-            from pipeline.repo import build_repository
-            from pipeline.triton_server import TritonServer
+            from pipeline.triton.repository import build_repository
+            from pipeline.triton.server import TritonServer
 
             repository = args.repository or str(build_repository(
                 "portable", None, str(work / "repo"), instances=args.instances, max_batch_size=max(batches)))

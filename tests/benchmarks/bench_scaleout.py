@@ -79,19 +79,20 @@ def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: 
 
 def make_repository(root: Path, dry_run: bool, args) -> Path:
     """The gpu profile (or, dry run, the portable profile) for the default model; reused when present."""
-    repo = root / ("repo-portable" if dry_run else "repo-gpu")
+    repo = root / ("repo-portable" if dry_run else f"repo-gpu-{args.decoder}-{args.half}-{args.prep_workers}")
     if (repo / "classifier" / "config.pbtxt").is_file():
         return repo
     if dry_run:
-        from pipeline.repo import build_repository
+        from pipeline.triton.repository import build_repository
 
         build_repository("portable", None, str(repo), instances=args.instances)
     else:
-        from pipeline.engine_gpu import build_gpu_repository
+        from pipeline.triton.repository import build_gpu_repository
 
         build_gpu_repository(None, str(repo), instances=args.instances, batch_size=args.triton_batch,
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
-                             prep_workers=1)
+                             prep_workers=args.prep_workers, decoder=args.decoder,
+                             hw_decoder_load=args.hw_decoder_load, half=args.half)
     return repo
 
 
@@ -244,6 +245,10 @@ def main() -> None:
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--queue-delay-us", type=int, default=2000)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--decoder", default="auto", help="gpu model's decoder: auto (DALI where installed), dali, ...")
+    p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI's hardware-decoder share (model default)")
+    p.add_argument("--half", default="auto", help="network precision in the gpu model: auto, true, false")
+    p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per model instance")
     p.add_argument("--prepare-only", action="store_true", help="build images, model cache and repository, then stop")
     p.add_argument("--dry-run-cpu", action="store_true", help="no GPUs: portable profile, few images (script check)")
     args = p.parse_args()

@@ -1,8 +1,7 @@
-"""--engine triton against --engine onnx, and gRPC against shared-memory transport, on the same images in one run.
+"""--engine triton against --engine onnx on the same images in one run.
 
 Measures what an actor sees (classify() of a batch of encoded files, decode included). One server serves every
-triton row, so rows differ only in the client: request size x requests in flight, and whether the padded images
-travel inside the gRPC message or through /dev/shm (``shared_memory`` engine option). On this machine's CPUs the
+triton row, so rows differ only in the client: request size x requests in flight. On this machine's CPUs the
 portable profile decodes with the reference code, so the ratio to onnx is the cost of Triton's transport and
 scheduling; on the GPU machine use ``--profile gpu`` (and ``--baseline none`` where ONNX Runtime is absent).
 
@@ -22,8 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.engine_triton import TritonEngine  # noqa: E402
-from pipeline.triton_server import TritonServer  # noqa: E402
+from pipeline.engines.triton import TritonEngine  # noqa: E402
+from pipeline.triton.server import TritonServer  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 # The python backend copies inputs through its own shared memory, which starts at 1 MB and grows 1 MB at a time.
@@ -38,7 +37,7 @@ class LabelsOnly:
 
 
 def measure(engine, blobs: list[bytes], rounds: int) -> float:
-    engine.classify(blobs[: min(len(blobs), 64)])  # warm-up: sessions, threads, connections, shm regions
+    engine.classify(blobs[: min(len(blobs), 64)])  # warm-up: sessions, threads, connections
     best = 0.0
     for _ in range(rounds):
         start = time.perf_counter()
@@ -57,7 +56,6 @@ def main() -> None:
     parser.add_argument("--profile", default="portable", help="repository profile to build (portable, gpu)")
     parser.add_argument("--repository", default=None, help="serve this repository instead of building one")
     parser.add_argument("--client", default="8x2,32x2", help="request batch x concurrency pairs, comma separated")
-    parser.add_argument("--transports", default="grpc,shm", help="grpc and/or shm")
     parser.add_argument("--baseline", default="onnx", choices=("onnx", "none"))
     parser.add_argument("--instances", type=int, default=None)
     args = parser.parse_args()
@@ -67,41 +65,39 @@ def main() -> None:
     blobs = [photos[i % len(photos)] for i in range(args.images)]
     rows = []
     if args.baseline == "onnx":
-        from pipeline.engine import make_engine
+        from pipeline.engines.base import make_engine
         from pipeline.model import load_model
 
         bundle = load_model(None)
         onnx = make_engine("onnx", bundle, top_k=5)
         try:
-            rows.append(("onnx", "-", "-", measure(onnx, blobs, args.rounds)))
+            rows.append(("onnx", "-", measure(onnx, blobs, args.rounds)))
         finally:
             onnx.close()
     else:
         bundle = LabelsOnly()
     repository = args.repository
     if repository is None:
-        from pipeline.repo import build_repository
+        from pipeline.triton.repository import build_repository
 
         repository = str(build_repository(args.profile, None, tempfile.mkdtemp(prefix="bench-repo-"),
                                           instances=args.instances))
     clients = [tuple(int(v) for v in pair.split("x")) for pair in args.client.split(",")]
     with TritonServer(repository, startup_timeout_s=300, extra_args=PYTHON_SHM_ARGS) as server:
         for request_batch, concurrency in clients:
-            for transport in args.transports.split(","):
-                engine = TritonEngine(bundle, top_k=5, url=server.grpc_url, request_batch=request_batch,
-                                      concurrency=concurrency, shared_memory=transport == "shm")
-                try:
-                    rows.append(("triton", f"{request_batch} x {concurrency}", transport,
-                                 measure(engine, blobs, args.rounds)))
-                finally:
-                    engine.close()
-    base = rows[0][3]
+            engine = TritonEngine(bundle, top_k=5, url=server.grpc_url, request_batch=request_batch,
+                                  concurrency=concurrency)
+            try:
+                rows.append(("triton", f"{request_batch} x {concurrency}", measure(engine, blobs, args.rounds)))
+            finally:
+                engine.close()
+    base = rows[0][2]
     print(f"\n{args.images} photos per call, best of {args.rounds}; profile {args.profile}; "
           f"ratio = img/s / first row's img/s")
-    print("| engine | request batch x concurrency | transport | img/s | ratio |")
-    print("|---|---|---|---:|---:|")
-    for engine, shape, transport, rate in rows:
-        print(f"| {engine} | {shape} | {transport} | {rate:.1f} | {rate / base:.2f} |")
+    print("| engine | request batch x concurrency | img/s | ratio |")
+    print("|---|---|---:|---:|")
+    for engine, shape, rate in rows:
+        print(f"| {engine} | {shape} | {rate:.1f} | {rate / base:.2f} |")
 
 
 if __name__ == "__main__":

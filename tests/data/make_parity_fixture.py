@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.preprocess import decode_image, load_and_preprocess, normalize_array  # noqa: E402
+from pipeline.imaging import decode_image, load_and_preprocess, normalize_array  # noqa: E402
 
 INPUTS = REPO / "tests" / "data" / "parity" / "inputs"
 PHOTOS = REPO / "tests" / "data" / "photos"

@@ -1,4 +1,4 @@
-"""Triton python-backend entry of the gpu profile; the model is pipeline.gpu_model (written by
+"""Triton python-backend entry of the gpu profile; the model is pipeline.engines.gpu.triton_model (written by
 `bulk-classify repo build --profile gpu`, do not edit)."""
 
 import os
@@ -6,4 +6,4 @@ import sys
 
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 
-from pipeline.gpu_model import TritonPythonModel  # noqa: E402,F401
+from pipeline.engines.gpu.triton_model import TritonPythonModel  # noqa: E402,F401

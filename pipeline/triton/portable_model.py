@@ -1,8 +1,8 @@
-"""The portable profile's Triton python-backend model: reference decode (pipeline.preprocess) + ONNX Runtime top-k.
+"""The portable profile's Triton python-backend model: reference decode (pipeline.imaging) + ONNX Runtime top-k.
 
 Runs inside the tritonserver of the ``nvidia-pytriton`` wheel (no GPU needed). Its folder holds
-``model.onnx`` (the classifier with softmax and top-k appended, see ``pipeline.repo.add_topk_head``) and
-``preprocess.json``. It serves the contract of ``pipeline.tensor_names``: a bad image gives an ``ERROR`` string
+``model.onnx`` (the classifier with softmax and top-k appended, see ``pipeline.triton.repository.add_topk_head``) and
+``preprocess.json``. It serves the contract of ``pipeline.triton.contract``: a bad image gives an ``ERROR`` string
 for that image only, never a failed request.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import tensor_names as tn
+from pipeline.triton import contract as tn
 from pipeline.errors import ImageError
-from pipeline.preprocess import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
 
 LOG = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The Triton engine (``--engine triton``): encoded images over gRPC to a local tritonserver, top-k back.
 
 The server decodes (python backend or DALI), so the actor only checks byte/pixel caps on headers and pads the
-files into one UINT8 tensor with their lengths (pipeline.tensor_names). A request that fails because of one
+files into one UINT8 tensor with their lengths (pipeline.triton.contract). A request that fails because of one
 input is split until that input stands alone, so a bad image costs one error row, not a batch; a server that
 died is restarted (when this engine owns it) and the request retried.
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import queue
-import secrets
 import shutil
 import tempfile
 import threading
@@ -23,11 +20,11 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline import tensor_names as tn
+from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
-from pipeline.preprocess import DecodeLimits, decode_image
-from pipeline.results import STATUS_OK, Result
-from pipeline.triton_server import HEALTH_TIMEOUT_S, SHM_PREFIX
+from pipeline.imaging import DecodeLimits, decode_image
+from pipeline.triton import contract as tn
+from pipeline.triton.server import HEALTH_TIMEOUT_S
 
 LOG = logging.getLogger(__name__)
 
@@ -44,10 +41,6 @@ STUB_DEAD_MARKER = "is not healthy"
 EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
 # gRPC status codes that mean "the server is gone or not answering", not "this request is bad".
 SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED", "INTERNAL")
-
-
-ENGINE_OPTIONS = ("repository", "url", "instances", "startup_timeout_s", "request_batch", "concurrency",
-                  "server_args", "model_name", "request_timeout_s", "decode_threads", "shared_memory")
 
 
 class _ServerDown(Exception):
@@ -112,47 +105,8 @@ def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: i
     return requests
 
 
-class _ShmSlot:
-    """One system shared-memory region for one request in flight: the padded IMAGE tensor is written into it
-    instead of travelling in the gRPC message. Grown on demand; registered again with a restarted server."""
-
-    MIN_BYTES = 1 << 20
-
-    def __init__(self, name: str):
-        self.name = name
-        self.key = "/" + name
-        self.capacity = 0
-        self.handle = None
-        self.registered_generation = None
-
-    def buffer(self, client, nbytes: int, generation: int) -> np.ndarray:
-        import tritonclient.utils.shared_memory as shm  # noqa: PLC0415
-
-        if nbytes > self.capacity:
-            self.release(client)
-            self.capacity = max(nbytes, 2 * self.capacity, self.MIN_BYTES)
-            self.handle = shm.create_shared_memory_region(self.name, self.key, self.capacity, create_only=True)
-        if self.registered_generation != generation:
-            client.register_system_shared_memory(self.name, self.key, self.capacity)
-            self.registered_generation = generation
-        return np.ndarray((self.capacity,), dtype=np.uint8, buffer=self.handle._mpsm_handle.buf)
-
-    def release(self, client=None) -> None:
-        import tritonclient.utils.shared_memory as shm  # noqa: PLC0415
-
-        if self.handle is None:
-            return
-        if client is not None and self.registered_generation is not None:
-            try:
-                client.unregister_system_shared_memory(self.name)
-            except Exception:  # noqa: BLE001 - the server may be gone; the region is ours to remove anyway
-                pass
-        shm.destroy_shared_memory_region(self.handle)
-        self.handle, self.capacity, self.registered_generation = None, 0, None
-
-
 class TritonEngine:
-    """Classifies through a tritonserver that serves pipeline.tensor_names' contract (any profile).
+    """Classifies through a tritonserver that serves pipeline.triton.contract' contract (any profile).
 
     Args:
         bundle: the model (labels, and the ONNX/spec the default repository is built from).
@@ -166,16 +120,8 @@ class TritonEngine:
         request_batch: images per request at most.
         concurrency: requests in flight at once.
         server_args: extra tritonserver arguments.
-        model_name: the model to call (default pipeline.tensor_names.MODEL_NAME).
+        model_name: the model to call (default pipeline.triton.contract.MODEL_NAME).
         request_timeout_s: how long one request may take before it counts as failed.
-        decode_threads: accepted for symmetry with the other engines; decoding happens in the server.
-        shared_memory: send the images through system shared memory (/dev/shm) instead of inside the gRPC
-            message; the server must run on this machine. Default: off (opt in with ``shared_memory=True``: measured
-            +7 to +26 % img/s on the H200, gpu profile; but two of six full CI runs on 2026-11-29 saw wrong answers
-            for a few images with it on, not reproduced since: three runs of tests/test_engine_triton.py with it forced
-            on beside two CPU burners, and tests/benchmarks/stress_triton_shm.py: 9,919 images, 21 server kills, all
-            matched ONNX).
-            Falls back to gRPC if a region cannot be made.
     """
 
     name = "triton"
@@ -195,13 +141,7 @@ class TritonEngine:
         server_args: Sequence[str] = (),
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
-        decode_threads: int | None = None,
-        shared_memory: bool | None = None,
-        **unknown,
     ):
-        if unknown:
-            raise ConfigError(f"engine 'triton' has no option(s) {', '.join(sorted(unknown))}; its options are "
-                              f"{', '.join(ENGINE_OPTIONS)}")
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
                               "must be positive")
@@ -212,6 +152,8 @@ class TritonEngine:
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self.server = None
+        # The server decodes and classifies: the actor sees one stage, the request's wall time.
+        self.stage_seconds = {STAGE_INFER: 0.0}
         self._tmp_repository: Path | None = None
         self._local = threading.local()
         self._generation = 0
@@ -220,18 +162,6 @@ class TritonEngine:
         # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
-        self._slots: queue.SimpleQueue | None = None
-        self._slots_disabled = False
-        self._all_slots: list[_ShmSlot] = []
-        # Opt-in: in full CI runs the shared-memory transport twice returned another request's answers for a
-        # few images (a region reused or resized under the server); gRPC carries the bytes until that is fixed.
-        if shared_memory:
-            self._slots = queue.SimpleQueue()
-            for i in range(concurrency):
-                # Named so that pipeline.triton_server.sweep_stale_shared_memory finds it if this process is killed.
-                slot = _ShmSlot(f"{SHM_PREFIX}engine_{os.getpid()}_{secrets.token_hex(4)}_{i}")
-                self._all_slots.append(slot)
-                self._slots.put(slot)
         try:
             if url:
                 self.url = url
@@ -246,8 +176,9 @@ class TritonEngine:
     # ---- setup ---------------------------------------------------------------------------------------------
 
     def _start_own(self, bundle, repository, instances, startup_timeout_s, server_args) -> None:
-        from pipeline.repo import build_repository, preflight  # noqa: PLC0415
-        from pipeline.triton_server import TritonServer  # noqa: PLC0415
+        from pipeline.triton.checks import preflight  # noqa: PLC0415
+        from pipeline.triton.repository import build_repository  # noqa: PLC0415
+        from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:
             self._tmp_repository = Path(tempfile.mkdtemp(prefix="bulk-classify-repo-"))
@@ -269,7 +200,7 @@ class TritonEngine:
                 last = err
             time.sleep(0.5)
         raise TritonError(f"model {self.model_name!r} at {self.url} not ready after {timeout_s:.0f} s ({last}); "
-                          "start the server first or drop --triton-url to let each actor start its own")
+                          "start the server first or drop --engine-option url=... to let each actor start its own")
 
     def _read_model(self) -> None:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
@@ -298,6 +229,13 @@ class TritonEngine:
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         """One Result per input, in order; bad inputs are error rows."""
+        start = time.perf_counter()
+        try:
+            return self._classify(images)
+        finally:
+            self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
+
+    def _classify(self, images: Sequence[bytes]) -> list[Result]:
         self._health_check()
         results: list[Result | None] = [None] * len(images)
         to_send: list[int] = []
@@ -351,30 +289,11 @@ class TritonEngine:
         half = len(indices) // 2
         return self._isolating(indices[:half], images) + self._isolating(indices[half:], images)
 
-    def _write_shm(self, slot: _ShmSlot, blobs: list[bytes], longest: int, image_input) -> None:
-        nbytes = len(blobs) * longest
-        flat = slot.buffer(self._client(), nbytes, self._generation)
-        view = flat[:nbytes].reshape(len(blobs), longest)
-        for i, blob in enumerate(blobs):
-            view[i, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-            view[i, len(blob) :] = 0
-        del view, flat  # no exported pointers may remain when the region is resized or destroyed
-        image_input.set_shared_memory(slot.name, nbytes)
-
     def _in_quarantine(self) -> bool:
         return getattr(self._local, "quarantined", False)
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
         """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
-        if self._slots is not None and not self._slots_disabled:
-            slot = self._slots.get()
-            try:
-                return self._infer_tries(blobs, slot)
-            finally:
-                self._slots.put(slot)
-        return self._infer_tries(blobs, None)
-
-    def _infer_tries(self, blobs: list[bytes], slot: _ShmSlot | None) -> list[Result]:
         import tritonclient.grpc as grpcclient  # noqa: PLC0415
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
@@ -382,8 +301,7 @@ class TritonEngine:
         shape = [len(blobs), longest]
         lengths = np.array([[len(b)] for b in blobs], dtype=np.int32)
         image_input = grpcclient.InferInput(tn.INPUT_IMAGE, shape, tn.INPUTS[tn.INPUT_IMAGE])
-        if slot is None:
-            image_input.set_data_from_numpy(_pack(blobs)[0])
+        image_input.set_data_from_numpy(_pack(blobs)[0])
         length_input = grpcclient.InferInput(tn.INPUT_LENGTH, list(lengths.shape), tn.INPUTS[tn.INPUT_LENGTH])
         length_input.set_data_from_numpy(lengths)
         wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
@@ -395,18 +313,6 @@ class TritonEngine:
             with self._quarantine:  # wait while another thread isolates a crashing input
                 generation = self._generation
             try:
-                if slot is not None:
-                    # Written (again) for each try: a restarted server needs the region registered anew.
-                    try:
-                        self._write_shm(slot, blobs, longest, image_input)
-                    except InferenceServerException:
-                        raise
-                    except Exception as err:  # noqa: BLE001 - no shared memory here: gRPC still works
-                        LOG.warning("cannot use shared memory (%s: %s); sending images over gRPC", type(err).__name__, err)
-                        slot.release()
-                        self._slots_disabled = True
-                        slot = None
-                        image_input.set_data_from_numpy(_pack(blobs)[0])
                 response = self._client().infer(self.model_name, [image_input, length_input], outputs=outputs,
                                                 parameters=parameters, client_timeout=self.request_timeout_s)
                 return self._results(response, len(blobs))
@@ -457,24 +363,9 @@ class TritonEngine:
         widths = response.as_numpy(tn.OUTPUT_WIDTH).reshape(n)
         heights = response.as_numpy(tn.OUTPUT_HEIGHT).reshape(n)
         errors = response.as_numpy(tn.OUTPUT_ERROR).reshape(n) if self.has_error_output else [b""] * n
-        labels = self.bundle.labels
-        out = []
-        for i in range(n):
-            error = errors[i].decode("utf-8", errors="replace") if isinstance(errors[i], bytes) else str(errors[i])
-            width, height = int(widths[i]) or None, int(heights[i]) or None
-            if error:
-                out.append(Result.failed(error, width, height))
-                continue
-            top_ids = [int(c) for c in ids[i, : self.top_k]]
-            out.append(Result(
-                status=STATUS_OK,
-                class_ids=top_ids,
-                labels=[labels[c] if 0 <= c < len(labels) else str(c) for c in top_ids],
-                scores=[float(s) for s in scores[i, : self.top_k]],
-                width=width,
-                height=height,
-            ))
-        return out
+        texts = [e.decode("utf-8", errors="replace") if isinstance(e, bytes) else str(e) for e in errors]
+        sizes = [(int(widths[i]) or None, int(heights[i]) or None) for i in range(n)]
+        return results_from_topk(ids[:, : self.top_k], scores[:, : self.top_k], self.bundle.labels, sizes, texts)
 
     # ---- close ---------------------------------------------------------------------------------------------
 
@@ -483,12 +374,6 @@ class TritonEngine:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        for slot in getattr(self, "_all_slots", []):
-            try:
-                client = self._client() if self.server is not None or self.url else None
-            except Exception:  # noqa: BLE001 - unregistering is a courtesy; removing the region is what matters
-                client = None
-            slot.release(client)
         if self.server is not None:
             self.server.stop()
             self.server = None

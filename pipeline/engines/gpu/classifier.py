@@ -1,4 +1,4 @@
-"""GPU engine: nvJPEG decode, batched resize/crop/normalize, FP16 network and top-k on one GPU, in process or in Triton.
+"""GpuClassifier: nvJPEG decode, batched resize/crop/normalize, FP16 network and top-k on one GPU, in process or in Triton.
 
 One implementation, two hosts: ``GpuEngine`` runs it in the calling process (``--engine gpu``) and the ``gpu``
 profile's Triton python model (``model_repository/gpu``) runs the same ``GpuClassifier`` inside tritonserver.
@@ -27,11 +27,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -39,250 +37,19 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipeline.errors import EngineError, ImageError
-from pipeline.preprocess import DecodeLimits, PreprocessSpec, decode_image
-from pipeline.results import Result
+from pipeline.triton import contract as tn
+from pipeline.imaging import DecodeLimits, PreprocessSpec, decode_image
+from pipeline.engines.gpu.decoders import DECODERS, _make_decoder, _orient, _torch
+from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
+from pipeline.engines.gpu.resample import crop_boxes, resample_coefficients_torch
 
 log = logging.getLogger(__name__)
 
-DECODERS = ("auto", "nvimgcodec", "torchvision", "pil")
-DEFAULT_BATCH_SIZE = 256
+DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # A sub-batch's zero-padded pixel buffer is at most this many pixels (x3 channels, uint8 then fp16): images of
 # very different sizes are grouped by area so that one large photo does not pad a whole batch to its size.
 MAX_PADDED_PIXELS = 96 * 1024 * 1024
-# Pillow's filter supports (Resample.c); "nearest" is a one-tap special case.
-FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
-BICUBIC_A = -0.5  # Pillow's bicubic uses a = -0.5
 
-# JPEG start-of-frame markers: baseline/extended Huffman and progressive decode on the GPU; the rest
-# (lossless, arithmetic coding, hierarchical) go to Pillow, which says whether it can read them.
-_SOF_GPU = {0xC0: "baseline", 0xC1: "baseline", 0xC2: "progressive"}
-_SOF_OTHER = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
-EXIF_ORIENTATION_TAG = 0x0112
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CPU triage: a JPEG header reader (no decode) and Pillow's resampling coefficients.
-
-
-@dataclass(frozen=True)
-class JpegInfo:
-    """What the JPEG header says, before any decoding."""
-
-    width: int
-    height: int
-    components: int
-    precision: int
-    process: str  # "baseline", "progressive" or "other"
-    orientation: int = 1  # EXIF orientation 1..8 (1 = upright)
-    complete: bool = True  # the data ends with the EOI marker
-
-    @property
-    def gpu_decodable(self) -> bool:
-        """nvJPEG decodes 8-bit gray/YCbCr baseline and progressive files; the rest goes to Pillow."""
-        return (
-            self.process in ("baseline", "progressive")
-            and self.precision == 8
-            and self.components in (1, 3)
-            and self.complete
-            and self.width > 0
-            and self.height > 0
-        )
-
-    @property
-    def upright_size(self) -> tuple[int, int]:
-        """(width, height) after the EXIF orientation is applied."""
-        return (self.height, self.width) if self.orientation in (5, 6, 7, 8) else (self.width, self.height)
-
-
-def parse_jpeg_header(data: bytes) -> JpegInfo | None:
-    """Reads a JPEG's frame header and EXIF orientation without decoding.
-
-    Returns None when ``data`` is not a JPEG (no SOI marker).
-
-    Raises:
-        ImageError: decode_error when the file starts like a JPEG but its header is cut or malformed.
-    """
-    n = len(data)
-    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-        return None
-    pos = 2
-    orientation = 1
-    while pos < n:
-        if data[pos] != 0xFF:
-            raise ImageError("decode_error", f"corrupt JPEG header: expected a marker at byte {pos}")
-        while pos < n and data[pos] == 0xFF:  # fill bytes
-            pos += 1
-        if pos >= n:
-            break
-        marker = data[pos]
-        pos += 1
-        if marker in _STANDALONE:
-            continue
-        if marker == 0xD9 or marker == 0xDA:
-            raise ImageError("decode_error", "corrupt JPEG: image data starts before the frame header")
-        if pos + 2 > n:
-            break
-        length = (data[pos] << 8) | data[pos + 1]
-        if length < 2 or pos + length > n:
-            break
-        if marker == 0xE1 and data[pos + 2 : pos + 8] == b"Exif\x00\x00":
-            orientation = _exif_orientation(bytes(data[pos + 8 : pos + length]))
-        elif marker in _SOF_GPU or marker in _SOF_OTHER:
-            if length < 8:
-                break
-            precision = data[pos + 2]
-            height = (data[pos + 3] << 8) | data[pos + 4]
-            width = (data[pos + 5] << 8) | data[pos + 6]
-            components = data[pos + 7]
-            complete = data[n - 2] == 0xFF and data[n - 1] == 0xD9
-            return JpegInfo(
-                width=width,
-                height=height,
-                components=components,
-                precision=precision,
-                process=_SOF_GPU.get(marker, "other"),
-                orientation=orientation,
-                complete=complete,
-            )
-        pos += length
-    raise ImageError("decode_error", "truncated JPEG: the data ends inside the header")
-
-
-def _exif_orientation(tiff: bytes) -> int:
-    """The Orientation tag of IFD0 in an EXIF (TIFF) block; 1 when absent or unreadable."""
-    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
-        return 1
-    order = "little" if tiff[:2] == b"II" else "big"
-    ifd = int.from_bytes(tiff[4:8], order)
-    if ifd + 2 > len(tiff):
-        return 1
-    count = int.from_bytes(tiff[ifd : ifd + 2], order)
-    for i in range(count):
-        entry = ifd + 2 + 12 * i
-        if entry + 12 > len(tiff):
-            return 1
-        if int.from_bytes(tiff[entry : entry + 2], order) == EXIF_ORIENTATION_TAG:
-            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
-            return value if 1 <= value <= 8 else 1
-    return 1
-
-
-def _filter(name: str, x: np.ndarray) -> np.ndarray:
-    ax = np.abs(x)
-    if name == "bilinear":
-        return np.where(ax < 1.0, 1.0 - ax, 0.0)
-    if name == "bicubic":
-        a = BICUBIC_A
-        near = ((a + 2.0) * ax - (a + 3.0)) * ax * ax + 1.0
-        far = (((ax - 5.0) * ax + 8.0) * ax - 4.0) * a
-        return np.where(ax < 1.0, near, np.where(ax < 2.0, far, 0.0))
-    if name == "lanczos":
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(ax < 3.0, np.sinc(x) * np.sinc(x / 3.0), 0.0)
-    raise ValueError(f"no resampling filter {name!r}")
-
-
-def resample_coefficients(
-    in_sizes: np.ndarray, box_starts: np.ndarray, box_lengths: np.ndarray, out_size: int, interpolation: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pillow's resampling coefficients (``precompute_coeffs`` in Resample.c) for many images along one axis.
-
-    Output pixel ``j`` of image ``i`` is ``sum_k weights[i, j, k] * src[starts[i, j] + k]``; taps past the image
-    edge have weight 0. Computing them as Pillow does (box in source pixels, kernel widened by the downscale
-    factor, edge taps dropped and renormalised) is what makes the GPU resize match the CPU reference.
-
-    Returns:
-        (starts int64 [N, out], weights float32 [N, out, taps])
-    """
-    in_sizes = np.asarray(in_sizes, dtype=np.float64)
-    box_starts = np.asarray(box_starts, dtype=np.float64)
-    scale = np.asarray(box_lengths, dtype=np.float64) / out_size
-    centers = box_starts[:, None] + (np.arange(out_size, dtype=np.float64)[None, :] + 0.5) * scale[:, None]
-    if interpolation == "nearest":
-        # Pillow resizes NEAREST through an affine transform that samples floor(center).
-        starts = np.clip(np.floor(centers), 0, in_sizes[:, None] - 1).astype(np.int64)
-        return starts, np.ones(starts.shape + (1,), dtype=np.float32)
-    support0 = FILTER_SUPPORT[interpolation]
-    filterscale = np.maximum(scale, 1.0)
-    support = support0 * filterscale
-    taps = int(math.ceil(float(support.max()))) * 2 + 1
-    xmin = np.maximum(np.trunc(centers - support[:, None] + 0.5), 0.0)
-    xmax = np.minimum(np.trunc(centers + support[:, None] + 0.5), in_sizes[:, None]) - xmin
-    k = np.arange(taps, dtype=np.float64)
-    arg = (k[None, None, :] + xmin[..., None] - centers[..., None] + 0.5) / filterscale[:, None, None]
-    weights = _filter(interpolation, arg)
-    weights = np.where(k[None, None, :] < xmax[..., None], weights, 0.0)
-    total = weights.sum(axis=-1, keepdims=True)
-    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
-    return xmin.astype(np.int64), weights.astype(np.float32)
-
-
-def resample_coefficients_torch(in_sizes, box_starts, box_lengths, out_size: int, interpolation: str, device):
-    """``resample_coefficients`` computed on the device with torch (float64), same results; tensors out."""
-    import torch  # noqa: PLC0415
-
-    f64 = torch.float64
-    in_sizes = torch.as_tensor(np.asarray(in_sizes, dtype=np.float64), device=device)
-    box_starts = torch.as_tensor(np.asarray(box_starts, dtype=np.float64), device=device)
-    scale = torch.as_tensor(np.asarray(box_lengths, dtype=np.float64), device=device) / out_size
-    j = torch.arange(out_size, dtype=f64, device=device)
-    centers = box_starts[:, None] + (j[None, :] + 0.5) * scale[:, None]
-    if interpolation == "nearest":
-        starts = torch.minimum(torch.clamp(torch.floor(centers), min=0), in_sizes[:, None] - 1).to(torch.int64)
-        return starts, torch.ones(starts.shape + (1,), dtype=torch.float32, device=device)
-    filterscale = torch.clamp(scale, min=1.0)
-    support = FILTER_SUPPORT[interpolation] * filterscale
-    taps = int(math.ceil(float(support.max()))) * 2 + 1
-    xmin = torch.clamp(torch.trunc(centers - support[:, None] + 0.5), min=0.0)
-    xmax = torch.minimum(torch.trunc(centers + support[:, None] + 0.5), in_sizes[:, None]) - xmin
-    k = torch.arange(taps, dtype=f64, device=device)
-    x = (k[None, None, :] + xmin[..., None] - centers[..., None] + 0.5) / filterscale[:, None, None]
-    ax = x.abs()
-    if interpolation == "bilinear":
-        w = torch.clamp(1.0 - ax, min=0.0)
-    elif interpolation == "bicubic":
-        a = BICUBIC_A
-        near = ((a + 2.0) * ax - (a + 3.0)) * ax * ax + 1.0
-        far = (((ax - 5.0) * ax + 8.0) * ax - 4.0) * a
-        w = torch.where(ax < 1.0, near, torch.where(ax < 2.0, far, torch.zeros_like(ax)))
-    elif interpolation == "lanczos":
-        w = torch.where(ax < 3.0, torch.sinc(x) * torch.sinc(x / 3.0), torch.zeros_like(ax))
-    else:
-        raise ValueError(f"no resampling filter {interpolation!r}")
-    w = torch.where(k[None, None, :] < xmax[..., None], w, torch.zeros_like(w))
-    total = w.sum(dim=-1, keepdim=True)
-    w = torch.where(total != 0, w / torch.where(total != 0, total, torch.ones_like(total)), w)
-    return xmin.to(torch.int64), w.to(torch.float32)
-
-
-def crop_boxes(widths: np.ndarray, heights: np.ndarray, spec: PreprocessSpec) -> tuple[np.ndarray, ...]:
-    """The source-pixel box each image's crop covers (as ``pipeline.preprocess.preprocess_image`` computes it).
-
-    Returns:
-        (left, top, box_width, box_height), float64 arrays.
-    """
-    widths = np.asarray(widths, dtype=np.float64)
-    heights = np.asarray(heights, dtype=np.float64)
-    crop_h, crop_w = spec.crop
-    factor = spec.resize_shorter / np.minimum(widths, heights)
-    box_w, box_h = crop_w / factor, crop_h / factor
-    return (widths - box_w) / 2.0, (heights - box_h) / 2.0, box_w, box_h
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# GPU side (torch imported lazily).
-
-
-def _torch():
-    try:
-        import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
-    except ImportError:
-        raise EngineError(
-            "the gpu engine needs PyTorch with CUDA (the GPU worker image has it); install torch, "
-            "or use --engine onnx / --engine triton"
-        ) from None
-    return torch
 
 
 @dataclass
@@ -332,119 +99,33 @@ class StageTimes:
         return dict(self.__dict__)
 
 
-class _NvImageCodecDecoder:
-    """nvImageCodec: the GPU's hardware JPEG engines first, CUDA nvJPEG for what they cannot take."""
 
-    name = "nvimgcodec"
-    layout = "HWC"
+def triage(index: int, data: bytes, limits: DecodeLimits, *, gpu: bool = True) -> _Item:
+    """CPU triage of one encoded file, no decode: caps, then the JPEG header. The item's ``info`` is set when the
+    GPU decoder can take it (8-bit gray/YCbCr baseline or progressive JPEG ending with EOI); ``None`` sends it to
+    Pillow (the reference), which says what is wrong with it.
 
-    def __init__(self, device_id: int, hw_load: float = 1.0, cpu_threads: int = 0):
-        from nvidia import nvimgcodec  # noqa: PLC0415 - optional
-
-        kind = nvimgcodec.BackendKind
-        backends = []
-        if hw_load > 0:
-            backends.append(nvimgcodec.Backend(kind.HW_GPU_ONLY, load_hint=float(hw_load)))
-        backends += [nvimgcodec.Backend(kind.GPU_ONLY), nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
-        self._decoder = nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=cpu_threads, backends=backends)
-        params = {"apply_exif_orientation": False}
-        spec = getattr(nvimgcodec, "ColorSpec", None)
-        rgb = getattr(spec, "RGB", None) or getattr(spec, "SRGB", None)  # the enum's name changed across versions
-        if rgb is not None:
-            params["color_spec"] = rgb
-        self._params = nvimgcodec.DecodeParams(**params)
-        self._code_stream = nvimgcodec.CodeStream
-        self._wrap = False  # whether decode() wants CodeStream objects rather than bytes
-        self._torch = _torch()
-
-    def decode(self, datas: list[bytes], stream) -> list:
-        if not self._wrap:
-            try:
-                images = self._decoder.decode(datas, params=self._params, cuda_stream=stream.cuda_stream)
-            except TypeError:
-                self._wrap = True
-        if self._wrap:
-            srcs = [self._code_stream(d) for d in datas]
-            images = self._decoder.decode(srcs, params=self._params, cuda_stream=stream.cuda_stream)
-        from_dlpack = self._torch.from_dlpack
-        return [None if img is None else from_dlpack(img) for img in images]
-
-
-class _TorchvisionDecoder:
-    """torchvision's batched nvJPEG (``decode_jpeg(list, device='cuda')``); on the CPU, libjpeg-turbo."""
-
-    name = "torchvision"
-    layout = "CHW"
-
-    def __init__(self, device):
-        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 - optional
-
-        self._decode_jpeg = decode_jpeg
-        self._mode = ImageReadMode.RGB
-        self._device = device
-        self._torch = _torch()
-
-    def _tensor(self, data: bytes):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffer: decode_jpeg only reads it
-            return self._torch.frombuffer(data, dtype=self._torch.uint8)
-
-    def decode(self, datas: list[bytes], stream) -> list:
-        tensors = [self._tensor(d) for d in datas]
-        try:
-            return list(self._decode_jpeg(tensors, mode=self._mode, device=self._device))
-        except RuntimeError as e:
-            # One bad file fails nvJPEG's whole batch: decode one by one so only the bad ones fail.
-            log.debug("batched decode failed (%s); isolating", e)
-        out = []
-        for t in tensors:
-            try:
-                out.append(self._decode_jpeg(t, mode=self._mode, device=self._device))
-            except RuntimeError:
-                out.append(None)
-        return out
-
-
-def _make_decoder(name: str, device, hw_load: float = 1.0) -> Any:
-    if name == "pil":
-        return None
-    if name in ("auto", "nvimgcodec") and device.type == "cuda":
-        try:
-            return _NvImageCodecDecoder(device.index or 0, hw_load=hw_load)
-        except ImportError:
-            if name == "nvimgcodec":
-                raise EngineError(
-                    "decoder 'nvimgcodec' needs the nvidia-nvimgcodec-cu13 (or -cu12) package; install it or "
-                    "use decoder 'torchvision'"
-                ) from None
-            log.info("nvImageCodec is not installed; decoding with torchvision's nvJPEG")
-    if name == "nvimgcodec":
-        raise EngineError("decoder 'nvimgcodec' needs a CUDA device; use decoder 'torchvision' or 'pil' on the CPU")
-    try:
-        return _TorchvisionDecoder(device)
-    except ImportError:
-        raise EngineError("decoder 'torchvision' needs torchvision; install it or use decoder 'pil'") from None
-
-
-def _orient(img, orientation: int, layout: str):
-    """Applies an EXIF orientation to one decoded image tensor (as Pillow's ``ImageOps.exif_transpose``)."""
-    h_axis, w_axis = (0, 1) if layout == "HWC" else (1, 2)
-    if orientation == 2:
-        return img.flip(w_axis)
-    if orientation == 3:
-        return img.flip(h_axis).flip(w_axis)
-    if orientation == 4:
-        return img.flip(h_axis)
-    t = img.transpose(h_axis, w_axis)
-    if orientation == 5:
-        return t
-    if orientation == 6:  # rotate 90 degrees clockwise
-        return t.flip(w_axis)
-    if orientation == 7:
-        return t.flip(h_axis).flip(w_axis)
-    if orientation == 8:  # rotate 90 degrees counter-clockwise
-        return t.flip(h_axis)
-    return img
+    Raises:
+        ImageError: empty, too_large, too_many_pixels, or a cut/malformed JPEG header.
+    """
+    if len(data) == 0:
+        raise ImageError("empty", "the object has zero bytes")
+    if len(data) > limits.max_bytes:
+        raise ImageError(
+            "too_large",
+            f"{len(data)} bytes is over max_bytes={limits.max_bytes}; raise the limit to accept it",
+        )
+    info = parse_jpeg_header(data)
+    if info is None:
+        return _Item(index, data, None)
+    if info.width * info.height > limits.max_pixels:
+        raise ImageError(
+            "too_many_pixels",
+            f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
+            f"max_pixels={limits.max_pixels}; raise the limit to accept it",
+        )
+    w, h = info.upright_size
+    return _Item(index, data, info if (info.gpu_decodable and gpu) else None, w, h)
 
 
 class GpuClassifier:
@@ -488,6 +169,8 @@ class GpuClassifier:
         torch = _torch()
         if decoder not in DECODERS:
             raise EngineError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+        if decoder == "dali":
+            raise EngineError("decoder 'dali' is pipeline.engines.gpu.dali.DaliClassifier: build it with make_classifier")
         if batch_size < 1:
             raise EngineError(f"batch_size must be positive, got {batch_size}")
         if spec.layout != "NCHW":
@@ -628,24 +311,7 @@ class GpuClassifier:
         return RawResults(ids, scores, width, height, errors)
 
     def _triage(self, index: int, data: bytes) -> _Item:
-        if len(data) == 0:
-            raise ImageError("empty", "the object has zero bytes")
-        if len(data) > self.limits.max_bytes:
-            raise ImageError(
-                "too_large",
-                f"{len(data)} bytes is over max_bytes={self.limits.max_bytes}; raise the limit to accept it",
-            )
-        info = parse_jpeg_header(data)
-        if info is None:
-            return _Item(index, data, None)
-        if info.width * info.height > self.limits.max_pixels:
-            raise ImageError(
-                "too_many_pixels",
-                f"{info.width}x{info.height} = {info.width * info.height} pixels is over "
-                f"max_pixels={self.limits.max_pixels}; raise the limit to accept it",
-            )
-        w, h = info.upright_size
-        return _Item(index, data, info if (info.gpu_decodable and self.decoder) else None, w, h)
+        return triage(index, data, self.limits, gpu=bool(self.decoder))
 
     def _thread_stream(self):
         local = self._local
@@ -927,175 +593,3 @@ def _area_groups(sizes: np.ndarray, max_pixels: int) -> list[list[int]]:
         groups.append(cur)
     return groups
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# The Engine.
-
-
-class GpuEngine:
-    """The ``gpu`` engine: ``GpuClassifier`` in this process, returning ``Result`` rows.
-
-    Args:
-        bundle: the model (``pipeline.model.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
-            built from its checkpoint. A user's model runs if its folder holds ``model.torchscript`` (TorchScript
-            of the same network); ONNX alone cannot run here (PyTorch does not execute ONNX): use
-            ``--engine triton`` (TensorRT) or ``--engine onnx`` for those.
-        top_k: classes per image.
-        limits: decode limits.
-        **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
-            ``GpuClassifier`` options: decoder, batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline.
-    """
-
-    name = "gpu"
-
-    def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.torch_models import default_network, load_network  # noqa: PLC0415 - needs torch
-
-        network = options.pop("network", None)
-        if network is None or isinstance(network, str):
-            if "half" not in options and default_network(bundle, network):
-                # FP32 for the default model: it is decode-bound, and FP16 flips its near-ties (GPU_NOTES.md).
-                options["half"] = False
-            network = load_network(bundle, network)
-        self.labels = tuple(bundle.labels)
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
-
-    def classify(self, images: Sequence[bytes]) -> list[Result]:
-        raw = self.classifier.classify(images)
-        return results_from_raw(raw, self.labels)
-
-    def close(self) -> None:
-        self.classifier.close()
-
-    def __enter__(self) -> "GpuEngine":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
-    """Turns ``RawResults`` arrays into one ``Result`` per image."""
-    out = []
-    for i, err in enumerate(raw.errors):
-        if err:
-            out.append(Result.failed(err))
-            continue
-        ids = raw.class_ids[i].tolist()
-        out.append(
-            Result(
-                status="ok",
-                class_ids=ids,
-                labels=[labels[c] if 0 <= c < len(labels) else str(c) for c in ids],
-                scores=[float(s) for s in raw.scores[i]],
-                width=int(raw.width[i]),
-                height=int(raw.height[i]),
-            )
-        )
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The gpu profile of the model repository.
-
-GPU_MAX_BATCH_SIZE = 1024  # images per execute() at most; the model cuts them into batch_size network calls
-GPU_INSTANCES = 3  # stub processes, each with its own GIL: one's CPU work and decode fill the others' GPU gaps
-GPU_QUEUE_DELAY_US = 2000
-GPU_SHIM_FILE = "model.py"
-_GPU_SHIM_TEXT = '''"""Triton python-backend entry of the gpu profile; the model is pipeline.gpu_model (written by
-`bulk-classify repo build --profile gpu`, do not edit)."""
-
-import os
-import sys
-
-sys.path[:0] = [p for p in os.environ.get("{env}", "").split(os.pathsep) if p and p not in sys.path]
-
-from pipeline.gpu_model import TritonPythonModel  # noqa: E402,F401
-'''
-
-
-def gpu_config(
-    *,
-    top_k: int = 5,
-    instances: int = GPU_INSTANCES,
-    max_batch_size: int = GPU_MAX_BATCH_SIZE,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    decoder: str = "auto",
-    network: str = "auto",
-    cuda_graph: bool = True,
-    queue_delay_us: int = GPU_QUEUE_DELAY_US,
-    error_output: bool | None = None,
-    prep_workers: int = 1,
-) -> str:
-    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
-
-    ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
-    wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
-    it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
-    """
-    from pipeline import gpu_model as gm  # noqa: PLC0415
-    from pipeline import tensor_names as tn  # noqa: PLC0415
-    from pipeline.repo import _contract_io, _mc, _text  # noqa: PLC0415 - one definition of the contract's tensors
-
-    mc = _mc()
-    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    if error_output is None:
-        error_output = int(np.__version__.split(".")[0]) < 2
-    _contract_io(config, top_k, with_error=error_output)
-    for tensor in config.input:
-        if tensor.name == tn.INPUT_IMAGE:
-            # Requests padded to different lengths can then share one execute() (the backend sees each request).
-            tensor.allow_ragged_batch = True
-    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=instances)
-    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    params = {
-        gm.PARAM_NETWORK: network,
-        gm.PARAM_DECODER: decoder,
-        gm.PARAM_BATCH_SIZE: str(batch_size),
-        gm.PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
-        gm.PARAM_PREP_WORKERS: str(prep_workers),
-    }
-    for key, value in params.items():
-        config.parameters[key].string_value = value
-    return _text(config)
-
-
-def build_gpu_repository(model: str | None, output: str, **options: Any):
-    """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
-
-    The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
-    ``pipeline.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.torchscript``.
-    ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, decoder, network, ...).
-
-    Returns:
-        the repository folder.
-    """
-    import shutil  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from pipeline import tensor_names as tn  # noqa: PLC0415
-    from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
-    from pipeline.gpu_model import SPEC_FILE  # noqa: PLC0415
-    from pipeline.torch_models import TORCHSCRIPT_FILE  # noqa: PLC0415
-    from pipeline.triton_server import STUB_PATH_ENV  # noqa: PLC0415
-
-    out = Path(output).expanduser()
-    version = out / tn.MODEL_NAME / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    spec = DEFAULT_SPEC
-    if model not in (None, "", "default"):
-        from pipeline.model import load_model  # noqa: PLC0415
-
-        bundle = load_model(model)
-        scripted = Path(model) / TORCHSCRIPT_FILE
-        if not scripted.is_file():
-            raise EngineError(
-                f"the gpu profile runs torch networks: {model} has no {TORCHSCRIPT_FILE}. Add one "
-                "(torch.jit.save of the network) or use --profile production (TensorRT) / portable"
-            )
-        shutil.copyfile(scripted, version / TORCHSCRIPT_FILE)
-        spec = bundle.spec
-    (out / tn.MODEL_NAME / "config.pbtxt").write_text(gpu_config(**options), encoding="utf-8")
-    (version / GPU_SHIM_FILE).write_text(_GPU_SHIM_TEXT.replace("{env}", STUB_PATH_ENV), encoding="utf-8")
-    (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
-    return out

@@ -14,10 +14,10 @@ import numpy as np
 
 from pipeline.default_model import BN_EPS, HEAD_CHANNELS, IMAGE_SIZE, LITE0_BLOCKS, MODEL_NAME, load_checkpoint
 from pipeline.errors import EngineError, ModelError
+from pipeline.model import TORCHSCRIPT_FILE
 
 log = logging.getLogger(__name__)
 
-TORCHSCRIPT_FILE = "model.torchscript"
 BENCHMARK_NETWORKS = ("resnet50",)
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from oddities import EXPECTED_SIZES, bomb_png, encode, exif_rotated_jpeg, oddities, photo
 from pipeline.default_model import DEFAULT_SPEC, spec_path
 from pipeline.errors import ImageError, ModelError
-from pipeline.preprocess import (
+from pipeline.imaging import (
     DecodeLimits,
     PreprocessSpec,
     decode_image,

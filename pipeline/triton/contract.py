@@ -22,6 +22,9 @@ Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tens
 format for every profile keeps the engine profile-agnostic.
 """
 
+# The repository profiles `bulk-classify repo build` fills; each serves this contract.
+PROFILES = ("portable", "production", "gpu")
+
 MODEL_NAME = "classifier"
 
 INPUT_IMAGE = "IMAGE"
@@ -50,3 +53,17 @@ OUTPUTS = {
 REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT)
 
 DEFAULT_TOP_K = 5
+
+# Files of a repository's model version folders, and the gpu profile's config.pbtxt `parameters` (string values,
+# also accepted as request parameters), written by pipeline.triton.configs and read by the gpu profile's model.
+SPEC_FILE = "preprocess.json"
+GPU_PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
+GPU_PARAM_DECODER = "decoder"  # "auto" (DALI where installed), "dali", "nvimgcodec", "torchvision", "pil"
+GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI / nvImageCodec: share of a batch for the hardware JPEG engines
+GPU_PARAM_BATCH_SIZE = "batch_size"
+GPU_PARAM_CUDA_GRAPH = "cuda_graph"
+GPU_PARAM_PREP_WORKERS = "prep_workers"
+GPU_PARAM_HALF = "half"  # "auto": FP16, but FP32 for the default model on the hand-written resampler (parity)
+GPU_PARAM_MAX_BYTES = "max_bytes"
+GPU_PARAM_MAX_PIXELS = "max_pixels"
+GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default

@@ -1,4 +1,4 @@
-"""Engines: the ONNX Runtime CPU engine, top-k softmax, and make_engine, which picks an engine by name."""
+"""The ``onnx`` engine: ONNX Runtime on the actor's CPU cores, decoding on a thread pool; top-k softmax of logits."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pipeline.engines.base import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK, Result, results_from_topk
 from pipeline.errors import ConfigError, EngineError, ImageError
+from pipeline.imaging import DecodeLimits, load_and_preprocess
 from pipeline.model import ModelBundle
-from pipeline.preprocess import DecodeLimits, load_and_preprocess
-from pipeline.results import STATUS_OK, Result
 
 log = logging.getLogger(__name__)
 
-ENGINE_NAMES = ("onnx", "triton", "gpu")
-DEFAULT_TOP_K = 5
 # Images per ORT run. Small batches are the most CPU-efficient for this depthwise-conv network: one ORT thread
 # made 204 img/CPU-s at batch 4, 168 at 8, 145 at 64 (2-core x86 VM, tests/benchmarks/bench_engine.py).
 DEFAULT_MAX_BATCH = 8
@@ -58,17 +56,7 @@ def results_from_logits(
 ) -> list[Result]:
     """OK results from a batch of logits and the original (width, height) of each image."""
     ids, probs = topk_softmax(logits, top_k)
-    return [
-        Result(
-            status=STATUS_OK,
-            class_ids=[int(i) for i in row_ids],
-            labels=[labels[i] for i in row_ids],
-            scores=[float(p) for p in row_probs],
-            width=w,
-            height=h,
-        )
-        for row_ids, row_probs, (w, h) in zip(ids, probs, sizes)
-    ]
+    return results_from_topk(ids, probs, labels, sizes)
 
 
 class OnnxEngine:
@@ -128,7 +116,7 @@ class OnnxEngine:
         self.decode_threads = threads
         # Cumulative seconds per stage, read by the actor for the run report. decode_preprocess sums the
         # pool threads' time (it overlaps inference), infer is ONNX Runtime's wall time.
-        self.stage_seconds = {"decode_preprocess": 0.0, "infer": 0.0}
+        self.stage_seconds = {STAGE_DECODE: 0.0, STAGE_INFER: 0.0}
         self._stage_lock = threading.Lock()
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
@@ -152,7 +140,7 @@ class OnnxEngine:
             return Result.failed(str(e))
         finally:
             with self._stage_lock:
-                self.stage_seconds["decode_preprocess"] += time.perf_counter() - start
+                self.stage_seconds[STAGE_DECODE] += time.perf_counter() - start
 
     def _classify_decoded(self, decoded: list[tuple[np.ndarray, int, int] | Result]) -> list[Result]:
         ok = [i for i, d in enumerate(decoded) if not isinstance(d, Result)]
@@ -186,7 +174,7 @@ class OnnxEngine:
     def _run(self, batch: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         logits = self._session.run([self.bundle.output_name], {self.bundle.input_name: batch})[0]
-        self.stage_seconds["infer"] += time.perf_counter() - start
+        self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
         if logits.ndim != 2 or logits.shape[1] != self.bundle.num_classes:
             raise EngineError(
                 f"the model returned shape {logits.shape}, expected (batch, {self.bundle.num_classes}); "
@@ -202,31 +190,3 @@ class OnnxEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_engine(
-    name: str,
-    bundle: ModelBundle,
-    *,
-    top_k: int = DEFAULT_TOP_K,
-    limits: DecodeLimits = DecodeLimits(),
-    **options: Any,
-):
-    """Builds the engine called ``name`` ("onnx", "triton" or "gpu"); options go to its constructor."""
-    if name == "onnx":
-        allowed = ("decode_threads", "intra_op_threads", "max_batch")
-        unknown = sorted(set(options) - set(allowed))
-        if unknown:
-            raise ConfigError(
-                f"engine 'onnx' has no option(s) {', '.join(unknown)}; its options are {', '.join(allowed)}"
-            )
-        return OnnxEngine(bundle, top_k=top_k, limits=limits, **options)
-    if name == "triton":
-        from pipeline.engine_triton import TritonEngine
-
-        return TritonEngine(bundle, top_k=top_k, limits=limits, **options)
-    if name == "gpu":
-        from pipeline.engine_gpu import GpuEngine
-
-        return GpuEngine(bundle, top_k=top_k, limits=limits, **options)
-    raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

@@ -1,5 +1,5 @@
 """The DALI preprocessing pipeline (decode, resize, crop, normalize per a PreprocessSpec): GPU "mixed" for the
-production Triton profile, CPU for tests and parity checks against the reference (pipeline.preprocess).
+production Triton profile, CPU for tests and parity checks against the reference (pipeline.imaging).
 
 The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
 centred ``crop`` taken, done as one ``fn.resize`` over the source region of interest (no rounded intermediate size),
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline import tensor_names as tn
-from pipeline.preprocess import PreprocessSpec
+from pipeline.triton import contract as tn
+from pipeline.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
     """The graph, to be called inside a ``pipeline_def``: external inputs IMAGE (UINT8, padded) and LENGTH (INT32),
     outputs (PREPROCESSED, WIDTH, HEIGHT) in that order. ``device`` is "mixed" (GPU decode) or "cpu"."""
     import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
-    import nvidia.dali.math as dmath  # noqa: PLC0415
     import nvidia.dali.types as types  # noqa: PLC0415
 
     raw = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
@@ -43,15 +42,32 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
     # Requests are zero-padded to their longest image; LENGTH gives each file its own bytes back.
     encoded = fn.slice(raw, np.array([0], dtype=np.int32), length, axes=[0],
                        normalized_anchor=False, normalized_shape=False)
+    return preprocess_graph(encoded, spec, device=device)
+
+
+def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw_decoder_load: float | None = None,
+                     half: bool = False, layout: str | None = None):
+    """Decode + resize + crop + normalize of a DataNode of encoded files; returns (PREPROCESSED, WIDTH, HEIGHT).
+
+    The one definition shared by the production ensemble's DALI model (``pipeline_graph``) and the gpu profile
+    (``pipeline.engines.gpu.dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
+    "mixed" decoder gives the hardware JPEG engines (DALI's default when None). ``half``: FP16 output.
+    ``layout``: "CHW" or "HWC" (default: the spec's layout)."""
+    import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
+    import nvidia.dali.math as dmath  # noqa: PLC0415
+    import nvidia.dali.types as types  # noqa: PLC0415
+
     decoder_args = {"output_type": types.BGR if spec.channel_order == "BGR" else types.RGB, "adjust_orientation": True}
     if device == "mixed":
         decoder_args["jpeg_fancy_upsampling"] = True  # libjpeg-turbo's (and so Pillow's) chroma upsampling
+        if hw_decoder_load is not None:
+            decoder_args["hw_decoder_load"] = float(hw_decoder_load)
     image = fn.decoders.image(encoded, device=device, **decoder_args)
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
     shorter = dmath.min(height, width)
-    # The crop box in source pixels, exact as in pipeline.preprocess.preprocess_image.
+    # The crop box in source pixels, exact as in pipeline.imaging.preprocess_image.
     box_h = crop_h * shorter / float(spec.resize_shorter)
     box_w = crop_w * shorter / float(spec.resize_shorter)
     top = (height - box_h) / 2.0
@@ -71,8 +87,8 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
         resized,
         mean=[m / spec.scale for m in spec.mean],
         std=[s / spec.scale for s in spec.std],
-        output_layout="CHW" if spec.layout == "NCHW" else "HWC",
-        dtype=types.FLOAT,
+        output_layout=layout or ("CHW" if spec.layout == "NCHW" else "HWC"),
+        dtype=types.FLOAT16 if half else types.FLOAT,
     )
     int_shape = image.shape(dtype=types.INT32)
     out_h = fn.reshape(int_shape[0], shape=[1])

@@ -1,8 +1,8 @@
-"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engine_gpu) behind the shared contract.
+"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engines.gpu.classifier) behind the shared contract.
 
 Runs inside tritonserver on a GPU (KIND_GPU instances). Its version folder holds ``preprocess.json`` and, for a
 user's model, ``model.torchscript``; without one it serves the default EfficientNet-Lite0 from its checkpoint.
-It serves ``pipeline.tensor_names``' contract: a bad image gives an ``ERROR`` string for that image only.
+It serves ``pipeline.triton.contract``' contract: a bad image gives an ``ERROR`` string for that image only.
 
 The dynamic batcher may hand ``execute`` several requests at once: ``IMAGE`` is declared ragged
 (``allow_ragged_batch``), so requests padded to different lengths still reach one ``execute`` call, where all their
@@ -18,22 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import tensor_names as tn
-from pipeline.preprocess import DecodeLimits, PreprocessSpec
+from pipeline.triton import contract as tn
+from pipeline.imaging import DecodeLimits, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
-
-SPEC_FILE = "preprocess.json"
-# config.pbtxt `parameters` (string values) and the request parameters a client may send.
-PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-PARAM_DECODER = "decoder"
-PARAM_BATCH_SIZE = "batch_size"
-PARAM_CUDA_GRAPH = "cuda_graph"
-PARAM_PREP_WORKERS = "prep_workers"
-PARAM_HALF = "half"  # "auto": FP32 for the default model (decode-bound; parity), FP16 otherwise
-PARAM_MAX_BYTES = "max_bytes"
-PARAM_MAX_PIXELS = "max_pixels"
-
 
 def _param(config: dict, key: str, default: str) -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
@@ -48,7 +36,7 @@ def _as_numpy(tensor) -> np.ndarray:
 
 
 class _FolderBundle:
-    """What ``pipeline.torch_models.load_network`` needs from a bundle, read from the version folder."""
+    """What ``pipeline.engines.gpu.networks.load_network`` needs from a bundle, read from the version folder."""
 
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
         from pipeline.default_model import MODEL_NAME  # noqa: PLC0415
@@ -65,37 +53,44 @@ class TritonPythonModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
-        from pipeline.engine_gpu import GpuClassifier  # noqa: PLC0415
-        from pipeline.torch_models import default_network, load_network  # noqa: PLC0415
+        from pipeline.engines.gpu.dali import DEFAULT_HW_DECODER_LOAD, make_classifier, uses_dali  # noqa: PLC0415
+        from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415
 
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         folder = Path(args["model_repository"]) / args["model_version"]
-        spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
+        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
         self.has_error = tn.OUTPUT_ERROR in outputs
         kind = args.get("model_instance_kind", "GPU")
         device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if kind == "GPU" else "cpu"
         bundle = _FolderBundle(folder, spec, 1000)
-        net_name = _param(config, PARAM_NETWORK, "auto")
-        half = _param(config, PARAM_HALF, "auto").lower()
-        half = (not default_network(bundle, net_name)) if half == "auto" else half == "true"
+        net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
+        half = _param(config, tn.GPU_PARAM_HALF, "auto").lower()
+        decoder = _param(config, tn.GPU_PARAM_DECODER, "auto")
+        if half == "auto":
+            # FP16, except the default model on the hand-written resampler, whose FP32 network is what meets parity
+            # there; on DALI the FP32 network agrees no better than FP16 (GPU_NOTES.md).
+            half = uses_dali(decoder, device) or not default_network(bundle, net_name)
+        else:
+            half = half == "true"
         network = load_network(bundle, net_name)
         self.limits = DecodeLimits(
-            max_bytes=int(_param(config, PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
-            max_pixels=int(_param(config, PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
+            max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
+            max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
         )
-        self.classifier = GpuClassifier(
+        self.classifier = make_classifier(
             network,
             spec,
+            hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
             top_k=self.top_k,
             limits=self.limits,
-            decoder=_param(config, PARAM_DECODER, "auto"),
-            batch_size=int(_param(config, PARAM_BATCH_SIZE, "256")),
+            decoder=decoder,
+            batch_size=int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE))),
             device=device,
-            cuda_graph=_param(config, PARAM_CUDA_GRAPH, "true").lower() == "true",
-            prep_workers=int(_param(config, PARAM_PREP_WORKERS, "1")),
+            cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
+            prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "1")),
             half=half,
         )
         self.classifier.warmup()
@@ -107,8 +102,8 @@ class TritonPythonModel:
         except (AttributeError, ValueError):
             params = {}
         return DecodeLimits(
-            max_bytes=int(params.get(PARAM_MAX_BYTES, self.limits.max_bytes)),
-            max_pixels=int(params.get(PARAM_MAX_PIXELS, self.limits.max_pixels)),
+            max_bytes=int(params.get(tn.GPU_PARAM_MAX_BYTES, self.limits.max_bytes)),
+            max_pixels=int(params.get(tn.GPU_PARAM_MAX_PIXELS, self.limits.max_pixels)),
         )
 
     def execute(self, requests):

@@ -1,0 +1,308 @@
+"""The engine contract: ``Result``, the ``Engine`` protocol, top-k arrays to results, and the engine registry.
+
+Every engine is one module plus one ``EngineSpec`` in ``REGISTRY``: its name, the class that builds it (imported
+only when an actor builds one), its typed options, whether it wants a GPU, and a preflight that checks its
+requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
+job read the registry; nothing else names an engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
+from pipeline.errors import ConfigError
+
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+DEFAULT_TOP_K = 5
+STAGE_DECODE = "decode_preprocess"
+STAGE_INFER = "infer"
+
+
+@dataclass
+class Result:
+    """One input's outcome. Scores are softmax probabilities, descending."""
+
+    status: str
+    error: str | None = None
+    class_ids: list[int] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    width: int | None = None
+    height: int | None = None
+
+    @classmethod
+    def failed(cls, error: str, width: int | None = None, height: int | None = None) -> "Result":
+        return cls(status=STATUS_ERROR, error=error, width=width, height=height)
+
+
+class Engine(Protocol):
+    """What every engine offers: one Result per encoded image, in order, and its cumulative stage times.
+
+    ``stage_seconds`` maps ``STAGE_DECODE`` and ``STAGE_INFER`` to seconds spent so far; an engine that cannot
+    tell decoding from inference (the server does both) reports everything under ``STAGE_INFER``.
+    """
+
+    name: str
+    stage_seconds: Mapping[str, float]
+
+    def classify(self, images: Sequence[bytes]) -> list[Result]: ...
+
+    def close(self) -> None: ...
+
+
+def results_from_topk(
+    class_ids: Sequence[Sequence[int]],
+    scores: Sequence[Sequence[float]],
+    labels: Sequence[str],
+    sizes: Sequence[tuple[int | None, int | None]],
+    errors: Sequence[str | None] | None = None,
+) -> list[Result]:
+    """The one place top-k arrays become ``Result`` rows.
+
+    Args:
+        class_ids, scores: (N, k) arrays, best first.
+        labels: the model's labels; an id outside them is written as its number.
+        sizes: (width, height) per image, ``None`` where unknown.
+        errors: per image, ``None``/"" when classified, else the ``kind: detail`` text of its error row.
+    """
+    out = []
+    for i, (ids, probs, (width, height)) in enumerate(zip(class_ids, scores, sizes)):
+        if errors is not None and errors[i]:
+            out.append(Result.failed(str(errors[i]), width, height))
+            continue
+        ids = [int(c) for c in ids]
+        out.append(Result(
+            status=STATUS_OK,
+            class_ids=ids,
+            labels=[labels[c] if 0 <= c < len(labels) else str(c) for c in ids],
+            scores=[float(p) for p in probs],
+            width=width,
+            height=height,
+        ))
+    return out
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One typed engine option (``--engine-option NAME=VALUE``)."""
+
+    name: str
+    type: type  # int, float, bool, str, or list (of strings; a string is split like a shell would)
+    help: str
+    minimum: float | None = None  # inclusive for int, exclusive for float
+    choices: tuple[str, ...] = ()
+
+    def parse(self, engine: str, value: Any) -> Any:
+        """``value`` (from the CLI, the environment or a YAML file) as this option's type; ConfigError names the fix."""
+        where = f"--engine-option {self.name}={value!r} (engine {engine!r})"
+        try:
+            if self.type is bool:
+                parsed: Any = _as_bool(value)
+            elif self.type is list:
+                parsed = shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+            elif self.type is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise ValueError(value)
+                parsed = int(value)
+            else:
+                parsed = self.type(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} is not {_type_name(self.type)}; {self.help}") from None
+        if self.minimum is not None and self.type is float and parsed <= self.minimum:
+            raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
+        if self.minimum is not None and parsed < self.minimum:
+            raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
+        if self.choices and parsed not in self.choices:
+            raise ConfigError(f"{where} is not one of {', '.join(self.choices)}")
+        return parsed
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One registered engine.
+
+    Attributes:
+        name: the ``--engine`` value.
+        factory: ``"module:Class"``, called as ``Class(bundle, top_k=, limits=, **options)`` inside the actor.
+        summary: one line for ``--help``.
+        options: the options it accepts; anything else is refused in the driver.
+        needs_gpu: actors take one GPU each when the cluster has GPUs.
+        decode_threads_option: the option that ``--decode-threads`` fills, if the engine decodes in the actor.
+        preflight: ``"module:function"`` called with the parsed options in the driver; raises ConfigError.
+    """
+
+    name: str
+    factory: str
+    summary: str
+    options: tuple[Option, ...] = ()
+    needs_gpu: bool = False
+    decode_threads_option: str | None = None
+    preflight: str | None = None
+
+    def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """Typed, checked options; ConfigError for an unknown option or a bad value."""
+        known = {o.name: o for o in self.options}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            listed = ", ".join(known) or "none"
+            raise ConfigError(f"engine {self.name!r} has no option {', '.join(unknown)}; its options are {listed} "
+                              f"(see 'bulk-classify engines')")
+        return {name: known[name].parse(self.name, value) for name, value in raw.items()}
+
+    def check(self, options: Mapping[str, Any]) -> None:
+        """Runs the engine's preflight (requirements on this machine) on parsed options."""
+        if self.preflight:
+            _load(self.preflight)(options)
+
+    def build(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
+        """The engine itself (heavy: loads the runtime, may start a server)."""
+        return _load(self.factory)(bundle, top_k=top_k, limits=limits, **options)
+
+
+def _positive_int(name: str, help: str) -> Option:
+    return Option(name, int, help, minimum=1)
+
+
+def _positive_float(name: str, help: str) -> Option:
+    return Option(name, float, help, minimum=0)
+
+
+def check_torch(options: Mapping[str, Any]) -> None:
+    """The gpu engine's requirement: PyTorch importable here."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
+                          "or use --engine onnx or --engine triton")
+
+
+def check_triton(options: Mapping[str, Any]) -> None:
+    """The triton engine's requirements: a repository that exists, and a tritonserver unless ``url`` is given."""
+    repository = options.get("repository")
+    if repository is not None:
+        path = Path(str(repository)).expanduser()
+        if not (path / "classifier" / "config.pbtxt").is_file():
+            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
+            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
+                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
+    if options.get("url"):
+        return
+    from pipeline.errors import TritonError  # noqa: PLC0415
+    from pipeline.triton.server import find_tritonserver  # noqa: PLC0415 - light: stdlib only
+
+    try:
+        find_tritonserver()
+    except TritonError as err:
+        raise ConfigError(f"--engine triton: {err}") from None
+
+
+REGISTRY: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            name="onnx",
+            factory="pipeline.engines.onnx:OnnxEngine",
+            summary="ONNX Runtime on the actor's CPU cores (default)",
+            options=(
+                _positive_int("decode_threads", "threads decoding images per actor, e.g. 4"),
+                _positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2"),
+                _positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
+            ),
+            decode_threads_option="decode_threads",
+        ),
+        EngineSpec(
+            name="triton",
+            factory="pipeline.engines.triton:TritonEngine",
+            summary="a local tritonserver per actor, images over gRPC",
+            options=(
+                Option("repository", str, "a folder built by 'bulk-classify repo build'"),
+                Option("url", str, "a running server's gRPC host:port"),
+                _positive_int("instances", "model instances when the engine builds the repository, e.g. 1"),
+                _positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
+                _positive_int("request_batch", "images per request, e.g. 32"),
+                _positive_int("concurrency", "requests in flight, e.g. 2"),
+                Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
+                Option("model_name", str, "the model to call, e.g. classifier"),
+                _positive_float("request_timeout_s", "seconds one request may take, e.g. 300"),
+            ),
+            needs_gpu=True,
+            preflight="pipeline.engines.base:check_triton",
+        ),
+        EngineSpec(
+            name="gpu",
+            factory="pipeline.engines.gpu.engine:GpuEngine",
+            summary="decode, resize and classify on the actor's GPU with PyTorch",
+            options=(
+                Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
+                Option("decoder", str, "the JPEG decoder", choices=GPU_DECODERS),
+                _positive_int("batch_size", "images per network call, e.g. 256"),
+                Option("device", str, "a torch device, e.g. cuda:0"),
+                Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
+                Option("half", bool, "FP16 network: true or false"),
+                _positive_int("cpu_decode_threads", "threads decoding what the GPU cannot, e.g. 4"),
+                Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
+                _positive_int("prep_workers", "resize threads, e.g. 2"),
+                Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
+            ),
+            needs_gpu=True,
+            decode_threads_option="cpu_decode_threads",
+            preflight="pipeline.engines.base:check_torch",
+        ),
+    )
+}
+ENGINE_NAMES = tuple(REGISTRY)
+DEFAULT_ENGINE = "onnx"
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The registered engine called ``name``; ConfigError lists the choices."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"--engine {name!r} is unknown; choose one of {', '.join(REGISTRY)}") from None
+
+
+def engine_kwargs(name: str, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
+    """``raw`` options parsed for engine ``name``, with ``--decode-threads`` filled in where the engine takes it."""
+    spec = engine_spec(name)
+    options = spec.parse_options(raw)
+    if decode_threads is not None and spec.decode_threads_option:
+        options.setdefault(spec.decode_threads_option, decode_threads)
+    return options
+
+
+def make_engine(name: str, bundle: Any, *, top_k: int = DEFAULT_TOP_K, limits: Any = None, **options: Any) -> Engine:
+    """Builds the engine called ``name`` with typed ``options``; raises ConfigError for unknown or bad ones."""
+    from pipeline.imaging import DecodeLimits  # noqa: PLC0415 - Pillow: only where an engine is built
+
+    spec = engine_spec(name)
+    return spec.build(bundle, top_k=top_k, limits=limits if limits is not None else DecodeLimits(),
+                      options=spec.parse_options(options))
+
+
+def _load(ref: str) -> Callable[..., Any]:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+def _type_name(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", list: "a list", str: "text"}[kind]

@@ -1,0 +1,316 @@
+"""The gpu profile's preprocessing on DALI: the production ensemble's DALI graph, fed in process, its output handed to
+the network without leaving the GPU.
+
+``DaliClassifier`` is ``pipeline.engines.gpu.classifier.GpuClassifier`` with the hand-written decoder and resampler replaced by
+``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's DALI model uses):
+
+1. CPU triage (``classifier.triage``): size caps and the JPEG header; JPEGs the GPU decodes go to DALI, anything
+   else (PNG, CMYK, 12-bit, truncated, ...) to the reference (``pipeline.imaging``, Pillow);
+2. DALI, "mixed" decoder with a measured ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
+   nvJPEG the rest), resize + crop + normalize per the model's ``PreprocessSpec``, FP16 or FP32, NHWC on the GPU;
+3. the batch is copied on the GPU into the network's input (channels-last), the network (CUDA graph), softmax,
+   top-k: only k ids and scores per image come back to the host.
+
+A file DALI refuses fails DALI's whole batch: that batch is then decoded by the reference, so a bad file is that
+file's error row (the reference's status and kind, as the onnx engine gives) and its neighbours are classified.
+Preparing runs in ``prep_workers`` threads, each taking one of as many built DALI pipelines, while the network
+runs the previous batch.
+
+``DaliPrep`` is the torch-free part (triage outcome -> DALI batch / reference arrays / errors); CI runs it with
+DALI's CPU backend (tests/test_engine_dali.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from pipeline.errors import EngineError, ImageError
+from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.triton import contract as tn
+from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
+
+log = logging.getLogger(__name__)
+
+# Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs). Measured on an H200,
+# bench_gpu.py "dali" part: see model_repository/GPU_NOTES.md.
+DEFAULT_HW_DECODER_LOAD = 0.9
+DEFAULT_DALI_THREADS = 4
+
+
+class DaliRefused(Exception):
+    """DALI failed a batch (one file it cannot decode fails them all); the message is DALI's reason."""
+
+
+def dali_available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401,PLC0415 - optional
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Prepared:
+    """One batch's preprocessing outcome, by position in the batch."""
+
+    dali: list[int] = field(default_factory=list)  # positions whose rows DALI produced, in that order
+    reference: dict[int, tuple[np.ndarray, int, int]] = field(default_factory=dict)  # pos -> (array, w, h)
+    errors: dict[int, str] = field(default_factory=dict)  # pos -> "kind: detail"
+    refused: str = ""  # DALI's reason when it refused the batch (its files went to the reference)
+
+
+class DaliPrep:
+    """Built DALI pipelines over unpadded encoded files, and the reference for what DALI does not take.
+
+    Args:
+        spec: the model's preprocessing.
+        device: "mixed" (GPU decode; needs ``device_id``) or "cpu" (tests).
+        batch_size: the largest batch; smaller ones are fed as they are.
+        num_threads: DALI's CPU threads per pipeline.
+        hw_decoder_load: share of each batch for the hardware JPEG engines (mixed only).
+        half: FP16 output (else FP32).
+        layout: "HWC" (the network's channels-last input) or "CHW".
+        pipelines: how many pipelines (one per preparing thread).
+    """
+
+    def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
+                 batch_size: int = 256, num_threads: int = DEFAULT_DALI_THREADS,
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
+                 pipelines: int = 1):
+        if not dali_available():
+            raise EngineError("the dali decoder needs nvidia-dali (nvidia-dali-cuda130 or -cuda120); install it "
+                              "or choose decoder 'nvimgcodec' / 'torchvision'")
+        if device not in ("mixed", "cpu"):
+            raise EngineError(f"DALI device must be 'mixed' or 'cpu', got {device!r}")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise EngineError(f"hw_decoder_load must be within 0..1, got {hw_decoder_load}")
+        self.spec = spec
+        self._args = dict(device=device, device_id=(device_id or 0) if device == "mixed" else None,
+                          batch_size=batch_size, num_threads=num_threads, hw_decoder_load=hw_decoder_load,
+                          half=half, layout=layout)
+        self.batch_size = batch_size
+        self._pool: queue.Queue = queue.Queue()
+        for _ in range(max(1, pipelines)):
+            self._pool.put(self._build())
+
+    def _build(self):
+        import nvidia.dali.fn as fn  # noqa: PLC0415 - optional, heavy
+        import nvidia.dali.types as types  # noqa: PLC0415
+        from nvidia.dali import pipeline_def  # noqa: PLC0415
+
+        a = self._args
+
+        # Fed and run one batch at a time (queue depth 1): a failure belongs to the batch just fed. Overlap comes
+        # from several pipelines in several threads, and from the network running while they prepare. The graph's
+        # sizes go from GPU to CPU, which DALI allows only with the async pipelined executor.
+        @pipeline_def(batch_size=a["batch_size"], num_threads=a["num_threads"], device_id=a["device_id"],
+                      prefetch_queue_depth=1, exec_async=True, exec_pipelined=True)
+        def graph():
+            encoded = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
+            out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
+                                         hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
+                                         layout=a["layout"])
+            return out
+
+        pipe = graph()
+        pipe.build()
+        return pipe
+
+    @contextlib.contextmanager
+    def batch(self, blobs: Sequence[bytes]):
+        """Runs one batch (at most ``batch_size`` files); yields DALI's output TensorList, valid inside the block.
+
+        Raises:
+            DaliRefused: DALI failed the batch (the pipeline is rebuilt; nothing of the batch is usable).
+        """
+        if not 0 < len(blobs) <= self.batch_size:
+            raise ValueError(f"a DALI batch holds 1..{self.batch_size} files, got {len(blobs)}")
+        pipe = self._pool.get()
+        try:
+            try:
+                pipe.feed_input(tn.INPUT_IMAGE, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+                (out,) = pipe.run()
+            except (RuntimeError, IndexError, ValueError) as err:
+                pipe = self._build()  # a failed run leaves the pipeline unusable
+                raise DaliRefused(_first_line(err)) from None
+            yield out
+        finally:
+            self._pool.put(pipe)
+
+    def prepare(self, datas: Sequence[bytes], to_dali: Sequence[bool], limits: DecodeLimits,
+                consume: Callable[[Any], None], cpu_pool: Executor | None = None) -> Prepared:
+        """Preprocesses one batch: files marked ``to_dali`` through DALI (``consume`` receives its output while it is
+        valid), the others, and all of a refused DALI batch, through the reference; a bad file is its own error."""
+        res = Prepared()
+        dali_pos = [i for i, flag in enumerate(to_dali) if flag]
+        ref_pos = [i for i, flag in enumerate(to_dali) if not flag]
+        if dali_pos:
+            try:
+                with self.batch([datas[i] for i in dali_pos]) as out:
+                    consume(out)
+                res.dali = dali_pos
+            except DaliRefused as err:
+                log.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
+                res.refused = str(err)
+                ref_pos = sorted(ref_pos + dali_pos)
+
+        def one(i: int):
+            try:
+                return load_and_preprocess(datas[i], self.spec, limits)
+            except ImageError as e:
+                return str(e)
+
+        outcomes = cpu_pool.map(one, ref_pos) if cpu_pool is not None and len(ref_pos) > 1 else map(one, ref_pos)
+        for i, out in zip(ref_pos, outcomes):
+            if isinstance(out, str):
+                res.errors[i] = out
+            else:
+                arr, w, h = out
+                if self._args["layout"] == "HWC" and self.spec.layout == "NCHW":
+                    arr = arr.transpose(1, 2, 0)
+                res.reference[i] = (np.ascontiguousarray(arr), w, h)
+        return res
+
+    def close(self) -> None:
+        while not self._pool.empty():
+            self._pool.get_nowait()
+
+
+def host_array(out) -> np.ndarray:
+    """A DALI output TensorList (CPU or GPU) as one host array [n, ...] (tests and the CPU path)."""
+    if hasattr(out, "as_cpu"):
+        out = out.as_cpu()
+    return np.array(out.as_tensor())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The classifier (torch).
+
+
+def _classifier_base():
+    from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - it imports this module lazily
+
+    return GpuClassifier
+
+
+def uses_dali(decoder: str, device: str | None = None) -> bool:
+    """Whether ``make_classifier`` runs DALI for this decoder choice on this device."""
+    if decoder == "dali":
+        return True
+    if decoder != "auto" or not dali_available():
+        return False
+    if device is None:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
+
+
+def make_classifier(network, spec: PreprocessSpec, *, decoder: str = "auto", **options: Any):
+    """The gpu engine's classifier for ``decoder``: "dali" (or "auto" where DALI and a GPU are there) runs
+    ``DaliClassifier``; "nvimgcodec", "torchvision" and "pil" run the hand-written ``GpuClassifier``."""
+    GpuClassifier = _classifier_base()
+    if uses_dali(decoder, options.get("device")):
+        return dali_classifier_class()(network, spec, **options)
+    options.pop("dali_threads", None)
+    return GpuClassifier(network, spec, decoder=decoder, **options)
+
+
+@functools.lru_cache(maxsize=1)
+def dali_classifier_class():
+    """The ``DaliClassifier`` class (built on first use: its base needs torch)."""
+    GpuClassifier = _classifier_base()
+
+    class DaliClassifier(GpuClassifier):
+        """``GpuClassifier`` whose preparing stage is DALI (see the module's docstring); same results contract."""
+
+        def __init__(self, network, spec: PreprocessSpec, *, hw_decode_load: float = DEFAULT_HW_DECODER_LOAD,
+                     dali_threads: int = DEFAULT_DALI_THREADS, prep_workers: int = 2, **options: Any):
+            options.pop("decoder", None)
+            super().__init__(network, spec, decoder="pil", prep_workers=prep_workers, **options)
+            self.decoder = self  # truthy: triage sends the JPEGs the GPU decodes to DALI
+            self.decoder_name = "dali"
+            self.hw_decoder_load = hw_decode_load
+            self._prep = DaliPrep(
+                spec,
+                device="mixed" if self.is_cuda else "cpu",
+                device_id=self.device.index if self.is_cuda else None,
+                batch_size=self.batch_size,
+                num_threads=dali_threads,
+                hw_decoder_load=hw_decode_load,
+                half=self.half,
+                layout="HWC",
+                pipelines=self.prep_workers,
+            )
+            self.refused_batches = 0
+
+        def close(self) -> None:
+            super().close()
+            self._prep.close()
+
+        def _decode_stage(self, chunk):
+            """DALI (and the reference for the rest) into one NHWC batch on this thread's stream."""
+            torch = self._torch
+            t0 = time.perf_counter()
+            stream = self._thread_stream()
+            crop_h, crop_w = self.spec.crop
+            holder: dict[str, Any] = {}
+
+            def consume(out):
+                n = len(out)
+                buf = torch.empty((n, crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
+                if self.is_cuda:
+                    from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415
+
+                    # A blocking copy on this stream: DALI reuses its output buffers on its next run.
+                    feed_ndarray(out.as_tensor(), buf, cuda_stream=stream)
+                else:
+                    buf.copy_(torch.from_numpy(host_array(out)))
+                holder["dali"] = buf
+
+            with self._stream_ctx(stream):
+                items = chunk.items
+                res = self._prep.prepare([it.data for it in items], [it.info is not None for it in items],
+                                         self.limits, consume, self._cpu_pool)
+                if res.refused:
+                    self.refused_batches += 1
+                for pos, msg in res.errors.items():
+                    chunk.errors[items[pos].index] = msg
+                for pos, (_, w, h) in res.reference.items():
+                    items[pos].width, items[pos].height = w, h
+                ok = sorted(res.dali + list(res.reference))
+                if ok:
+                    if not res.reference:
+                        batch = holder["dali"]  # positions ascending: rows already in ``ok`` order
+                    else:
+                        row = {p: r for r, p in enumerate(ok)}
+                        batch = torch.empty((len(ok), crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
+                        if res.dali:
+                            rows = torch.as_tensor([row[p] for p in res.dali], device=self.device)
+                            batch[rows] = holder["dali"]
+                        refs = sorted(res.reference)
+                        host = torch.from_numpy(np.stack([res.reference[p][0] for p in refs]))
+                        rows = torch.as_tensor([row[p] for p in refs], device=self.device)
+                        batch[rows] = host.to(self.device).to(self.dtype)
+                    chunk.ok = ok
+                    chunk.inputs = batch.permute(0, 3, 1, 2)  # NCHW view, channels-last memory
+                    chunk.keep = [holder]
+                if self.is_cuda:
+                    chunk.ready = torch.cuda.Event()
+                    chunk.ready.record(stream)
+            chunk.decode_s = time.perf_counter() - t0
+            return None
+
+        def _resize_stage(self, chunk, decoding) -> None:
+            """Nothing left to do: DALI resized, cropped and normalised in the decode stage."""
+
+    return DaliClassifier

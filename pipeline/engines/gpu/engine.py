@@ -1,0 +1,64 @@
+"""The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
+from pipeline.engines.gpu.classifier import RawResults
+from pipeline.imaging import DecodeLimits
+
+
+class GpuEngine:
+    """The ``gpu`` engine: ``GpuClassifier`` in this process, returning ``Result`` rows.
+
+    Args:
+        bundle: the model (``pipeline.model.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
+            built from its checkpoint. A user's model runs if its folder holds ``model.torchscript`` (TorchScript
+            of the same network); ONNX alone cannot run here (PyTorch does not execute ONNX): use
+            ``--engine triton`` (TensorRT) or ``--engine onnx`` for those.
+        top_k: classes per image.
+        limits: decode limits.
+        **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
+            ``GpuClassifier`` options: decoder, batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline.
+    """
+
+    name = "gpu"
+
+    def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
+        from pipeline.engines.gpu.dali import make_classifier, uses_dali  # noqa: PLC0415 - DALI is optional
+        from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415 - needs torch
+
+        network = options.pop("network", None)
+        if network is None or isinstance(network, str):
+            on_dali = uses_dali(options.get("decoder", "auto"), options.get("device"))
+            if "half" not in options and default_network(bundle, network) and not on_dali:
+                # FP32 for the default model on the hand-written resampler: FP16 flips its near-ties there; on
+                # DALI the FP32 network agrees no better (GPU_NOTES.md).
+                options["half"] = False
+            network = load_network(bundle, network)
+        self.labels = tuple(bundle.labels)
+        self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
+        self.classifier = make_classifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+
+    def classify(self, images: Sequence[bytes]) -> list[Result]:
+        start = time.perf_counter()
+        raw = self.classifier.classify(images)
+        self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
+        return results_from_raw(raw, self.labels)
+
+    def close(self) -> None:
+        self.classifier.close()
+
+    def __enter__(self) -> "GpuEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
+    """Turns ``RawResults`` arrays into one ``Result`` per image."""
+    sizes = [(int(w) or None, int(h) or None) for w, h in zip(raw.width, raw.height)]
+    return results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)

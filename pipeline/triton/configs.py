@@ -1,0 +1,165 @@
+"""config.pbtxt of every repository profile (portable, production, gpu), generated from the tensor contract."""
+
+from __future__ import annotations
+
+from pipeline.triton import contract as tn
+
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_PORTABLE_INSTANCES = 1
+PRODUCTION_TRT_INSTANCES = 2
+DALI_THREADS = 4
+QUEUE_DELAY_US = 2000
+PLAN_DEFAULT = "model.plan"
+GPU_MAX_BATCH_SIZE = 1024  # images per execute() at most; the model cuts them into batch_size network calls
+GPU_INSTANCES = 3  # stub processes, each with its own GIL: one's CPU work and decode fill the others' GPU gaps
+GPU_QUEUE_DELAY_US = 2000
+
+
+def _mc():
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - protobuf import is slow; only when needed
+
+    return model_config_pb2
+
+
+def _dtype(name: str) -> int:
+    return _mc().DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
+
+
+def _tensor(kind, name: str, dtype: str, dims) -> None:
+    kind.add(name=name, data_type=_dtype(dtype), dims=list(dims))
+
+
+def _contract_io(config, k: int, *, with_error: bool) -> None:
+    for name, dtype in tn.INPUTS.items():
+        _tensor(config.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
+    dims = {tn.OUTPUT_CLASS_IDS: [k], tn.OUTPUT_SCORES: [k], tn.OUTPUT_WIDTH: [1], tn.OUTPUT_HEIGHT: [1],
+            tn.OUTPUT_ERROR: [1]}
+    for name, dtype in tn.OUTPUTS.items():
+        if name == tn.OUTPUT_ERROR and not with_error:
+            continue
+        _tensor(config.output, name, dtype, dims[name])
+
+
+def _text(config) -> str:
+    from google.protobuf import text_format  # noqa: PLC0415
+
+    return text_format.MessageToString(config)
+
+
+def numpy_can_send_bytes() -> bool:
+    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (shared/FACTS.md)."""
+    import numpy as np  # noqa: PLC0415
+
+    return int(np.__version__.split(".")[0]) < 2
+
+
+def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
+                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None) -> str:
+    """config.pbtxt of the portable profile's one model (python backend, CPU).
+
+    ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
+    """
+    mc = _mc()
+    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
+    _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
+    config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+    return _text(config)
+
+
+def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
+                       max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                       plans: dict[str, str] | None = None) -> dict[str, str]:
+    """config.pbtxt of each production model: DALI preprocess, TensorRT classifier, and the ensemble joining them.
+
+    ``plans`` maps a compute capability ("9.0") to the plan file built for it (Triton's cc_model_filenames).
+    """
+    mc = _mc()
+    configs = {}
+
+    pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="dali", max_batch_size=max_batch_size)
+    for name, dtype in tn.INPUTS.items():
+        _tensor(pre.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
+    _tensor(pre.output, tn.PREPROCESSED, "FP32", spec.input_shape)
+    _tensor(pre.output, tn.OUTPUT_WIDTH, "INT32", [1])
+    _tensor(pre.output, tn.OUTPUT_HEIGHT, "INT32", [1])
+    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=1)
+    pre.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+    pre.parameters["num_threads"].string_value = str(DALI_THREADS)
+    configs[tn.PREPROCESS_MODEL] = _text(pre)
+
+    trt = mc.ModelConfig(name=tn.CLASSIFIER_TRT_MODEL, platform="tensorrt_plan", max_batch_size=max_batch_size)
+    _tensor(trt.input, onnx_input, "FP32", spec.input_shape)
+    _tensor(trt.output, tn.OUTPUT_SCORES, "FP32", [top_k])
+    _tensor(trt.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
+    trt.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=PRODUCTION_TRT_INSTANCES)
+    # The plan's optimisation profile is tuned for max_batch_size (see build_trt_plan): batch to exactly that.
+    trt.dynamic_batching.preferred_batch_size.append(max_batch_size)
+    trt.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+    trt.default_model_filename = PLAN_DEFAULT
+    for cc, filename in sorted((plans or {}).items()):
+        trt.cc_model_filenames[cc] = filename
+    configs[tn.CLASSIFIER_TRT_MODEL] = _text(trt)
+
+    ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)
+    _contract_io(ens, top_k, with_error=False)
+    step = ens.ensemble_scheduling.step.add(model_name=tn.PREPROCESS_MODEL, model_version=-1)
+    for name in tn.INPUTS:
+        step.input_map[name] = name
+    for name in (tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT):
+        step.output_map[name] = name
+    step = ens.ensemble_scheduling.step.add(model_name=tn.CLASSIFIER_TRT_MODEL, model_version=-1)
+    step.input_map[onnx_input] = tn.PREPROCESSED
+    for name in (tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS):
+        step.output_map[name] = name
+    configs[tn.MODEL_NAME] = _text(ens)
+    return configs
+
+
+
+def gpu_config(
+    *,
+    top_k: int = 5,
+    instances: int = GPU_INSTANCES,
+    max_batch_size: int = GPU_MAX_BATCH_SIZE,
+    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
+    decoder: str = "auto",
+    network: str = "auto",
+    cuda_graph: bool = True,
+    queue_delay_us: int = GPU_QUEUE_DELAY_US,
+    error_output: bool | None = None,
+    prep_workers: int = 1,
+    hw_decoder_load: float | None = None,
+    half: str = "auto",
+) -> str:
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
+
+    ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
+    wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
+    it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
+    """
+    mc = _mc()
+    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
+    if error_output is None:
+        error_output = numpy_can_send_bytes()
+    _contract_io(config, top_k, with_error=error_output)
+    for tensor in config.input:
+        if tensor.name == tn.INPUT_IMAGE:
+            # Requests padded to different lengths can then share one execute() (the backend sees each request).
+            tensor.allow_ragged_batch = True
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=instances)
+    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    params = {
+        tn.GPU_PARAM_NETWORK: network,
+        tn.GPU_PARAM_DECODER: decoder,
+        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
+        tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
+        tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
+    }
+    if hw_decoder_load is not None:
+        params[tn.GPU_PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)
+    if half != "auto":
+        params[tn.GPU_PARAM_HALF] = str(half).lower()
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return _text(config)
