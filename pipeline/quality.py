@@ -144,6 +144,22 @@ class QualityStats:
         self.error_kinds.update(other.error_kinds)
         return self
 
+    def to_state(self) -> dict[str, Any]:
+        """The raw counters, JSON-safe and lossless (what a shard's footer keeps, so outputs merge footers)."""
+        return {"version": QUALITY_VERSION, **{name: getattr(self, name) for name in (
+            "rows", "ok", "carried", "confidence_sum", "margin_sum", "margin_rows", "below_floor")},
+            **{name: getattr(self, name).tolist() for name in ("confidence", "carried_confidence", "margin")},
+            "labels": dict(self.labels), "error_kinds": dict(self.error_kinds)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "QualityStats":
+        stats = cls(**{k: v for k, v in state.items() if k not in (
+            "version", "confidence", "carried_confidence", "margin", "labels", "error_kinds")})
+        for name in ("confidence", "carried_confidence", "margin"):
+            setattr(stats, name, np.asarray(state[name], np.int64))
+        stats.labels, stats.error_kinds = Counter(state["labels"]), Counter(state["error_kinds"])
+        return stats
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form written under ``quality`` in ``_REPORT.json``."""
         errors = sum(self.error_kinds.values())
@@ -176,15 +192,26 @@ class QualityStats:
 
 
 def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
-    """Quality statistics of committed shards, read one shard and five columns at a time.
+    """Quality statistics of committed shards, one shard at a time: from the counters the writer kept in each
+    shard's footer, or, for a shard written without them, from its five columns.
 
     Carried rows are included (they are part of the night's answer) and counted apart in
     ``carried`` and ``confidence.carried_counts``.
     """
+    import json
+
     import pyarrow.parquet as pq
+
+    from pipeline.schema import QUALITY_KEY
+    from pipeline.writer import read_footer
 
     stats = QualityStats()
     for path in parts:
+        raw = read_footer(fs, path).get(QUALITY_KEY)
+        state = json.loads(raw) if raw is not None else None
+        if state is not None and state.get("version") == QUALITY_VERSION:
+            stats.merge(QualityStats.from_state(state))
+            continue
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
             present = [c for c in QUALITY_COLUMNS if c in pf.schema_arrow.names]

@@ -137,11 +137,16 @@ class _Run:
         done.uri_hashes = None  # the driver keeps no copy
         if previous is not None:
             previous.identities = None
+        start = time.perf_counter()
         self._drain(classify_dataset(self.config, done_ref, previous_ref, self.counter))
         listed, skipped, list_s = ray.get(self.counter.get.remote())
+        LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
+                 self.totals.rows, time.perf_counter() - start)
         if previous_ref is not None:
+            start = time.perf_counter()
             carried_ref = self.counter.carried_keys.remote()
             self._drain(carry_dataset(self.config, previous.parts, carried_ref))
+            LOG.info("carried %d rows over in %.1f s", self.totals.carried, time.perf_counter() - start)
         self._report_progress(listed)
         return self.totals, listed, skipped, list_s
 
