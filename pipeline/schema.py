@@ -40,6 +40,7 @@ OWNED_PREFIXES = (PART_PREFIX, "." + PART_PREFIX, SUCCESS, REPORT, RUN_INFO)
 # identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
 RECORD_KEY = b"bulk_classify.record"
 SHARD_META_KEY = b"bulk_classify.shard"
+QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.QualityStats state)
 
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"

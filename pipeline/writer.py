@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.schema import (
-    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
-    SHARD_META_KEY, conform,
+    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, QUALITY_KEY,
+    RECORD_KEY, SHARD_META_KEY, conform,
 )
 from pipeline.source import identity_hashes, is_local, open_fs, uri_hashes
 from pipeline.stats import ShardStats
@@ -137,7 +137,11 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
     rows = conform(batch, OUTPUT_SCHEMA)
     record = ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
-    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json()})
+    from pipeline.quality import QualityStats
+
+    quality = json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()
+    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json(),
+                                                    QUALITY_KEY: quality})
 
     def total(col: str) -> float:
         return float(pc.sum(batch.column(col)).as_py() or 0.0) if col in batch.column_names else 0.0
@@ -177,14 +181,19 @@ def _is_part(base: str) -> bool:
     return base.startswith(PART_PREFIX) and base.endswith(PART_SUFFIX)
 
 
-def read_record(fs: Any, path: str) -> ShardRecord:
-    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
+def read_footer(fs: Any, path: str) -> dict[bytes, bytes]:
+    """The key-value metadata of a shard's Parquet footer (one ranged read on object stores)."""
     if is_local(fs):
         meta = pq.read_metadata(path)
     else:
         with fs.open(path, "rb", block_size=1 << 17) as f:
             meta = pq.ParquetFile(f).metadata
-    raw = (meta.metadata or {}).get(RECORD_KEY)
+    return meta.metadata or {}
+
+
+def read_record(fs: Any, path: str) -> ShardRecord:
+    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
+    raw = read_footer(fs, path).get(RECORD_KEY)
     if raw is not None:
         return ShardRecord.from_json(raw)
     columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]
