@@ -137,7 +137,7 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
     rows = conform(batch, OUTPUT_SCHEMA)
     record = ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
-    from pipeline.quality import QualityStats
+    from pipeline.quality_stats import QualityStats
 
     quality = json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()
     commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json(),
