@@ -174,6 +174,10 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
         click.echo(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
     if not quiet:
         click.echo(format_run_report(summary.report))
+    if result.drift:
+        d = result.drift
+        click.echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
+                   + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
     counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
     click.echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
 

@@ -7,6 +7,9 @@
   but no ``_SUCCESS``) resumes where it stopped; the job skips rows it already committed.
 * The latest earlier completed ``date=`` folder is passed as ``previous``, so objects unchanged since
   then (same URI, ETag, size and mtime) are carried over instead of reclassified (``--no-previous`` off).
+* The finished date is compared with the previous completed date (top-1 confidence PSI, label JS divergence,
+  error rates; ``pipeline/quality.py``) and the comparison recorded as ``drift`` in its ``_REPORT.json``; the
+  exit status does not depend on it: ``bulk-classify report DEST --against previous`` is the gate.
 * ``--config FILE`` (YAML) may hold any of these options (``output_root``, ``date``, ...) and any run
   option (``batch_size``, ``num_actors``, ``storage_options``, ...); the command line wins over the file,
   the file over ``BULK_CLASSIFY_*`` environment variables.
@@ -45,6 +48,7 @@ class NightlyResult:
     resumed_shards: int = 0
     summary: Any = None  # pipeline.job.RunSummary when a run happened
     success: dict[str, Any] | None = None  # the _SUCCESS record found or written
+    drift: dict[str, Any] | None = None  # the comparison with the previous date recorded in _REPORT.json
 
 
 def scan_date(value: str | None, now: datetime | None = None) -> str:
@@ -159,8 +163,12 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     from pipeline.job import run_job  # noqa: PLC0415 - Ray and pyarrow: only for a run
 
     summary = run_job(config, progress=progress)
+    from pipeline.quality import record_drift  # noqa: PLC0415
+
+    # The quality gate's comparison: against the previous completed date, even when nothing was carried from it.
+    drift = record_drift(dest, previous or find_previous(output_root, day, storage_options), storage_options)
     return NightlyResult("completed", day, dest, previous=previous, resumed_shards=len(shards), summary=summary,
-                         success=read_json(fs, root, SUCCESS))
+                         success=read_json(fs, root, SUCCESS), drift=drift)
 
 
 def _open(url: str, storage_options: Mapping[str, Any] | None):

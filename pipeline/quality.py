@@ -228,6 +228,17 @@ def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
     return stats.to_dict()
 
 
+def committed_quality(fs: Any, root: str) -> dict[str, Any]:
+    """:func:`quality_of_parts` of every shard committed in ROOT now.
+
+    Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
+    """
+    from pipeline.writer import committed_parts
+
+    fs.invalidate_cache()
+    return quality_of_parts(fs, committed_parts(fs, root))
+
+
 def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, *,
                    use_recorded: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """``(quality, run report)`` of an output folder.
@@ -242,6 +253,7 @@ def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, 
 
     fs, root = _open(dest, storage_options)
     try:
+        fs.invalidate_cache()  # fsspec reuses file system objects, and their listings, within a process
         parts = committed_parts(fs, root)
     except OSError as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
@@ -344,6 +356,27 @@ def compare_outputs(dest: str, against: str, thresholds: DriftThresholds = Drift
                   current={"dest": dest, "quality": quality, "run": _run_info(run)},
                   previous={"dest": against, "quality": prev_quality, "run": _run_info(prev_run)})
     return result
+
+
+def record_drift(dest: str, against: str | None, storage_options: Mapping[str, Any] | None = None,
+                 thresholds: DriftThresholds = DriftThresholds()) -> dict[str, Any] | None:
+    """Compare finished output DEST with the earlier one AGAINST and record it as ``drift`` in DEST's ``_REPORT.json``.
+
+    The nightly job calls this with the previous date's folder, so the night's report says what it was
+    compared with (``report DEST --against previous`` reads that back). ``against=None`` (the first night)
+    records ``drift: null``. Returns the record.
+    """
+    from pipeline.writer import read_json, write_json
+
+    record = None
+    if against is not None:
+        result = compare_outputs(dest, against, thresholds, storage_options)
+        record = {k: v for k, v in result.items() if k not in ("current", "previous", "dest")}
+    fs, root = _open(dest, storage_options)
+    report = read_json(fs, root, "_REPORT.json") or {}
+    report["drift"] = record
+    write_json(fs, root, "_REPORT.json", report)
+    return record
 
 
 def population_stability_index(expected: Iterable[float], actual: Iterable[float]) -> float:

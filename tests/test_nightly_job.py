@@ -179,6 +179,8 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
     assert report["avg_batch_size"] and report["avg_batch_size"] > 0 and report["images_per_s"] > 0
     assert set(report["stage_seconds"]) == {"list", "fetch", "decode_preprocess", "infer", "write"}
     assert read_json(s3, "nightly-out", day1 + "_SUCCESS")["counts"] == {"ok": n_photos, "error": 1}
+    assert report["drift"] is None  # the first night has nothing to be compared with
+    assert report["quality"]["rows"] == n_photos + 1 and report["quality"]["error_kinds"] == report["error_kinds"]
 
     # 2. Second submission for the completed date: says so and changes nothing.
     before = s3_listing(s3, "nightly-out", day1)
@@ -192,6 +194,11 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
     assert "previous: s3://nightly-out/scans/date=2026-11-27" in logs
     report2 = read_json(s3, "nightly-out", day2 + "_REPORT.json")
     assert report2["carried"] == n_photos and report2["classified"] == 1
+    # ... and compares itself with it: nothing changed, no drift (the quality gate's record)
+    assert report2["drift"]["against"] == "s3://nightly-out/scans/date=2026-11-27"
+    assert report2["drift"]["psi"] == 0 and report2["drift"]["js_divergence"] == 0 and report2["drift"]["passed"]
+    assert report2["quality"]["carried"] == n_photos
+    assert "quality against s3://nightly-out/scans/date=2026-11-27: PSI 0.000, label JS 0.000: no threshold" in logs
     table2 = read_output(s3, "nightly-out", day2)
     assert table2.num_rows == n_photos + 1 and sum(table2.column("carried").to_pylist()) == n_photos
 
