@@ -87,7 +87,7 @@ def test_two_triton_actors_run_two_loopback_servers_and_leave_nothing_behind(ray
     assert not any(psutil.pid_exists(pid) for pid in seen), "a tritonserver outlived the job"
     actors = {str(pid) for pid in parents.values()}
     ours = [p.name for p in set(Path("/dev/shm").glob("bulkcls_*")) - shm_before
-            if actors & set(p.name.split("_"))]  # bulkcls_<actor pid>_… and bulkcls_engine_<actor pid>_…
+            if actors & set(p.name.split("_"))]  # bulkcls_<pid of the actor that started the server>_…
     assert not ours, f"shared memory left behind: {ours}"
 
 

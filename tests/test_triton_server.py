@@ -171,8 +171,8 @@ def test_server_dies_with_its_parent(echo_repo, tmp_path):
 def test_sweep_removes_only_regions_of_dead_processes():
     dead = subprocess.Popen(["true"])
     dead.wait()
-    mine = [SHM_DIR / f"bulkcls_{os.getpid()}_test_a", SHM_DIR / f"bulkcls_engine_{os.getpid()}_test_b"]
-    stale = [SHM_DIR / f"bulkcls_{dead.pid}_test_c", SHM_DIR / f"bulkcls_engine_{dead.pid}_test_d"]
+    mine = [SHM_DIR / f"bulkcls_{os.getpid()}_test_a", SHM_DIR / f"bulkcls_{os.getpid()}_test_b"]
+    stale = [SHM_DIR / f"bulkcls_{dead.pid}_test_c", SHM_DIR / f"bulkcls_{dead.pid}_test_d"]
     for path in mine + stale:
         path.write_bytes(b"x")
     try:

@@ -59,14 +59,13 @@ HEALTH_TIMEOUT_S = 15.0
 
 
 def sweep_stale_shared_memory() -> list[str]:
-    """Removes /dev/shm files of our servers and engines whose process is gone (a SIGKILLed actor cleans nothing).
+    """Removes /dev/shm files of our servers whose process is gone (a SIGKILLed actor cleans nothing).
 
-    Names are ``bulkcls_<pid>_…`` (python backend regions) and ``bulkcls_engine_<pid>_…`` (engine input regions).
+    Names are ``bulkcls_<pid>_…``: the python backend's regions of the server that process started.
     """
     removed = []
     for path in SHM_DIR.glob(SHM_PREFIX + "*"):
-        parts = path.name[len(SHM_PREFIX):].split("_")
-        pid_text = parts[1] if parts[0] == "engine" and len(parts) > 1 else parts[0]
+        pid_text = path.name[len(SHM_PREFIX):].split("_")[0]
         if not pid_text.isdigit():
             continue
         try:
