@@ -237,7 +237,7 @@ def _cli_run(source: Path, output: Path, engine: str) -> dict[str, dict]:
            "--num-actors", "1", "-q"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    table = pq.read_table(sorted(output.glob("*.parquet")))
+    table = pq.read_table(sorted(output.rglob("part-*.parquet")))  # shards sit in group folders
     return {row["uri"].rsplit("/", 1)[-1]: row for row in table.to_pylist()}
 
 
