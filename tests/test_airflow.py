@@ -146,7 +146,7 @@ def test_task_fails_when_the_job_fails_and_the_retry_submits_a_new_attempt(airfl
     assert final_state(out) == "up_for_retry", out[-4000:]  # failed; Airflow will retry it
     assert "Ray job bulk-classify-nightly-2026-11-25 ended FAILED" in out
     # the job's own error reaches the task's failure message
-    assert re.search(r"nightly scan: error: .*no-such-bucket-here", out), out[-5000:]
+    assert re.search(r"Error: .*no-such-bucket-here", out), out[-5000:]  # `bulk-classify nightly`'s one line
     proc = run_task(airflow_env, "2026-11-25", ray_cluster, s3_server, "s3://no-such-bucket-here/in")
     assert final_state(proc.stdout + proc.stderr) == "up_for_retry"
     assert nightly_jobs(ray_cluster, "2026-11-25") == {"bulk-classify-nightly-2026-11-25": "FAILED",
