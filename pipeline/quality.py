@@ -191,6 +191,15 @@ class QualityStats:
         }
 
 
+def quality_footer(rows: Any) -> dict[bytes, bytes]:
+    """The footer entry the writer adds to a shard: its quality counters (``QualityStats.to_state``)."""
+    import json
+
+    from pipeline.schema import QUALITY_KEY
+
+    return {QUALITY_KEY: json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()}
+
+
 def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
     """Quality statistics of committed shards, one shard at a time: from the counters the writer kept in each
     shard's footer, or, for a shard written without them, from its five columns.

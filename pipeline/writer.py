@@ -14,7 +14,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.schema import (
-    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, QUALITY_KEY,
-    RECORD_KEY, SHARD_META_KEY, conform,
+    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
+    SHARD_META_KEY, conform,
 )
 from pipeline.source import identity_hashes, is_local, open_fs, uri_hashes
 from pipeline.stats import ShardStats
@@ -129,19 +129,21 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
         fs.pipe_file(final, payload)
 
 
-def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any]) -> pa.Table:
-    """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row."""
+def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any],
+                footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None) -> pa.Table:
+    """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row.
+
+    ``footer(rows)`` may add more key-value metadata to the shard's footer (the job adds quality counters).
+    """
     start = time.perf_counter()
     fs, dest = open_fs(output, storage_options)
     shard = shard_id(batch.column("uri").to_pylist())
     rows = conform(batch, OUTPUT_SCHEMA)
     record = ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
-    from pipeline.quality import QualityStats
-
-    quality = json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()
-    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json(),
-                                                    QUALITY_KEY: quality})
+    extra = dict(footer(rows)) if footer is not None else {}
+    commit_table(fs, dest, part_name(shard), rows, {**extra, SHARD_META_KEY: shard.encode(),
+                                                    RECORD_KEY: record.to_json()})
 
     def total(col: str) -> float:
         return float(pc.sum(batch.column(col)).as_py() or 0.0) if col in batch.column_names else 0.0

@@ -224,6 +224,7 @@ def previous_rows(paths: list[Path], model: str) -> pa.Table:
 def test_kill_minus_nine_mid_carry_over_then_rerun_and_resume_give_every_object_one_row(tmp_path):
     """A nightly scan with 1 % changed, killed while it copies the unchanged rows, then rerun and rerun again."""
     from pipeline.model import load_model
+    from pipeline.quality import quality_footer
     from pipeline.writer import write_shard
 
     n, per_shard = 4000, 50
@@ -239,7 +240,7 @@ def test_kill_minus_nine_mid_carry_over_then_rerun_and_resume_give_every_object_
     model = load_model(None).name
     for start in range(0, n, 500):
         write_shard(previous_rows([paths[i] for i in range(start, start + 500)], model), output=str(prev),
-                    storage_options={})
+                    storage_options={}, footer=quality_footer)
     changed = set(range(0, n, 100))  # 1 % changed since: new bytes, new size
     for i in changed:
         paths[i].unlink()

@@ -105,11 +105,11 @@ def test_shard_stats_sum_and_round_trip():
 
 
 def test_quality_counters_in_footers_add_up_to_the_quality_of_the_rows(tmp_path):
-    from pipeline.quality import QualityStats, quality_of_parts
+    from pipeline.quality import QualityStats, quality_footer, quality_of_parts
 
     batches = [rows(10, errors=2, carried=3), rows(7, 100, errors=1)]
     for b in batches:
-        write_shard(b, output=str(tmp_path), storage_options={})
+        write_shard(b, output=str(tmp_path), storage_options={}, footer=quality_footer)
     flat = conform(rows(4, 200), OUTPUT_SCHEMA)
     pq.write_table(flat, tmp_path / "part-flat.parquet")  # no counters in its footer: read from its rows
     fs, root = open_fs(str(tmp_path))

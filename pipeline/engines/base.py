@@ -13,7 +13,7 @@ import importlib.util
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
 from pipeline.errors import ConfigError
@@ -42,6 +42,7 @@ class Result:
         return cls(status=STATUS_ERROR, error=error, width=width, height=height)
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What every engine offers: one Result per encoded image, in order, and its cumulative stage times.
 

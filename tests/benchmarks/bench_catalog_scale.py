@@ -114,6 +114,7 @@ def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], 
                 keep=lambda i: True) -> None:
     """Rows with the real schema for the objects ``keep`` selects, committed by the real writer."""
     from pipeline.schema import WORK_SCHEMA, conform
+    from pipeline.quality import quality_footer
     from pipeline.writer import write_shard
 
     if (dest / ".done").exists():
@@ -143,7 +144,7 @@ def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], 
         }
         table = pa.table({f.name: pa.array(cols[f.name], f.type) if f.name in cols else pa.nulls(k, f.type)
                           for f in WORK_SCHEMA})
-        write_shard(conform(table, WORK_SCHEMA), output=str(dest), storage_options={})
+        write_shard(conform(table, WORK_SCHEMA), output=str(dest), storage_options={}, footer=quality_footer)
     (dest / ".done").write_text("")
 
 
