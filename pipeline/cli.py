@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 import click
 
@@ -13,6 +14,8 @@ from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.engines.base import ENGINE_NAMES, REGISTRY
 from pipeline.errors import BulkClassifyError
 from pipeline.triton.contract import PROFILES
+
+NIGHTLY_PROGRESS_EVERY_S = 30.0
 
 
 def _options(items: tuple[str, ...], flag: str = "--storage-option", example: str = "anon=true") -> dict[str, Any]:
@@ -54,36 +57,58 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+# The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
+RUN_OPTIONS = (
+    click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0."),
+    click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None, help="; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
+    click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
+    click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5)."),
+    click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64)."),
+    click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000)."),
+    click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for the source, the output and the previous output, e.g. endpoint_url=http://127.0.0.1:9000; repeatable."),
+    click.option("--overwrite", is_flag=True, default=None, help="Delete this tool's earlier files in the output and start over."),
+    click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
+    click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
+    click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default: 1 for a GPU engine on a cluster with GPUs, else 0)."),
+    click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
+    click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
+    click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB)."),
+    click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M)."),
+    click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5)."),
+    click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
+    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor)."),
+    click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8)."),
+    click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
+)
+
+
+def run_options(command: Callable) -> Callable:
+    """Adds ``RUN_OPTIONS`` to a command."""
+    for option in reversed(RUN_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """RUN_OPTIONS' values as RunConfig fields (None: not given); ``quiet`` is the CLI's and is removed."""
+    options.pop("quiet", None)
+    fields = dict(options)
+    fields["storage_options"] = _options(options.get("storage_options") or ())
+    fields["engine_options"] = _options(options.get("engine_options") or (), "--engine-option", "max_batch=8")
+    extensions = options.get("extensions")
+    if extensions is not None:
+        fields["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
+    return fields
+
+
 @main.command()
 @click.argument("source")
 @click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
-@click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0.")
-@click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None, help="; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + ".")
-@click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5).")
-@click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64).")
-@click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000).")
-@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE/--output/--previous, e.g. endpoint_url=http://127.0.0.1:9000; repeatable.")
-@click.option("--overwrite", is_flag=True, help="Delete this tool's earlier files in --output and start over.")
 @click.option("--previous", default=None, help="An earlier run's output: unchanged objects are carried over, not reclassified.")
-@click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)}).")
-@click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4).")
-@click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16).")
-@click.option("--decode-threads", type=int, default=None, help="Decode threads per actor (default: CPU count).")
-@click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB).")
-@click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M).")
-@click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5).")
-@click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. instances=2; repeatable.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port).")
-@click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor).")
-@click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
-def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_options: tuple[str, ...],
-        extensions: str | None, **options: Any) -> None:
+@run_options
+def run(source: str, quiet: bool, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
-    explicit = dict(options, source=source, storage_options=_options(storage_options),
-                    engine_options=_options(engine_options, "--engine-option", "max_batch=8"))
-    if extensions is not None:
-        explicit["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
+    explicit = dict(_run_fields(options), source=source)
     try:
         config = RunConfig.build(explicit)
         config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
@@ -106,6 +131,88 @@ def run(source: str, quiet: bool, storage_options: tuple[str, ...], engine_optio
             f"{summary.counts.get('error', 0)} error; this run classified {summary.classified}, "
             f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
         )
+
+
+class NightlyError(click.ClickException):
+    """A bad option, storage or model in the nightly scan: exit status 2 (1 is a crash)."""
+
+    exit_code = 2
+
+
+@main.command()
+@click.option("--config", "config_file", default=None, metavar="FILE", help="YAML file with any of these options, with _ for - (flags win).")
+@click.option("--source", default=None, help="Folder or URL to classify, e.g. s3://bucket/prefix.")
+@click.option("--output-root", default=None, help="Folder or URL that receives date=YYYY-MM-DD/ folders.")
+@click.option("--date", default=None, help="YYYY-MM-DD to scan (default: today in UTC).")
+@click.option("--previous", default=None, help="'auto' (the latest earlier completed date, default), 'none', or a URL.")
+@click.option("--no-previous", is_flag=True, help="Classify everything: carry nothing over from an earlier date (= --previous none).")
+@run_options
+def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: Any) -> None:
+    """Scan SOURCE into <output-root>/date=YYYY-MM-DD/: once per date, resumable, carrying unchanged objects over.
+
+    \b
+    Exit status: 0 done or already complete, 2 bad options or storage (the message says the fix), 1 a crash.
+    """
+    from pipeline.nightly import DATE_PREFIX, nightly_scan
+
+    try:
+        scan = nightly_options(config_file, no_previous, options)
+        result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
+    except BulkClassifyError as err:
+        raise NightlyError(str(err)) from None
+    if result.status == "already_complete":
+        rec = result.success or {}
+        click.echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
+                   f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
+        return
+    from pipeline.report import format_run_report
+
+    summary = result.summary
+    if result.resumed_shards:
+        click.echo(f"resumed an interrupted scan: {result.resumed_shards} shard(s) were already committed")
+    if result.previous:
+        click.echo(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
+    if not quiet:
+        click.echo(format_run_report(summary.report))
+    if result.drift:
+        d = result.drift
+        click.echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
+                   + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
+    counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
+    click.echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
+
+
+def nightly_options(config_file: str | None, no_previous: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """The scan's options from the command line's values (``None``: not given) over the YAML file's."""
+    from pipeline.nightly import PREVIOUS_NONE, collect_options
+
+    fields = _run_fields(dict(options))
+    if no_previous:
+        fields["previous"] = PREVIOUS_NONE
+    return collect_options(config_file, fields)
+
+
+@main.command("engines")
+def engines_command() -> None:
+    """The registered engines, what each needs, and their --engine-option names."""
+    for spec in REGISTRY.values():
+        click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
+        for option in spec.options:
+            kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
+            click.echo(f"  {option.name}={kind}  {option.help}")
+
+
+def _nightly_progress(every_s: float = NIGHTLY_PROGRESS_EVERY_S) -> Callable[[int, "int | None", int], None]:
+    """A progress line every ``every_s`` seconds: the job logs of `ray job submit` are not a terminal."""
+    last = [0.0]
+
+    def show(done: int, total: int | None, errors: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s:
+            last[0] = now
+            click.echo(f"progress: {done}/{total if total is not None else '?'} rows, {errors} errors")
+
+    return show
 
 
 @main.group()
@@ -136,7 +243,7 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
 @repo.command("check")
 @click.argument("path", required=False)
 def repo_check(path: str | None) -> None:
-    """Parse every config.pbtxt with Triton's schema and check the ensemble's wiring."""
+    """Check repositories: PATH (a repository or a folder of profiles), else every profile this package generates."""
     from pipeline.triton.checks import check_repository
 
     try:
@@ -144,6 +251,25 @@ def repo_check(path: str | None) -> None:
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"ok: {len(models)} models checked ({', '.join(models)})")
+
+
+@repo.command("prepare")
+@click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default="/models/repository", show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
+@click.option("--model", envvar="BULK_CLASSIFY_MODEL", default=None, help="Model folder; default: built-in EfficientNet-Lite0 ($BULK_CLASSIFY_MODEL).")
+@click.option("--plan-cache", envvar="BULK_CLASSIFY_PLAN_CACHE", default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans ($BULK_CLASSIFY_PLAN_CACHE).")
+@click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=5, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
+@click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=64, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
+def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top_k: int, max_batch_size: int) -> None:
+    """Put a production repository for this node's GPU and TensorRT in place: keep, fetch from the cache, or build."""
+    from pipeline.triton.prepare import prepare
+
+    logging.getLogger().setLevel(logging.INFO)  # the pod log shows what it did and how long it took
+    try:
+        done = prepare(repository, model or None, plan_cache=plan_cache or None, top_k=top_k,
+                       max_batch_size=max_batch_size)
+    except Exception as err:  # noqa: BLE001 - one line for the pod log (fsspec and TensorRT raise their own types)
+        raise click.ClickException(f"{type(err).__name__}: {err}") from None
+    click.echo(f"repo prepare: {done['action']} {done['cache_name']}")
 
 
 @main.command()

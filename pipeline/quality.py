@@ -144,6 +144,22 @@ class QualityStats:
         self.error_kinds.update(other.error_kinds)
         return self
 
+    def to_state(self) -> dict[str, Any]:
+        """The raw counters, JSON-safe and lossless (what a shard's footer keeps, so outputs merge footers)."""
+        return {"version": QUALITY_VERSION, **{name: getattr(self, name) for name in (
+            "rows", "ok", "carried", "confidence_sum", "margin_sum", "margin_rows", "below_floor")},
+            **{name: getattr(self, name).tolist() for name in ("confidence", "carried_confidence", "margin")},
+            "labels": dict(self.labels), "error_kinds": dict(self.error_kinds)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "QualityStats":
+        stats = cls(**{k: v for k, v in state.items() if k not in (
+            "version", "confidence", "carried_confidence", "margin", "labels", "error_kinds")})
+        for name in ("confidence", "carried_confidence", "margin"):
+            setattr(stats, name, np.asarray(state[name], np.int64))
+        stats.labels, stats.error_kinds = Counter(state["labels"]), Counter(state["error_kinds"])
+        return stats
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form written under ``quality`` in ``_REPORT.json``."""
         errors = sum(self.error_kinds.values())
@@ -175,21 +191,52 @@ class QualityStats:
         }
 
 
+def quality_footer(rows: Any) -> dict[bytes, bytes]:
+    """The footer entry the writer adds to a shard: its quality counters (``QualityStats.to_state``)."""
+    import json
+
+    from pipeline.schema import QUALITY_KEY
+
+    return {QUALITY_KEY: json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()}
+
+
 def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
-    """Quality statistics of committed shards, read one shard and five columns at a time.
+    """Quality statistics of committed shards, one shard at a time: from the counters the writer kept in each
+    shard's footer, or, for a shard written without them, from its five columns.
 
     Carried rows are included (they are part of the night's answer) and counted apart in
     ``carried`` and ``confidence.carried_counts``.
     """
+    import json
+
     import pyarrow.parquet as pq
+
+    from pipeline.schema import QUALITY_KEY
+    from pipeline.writer import read_footer
 
     stats = QualityStats()
     for path in parts:
+        raw = read_footer(fs, path).get(QUALITY_KEY)
+        state = json.loads(raw) if raw is not None else None
+        if state is not None and state.get("version") == QUALITY_VERSION:
+            stats.merge(QualityStats.from_state(state))
+            continue
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
             present = [c for c in QUALITY_COLUMNS if c in pf.schema_arrow.names]
             stats.add_table(pf.read(columns=present))
     return stats.to_dict()
+
+
+def committed_quality(fs: Any, root: str) -> dict[str, Any]:
+    """:func:`quality_of_parts` of every shard committed in ROOT now.
+
+    Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
+    """
+    from pipeline.writer import committed_parts
+
+    fs.invalidate_cache()
+    return quality_of_parts(fs, committed_parts(fs, root))
 
 
 def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -206,6 +253,7 @@ def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, 
 
     fs, root = _open(dest, storage_options)
     try:
+        fs.invalidate_cache()  # fsspec reuses file system objects, and their listings, within a process
         parts = committed_parts(fs, root)
     except OSError as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
@@ -308,6 +356,27 @@ def compare_outputs(dest: str, against: str, thresholds: DriftThresholds = Drift
                   current={"dest": dest, "quality": quality, "run": _run_info(run)},
                   previous={"dest": against, "quality": prev_quality, "run": _run_info(prev_run)})
     return result
+
+
+def record_drift(dest: str, against: str | None, storage_options: Mapping[str, Any] | None = None,
+                 thresholds: DriftThresholds = DriftThresholds()) -> dict[str, Any] | None:
+    """Compare finished output DEST with the earlier one AGAINST and record it as ``drift`` in DEST's ``_REPORT.json``.
+
+    The nightly job calls this with the previous date's folder, so the night's report says what it was
+    compared with (``report DEST --against previous`` reads that back). ``against=None`` (the first night)
+    records ``drift: null``. Returns the record.
+    """
+    from pipeline.writer import read_json, write_json
+
+    record = None
+    if against is not None:
+        result = compare_outputs(dest, against, thresholds, storage_options)
+        record = {k: v for k, v in result.items() if k not in ("current", "previous", "dest")}
+    fs, root = _open(dest, storage_options)
+    report = read_json(fs, root, "_REPORT.json") or {}
+    report["drift"] = record
+    write_json(fs, root, "_REPORT.json", report)
+    return record
 
 
 def population_stability_index(expected: Iterable[float], actual: Iterable[float]) -> float:

@@ -40,6 +40,7 @@ OWNED_PREFIXES = (PART_PREFIX, "." + PART_PREFIX, SUCCESS, REPORT, RUN_INFO)
 # identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
 RECORD_KEY = b"bulk_classify.record"
 SHARD_META_KEY = b"bulk_classify.shard"
+QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.QualityStats state)
 
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"
@@ -52,7 +53,6 @@ WORK_SCHEMA = pa.schema(
     + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (DECODE_S, pa.float64()), (INFER_S, pa.float64()),
        (CALLS, pa.float64())]
 )
-WORK_ONLY = [DATA, FETCH_S, DECODE_S, INFER_S, CALLS]
 
 
 def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:

@@ -14,7 +14,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -129,15 +129,21 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
         fs.pipe_file(final, payload)
 
 
-def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any]) -> pa.Table:
-    """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row."""
+def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any],
+                footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None) -> pa.Table:
+    """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row.
+
+    ``footer(rows)`` may add more key-value metadata to the shard's footer (the job adds quality counters).
+    """
     start = time.perf_counter()
     fs, dest = open_fs(output, storage_options)
     shard = shard_id(batch.column("uri").to_pylist())
     rows = conform(batch, OUTPUT_SCHEMA)
     record = ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
-    commit_table(fs, dest, part_name(shard), rows, {SHARD_META_KEY: shard.encode(), RECORD_KEY: record.to_json()})
+    extra = dict(footer(rows)) if footer is not None else {}
+    commit_table(fs, dest, part_name(shard), rows, {**extra, SHARD_META_KEY: shard.encode(),
+                                                    RECORD_KEY: record.to_json()})
 
     def total(col: str) -> float:
         return float(pc.sum(batch.column(col)).as_py() or 0.0) if col in batch.column_names else 0.0
@@ -177,14 +183,19 @@ def _is_part(base: str) -> bool:
     return base.startswith(PART_PREFIX) and base.endswith(PART_SUFFIX)
 
 
-def read_record(fs: Any, path: str) -> ShardRecord:
-    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
+def read_footer(fs: Any, path: str) -> dict[bytes, bytes]:
+    """The key-value metadata of a shard's Parquet footer (one ranged read on object stores)."""
     if is_local(fs):
         meta = pq.read_metadata(path)
     else:
         with fs.open(path, "rb", block_size=1 << 17) as f:
             meta = pq.ParquetFile(f).metadata
-    raw = (meta.metadata or {}).get(RECORD_KEY)
+    return meta.metadata or {}
+
+
+def read_record(fs: Any, path: str) -> ShardRecord:
+    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
+    raw = read_footer(fs, path).get(RECORD_KEY)
     if raw is not None:
         return ShardRecord.from_json(raw)
     columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]

@@ -17,6 +17,7 @@ AIRFLOW_VENV = REPO / ".venv-airflow"
 DAGS = REPO / "infra" / "airflow" / "dags"
 DAG_ID = "bulk_classify_nightly"
 TASK_ID = "nightly_scan"
+GATE_TASK_ID = "quality_gate"
 
 pytestmark = [
     pytest.mark.airflow,
@@ -66,11 +67,16 @@ print(json.dumps({{
     "ids": [m.submission_id("2026-11-29"), m.submission_id("2026-11-29", 3)],
     "entrypoint": m.entrypoint(cfg, "2026-11-29"),
     "local": m.entrypoint(local, "2026-11-29"),
+    "downstream": sorted(dag.get_task({TASK_ID!r}).downstream_task_ids),
+    "gate": m.gate_entrypoint({{**cfg, "gate_args": ["--js-max", "0.1"]}}, "2026-11-29"),
 }}))
 """)
     assert got["errors"] == {}
     assert got["dags"] == [DAG_ID]
-    assert got["tasks"] == [TASK_ID]
+    assert got["tasks"] == [TASK_ID, GATE_TASK_ID]
+    assert got["downstream"] == [GATE_TASK_ID]
+    assert got["gate"] == ("python -m pipeline.cli report s3://out/y/date=2026-11-29 --against previous "
+                           "--js-max 0.1")
     assert got["retries"] >= 1 and got["max_active_runs"] == 1 and got["catchup"] is False
     assert got["timetable"] == "0 2 * * *"
     assert got["ids"] == ["bulk-classify-nightly-2026-11-29", "bulk-classify-nightly-2026-11-29-attempt-3"]
@@ -145,3 +151,69 @@ def test_task_fails_when_the_job_fails_and_the_retry_submits_a_new_attempt(airfl
     assert final_state(proc.stdout + proc.stderr) == "up_for_retry"
     assert nightly_jobs(ray_cluster, "2026-11-25") == {"bulk-classify-nightly-2026-11-25": "FAILED",
                                                        "bulk-classify-nightly-2026-11-25-attempt-2": "FAILED"}
+
+
+def run_dag(env: dict, day: str, cluster, s3_server, source: str, output_root: str) -> subprocess.CompletedProcess:
+    """`airflow dags test`: the whole DAG for one logical date, scan then quality gate, in this process tree."""
+    scan = {
+        "source": source,
+        "output_root": output_root,
+        "working_dir": str(REPO),
+        "args": ["--num-actors", "1"],
+        "env_vars": {"AWS_ENDPOINT_URL": s3_server.url, "AWS_ACCESS_KEY_ID": "testing",
+                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"},
+        "poll_s": 1,
+    }
+    host = cluster.address.removeprefix("http://")
+    dag_env = {**env, "AIRFLOW_CONN_RAY_DEFAULT": f"http://:{cluster.token}@{host}",
+               "AIRFLOW_VAR_BULK_CLASSIFY_NIGHTLY": json.dumps(scan)}
+    return subprocess.run([str(AIRFLOW_VENV / "bin" / "airflow"), "dags", "test", DAG_ID, day],
+                          env=dag_env, capture_output=True, text=True, timeout=500)
+
+
+def task_states(env: dict, day: str) -> dict[str, str]:
+    """Each task's state in the DAG run of logical date ``day``, from Airflow's own database."""
+    return airflow_python(env, f"""
+import json
+from airflow.models.dagrun import DagRun
+from airflow.utils.session import create_session
+with create_session() as session:
+    runs = [r for r in session.query(DagRun).filter(DagRun.dag_id == {DAG_ID!r})
+            if r.logical_date is not None and r.logical_date.date().isoformat() == {day!r}]
+    assert len(runs) == 1, runs
+    print(json.dumps({{ti.task_id: str(ti.state) for ti in runs[0].get_task_instances(session=session)}}))
+""")
+
+
+@pytest.mark.slow
+def test_quality_gate_passes_on_an_unchanged_night_and_fails_on_an_altered_one(airflow_env, ray_cluster,  # noqa: F811
+                                                                              s3, s3_server):
+    from alterations import recompress
+
+    s3.create_bucket(Bucket="gate-src")
+    s3.create_bucket(Bucket="gate-out")
+    images = sorted((REPO / "tests" / "data" / "parity" / "inputs").glob("*.jpg"))[:40]
+    for p in images:
+        s3.put_object(Bucket="gate-src", Key=f"in/{p.name}", Body=p.read_bytes())
+    args = (ray_cluster, s3_server, "s3://gate-src/in", "s3://gate-out/nightly")
+
+    # The first night has nothing to compare with; the second, unchanged (every row carried), shows no drift.
+    for day in ("2026-11-20", "2026-11-21"):
+        proc = run_dag(airflow_env, day, *args)
+        out = proc.stdout + proc.stderr
+        assert task_states(airflow_env, day) == {TASK_ID: "success", GATE_TASK_ID: "success"}, out[-5000:]
+    report = json.loads(s3.get_object(Bucket="gate-out", Key="nightly/date=2026-11-21/_REPORT.json")["Body"].read())
+    assert report["carried"] == len(images)
+    assert report["drift"]["against"] == "s3://gate-out/nightly/date=2026-11-20" and report["drift"]["psi"] == 0
+    assert "gate: passed" in out
+
+    # The third night's uploads were recompressed hard: every object changed, so all are classified again.
+    for p in images:
+        s3.put_object(Bucket="gate-src", Key=f"in/{p.name}", Body=recompress(p.read_bytes()))
+    proc = run_dag(airflow_env, "2026-11-22", *args)
+    out = proc.stdout + proc.stderr
+    assert task_states(airflow_env, "2026-11-22") == {TASK_ID: "success", GATE_TASK_ID: "failed"}, out[-5000:]
+    assert "quality gate: drift in s3://gate-out/nightly/date=2026-11-22 against the previous night" in out
+    report = json.loads(s3.get_object(Bucket="gate-out", Key="nightly/date=2026-11-22/_REPORT.json")["Body"].read())
+    assert report["classified"] == len(images) and report["drift"]["passed"] is False
+    print(f"altered night: PSI {report['drift']['psi']:.3f}  JS {report['drift']['js_divergence']:.3f}")

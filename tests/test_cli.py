@@ -22,7 +22,8 @@ def bulk(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.
                           env=dict(os.environ, **(env or {})))
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["repo"], ["repo", "build"], ["repo", "check"], ["report"], ["size"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["nightly"], ["engines"], ["repo"], ["repo", "build"], ["repo", "check"],
+                                     ["repo", "prepare"], ["report"], ["size"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0, result.output

@@ -205,3 +205,81 @@ def test_permanent_errors_become_rows_and_secrets_stay_out(s3_server, s3, ray_lo
     for name in ("_SUCCESS", "_REPORT.json", "_RUN.json"):
         assert secret not in (dest / name).read_text()
     assert secret not in caplog.text
+
+
+def previous_rows(paths: list[Path], model: str) -> pa.Table:
+    """Rows a previous run would have written for these files (the real schema; the labels are made up)."""
+    stats = [p.stat() for p in paths]
+    k = len(paths)
+    return conform(pa.table({
+        "uri": [f"file://{p}" for p in paths], "status": ["ok"] * k, "class_ids": [[1, 2, 3, 4, 5]] * k,
+        "labels": [list("abcde")] * k, "scores": [[0.5, 0.2, 0.1, 0.1, 0.1]] * k, "model": [model] * k,
+        "engine": ["onnx"] * k, "size_bytes": [s.st_size for s in stats], "carried": [False] * k,
+        "mtime": pa.array([int(s.st_mtime * 1_000_000) for s in stats], pa.int64()).cast(
+            WORK_SCHEMA.field("mtime").type),
+    }), WORK_SCHEMA)
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_mid_carry_over_then_rerun_and_resume_give_every_object_one_row(tmp_path):
+    """A nightly scan with 1 % changed, killed while it copies the unchanged rows, then rerun and rerun again."""
+    from pipeline.model import load_model
+    from pipeline.quality import quality_footer
+    from pipeline.writer import write_shard
+
+    n, per_shard = 4000, 50
+    src, prev, out = tmp_path / "src", tmp_path / "prev", tmp_path / "out"
+    seeds = [tmp_path / f"seed{i}.jpg" for i in range(4)]
+    for i, seed in enumerate(seeds):
+        seed.write_bytes(make_jpeg(700 + i, (24, 20)))
+    paths = [src / f"d{i // 1000}" / f"img{i:05d}.jpg" for i in range(n)]
+    for i, path in enumerate(paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.link(seeds[i % 4], path)
+    # Yesterday's output, with the real schema and writer: a row for every object.
+    model = load_model(None).name
+    for start in range(0, n, 500):
+        write_shard(previous_rows([paths[i] for i in range(start, start + 500)], model), output=str(prev),
+                    storage_options={}, footer=quality_footer)
+    changed = set(range(0, n, 100))  # 1 % changed since: new bytes, new size
+    for i in changed:
+        paths[i].unlink()
+        paths[i].write_bytes(make_jpeg(9000 + i, (30, 26)))
+
+    cmd = CLI + ["run", str(src), "--output", str(out), "--previous", str(prev), "--quiet",
+                 "--shard-size", str(per_shard)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    carried_seen = 0
+    while time.time() < deadline and proc.poll() is None:
+        parts = list(out.rglob("part-*.parquet")) if out.exists() else []
+        if len(parts) >= 4:  # the changed 40 fit in one or two shards; the rest are carried ones
+            table = pads.dataset([str(p) for p in parts], format="parquet").to_table(columns=["carried"])
+            carried_seen = sum(table.column("carried").to_pylist())
+            if carried_seen >= 2 * per_shard:
+                break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed mid-carry-over"
+    kill_tree(proc)
+    uris = committed_uris(out)
+    assert len(uris) == len(set(uris)) and 0 < len(uris) < n, len(uris)
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "carried", "status"])
+    uris = table.column("uri").to_pylist()
+    assert len(uris) == len(set(uris)) == n
+    fresh = {int(u.rsplit("img", 1)[1][:5]) for u, c in zip(uris, table.column("carried").to_pylist()) if not c}
+    assert fresh == changed  # the changed 1 % reclassified, everything else carried
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert success["rows"] == n and success["this_run"]["already_done"] == len(committed_uris(out)) - (
+        success["this_run"]["classified"] + success["this_run"]["carried"])
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # a resume: nothing to do
+    assert again.returncode == 0, again.stderr[-2000:]
+    success = json.loads((out / "_SUCCESS").read_text())
+    assert success["rows"] == n and success["this_run"] == {"images": 0, "classified": 0, "carried": 0,
+                                                            "already_done": n}
+    assert len(committed_uris(out)) == n

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from pipeline.errors import ModelError, TritonError
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "infra" / "docker"
@@ -201,11 +202,9 @@ def test_workers_have_a_memory_backed_dev_shm_sized_for_triton_and_the_object_st
 
 
 def load_prepare():
-    spec = importlib.util.spec_from_file_location("prepare_repository", DOCKER / "prepare_repository.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["prepare_repository"] = module
-    spec.loader.exec_module(module)
-    return module
+    from pipeline.triton import prepare
+
+    return prepare
 
 
 def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp_path):
@@ -250,8 +249,8 @@ def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp
 
 def test_prepare_without_gpu_says_what_is_missing(tmp_path, monkeypatch):
     prep = load_prepare()
-    monkeypatch.setattr("pipeline.triton.repository.local_plan_key", lambda: None)
-    with pytest.raises(RuntimeError, match="no GPU .* or no TensorRT"):
+    monkeypatch.setattr("pipeline.triton.prepare.local_plan_key", lambda: None)
+    with pytest.raises(TritonError, match="no GPU .* or no TensorRT"):
         prep.prepare(str(tmp_path / "r"), None)
 
 
@@ -265,6 +264,6 @@ def test_cache_archive_cannot_write_outside_the_repository(tmp_path):
         info = tarfile.TarInfo("../escape.txt")
         info.size = 1
         tar.addfile(info, io.BytesIO(b"x"))
-    with pytest.raises(RuntimeError, match="escapes the repository"):
+    with pytest.raises(ModelError, match="escapes the repository"):
         prep.unpack(buf.getvalue(), tmp_path / "repo")
     assert not (tmp_path / "escape.txt").exists()

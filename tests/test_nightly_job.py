@@ -1,36 +1,38 @@
-"""The nightly scan: its date/previous/config logic, and real `ray job submit` runs against moto S3."""
+"""The nightly scan (`bulk-classify nightly`, pipeline/nightly.py): its date/previous/config logic, and real
+`ray job submit` runs of jobs/nightly_scan.py against moto S3."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import sys
+import re
+import shlex
+import subprocess
+import textwrap
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from click.testing import CliRunner
+
+from pipeline import cli
+from pipeline import nightly as ns
 from pipeline.errors import ConfigError
 from ray_cluster import ray_cluster  # noqa: F401  (session fixture: a real local Ray cluster)
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTOS = REPO / "tests" / "data" / "photos"
-SCRIPT = "jobs/nightly_scan.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("nightly_scan", REPO / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nightly_scan"] = module
-    spec.loader.exec_module(module)
-    return module
+def parse_args(argv: list[str]) -> dict:
+    """What `bulk-classify nightly ARGV` hands to nightly_scan."""
+    params = dict(cli.nightly.make_context("nightly", list(argv)).params)
+    params.pop("quiet")
+    return cli.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
 
 
-ns = load_script()
-
-
-# --- the script's logic, no cluster -------------------------------------------------------------------
+# --- the nightly logic, no cluster -------------------------------------------------------------------
 
 
 def test_scan_date_defaults_to_today_utc_and_rejects_bad_dates():
@@ -76,7 +78,7 @@ def test_options_come_from_config_file_then_flags(tmp_path, monkeypatch):
     cfg = tmp_path / "nightly.yaml"
     cfg.write_text("source: s3://in/photos\noutput_root: s3://out/nightly\nengine: triton\nbatch_size: 32\n"
                    "storage_options: {anon: false}\n")
-    opts = ns.parse_args(["--config", str(cfg), "--batch-size", "8", "--storage-option", "use_ssl=false",
+    opts = parse_args(["--config", str(cfg), "--batch-size", "8", "--storage-option", "use_ssl=false",
                           "--no-previous", "--extensions", "jpg,png"])
     assert opts["source"] == "s3://in/photos" and opts["engine"] == "triton"
     assert opts["batch_size"] == 8  # the flag wins over the file
@@ -85,7 +87,7 @@ def test_options_come_from_config_file_then_flags(tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("source: x\nbatchsize: 3\n")
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['batchsize'\]"):
-        ns.parse_args(["--config", str(bad)])
+        parse_args(["--config", str(bad)])
 
 
 def test_missing_required_options_say_how_to_fix(tmp_path):
@@ -93,7 +95,8 @@ def test_missing_required_options_say_how_to_fix(tmp_path):
         ns.nightly_scan({"source": str(PHOTOS)})
     with pytest.raises(ConfigError, match="give --output-root, not output"):
         ns.nightly_scan({"source": str(PHOTOS), "output_root": str(tmp_path), "output": str(tmp_path)})
-    assert ns.main(["--source", str(PHOTOS)]) == 2
+    result = CliRunner().invoke(cli.main, ["nightly", "--source", str(PHOTOS)])
+    assert result.exit_code == 2 and "--output-root is required" in result.output
 
 
 def test_example_config_is_valid():
@@ -132,13 +135,35 @@ def read_json(s3, bucket: str, key: str) -> dict:
     return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
-def submit(cluster, s3_server, sid: str, *args: str) -> str:
-    """`ray job submit --working-dir <repo>` of the nightly script; returns the job's logs."""
+def documented_submit() -> str:
+    """The `ray job submit` lines of infra/README.md, exactly as written there."""
+    text = (REPO / "infra" / "README.md").read_text()
+    block = re.search(r"\n((?:    .*\n)*    ray job submit .*\n(?:    .*\n)*)", text).group(1)
+    return textwrap.dedent(block)
+
+
+def submit(cluster, s3_server, sid: str, *args: str, auth: bool = True) -> str:
+    """infra/README.md's `ray job submit` lines as written: HEAD, the source and the output root filled in, the
+    test's flags appended, its job id and S3 endpoint added; returns the job's logs."""
     env = {"AWS_ENDPOINT_URL": s3_server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    proc = cluster.ray("job", "submit", "--address", cluster.address, "--submission-id", sid,
-                       "--working-dir", str(REPO), "--runtime-env-json", json.dumps({"env_vars": env}),
-                       "--", "python", SCRIPT, *args, timeout=300, check=False)
+    options = dict(zip(args[::2], args[1::2]))
+    command = documented_submit()
+    assert "export RAY_AUTH_MODE=token\n" in command and "http://HEAD:8265" in command
+    if not auth:
+        command = command.replace("export RAY_AUTH_MODE=token\n", "")
+    command = command.replace("http://HEAD:8265", cluster.address)
+    command = command.replace("--source s3://photos/incoming", f"--source {options.pop('--source')}")
+    command = command.replace("--output-root s3://labels/nightly", f"--output-root {options.pop('--output-root')}")
+    command = command.replace("ray job submit", "ray job submit --submission-id " + sid + " --runtime-env-json "
+                              + shlex.quote(json.dumps({"env_vars": env})), 1)
+    command = command.rstrip("\n") + " " + " ".join(f"{k} {shlex.quote(v)}" for k, v in options.items())
+    # The client gets the cluster's token as the README says (RAY_AUTH_TOKEN), and auth mode only from the lines.
+    shell_env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=shell_env, capture_output=True, text=True,
+                          timeout=300)
+    if not auth:
+        return proc.stdout + proc.stderr
     status = cluster.job_status(sid)
     logs = cluster.ray("job", "logs", "--address", cluster.address, sid).stdout
     assert status == "SUCCEEDED", f"job {sid} did not succeed:\n{status}\n{logs[-3000:]}\n{proc.stderr[-2000:]}"
@@ -162,6 +187,10 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
               "--num-actors", "1", "--shard-size", "4"]
     day1 = "scans/date=2026-11-27/"
 
+    # 0. The documented command without its `export RAY_AUTH_MODE=token` line: Ray 2.60 refuses it.
+    refused = submit(ray_cluster, s3_server, "nightly-no-auth", *common, "--date", "2026-11-27", auth=False)
+    assert "Missing authentication token" in refused, refused[-2000:]
+
     # 1. First submission for the date: classifies everything.
     logs = submit(ray_cluster, s3_server, "nightly-2026-11-27", *common, "--date", "2026-11-27")
     assert "nightly scan date=2026-11-27 complete" in logs
@@ -179,6 +208,8 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
     assert report["avg_batch_size"] and report["avg_batch_size"] > 0 and report["images_per_s"] > 0
     assert set(report["stage_seconds"]) == {"list", "fetch", "decode_preprocess", "infer", "write"}
     assert read_json(s3, "nightly-out", day1 + "_SUCCESS")["counts"] == {"ok": n_photos, "error": 1}
+    assert report["drift"] is None  # the first night has nothing to be compared with
+    assert report["quality"]["rows"] == n_photos + 1 and report["quality"]["error_kinds"] == report["error_kinds"]
 
     # 2. Second submission for the completed date: says so and changes nothing.
     before = s3_listing(s3, "nightly-out", day1)
@@ -192,6 +223,11 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
     assert "previous: s3://nightly-out/scans/date=2026-11-27" in logs
     report2 = read_json(s3, "nightly-out", day2 + "_REPORT.json")
     assert report2["carried"] == n_photos and report2["classified"] == 1
+    # ... and compares itself with it: nothing changed, no drift (the quality gate's record)
+    assert report2["drift"]["against"] == "s3://nightly-out/scans/date=2026-11-27"
+    assert report2["drift"]["psi"] == 0 and report2["drift"]["js_divergence"] == 0 and report2["drift"]["passed"]
+    assert report2["quality"]["carried"] == n_photos
+    assert "quality against s3://nightly-out/scans/date=2026-11-27: PSI 0.000, label JS 0.000: no threshold" in logs
     table2 = read_output(s3, "nightly-out", day2)
     assert table2.num_rows == n_photos + 1 and sum(table2.column("carried").to_pylist()) == n_photos
 

@@ -15,7 +15,6 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.model import load_model
 from pipeline.triton.checks import check_repository, repository_top_k
 from pipeline.triton.repository import (
-    MODEL_REPOSITORY,
     PlanKey,
     add_topk_head,
     build_repository,
@@ -23,6 +22,7 @@ from pipeline.triton.repository import (
     write_plan_key,
 )
 
+MODEL_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 COMMITTED_PROFILES = ("portable", "production")
 
 
@@ -42,10 +42,12 @@ def test_committed_profile_is_what_the_generator_writes(profile, tmp_path):
     assert fresh_files == committed_files, f"regenerate with: bulk-classify repo build --profile {profile}"
 
 
-def test_committed_repositories_pass_the_check():
-    checked = check_repository(None)
+def test_committed_and_generated_repositories_pass_the_check():
+    checked = check_repository(str(MODEL_REPOSITORY))  # a folder of profiles
     assert {"portable/classifier", "production/classifier", "production/classifier_trt",
-            "production/preprocess"} <= set(checked)
+            "production/preprocess", "gpu/classifier"} <= set(checked)
+    assert set(check_repository(None)) == {"gpu/classifier", "portable/classifier", "production/classifier",
+                                           "production/classifier_trt", "production/preprocess"}
     assert check_repository(str(MODEL_REPOSITORY / "production")) == ["classifier", "classifier_trt", "preprocess"]
     assert repository_top_k(MODEL_REPOSITORY / "portable") == tn.DEFAULT_TOP_K
 

@@ -102,3 +102,19 @@ def test_shard_stats_sum_and_round_trip():
     assert ShardStats().decode_s is None  # no engine told us: stays unknown, not zero
     assert total.report_fields()["counts"] == {"ok": 3, "error": 2}
     assert total.stage_seconds(0.5)["decode_preprocess"] == 0.5
+
+
+def test_quality_counters_in_footers_add_up_to_the_quality_of_the_rows(tmp_path):
+    from pipeline.quality import QualityStats, quality_footer, quality_of_parts
+
+    batches = [rows(10, errors=2, carried=3), rows(7, 100, errors=1)]
+    for b in batches:
+        write_shard(b, output=str(tmp_path), storage_options={}, footer=quality_footer)
+    flat = conform(rows(4, 200), OUTPUT_SCHEMA)
+    pq.write_table(flat, tmp_path / "part-flat.parquet")  # no counters in its footer: read from its rows
+    fs, root = open_fs(str(tmp_path))
+    expect = QualityStats()
+    for table in (*batches, flat):
+        expect.add_table(conform(table, OUTPUT_SCHEMA))
+    assert quality_of_parts(fs, committed_parts(fs, root)) == expect.to_dict()
+    assert QualityStats.from_state(expect.to_state()).to_dict() == expect.to_dict()

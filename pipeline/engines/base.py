@@ -13,8 +13,9 @@ import importlib.util
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
 from pipeline.errors import ConfigError
 
 STATUS_OK = "ok"
@@ -41,6 +42,7 @@ class Result:
         return cls(status=STATUS_ERROR, error=error, width=width, height=height)
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What every engine offers: one Result per encoded image, in order, and its cumulative stage times.
 
@@ -98,7 +100,7 @@ class Option:
     name: str
     type: type  # int, float, bool, str, or list (of strings; a string is split like a shell would)
     help: str
-    minimum: float | None = None
+    minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
 
     def parse(self, engine: str, value: Any) -> Any:
@@ -117,6 +119,8 @@ class Option:
                 parsed = self.type(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} is not {_type_name(self.type)}; {self.help}") from None
+        if self.minimum is not None and self.type is float and parsed <= self.minimum:
+            raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
         if self.choices and parsed not in self.choices:
@@ -171,7 +175,7 @@ def _positive_int(name: str, help: str) -> Option:
 
 
 def _positive_float(name: str, help: str) -> Option:
-    return Option(name, float, help, minimum=1e-9)
+    return Option(name, float, help, minimum=0)
 
 
 def check_torch(options: Mapping[str, Any]) -> None:
@@ -239,9 +243,7 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="decode, resize and classify on the actor's GPU with PyTorch",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "the JPEG decoder; auto is DALI where installed",
-                       choices=("auto", "dali", "nvimgcodec", "torchvision", "pil")),
-                _positive_float("hw_decode_load", "share of each batch for the hardware JPEG engines, e.g. 0.9"),
+                Option("decoder", str, "the JPEG decoder; auto is DALI where installed", choices=GPU_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
                 Option("device", str, "a torch device, e.g. cuda:0"),
@@ -250,6 +252,7 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("cpu_decode_threads", "threads decoding what the GPU cannot, e.g. 4"),
                 Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (DALI: one pipeline each), e.g. 2"),
+                Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",

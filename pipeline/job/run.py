@@ -15,7 +15,7 @@ from pipeline.job.output import (
 from pipeline.schema import REPORT, RUN_INFO, SUCCESS
 from pipeline.source import check_source, open_fs
 from pipeline.stats import ShardStats
-from pipeline.writer import committed_parts, write_json
+from pipeline.writer import write_json
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
@@ -71,9 +71,9 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     elapsed = time.perf_counter() - t0
     report = assemble_report(config, totals, model=bundle.name, already_done=skipped, list_s=index_s + list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at)
-    from pipeline.quality import quality_of_parts
+    from pipeline.quality import committed_quality
 
-    report["quality"] = quality_of_parts(dst_fs, committed_parts(dst_fs, dst_root))  # every committed row
+    report["quality"] = committed_quality(dst_fs, dst_root)  # every committed row, shard by shard
     write_json(dst_fs, dst_root, REPORT, report)
     all_counts = count_output(dst_fs, dst_root)
     write_json(dst_fs, dst_root, SUCCESS, {
@@ -137,11 +137,16 @@ class _Run:
         done.uri_hashes = None  # the driver keeps no copy
         if previous is not None:
             previous.identities = None
+        start = time.perf_counter()
         self._drain(classify_dataset(self.config, done_ref, previous_ref, self.counter))
         listed, skipped, list_s = ray.get(self.counter.get.remote())
+        LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
+                 self.totals.rows, time.perf_counter() - start)
         if previous_ref is not None:
+            start = time.perf_counter()
             carried_ref = self.counter.carried_keys.remote()
             self._drain(carry_dataset(self.config, previous.parts, carried_ref))
+            LOG.info("carried %d rows over in %.1f s", self.totals.carried, time.perf_counter() - start)
         self._report_progress(listed)
         return self.totals, listed, skipped, list_s
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 from pipeline.errors import ModelError
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import _dtype, _mc
-from pipeline.triton.repository import CONFIG_FILE, MODEL_REPOSITORY, find_plan, local_plan_key
+from pipeline.triton.repository import CONFIG_FILE, build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def _describe(dtype: int, dims) -> str:
 def check_repository(path: str | os.PathLike | None = None) -> list[str]:
     """Parses every config.pbtxt with Triton's schema and checks ensembles' wiring and the engine contract.
 
-    With no path, checks each profile folder under the project's ``model_repository/``.
+    ``path`` is a repository, or a folder of repositories (one per profile, like the project's
+    ``model_repository/``); with no path, the configs this package generates for every profile are checked.
 
     Returns:
         the names of the models checked (``profile/model`` when checking all profiles).
@@ -45,13 +47,16 @@ def check_repository(path: str | os.PathLike | None = None) -> list[str]:
         ModelError: the first problem, naming the file, the tensor and what was expected.
     """
     if path is None:
-        checked = []
-        for folder in sorted(p for p in MODEL_REPOSITORY.iterdir() if p.is_dir()):
-            checked += [f"{folder.name}/{name}" for name in check_repository(folder)]
-        return checked
+        with tempfile.TemporaryDirectory(prefix="bulk-classify-check-") as tmp:
+            for profile in tn.PROFILES:
+                build_repository(profile, None, str(Path(tmp) / profile), artifacts=False)
+            return check_repository(tmp)
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelError(f"repository {root} is not a folder; pass a folder of <model>/{CONFIG_FILE}")
+    if not any(root.glob(f"*/{CONFIG_FILE}")) and any(root.glob(f"*/*/{CONFIG_FILE}")):
+        return [f"{folder.name}/{name}" for folder in sorted(p for p in root.iterdir() if p.is_dir())
+                for name in check_repository(folder)]
     configs = {}
     for config_path in sorted(root.glob(f"*/{CONFIG_FILE}")):
         config = _parse(config_path)

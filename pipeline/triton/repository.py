@@ -29,8 +29,6 @@ from pipeline.triton.server import STUB_PATH_ENV
 LOG = logging.getLogger(__name__)
 
 PROFILES = tn.PROFILES
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
 PORTABLE_SHIM = "model.py"

@@ -35,7 +35,8 @@ CONTAINER_BACKENDS = Path("..") / "backends"
 # Set this to a tritonserver binary to override discovery (e.g. a build outside PATH).
 BINARY_ENV = "BULK_CLASSIFY_TRITONSERVER"
 PR_SET_PDEATHSIG = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The folder holding the `pipeline` package (a checkout or site-packages): the python backend stub imports from it.
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 # The python backend stub ignores PYTHONPATH; our python models prepend this variable's folders to sys.path.
 STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
 
@@ -197,7 +198,7 @@ class TritonServer:
         # This interpreter's package folders (venv, site- and dist-packages, PYTHONPATH), in its own order.
         package_dirs = [p for p in sys.path if p and ("site-packages" in p or "dist-packages" in p)]
         package_dirs += [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-        paths = [str(REPO_ROOT)]
+        paths = [str(PACKAGE_PARENT)]
         for path in [*env.get("PYTHONPATH", "").split(os.pathsep), *package_dirs]:
             if path and path not in paths:
                 paths.append(path)

@@ -1,4 +1,9 @@
-"""Airflow DAG of the nightly scan: submit ``jobs/nightly_scan.py`` to a Ray cluster, wait, fail when it fails.
+"""Airflow DAG of the nightly scan: submit ``jobs/nightly_scan.py`` to a Ray cluster, wait, then gate on drift.
+
+Two tasks: ``nightly_scan`` (fails when the job fails) and then ``quality_gate``, a short Ray job running
+``bulk-classify report DEST --against previous``: it compares the night with the previous completed date (top-1
+confidence PSI, label JS divergence, error rates; thresholds in the README's "Quality gate") and the task fails,
+without retries, when a threshold is crossed (exit status 3), so downstream consumers never read a drifted night.
 
 Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/airflow/setup_venv.sh``):
 
@@ -13,6 +18,7 @@ Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/a
        "script": null,                                        # default: jobs/nightly_scan.py in working_dir,
                                                               #   else /opt/bulk-classify/jobs/... (image)
        "env_vars": {"AWS_REGION": "eu-west-1"},               # the job's environment (runtime_env)
+       "gate_args": ["--psi-max", "0.25"],                    # more `bulk-classify report` options
        "poll_s": 30}
 
 Why no operator from a provider: Airflow ships no maintained Ray provider (Astronomer's astro-provider-ray
@@ -35,12 +41,15 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
 from airflow.sdk import Connection, Param, Variable, dag, get_current_context, task
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 LOG = logging.getLogger(__name__)
 
 DAG_ID = "bulk_classify_nightly"
 TASK_ID = "nightly_scan"
+GATE_TASK_ID = "quality_gate"
+GATE_PREFIX = "bulk-classify-gate"
+DRIFT_EXIT_CODE = 3  # `bulk-classify report --against`: a threshold was crossed (pipeline/quality.py)
 CONN_ID = "ray_default"
 ADDRESS_VARIABLE = "bulk_classify_ray_address"
 TOKEN_VARIABLE = "bulk_classify_ray_token"
@@ -58,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "script": None,  # DEFAULT_SCRIPT with a working_dir, else IMAGE_SCRIPT
     "working_dir": None,
     "env_vars": {},
+    "gate_args": [],
     "poll_s": 30,
 }
 
@@ -103,8 +113,9 @@ def scan_config(variable: Mapping[str, Any] | None, params: Mapping[str, Any] | 
                                f'(JSON, e.g. {{"source": "s3://bucket/in", "output_root": "s3://bucket/out"}})')
     if not cfg.get("script"):
         cfg["script"] = DEFAULT_SCRIPT if cfg.get("working_dir") else IMAGE_SCRIPT
-    if not isinstance(cfg["args"], list):
-        raise AirflowException(f"{CONFIG_VARIABLE}.args must be a list of strings, got {cfg['args']!r}")
+    for key in ("args", "gate_args"):
+        if not isinstance(cfg[key], list):
+            raise AirflowException(f"{CONFIG_VARIABLE}.{key} must be a list of strings, got {cfg[key]!r}")
     return cfg
 
 
@@ -120,17 +131,31 @@ def entrypoint(cfg: Mapping[str, Any], day: str) -> str:
     return shlex.join(argv + [str(a) for a in cfg["args"]])
 
 
+def gate_entrypoint(cfg: Mapping[str, Any], day: str) -> str:
+    """The shell command of the quality gate: the night's output compared with the night it recorded."""
+    argv = ["python", "-m", "pipeline.cli", "report", date_dest(cfg, day), "--against", "previous"]
+    return shlex.join(argv + [str(a) for a in cfg["gate_args"]])
+
+
+def date_dest(cfg: Mapping[str, Any], day: str) -> str:
+    return f"{str(cfg['output_root']).rstrip('/')}/date={day}"
+
+
+def runtime_env(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    env: dict[str, Any] = {"env_vars": {str(k): str(v) for k, v in dict(cfg["env_vars"]).items()}}
+    if cfg.get("working_dir"):
+        env["working_dir"] = cfg["working_dir"]
+    return env
+
+
 def submit_or_attach(client: Any, cfg: Mapping[str, Any], day: str) -> str:
     """Return the id of the date's live or succeeded job, submitting a new attempt only when none is."""
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sid = submission_id(day, attempt)
         status = _status_or_none(client, sid)
         if status is None:
-            runtime_env: dict[str, Any] = {"env_vars": {str(k): str(v) for k, v in dict(cfg["env_vars"]).items()}}
-            if cfg.get("working_dir"):
-                runtime_env["working_dir"] = cfg["working_dir"]
             try:
-                client.submit_job(entrypoint=entrypoint(cfg, day), submission_id=sid, runtime_env=runtime_env,
+                client.submit_job(entrypoint=entrypoint(cfg, day), submission_id=sid, runtime_env=runtime_env(cfg),
                                   metadata={"dag_id": DAG_ID, "date": day, "attempt": str(attempt)})
             except RuntimeError:
                 if _status_or_none(client, sid) is None:  # not a lost race with another submitter
@@ -175,8 +200,36 @@ def run_nightly_scan(address: str, cfg: Mapping[str, Any], day: str,
         info = client.get_job_info(sid)
         raise AirflowException(f"Ray job {sid} ended {status}: {info.message or ''}; "
                                f"see `ray job logs {sid}` (last lines above)")
-    return {"submission_id": sid, "status": status, "date": day,
-            "dest": f"{str(cfg['output_root']).rstrip('/')}/date={day}"}
+    return {"submission_id": sid, "status": status, "date": day, "dest": date_dest(cfg, day)}
+
+
+def run_quality_gate(address: str, cfg: Mapping[str, Any], day: str,
+                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run the night's drift check as a Ray job; AirflowFailException (no retry) on drift.
+
+    Each run is a new job (the check only reads, and reading again is the point of a rerun). A job that fails
+    for another reason (storage unreachable, no recorded comparison) raises AirflowException, so it retries.
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address, headers=dict(headers or {}))
+    sid = f"{GATE_PREFIX}-{day}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+    client.submit_job(entrypoint=gate_entrypoint(cfg, day), submission_id=sid, runtime_env=runtime_env(cfg),
+                      metadata={"dag_id": DAG_ID, "date": day, "task": GATE_TASK_ID})
+    LOG.info("submitted quality gate %s: %s", sid, gate_entrypoint(cfg, day))
+    status = wait_for(client, sid, float(cfg.get("poll_s") or 30))
+    logs = client.get_job_logs(sid)
+    LOG.info("comparison of %s with the previous night:\n%s", date_dest(cfg, day), "\n".join(logs.splitlines()[-40:]))
+    if status == "SUCCEEDED":
+        return {"submission_id": sid, "date": day, "dest": date_dest(cfg, day), "passed": True}
+    message = client.get_job_info(sid).message or ""
+    if f"exit code {DRIFT_EXIT_CODE}" in message:
+        drift = [line.split("DRIFT: ", 1)[1] for line in logs.splitlines() if "DRIFT: " in line]
+        raise AirflowFailException(
+            f"quality gate: drift in {date_dest(cfg, day)} against the previous night: {'; '.join(drift)}. "
+            f"Look at the night (`bulk-classify report {date_dest(cfg, day)} --against previous --html drift.html`); "
+            f"if the change is expected, loosen {CONFIG_VARIABLE}.gate_args (e.g. --js-max) and clear this task")
+    raise AirflowException(f"quality gate job {sid} ended {status}: {message[:2000]}; see `ray job logs {sid}`")
 
 
 def scan_day(context: Mapping[str, Any]) -> str:
@@ -221,7 +274,14 @@ def bulk_classify_nightly():
         address, headers = ray_address()
         return run_nightly_scan(address, cfg, scan_day(context), headers)
 
-    nightly_scan()
+    @task(task_id=GATE_TASK_ID, retries=1, retry_delay=timedelta(minutes=2), execution_timeout=timedelta(hours=1))
+    def quality_gate() -> dict[str, Any]:
+        context = get_current_context()
+        cfg = scan_config(Variable.get(CONFIG_VARIABLE, default=None, deserialize_json=True), context.get("params"))
+        address, headers = ray_address()
+        return run_quality_gate(address, cfg, scan_day(context), headers)
+
+    nightly_scan() >> quality_gate()
 
 
 bulk_classify_nightly()

@@ -1,4 +1,4 @@
-"""Worker start-up: put a production Triton repository for THIS node's GPU and TensorRT version in place.
+"""`bulk-classify repo prepare`: put a production Triton repository for THIS node's GPU and TensorRT in place.
 
 TensorRT plans load only on the GPU architecture (compute capability) and TensorRT version that built
 them, so the image ships no plan. At start each GPU worker:
@@ -10,9 +10,11 @@ them, so the image ships no plan. At start each GPU worker:
 3. else builds it with ``pipeline.triton.repository.build_repository("production", ...)`` (a few minutes on the GPU)
    and uploads it to the cache for the next node of the same kind.
 
-Environment: ``BULK_CLASSIFY_REPOSITORY`` (default ``/models/repository``), ``BULK_CLASSIFY_MODEL``
-(``default`` or a model folder), ``BULK_CLASSIFY_PLAN_CACHE`` (optional), ``BULK_CLASSIFY_TOP_K`` (5),
-``BULK_CLASSIFY_MAX_BATCH`` (64). Exit status 0 when the repository is ready, 1 with the reason otherwise.
+The worker image's entrypoint runs it at start. Options (or their environment variables):
+``--repository`` (``BULK_CLASSIFY_REPOSITORY``, default ``/models/repository``), ``--model``
+(``BULK_CLASSIFY_MODEL``: ``default`` or a model folder), ``--plan-cache`` (``BULK_CLASSIFY_PLAN_CACHE``, optional),
+``--top-k`` (``BULK_CLASSIFY_TOP_K``, 5), ``--max-batch-size`` (``BULK_CLASSIFY_MAX_BATCH``, 64).
+Exit status 0 when the repository is ready, 1 with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import hashlib
 import io
 import json
 import logging
-import os
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from pipeline.errors import ModelError, TritonError
+from pipeline.model import load_model
+from pipeline.triton import contract as tn
+from pipeline.triton.checks import check_repository
+from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger("bulk_classify.prepare")
 STAMP = ".bulk-classify-repository.json"
@@ -57,7 +63,7 @@ def unpack(data: bytes, folder: Path) -> None:
         for member in tar.getmembers():  # a cache object is data, never trusted with paths outside the folder
             target = (folder / member.name).resolve()
             if not str(target).startswith(str(folder.resolve())) or member.issym() or member.islnk():
-                raise RuntimeError(f"cache archive entry {member.name!r} escapes the repository; delete that object")
+                raise ModelError(f"cache archive entry {member.name!r} escapes the repository; delete that object")
         tar.extractall(folder)
 
 
@@ -68,14 +74,9 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
 
     ``key`` (a ``pipeline.triton.repository.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
     """
-    from pipeline.model import load_model
-    from pipeline.triton.checks import check_repository
-    from pipeline.triton.repository import build_repository, find_plan, local_plan_key
-    from pipeline.triton import contract as tn
-
     key = key or local_plan_key()
     if key is None:
-        raise RuntimeError("no GPU (nvidia-smi) or no TensorRT Python package here: a production repository "
+        raise TritonError("no GPU (nvidia-smi) or no TensorRT Python package here: a production repository "
                            "needs both; run this in the worker image on a GPU node")
     build = build or build_repository
     bundle = load_model(model)
@@ -96,9 +97,9 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
         action = "built"
         fs = root = None
         if plan_cache:
-            from pipeline.source import open_fs
+            import fsspec  # noqa: PLC0415 - only with a cache
 
-            fs, root = open_fs(plan_cache)
+            fs, root = fsspec.core.url_to_fs(plan_cache)
             cached = f"{root.rstrip('/')}/{name}"
             try:
                 data = fs.cat_file(cached)
@@ -131,24 +132,3 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
         return {**stamp, "action": action}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        done = prepare(
-            os.environ.get("BULK_CLASSIFY_REPOSITORY", DEFAULT_REPOSITORY),
-            os.environ.get("BULK_CLASSIFY_MODEL") or None,
-            plan_cache=os.environ.get("BULK_CLASSIFY_PLAN_CACHE") or None,
-            top_k=int(os.environ.get("BULK_CLASSIFY_TOP_K", "5")),
-            max_batch_size=int(os.environ.get("BULK_CLASSIFY_MAX_BATCH", "64")),
-        )
-    except Exception as err:  # noqa: BLE001  (one line for the pod log, then a non-zero exit)
-        print(f"prepare_repository: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return 1
-    print(f"prepare_repository: {done['action']} {done['cache_name']}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,370 @@
+"""Benchmark: listing, resume and carry-over at catalog scale, without classifying the catalog.
+
+Usage:
+    python tests/benchmarks/bench_catalog_scale.py [--sizes 100000,1000000] [--layout nested|flat]
+        [--s3-keys 200000] [--s3-tasks 8] [--skip-s3] [--workdir DIR] [--interval-s 0.5]
+
+Local catalogs are N hard links of a few 64x48 JPEGs, in folders of 1,000 (``nested``) or all in one folder
+(``flat``). For each N the script writes, with the real schema and the real writer (shard records included):
+
+* a *committed* output holding a row for every object (so a rerun finds everything done), and
+* a *previous* output holding rows for 99 % of the objects (every object whose index is not a multiple of 100),
+
+then measures, each as its own ``bulk-classify run ... --quiet`` subprocess with a fresh local Ray:
+
+* **listing**: the library's listing of the catalog in this process, one core (objects/s);
+* **resume, all done**: ``run SRC --output COMMITTED``: time, peak PSS of the whole process tree (driver, raylet,
+  workers; shared memory counted once), and the driver's peak RSS (VmHWM);
+* **carry-over 99 %**: ``run SRC --output NEW --previous PREVIOUS``: the same, plus a check that every object
+  has exactly one row, the 1 % are classified and the 99 % carried.
+
+The 1 % new objects are classified by a tiny ONNX model (global average pool + one dense layer, 10 classes, a
+32x32 input) built by this script: the benchmark measures the catalog machinery, not the network.
+
+The S3 part fills a moto server bucket with ``--s3-keys`` keys in one flat prefix (parallel PUTs) and lists it
+with 1 and ``--s3-tasks`` listing tasks (threads here, each listing its planned key ranges), in the same run.
+
+It prints one table with the 1M/100k ratios (largest/smallest size) and a projection to 100 M objects from the
+per-object costs measured between the two sizes. Goals (issue 14): peak memory ratio <= 1.5 for resume and
+carry-over; >= 20,000 objects/s for resume and carry-over at 1M; S3 listing with 8 tasks >= 3x one task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_streaming import TreeSampler  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SEEDS = 64  # ext4 allows 65,000 hard links to one file: 64 seeds give 4 M objects
+PER_FOLDER = 1000
+SHARD = 1000
+TOP_K = 5
+MIB = 1024 * 1024
+PROJECT_TO = 100_000_000
+
+
+def jpeg(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, "JPEG", quality=80)
+    return buf.getvalue()
+
+
+def tiny_model(folder: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder.mkdir(parents=True, exist_ok=True)
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(3, 10)).astype(np.float32), "w")
+    b = numpy_helper.from_array(np.zeros(10, np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["flat"]),
+         helper.make_node("Gemm", ["flat", "w", "b"], ["logits"])],
+        "tiny", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 32, 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], [w, b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, folder / "model.onnx")
+    (folder / "labels.txt").write_text("".join(f"class{i}\n" for i in range(10)))
+    (folder / "preprocess.json").write_text(json.dumps({
+        "resize_shorter": 32, "interpolation": "bilinear", "antialias": True, "crop": [32, 32],
+        "channel_order": "RGB", "scale": 1.0, "mean": [127.0] * 3, "std": [128.0] * 3, "layout": "NCHW"}))
+    return folder
+
+
+def object_path(root: Path, i: int, layout: str) -> Path:
+    name = f"img{i:07d}.jpg"
+    return root / name if layout == "flat" else root / f"d{i // PER_FOLDER:04d}" / name
+
+
+def make_catalog(root: Path, n: int, layout: str, seeds: list[Path]) -> None:
+    if (root / ".done").exists():
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for i in range(n):
+        path = object_path(root, i, layout)
+        if layout != "flat" and i % PER_FOLDER == 0:
+            path.parent.mkdir()
+        os.link(seeds[i % SEEDS], path)
+    (root / ".done").write_text("")
+
+
+def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], model: str,
+                keep=lambda i: True) -> None:
+    """Rows with the real schema for the objects ``keep`` selects, committed by the real writer."""
+    from pipeline.schema import WORK_SCHEMA, conform
+    from pipeline.quality import quality_footer
+    from pipeline.writer import write_shard
+
+    if (dest / ".done").exists():
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    stats = [os.stat(s) for s in seeds]
+    when = datetime(2026, 11, 30, tzinfo=timezone.utc)
+    idx = [i for i in range(n) if keep(i)]
+    for start in range(0, len(idx), SHARD):
+        chunk = idx[start:start + SHARD]
+        k = len(chunk)
+        cols = {
+            "uri": ["file://" + str(object_path(root, i, layout)) for i in chunk],
+            "status": ["ok"] * k,
+            "class_ids": [[(i + j) % 10 for j in range(TOP_K)] for i in chunk],
+            "labels": [[f"class{(i + j) % 10}" for j in range(TOP_K)] for i in chunk],
+            "scores": [[0.5, 0.2, 0.1, 0.1, 0.1]] * k,
+            "model": [model] * k,
+            "engine": ["onnx"] * k,
+            "size_bytes": [stats[i % SEEDS].st_size for i in chunk],
+            "width": [64] * k,
+            "height": [48] * k,
+            "mtime": pa.array([int(stats[i % SEEDS].st_mtime * 1_000_000) for i in chunk], pa.int64()).cast(
+                pa.timestamp("us", tz="UTC")),
+            "classified_at": [when] * k,
+            "carried": [False] * k,
+        }
+        table = pa.table({f.name: pa.array(cols[f.name], f.type) if f.name in cols else pa.nulls(k, f.type)
+                          for f in WORK_SCHEMA})
+        write_shard(conform(table, WORK_SCHEMA), output=str(dest), storage_options={}, footer=quality_footer)
+    (dest / ".done").write_text("")
+
+
+def vm_hwm(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_cli(args: list[str], env: dict, interval_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", *args, "--quiet"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hwm = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            hwm[0] = max(hwm[0], vm_hwm(proc.pid))
+            stop.wait(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with TreeSampler(proc.pid, interval_s=interval_s) as sampler:
+        out, err = proc.communicate()
+    stop.set()
+    watcher.join()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"bulk-classify failed ({proc.returncode}): {err[-3000:]}")
+    return {"wall_s": wall, "pss": sampler.peak["pss"], "driver_rss": hwm[0]}
+
+
+def check_rows(dest: Path, n: int) -> dict:
+    table = pads.dataset(str(dest), format="parquet").to_table(columns=["uri", "carried"])
+    uris = table.column("uri")
+    unique = len(set(uris.to_pylist()))
+    carried = table.column("carried").to_numpy(zero_copy_only=False)
+    fresh = [u for u, c in zip(uris.to_pylist(), carried) if not c]
+    fresh_ok = all(int(u.rsplit("img", 1)[1][:7]) % 100 == 0 for u in fresh)
+    return {"rows": table.num_rows, "unique": unique, "carried": int(carried.sum()), "fresh": len(fresh),
+            "ok": table.num_rows == unique == n and len(fresh) == -(-n // 100) and fresh_ok}
+
+
+def listing_rate(root: Path) -> float:
+    from pipeline.config import DEFAULT_EXTENSIONS
+    from pipeline.source import list_unit, open_fs, plan_listing
+
+    fs, path = open_fs(str(root))
+    start = time.perf_counter()
+    count = sum(1 for g in plan_listing(fs, path, DEFAULT_EXTENSIONS, 2) for u in g
+                for _ in list_unit(fs, u, DEFAULT_EXTENSIONS))
+    return count / (time.perf_counter() - start)
+
+
+def bench_size(n: int, layout: str, work: Path, seeds: list[Path], model_dir: Path, model: str, env: dict,
+               interval_s: float) -> dict:
+    root = work / f"src-{layout}-{n}"
+    t = time.perf_counter()
+    make_catalog(root, n, layout, seeds)
+    fake_output(work / f"committed-{layout}-{n}", root, n, layout, seeds, model)
+    fake_output(work / f"previous-{layout}-{n}", root, n, layout, seeds, model, keep=lambda i: i % 100 != 0)
+    print(f"  N={n:,}: catalog and fake outputs ready in {time.perf_counter() - t:.0f} s", flush=True)
+    result = {"n": n, "list_rate": listing_rate(root)}
+    print(f"  N={n:,}: listing {result['list_rate']:,.0f} objects/s", flush=True)
+    resume = run_cli([str(root), "--output", str(work / f"committed-{layout}-{n}"), "--model", str(model_dir)],
+                     env, interval_s)
+    done = json.loads((work / f"committed-{layout}-{n}" / "_SUCCESS").read_text())["this_run"]
+    assert done["already_done"] == n and done["images"] == 0, done
+    result["resume"] = resume
+    print(f"  N={n:,}: resume {resume['wall_s']:.1f} s, peak PSS {resume['pss'] / MIB:,.0f} MiB", flush=True)
+    dest = work / f"carried-{layout}-{n}"
+    shutil.rmtree(dest, ignore_errors=True)
+    carry = run_cli([str(root), "--output", str(dest), "--previous", str(work / f"previous-{layout}-{n}"),
+                     "--model", str(model_dir)], env, interval_s)
+    carry["check"] = check_rows(dest, n)
+    result["carry"] = carry
+    print(f"  N={n:,}: carry-over {carry['wall_s']:.1f} s, peak PSS {carry['pss'] / MIB:,.0f} MiB, "
+          f"rows {carry['check']}", flush=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    return result
+
+
+def bench_s3(keys: int, tasks: int, work: Path) -> dict:
+    sys.path.insert(0, str(REPO / "tests"))
+    import boto3
+    from conftest import MotoServer, free_port
+
+    from pipeline.config import DEFAULT_EXTENSIONS
+    from pipeline.source import list_unit, open_fs, plan_listing
+
+    server = MotoServer(free_port())
+    server.start()
+    os.environ.update(AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    try:
+        client = boto3.client("s3", endpoint_url=server.url)
+        client.create_bucket(Bucket="catalog")
+        start = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda i: client.put_object(Bucket="catalog", Key=f"flat/img{i:07d}.jpg", Body=b"x"),
+                          range(keys)))
+        fill_s = time.perf_counter() - start
+        print(f"  S3: {keys:,} keys in one flat prefix, filled in {fill_s:.0f} s", flush=True)
+        out = {"keys": keys, "fill_s": fill_s}
+        for label, n_tasks in (("one", 1), ("many", tasks)):
+            fs, root = open_fs("s3://catalog/flat")
+            fs.invalidate_cache()
+            start = time.perf_counter()
+            groups = plan_listing(fs, root, DEFAULT_EXTENSIONS, n_tasks)
+            plan_s = time.perf_counter() - start
+
+            def list_group(group: list) -> int:
+                return sum(1 for u in group for _ in list_unit(fs, u, DEFAULT_EXTENSIONS))
+
+            with ThreadPoolExecutor(len(groups)) as pool:
+                count = sum(pool.map(list_group, groups))
+            wall = time.perf_counter() - start
+            assert count == keys, (count, keys)
+            out[label] = {"tasks": len(groups), "wall_s": wall, "plan_s": plan_s, "rate": count / wall}
+            print(f"  S3 {n_tasks} task(s): {count / wall:,.0f} keys/s ({wall:.1f} s, planning {plan_s:.1f} s)",
+                  flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def marginal(results: list[dict], r: dict, key: str) -> float:
+    """Objects/s between the smallest size and this one: the rate once Ray and the actors are up."""
+    first = results[0]
+    if r is first:
+        return float("nan")
+    return (r["n"] - first["n"]) / max(1e-9, r[key]["wall_s"] - first[key]["wall_s"])
+
+
+def projection(small: dict, large: dict, key: str) -> tuple[float, float]:
+    """(seconds, bytes) projected to PROJECT_TO objects from the per-object slope between the two sizes."""
+    dn = large["n"] - small["n"]
+    t_slope = max(0.0, (large[key]["wall_s"] - small[key]["wall_s"]) / dn)
+    m_slope = max(0.0, (large[key]["pss"] - small[key]["pss"]) / dn)
+    rest = PROJECT_TO - large["n"]
+    return large[key]["wall_s"] + t_slope * rest, large[key]["pss"] + m_slope * rest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100000,1000000")
+    parser.add_argument("--layout", choices=("nested", "flat"), default="nested")
+    parser.add_argument("--s3-keys", type=int, default=200_000)
+    parser.add_argument("--s3-tasks", type=int, default=8)
+    parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--skip-local", action="store_true")
+    parser.add_argument("--workdir", default=None, help="Keep catalogs and fake outputs here between runs.")
+    parser.add_argument("--interval-s", type=float, default=0.5)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-catalog-"))
+    work.mkdir(parents=True, exist_ok=True)
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    env = dict(os.environ, RAY_TMPDIR=str(work / "ray"), PYTHONUNBUFFERED="1")
+    (work / "ray").mkdir(exist_ok=True)
+    results = []
+    if not args.skip_local:
+        seeds = []
+        for s in range(SEEDS):
+            p = work / "seeds" / f"seed{s}.jpg"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if not p.exists():
+                p.write_bytes(jpeg(s))
+            seeds.append(p)
+        model_dir = tiny_model(work / "tiny-model")
+        sys.path.insert(0, str(REPO))
+        from pipeline.model import load_model
+
+        model = load_model(str(model_dir)).name
+        for n in sizes:
+            results.append(bench_size(n, args.layout, work, seeds, model_dir, model, env, args.interval_s))
+    s3 = None if args.skip_s3 else bench_s3(args.s3_keys, args.s3_tasks, work)
+
+    print()
+    if results:
+        small, large = results[0], results[-1]
+        ratio = f"{large['n'] // 1000:,}k/{small['n'] // 1000:,}k"
+        print(f"{'local (' + args.layout + ')':<30}" + "".join(f"{r['n']:>14,}" for r in results) + f"{ratio:>14}")
+        rows = [
+            ("listing, objects/s", lambda r: r["list_rate"], "{:,.0f}"),
+            ("resume all done, s", lambda r: r["resume"]["wall_s"], "{:,.1f}"),
+            ("resume, objects/s", lambda r: r["n"] / r["resume"]["wall_s"], "{:,.0f}"),
+            ("resume peak PSS, MiB", lambda r: r["resume"]["pss"] / MIB, "{:,.0f}"),
+            ("resume driver RSS, MiB", lambda r: r["resume"]["driver_rss"] / MIB, "{:,.0f}"),
+            ("carry-over 99 %, s", lambda r: r["carry"]["wall_s"], "{:,.1f}"),
+            ("carry-over, objects/s", lambda r: r["n"] / r["carry"]["wall_s"], "{:,.0f}"),
+            ("carry peak PSS, MiB", lambda r: r["carry"]["pss"] / MIB, "{:,.0f}"),
+            ("carry driver RSS, MiB", lambda r: r["carry"]["driver_rss"] / MIB, "{:,.0f}"),
+            ("resume, objects/s past start", lambda r: marginal(results, r, "resume"), "{:,.0f}"),
+            ("carry, objects/s past start", lambda r: marginal(results, r, "carry"), "{:,.0f}"),
+            ("carry rows / carried", lambda r: f"{r['carry']['check']['rows']:,}/{r['carry']['check']['carried']:,}",
+             "{}"),
+        ]
+        for name, get, fmt in rows:
+            values = [get(r) for r in results]
+            cells = "".join(f"{fmt.format(v):>14}" for v in values)
+            ratio_cell = f"{values[-1] / values[0]:>13.2f}x" if isinstance(values[0], float) else f"{'':>14}"
+            print(f"{name:<30}{cells}{ratio_cell}")
+        print(f"every object exactly once after carry-over, 1 % reclassified: "
+              f"{all(r['carry']['check']['ok'] for r in results)}")
+        if len(results) > 1:
+            for key, label in (("resume", "resume all done"), ("carry", "carry-over 99 %")):
+                secs, mem = projection(small, large, key)
+                print(f"projection to {PROJECT_TO // 1_000_000} M, {label}: {secs / 60:,.0f} min, "
+                      f"peak PSS {mem / MIB / 1024:,.1f} GiB (per-object slope between the two sizes)")
+    if s3:
+        print(f"S3 flat prefix, {s3['keys']:,} keys on moto: 1 task {s3['one']['rate']:,.0f} keys/s, "
+              f"{s3['many']['tasks']} tasks {s3['many']['rate']:,.0f} keys/s: "
+              f"{s3['many']['rate'] / s3['one']['rate']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
