@@ -53,7 +53,6 @@ WORK_SCHEMA = pa.schema(
     + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (DECODE_S, pa.float64()), (INFER_S, pa.float64()),
        (CALLS, pa.float64())]
 )
-WORK_ONLY = [DATA, FETCH_S, DECODE_S, INFER_S, CALLS]
 
 
 def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:

@@ -145,3 +145,11 @@ def odd_images() -> dict:
 def photo_bytes() -> dict[str, bytes]:
     """The committed photos (tests/data/photos/*.jpg) by stem: chelsea, coffee, rocket, ..."""
     return {p.stem: p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/unit/ is the fast tier: no Ray, no servers (`pytest -m unit`, or `pytest tests/unit`)."""
+    unit_dir = Path(__file__).parent / "unit"
+    for item in items:
+        if unit_dir in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.unit)

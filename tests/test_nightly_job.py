@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import shlex
+import subprocess
+import textwrap
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,7 +23,6 @@ from ray_cluster import ray_cluster  # noqa: F401  (session fixture: a real loca
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTOS = REPO / "tests" / "data" / "photos"
-SCRIPT = "jobs/nightly_scan.py"
 
 
 def parse_args(argv: list[str]) -> dict:
@@ -132,13 +135,35 @@ def read_json(s3, bucket: str, key: str) -> dict:
     return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
-def submit(cluster, s3_server, sid: str, *args: str) -> str:
-    """`ray job submit --working-dir <repo>` of the nightly script; returns the job's logs."""
+def documented_submit() -> str:
+    """The `ray job submit` lines of infra/README.md, exactly as written there."""
+    text = (REPO / "infra" / "README.md").read_text()
+    block = re.search(r"\n((?:    .*\n)*    ray job submit .*\n(?:    .*\n)*)", text).group(1)
+    return textwrap.dedent(block)
+
+
+def submit(cluster, s3_server, sid: str, *args: str, auth: bool = True) -> str:
+    """infra/README.md's `ray job submit` lines as written: HEAD, the source and the output root filled in, the
+    test's flags appended, its job id and S3 endpoint added; returns the job's logs."""
     env = {"AWS_ENDPOINT_URL": s3_server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    proc = cluster.ray("job", "submit", "--address", cluster.address, "--submission-id", sid,
-                       "--working-dir", str(REPO), "--runtime-env-json", json.dumps({"env_vars": env}),
-                       "--", "python", SCRIPT, *args, timeout=300, check=False)
+    options = dict(zip(args[::2], args[1::2]))
+    command = documented_submit()
+    assert "export RAY_AUTH_MODE=token\n" in command and "http://HEAD:8265" in command
+    if not auth:
+        command = command.replace("export RAY_AUTH_MODE=token\n", "")
+    command = command.replace("http://HEAD:8265", cluster.address)
+    command = command.replace("--source s3://photos/incoming", f"--source {options.pop('--source')}")
+    command = command.replace("--output-root s3://labels/nightly", f"--output-root {options.pop('--output-root')}")
+    command = command.replace("ray job submit", "ray job submit --submission-id " + sid + " --runtime-env-json "
+                              + shlex.quote(json.dumps({"env_vars": env})), 1)
+    command = command.rstrip("\n") + " " + " ".join(f"{k} {shlex.quote(v)}" for k, v in options.items())
+    # The client gets the cluster's token as the README says (RAY_AUTH_TOKEN), and auth mode only from the lines.
+    shell_env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=shell_env, capture_output=True, text=True,
+                          timeout=300)
+    if not auth:
+        return proc.stdout + proc.stderr
     status = cluster.job_status(sid)
     logs = cluster.ray("job", "logs", "--address", cluster.address, sid).stdout
     assert status == "SUCCEEDED", f"job {sid} did not succeed:\n{status}\n{logs[-3000:]}\n{proc.stderr[-2000:]}"
@@ -161,6 +186,10 @@ def test_ray_job_submit_nightly_scan_is_idempotent_resumes_and_carries_over(ray_
     common = ["--source", "s3://nightly-src/photos", "--output-root", "s3://nightly-out/scans",
               "--num-actors", "1", "--shard-size", "4"]
     day1 = "scans/date=2026-11-27/"
+
+    # 0. The documented command without its `export RAY_AUTH_MODE=token` line: Ray 2.60 refuses it.
+    refused = submit(ray_cluster, s3_server, "nightly-no-auth", *common, "--date", "2026-11-27", auth=False)
+    assert "Missing authentication token" in refused, refused[-2000:]
 
     # 1. First submission for the date: classifies everything.
     logs = submit(ray_cluster, s3_server, "nightly-2026-11-27", *common, "--date", "2026-11-27")

@@ -13,7 +13,7 @@ import importlib.util
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
 from pipeline.errors import ConfigError
@@ -42,6 +42,7 @@ class Result:
         return cls(status=STATUS_ERROR, error=error, width=width, height=height)
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What every engine offers: one Result per encoded image, in order, and its cumulative stage times.
 
@@ -242,14 +243,15 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="decode, resize and classify on the actor's GPU with PyTorch",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "the JPEG decoder", choices=GPU_DECODERS),
+                Option("decoder", str, "the JPEG decoder; auto is DALI where installed", choices=GPU_DECODERS),
+                _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
                 Option("device", str, "a torch device, e.g. cuda:0"),
                 Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
                 Option("half", bool, "FP16 network: true or false"),
                 _positive_int("cpu_decode_threads", "threads decoding what the GPU cannot, e.g. 4"),
                 Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
-                _positive_int("prep_workers", "resize threads, e.g. 2"),
+                _positive_int("prep_workers", "threads preparing batches (DALI: one pipeline each), e.g. 2"),
                 Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
             ),
             needs_gpu=True,

@@ -1,0 +1,119 @@
+"""pipeline/cli.py: every bad option is refused in the driver, at once, in one line, before anything is written.
+
+The four cases issue #15 names run as real `bulk-classify` processes (import time counts): each must exit
+non-zero in under 3 s with one ``Error:`` line naming the fix, and leave DEST as it was, whether DEST did not
+exist or held files. The other bad inputs run in-process through click's runner, with the same checks but time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+
+PHOTOS = Path(__file__).resolve().parents[1] / "data" / "photos"
+CLI = [sys.executable, "-m", "pipeline.cli"]
+LIMIT_S = 3.0
+
+MUST_SHOW = [
+    (["--engine-option", "bogus=1"], "engine 'onnx' has no option bogus; its options are decode_threads"),
+    (["--engine", "gpu"], "--engine gpu needs PyTorch with CUDA"),
+    (["--engine", "triton", "--engine-option", "repository=/nonexistent"],
+     "--engine-option repository=/nonexistent does not exist; build one with 'bulk-classify repo build"),
+    (["--engine", "onnx", "--engine-option", "max_batch=0"],
+     "--engine-option max_batch=0 (engine 'onnx') must be at least 1"),
+]
+OTHERS = [
+    (["--engine-option", "notakeyvalue"], "--engine-option 'notakeyvalue' is not KEY=VALUE; write e.g. "
+                                          "--engine-option max_batch=8"),
+    (["--engine", "triton", "--engine-option", "request_batch=-5"], "request_batch=-5 (engine 'triton') must be at"),
+    (["--engine", "gpu", "--engine-option", "decoder=turbo"], "decoder='turbo' (engine 'gpu') is not one of auto"),
+    (["--engine", "triton", "--engine-option", "concurrency=two"], "concurrency='two' (engine 'triton') is not an "
+                                                                   "integer"),
+    (["--top-k", "0"], "--top-k must be a positive integer, got 0"),
+    (["--num-gpus-per-actor", "-1"], "--num-gpus-per-actor must be 0 or more"),
+    (["--decode-threads", "0"], "--decode-threads must be at least 1"),
+    (["--metrics-port", "99999"], "--metrics-port 99999 is not a TCP port"),
+    (["--extensions", ","], "is not a list like jpg,png,webp"),
+    (["--engine", "tpu"], "Invalid value for '--engine'"),
+]
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _snapshot(folder: Path) -> dict[str, bytes] | None:
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in folder.rglob("*")}
+
+
+def _dest(tmp_path: Path, exists: bool) -> Path:
+    dest = tmp_path / "dest"
+    if exists:
+        dest.mkdir()
+        (dest / "_SUCCESS").write_text("{}")
+        (dest / "keep.txt").write_text("not ours")
+    return dest
+
+
+def _one_error_line(stderr: str, message: str) -> None:
+    errors = [line for line in stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and message in errors[0], stderr
+    # Only click's usage lines may surround it: no traceback, no Ray output.
+    others = [line for line in stderr.splitlines() if line and not line.startswith("Error")]
+    assert all(line.startswith(("Usage:", "Try ")) for line in others), stderr
+
+
+@pytest.mark.parametrize("dest_exists", [False, True], ids=["no-dest", "dest-with-files"])
+@pytest.mark.parametrize("args, message", MUST_SHOW, ids=[" ".join(a) for a, _ in MUST_SHOW])
+def test_bad_option_fails_fast_in_one_line_and_writes_nothing(tmp_path, args, message, dest_exists):
+    if args[:2] == ["--engine", "gpu"] and _has_torch():
+        pytest.skip("torch is installed here: the gpu engine's requirement is met")
+    dest = _dest(tmp_path, dest_exists)
+    before = _snapshot(dest)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("BULK_CLASSIFY_")}
+    start = time.perf_counter()
+    proc = subprocess.run([*CLI, "run", str(PHOTOS), "--output", str(dest), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0
+    _one_error_line(proc.stderr, message)
+    assert _snapshot(dest) == before
+    assert elapsed < LIMIT_S, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("args, message", OTHERS, ids=[" ".join(a) for a, _ in OTHERS])
+def test_other_bad_inputs_fail_in_one_line_and_write_nothing(tmp_path, monkeypatch, args, message):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dest = _dest(tmp_path, True)
+    before = _snapshot(dest)
+    result = CliRunner().invoke(main, ["run", str(PHOTOS), "--output", str(dest), *args])
+    assert result.exit_code != 0
+    _one_error_line(result.stderr, message)
+    assert _snapshot(dest) == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine-option", "bogus=1"], "engine 'onnx' has no option bogus"),
+    (["--date", "2026-02-30"], "--date '2026-02-30' is not a calendar date"),
+    (["--engine", "triton", "--engine-option", "repository=/nonexistent"], "repository=/nonexistent does not exist"),
+])
+def test_nightly_checks_options_before_reading_storage(tmp_path, monkeypatch, args, message):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    root = tmp_path / "root"
+    result = CliRunner().invoke(main, ["nightly", "--source", str(PHOTOS), "--output-root", str(root),
+                                                       *args])
+    assert result.exit_code == 2
+    _one_error_line(result.stderr, message)
+    assert not root.exists()

@@ -1,0 +1,110 @@
+"""pipeline/config.py: the one frozen RunConfig, its merge order, its checks and the engine preflight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
+from pipeline.errors import ConfigError
+
+
+def config(**kw) -> RunConfig:
+    return RunConfig(**{"source": "in/", "output": "out/", **kw})
+
+
+def test_defaults_and_frozen():
+    c = config()
+    assert c.engine == "onnx" and c.top_k == 5 and c.extensions == DEFAULT_EXTENSIONS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.top_k = 3
+
+
+def test_defaults_then_environment_then_explicit_options():
+    env = {"BULK_CLASSIFY_TOP_K": "3", "BULK_CLASSIFY_BATCH_SIZE": "16", "BULK_CLASSIFY_ENGINE": "triton"}
+    c = RunConfig.build({"source": "in/", "output": "out/", "batch_size": 8, "top_k": None}, env=env)
+    assert (c.top_k, c.batch_size, c.engine) == (3, 8, "triton")  # None means "not given": the environment's
+    with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer; unset it or fix it"):
+        RunConfig.build({"source": "in/", "output": "out/"}, env={"BULK_CLASSIFY_TOP_K": "x"})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['colour'\]"):
+        RunConfig.build({"source": "in/", "output": "out/", "colour": "red"}, env={})
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"source": ""}, "SOURCE is empty"),
+    ({"output": "in/"}, "--output must differ from SOURCE"),
+    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of onnx, triton, gpu"),
+    ({"top_k": 0}, "--top-k must be a positive integer, got 0"),
+    ({"top_k": 1001}, "--top-k 1001 is larger than any ImageNet head"),
+    ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),
+    ({"retries": -1}, "--retries must be 0 or more"),
+    ({"num_actors": 0}, "--num-actors must be at least 1"),
+    ({"num_gpus_per_actor": -0.5}, "--num-gpus-per-actor must be 0 or more"),
+    ({"decode_threads": 0}, "--decode-threads must be at least 1"),
+    ({"metrics_port": 70000}, "--metrics-port 70000 is not a TCP port"),
+    ({"extensions": ("jpg", "a/b")}, "is not a list like jpg,png,webp"),
+    ({"engine_options": {"bogus": 1}}, "engine 'onnx' has no option bogus; its options are decode_threads"),
+    ({"engine_options": {"max_batch": 0}}, r"--engine-option max_batch=0 \(engine 'onnx'\) must be at least 1"),
+    ({"engine": "triton", "engine_options": {"request_batch": -5}}, "request_batch=-5 .* must be at least 1"),
+    ({"engine": "triton", "engine_options": {"startup_timeout_s": 0}}, "startup_timeout_s=0 .* must be more than 0"),
+    ({"engine": "gpu", "engine_options": {"decoder": "jpegturbo"}}, "decoder='jpegturbo' .* is not one of auto"),
+    ({"engine": "gpu", "engine_options": {"half": "maybe"}}, "half='maybe' .* is not true or false"),
+])
+def test_bad_values_name_the_option_and_the_fix(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**kw)
+
+
+def test_engine_options_are_typed_once_in_the_driver():
+    c = config(engine="triton", engine_options={"request_batch": "16", "server_args": "--log-verbose=1 --a=b"})
+    assert c.engine_options == {"request_batch": 16, "server_args": ["--log-verbose=1", "--a=b"]}
+    c = config(engine="gpu", engine_options={"half": "false", "cuda_graph": True})
+    assert c.engine_options == {"half": False, "cuda_graph": True}
+    assert dataclasses.replace(c, previous="x").engine_options == c.engine_options  # parsing twice is a no-op
+
+
+def test_parse_option_names_the_flag_it_came_from():
+    assert parse_option("anon=true") == ("anon", True)
+    assert parse_option("endpoint_url=http://h:9000") == ("endpoint_url", "http://h:9000")
+    assert parse_option("n=3", "--engine-option") == ("n", 3)
+    with pytest.raises(ConfigError, match="--engine-option 'notakeyvalue' is not KEY=VALUE; write e.g. "
+                                          "--engine-option max_batch=8"):
+        parse_option("notakeyvalue", "--engine-option", "max_batch=8")
+    with pytest.raises(ConfigError, match="--storage-option '=x' is not KEY=VALUE"):
+        parse_option("=x")
+
+
+def test_public_dict_leaves_secrets_out():
+    c = config(storage_options={"secret": "s3cr3t", "anon": False})
+    public = c.public_dict()
+    assert public["storage_options"] == ["anon", "secret"] and "s3cr3t" not in str(public)
+
+
+def test_check_requirements_runs_the_engines_preflight(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config().check_requirements()  # onnx needs nothing beyond the install
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=f"--engine-option repository={missing} does not exist; build one with "
+                                          "'bulk-classify repo build"):
+        config(engine="triton", engine_options={"repository": missing}).check_requirements()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no classifier/config.pbtxt"):
+        config(engine="triton", engine_options={"repository": str(tmp_path / "empty")}).check_requirements()
+    monkeypatch.setenv("BULK_CLASSIFY_TRITONSERVER", str(tmp_path / "no-binary"))
+    with pytest.raises(ConfigError, match="--engine triton: tritonserver binary .* does not exist"):
+        config(engine="triton").check_requirements()
+    config(engine="triton", engine_options={"url": "127.0.0.1:8001"}).check_requirements()  # a server elsewhere
+    # On a cluster (RAY_ADDRESS), the nodes must meet the requirements, not this driver.
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    config(engine="triton").check_requirements()
+
+
+def test_gpu_preflight_wants_torch(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(ConfigError, match="--engine gpu needs PyTorch with CUDA .* or use --engine onnx"):
+        config(engine="gpu").check_requirements()

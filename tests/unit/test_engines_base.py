@@ -1,0 +1,102 @@
+"""pipeline/engines/base.py: the engine registry, typed options, and top-k arrays to results."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from pipeline.engines.base import (
+    DEFAULT_ENGINE,
+    ENGINE_NAMES,
+    REGISTRY,
+    STATUS_ERROR,
+    STATUS_OK,
+    Option,
+    _load,
+    engine_kwargs,
+    engine_spec,
+    results_from_topk,
+)
+from pipeline.errors import ConfigError
+
+
+def test_registry_names_every_engine_once():
+    assert ENGINE_NAMES == ("onnx", "triton", "gpu") and DEFAULT_ENGINE in REGISTRY
+    assert [s.name for s in REGISTRY.values()] == list(REGISTRY)
+    assert {name for name, spec in REGISTRY.items() if spec.needs_gpu} == {"triton", "gpu"}
+    with pytest.raises(ConfigError, match="--engine 'cuda' is unknown; choose one of onnx, triton, gpu"):
+        engine_spec("cuda")
+
+
+@pytest.mark.parametrize("name", ENGINE_NAMES)
+def test_every_registered_option_is_a_constructor_argument(name):
+    """An option the registry accepts must reach the engine: no option that fails only inside the actor."""
+    spec = REGISTRY[name]
+    factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
+    if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
+        from pipeline.engines.gpu.classifier import GpuClassifier
+
+        params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
+    else:
+        params = set(inspect.signature(factory).parameters)
+    assert {o.name for o in spec.options} <= params
+    if spec.decode_threads_option:
+        assert spec.decode_threads_option in {o.name for o in spec.options}
+    if spec.preflight:
+        assert callable(_load(spec.preflight))
+
+
+def test_decode_threads_goes_to_the_option_each_engine_registered():
+    assert engine_kwargs("onnx", {}, decode_threads=4) == {"decode_threads": 4}
+    assert engine_kwargs("gpu", {}, decode_threads=4) == {"cpu_decode_threads": 4}  # GpuClassifier's name
+    assert engine_kwargs("triton", {}, decode_threads=4) == {}  # the server decodes
+    assert engine_kwargs("onnx", {"decode_threads": 2}, decode_threads=4) == {"decode_threads": 2}  # explicit wins
+
+
+@pytest.mark.parametrize("option, raw, parsed", [
+    (Option("n", int, ""), "3", 3),
+    (Option("n", int, ""), 3.0, 3),
+    (Option("x", float, ""), "0.5", 0.5),
+    (Option("b", bool, ""), "yes", True),
+    (Option("b", bool, ""), 0, False),
+    (Option("s", str, ""), 12, "12"),
+    (Option("l", list, ""), "--a=1 '--b 2'", ["--a=1", "--b 2"]),
+    (Option("l", list, ""), ["--a"], ["--a"]),
+])
+def test_option_types(option, raw, parsed):
+    assert option.parse("e", raw) == parsed
+
+
+@pytest.mark.parametrize("option, raw, message", [
+    (Option("n", int, "e.g. 4"), "four", r"--engine-option n='four' \(engine 'e'\) is not an integer; e.g. 4"),
+    (Option("n", int, ""), 2.5, "is not an integer"),
+    (Option("n", int, ""), True, "is not an integer"),
+    (Option("n", int, "", minimum=1), 0, "must be at least 1"),
+    (Option("x", float, "", minimum=0), 0, "must be more than 0"),
+    (Option("b", bool, ""), "perhaps", "is not true or false"),
+    (Option("c", str, "", choices=("a", "b")), "z", "is not one of a, b"),
+])
+def test_option_errors_name_the_value_and_the_fix(option, raw, message):
+    with pytest.raises(ConfigError, match=message):
+        option.parse("e", raw)
+
+
+def test_unknown_option_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="engine 'triton' has no option bogus, max_batch; its options are "
+                                          "repository, url, instances"):
+        REGISTRY["triton"].parse_options({"max_batch": 8, "bogus": 1})
+
+
+def test_results_from_topk():
+    ids = np.array([[2, 0], [1, 2], [0, 1]])
+    scores = np.array([[0.7, 0.2], [0.6, 0.3], [0.5, 0.4]], dtype=np.float32)
+    rows = results_from_topk(ids, scores, ["cat", "dog", "eel"], [(4, 3), (None, None), (9, 9)],
+                             errors=[None, "decode_error: truncated", ""])
+    assert [r.status for r in rows] == [STATUS_OK, STATUS_ERROR, STATUS_OK]
+    assert rows[0].labels == ["eel", "cat"] and rows[0].class_ids == [2, 0] and rows[0].width == 4
+    assert rows[0].scores == pytest.approx([0.7, 0.2]) and all(isinstance(s, float) for s in rows[0].scores)
+    assert rows[1].error == "decode_error: truncated" and rows[1].class_ids == [] and rows[1].width is None
+    # an id the labels do not cover is written as its number rather than crashing the batch
+    assert results_from_topk([[5]], [[1.0]], ["a"], [(1, 1)])[0].labels == ["5"]
