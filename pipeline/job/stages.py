@@ -62,12 +62,19 @@ def init_ray(config: RunConfig) -> None:
 
 
 def fetch_ahead_bytes(config: RunConfig) -> int:
-    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor."""
-    from pipeline.config import FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
-
+    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor and at least
+    FETCH_AHEAD_BATCHES actor batches each (a budget under one batch starves the actor)."""
     if config.fetch_ahead_bytes is not None:
         return config.fetch_ahead_bytes
-    return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * _actor_plan(config)[0])
+    return fetch_budget(_actor_plan(config)[0], config.batch_size)
+
+
+def fetch_budget(actors: int, batch_size: int) -> int:
+    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call."""
+    from pipeline.config import FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
+
+    batches = FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES * actors
+    return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * actors, batches)
 
 
 def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
