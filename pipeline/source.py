@@ -250,6 +250,8 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
     contents = page.get("Contents") or []
     if not page.get("IsTruncated"):
         return [("s3_keys", bucket, contents)] if contents else []
+    if tasks == 1:  # one task lists it all in order: nothing to probe
+        return [("s3_range", bucket, prefix, contents[0], None)]
     prober = _Prober(fs, bucket)
     leaves: list[tuple[str, dict]] = [(prefix, contents[0])]
     target = tasks * S3_RANGES_PER_TASK

@@ -38,6 +38,8 @@ def test_s3_flat_prefix_is_split_at_probed_keys_and_lists_every_key_once(s3_serv
     assert len(groups) == 8 and len(ranges) >= 16 and all(u[0] == "s3_range" for u in ranges)
     assert sorted(uris) == [f"s3://flat-listing/{k}" for k in flat_bucket]
     assert len(uris) == len(set(uris))
+    one, uris_one = listed(fs, root, 1)  # one task: no probing, one range from the first key to the end
+    assert [u[0] for g in one for u in g] == ["s3_range"] and uris_one == sorted(uris)
 
 
 def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
