@@ -19,6 +19,11 @@ ENV_PREFIX = "BULK_CLASSIFY_"
 # classify actor: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB, and ~60 s of a CPU actor.
 FETCH_AHEAD_PER_ACTOR = 256 * 1024 * 1024
 FETCH_AHEAD_MIN = 256 * 1024 * 1024
+# ...and never less than a few actor batches of typical images: with a budget below one actor batch Ray Data
+# feeds the actor a trickle (seen: a GPU actor with 3,072-image batches of ~100 KB at 122 img/s, GPU idle; a Ray
+# Data model of it ran 6.5x slower with the budget at 2/3 of one batch than at 6 batches).
+FETCH_AHEAD_BATCHES = 3
+FETCH_AHEAD_IMAGE_BYTES = 256 * 1024
 DEFAULT_LIST_TASKS = 8
 
 # Environment variables that may set a field (BULK_CLASSIFY_<FIELD>); anything else is explicit-only.
@@ -64,7 +69,8 @@ class RunConfig:
         batch_size: images per engine call; shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
-            None: FETCH_AHEAD_PER_ACTOR per classify actor, at least FETCH_AHEAD_MIN.
+            None: FETCH_AHEAD_PER_ACTOR per classify actor, at least FETCH_AHEAD_MIN and at least
+            FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
     """
 

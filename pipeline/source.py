@@ -19,6 +19,10 @@ from pipeline.errors import ConfigError, SourceError
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
+# Rows to classify are held back until this many (or FRESH_WAIT_S, or the end): when almost everything is done
+# or carried, 1,000 listed objects hold a handful of new ones, and a block each would mean a task each downstream.
+FRESH_BLOCK_ROWS = 256
+FRESH_WAIT_S = 2.0
 LOCAL_SPLIT_FILES = 20_000  # a local folder with more files than this directly in it is listed by several tasks
 S3_PAGE = 1000  # keys per LIST call (the S3 maximum)
 S3_MAX_PROBES = 512  # LIST calls the planner may spend finding split points in one flat prefix
@@ -246,6 +250,8 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
     contents = page.get("Contents") or []
     if not page.get("IsTruncated"):
         return [("s3_keys", bucket, contents)] if contents else []
+    if tasks == 1:  # one task lists it all in order: nothing to probe
+        return [("s3_range", bucket, prefix, contents[0], None)]
     prober = _Prober(fs, bucket)
     leaves: list[tuple[str, dict]] = [(prefix, contents[0])]
     target = tasks * S3_RANGES_PER_TASK
@@ -367,10 +373,12 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
     """
     carried: list[np.ndarray] = []
     pending: list[Entry] = []
+    fresh: list[pa.Table] = []
+    fresh_since = [time.monotonic()]
     clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
 
     def flush(final: bool = False) -> Iterator[pa.Table]:
-        nonlocal pending, carried
+        nonlocal pending, carried, fresh
         block = entries_table(pending)
         pending = []
         keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
@@ -392,7 +400,12 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         if report is not None:
             report(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0], send)
         if block.num_rows:
-            yield block
+            fresh.append(block)
+        held = sum(b.num_rows for b in fresh)
+        if held and (final or held >= FRESH_BLOCK_ROWS or time.monotonic() - fresh_since[0] >= FRESH_WAIT_S):
+            out, fresh = pa.concat_tables(fresh), []
+            fresh_since[0] = time.monotonic()
+            yield out
         clock[0] = time.perf_counter()
 
     for unit in group:

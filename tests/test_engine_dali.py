@@ -110,3 +110,34 @@ def test_a_file_dali_refuses_sends_its_batch_to_the_reference_and_the_pipeline_r
         assert np.array_equal(res.reference[i][0], ref)  # the reference itself
     again, rows, _ = _prepare(prep, good)  # the rebuilt pipeline works
     assert not again.refused and sorted(rows) == [0, 1, 2]
+
+
+# ---- on a GPU (the device machine; CI has no GPU) ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
+    """tests/oddities.py through DaliClassifier on the GPU (one batch, DALI and the reference mixed): the onnx
+    engine's status and error kind for every input, the same top-1 for the ok ones (seen 20/20 on an H200)."""
+    pytest.importorskip("torch")
+    from pipeline.engines.gpu.dali import make_classifier
+    from pipeline.engines.gpu.networks import load_network
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.model import load_model
+
+    bundle = load_model(None)
+    odd = oddities()
+    names = list(odd)
+    datas = [odd[n][0] for n in names]
+    ref = OnnxEngine(bundle, top_k=5).classify(datas)
+    clf = make_classifier(load_network(bundle, None), bundle.spec, decoder="dali", top_k=5, batch_size=8, half=False)
+    raw = clf.classify(datas)
+    clf.close()
+    for i, name in enumerate(names):
+        got = ("error", raw.errors[i].split(":", 1)[0]) if raw.errors[i] else ("ok", None)
+        want = (ref[i].status, ref[i].error.split(":", 1)[0] if ref[i].error else None)
+        assert got == want, name
+        if name in EXPECTED_SIZES:
+            assert (int(raw.width[i]), int(raw.height[i])) == EXPECTED_SIZES[name], name
+    agree = sum(int(raw.class_ids[i, 0]) == ref[i].class_ids[0] for i in range(len(names)) if not raw.errors[i])
+    assert agree >= sum(1 for r in ref if r.status == "ok") - 1

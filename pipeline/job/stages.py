@@ -62,12 +62,19 @@ def init_ray(config: RunConfig) -> None:
 
 
 def fetch_ahead_bytes(config: RunConfig) -> int:
-    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor."""
-    from pipeline.config import FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
-
+    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor and at least
+    FETCH_AHEAD_BATCHES actor batches each (a budget under one batch starves the actor)."""
     if config.fetch_ahead_bytes is not None:
         return config.fetch_ahead_bytes
-    return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * _actor_plan(config)[0])
+    return fetch_budget(_actor_plan(config)[0], config.batch_size)
+
+
+def fetch_budget(actors: int, batch_size: int) -> int:
+    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call."""
+    from pipeline.config import FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
+
+    batches = FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES * actors
+    return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * actors, batches)
 
 
 def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
@@ -129,13 +136,17 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
 
 
 def carry_dataset(config: RunConfig, previous_parts: list[str], carried: Any):
-    """Copy the previous run's rows whose identity the listing matched (``carried``), shard by shard."""
+    """Copy the previous run's rows whose identity the listing matched (``carried``), shard by shard.
+
+    Each task reads a few previous shards one at a time and commits the matching rows itself, in shards of
+    ``shard_size``: the rows never travel through the object store, and only ``ShardStats`` come back.
+    """
     import ray
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    source = CarryDatasource(config.previous, config.storage_options, previous_parts, carried)
-    ds = ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS)
-    return _write(ds, config, cpus)
+    source = CarryDatasource(config.previous, config.storage_options, previous_parts, carried,
+                             output=config.output, shard_size=config.shard_size)
+    return ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS)
 
 
 def _write(ds: Any, config: RunConfig, cpus: int):
@@ -213,10 +224,16 @@ class ListingDatasource(Datasource):
 
 
 class CarryDatasource(Datasource):
-    """Read tasks over the previous run's shards, a few per task, yielding only the rows to carry."""
+    """Read tasks over the previous run's shards, a few per task, that commit the rows to carry themselves.
 
-    def __init__(self, url: str, storage_options: Any, parts: list[str], carried: Any):
+    A task's shards depend only on its previous shards and the carry set, so a retried task rewrites the same
+    content-named shards instead of adding rows.
+    """
+
+    def __init__(self, url: str, storage_options: Any, parts: list[str], carried: Any, *, output: str,
+                 shard_size: int):
         self.url, self.storage_options, self.parts, self.carried = url, dict(storage_options), parts, carried
+        self.output, self.shard_size = output, shard_size
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -236,11 +253,23 @@ class CarryDatasource(Datasource):
         return tasks
 
     def _read(self, paths: list[str]) -> Iterator[pa.Table]:
-        from pipeline.writer import read_columns
+        from pipeline.quality import quality_footer
+        from pipeline.writer import read_columns, write_shard
 
         fs, _root = open_fs(self.url, self.storage_options)
         carried = resolve_keys(self.carried)
+        held: list[pa.Table] = []
+
+        def commit(rows: pa.Table) -> pa.Table:
+            return write_shard(rows, output=self.output, storage_options=self.storage_options, footer=quality_footer)
+
         for path in paths:
             rows = carry_rows(read_columns(fs, [path], OUTPUT_SCHEMA.names), carried)
             if rows.num_rows:
-                yield rows
+                held.append(rows)
+            while sum(t.num_rows for t in held) >= self.shard_size:
+                table = pa.concat_tables(held)
+                held = [table.slice(self.shard_size)] if table.num_rows > self.shard_size else []
+                yield commit(table.slice(0, self.shard_size))
+        if held:
+            yield commit(pa.concat_tables(held))

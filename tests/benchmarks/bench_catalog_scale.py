@@ -282,7 +282,8 @@ def marginal(results: list[dict], r: dict, key: str) -> float:
     first = results[0]
     if r is first:
         return float("nan")
-    return (r["n"] - first["n"]) / max(1e-9, r[key]["wall_s"] - first[key]["wall_s"])
+    dt = r[key]["wall_s"] - first[key]["wall_s"]
+    return (r["n"] - first["n"]) / dt if dt > 0 else float("nan")
 
 
 def projection(small: dict, large: dict, key: str) -> tuple[float, float]:
@@ -332,7 +333,7 @@ def main() -> None:
     if results:
         small, large = results[0], results[-1]
         ratio = f"{large['n'] // 1000:,}k/{small['n'] // 1000:,}k"
-        print(f"{'local (' + args.layout + ')':<30}" + "".join(f"{r['n']:>14,}" for r in results) + f"{ratio:>14}")
+        print(f"{'local (' + args.layout + ')':<30}" + "".join(f"{r['n']:>16,}" for r in results) + f"{ratio:>14}")
         rows = [
             ("listing, objects/s", lambda r: r["list_rate"], "{:,.0f}"),
             ("resume all done, s", lambda r: r["resume"]["wall_s"], "{:,.1f}"),
@@ -350,8 +351,9 @@ def main() -> None:
         ]
         for name, get, fmt in rows:
             values = [get(r) for r in results]
-            cells = "".join(f"{fmt.format(v):>14}" for v in values)
-            ratio_cell = f"{values[-1] / values[0]:>13.2f}x" if isinstance(values[0], float) else f"{'':>14}"
+            cells = "".join(f"{'-' if v != v else fmt.format(v):>16}" for v in values)  # v != v: NaN
+            ratio_cell = (f"{values[-1] / values[0]:>13.2f}x" if isinstance(values[0], float) and values[0] == values[0]
+                          else f"{'':>14}")
             print(f"{name:<30}{cells}{ratio_cell}")
         print(f"every object exactly once after carry-over, 1 % reclassified: "
               f"{all(r['carry']['check']['ok'] for r in results)}")

@@ -399,13 +399,79 @@ def metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+HOP_MODEL = """
+
+import numpy as np  # noqa: E402
+
+from pipeline.engines.gpu import triton_model as _tm  # noqa: E402
+from pipeline.engines.gpu.classifier import RawResults  # noqa: E402
+from pipeline.imaging import DecodeLimits  # noqa: E402
+
+
+class _Nothing:
+    decoder_name = "none"
+    limits = DecodeLimits()
+
+    def __init__(self, k):
+        self.k = k
+
+    def classify(self, blobs):
+        n = len(blobs)
+        return RawResults(np.zeros((n, self.k), np.int32), np.zeros((n, self.k), np.float32),
+                          np.ones(n, np.int32), np.ones(n, np.int32), [""] * n)
+
+    def close(self):
+        pass
+
+
+class TritonPythonModel(_tm.TritonPythonModel):  # noqa: F811 - the hop: input handling and outputs, no work
+    def initialize(self, args):
+        import json
+
+        import triton_python_backend_utils as pb
+
+        self.pb = pb
+        outputs = {o["name"]: o for o in json.loads(args["model_config"])["output"]}
+        self.top_k = int(outputs["CLASS_IDS"]["dims"][0])
+        self.has_error = "ERROR" in outputs
+        self.limits = DecodeLimits()
+        self.classifier = _Nothing(self.top_k)
+
+    def _tensors(self, raw, start, end):
+        if int(np.__version__.split(".")[0]) >= 2:
+            return super()._tensors(raw, start, end)
+        return [self.pb.Tensor(name, np.ascontiguousarray(arr)) for name, arr in (
+            ("CLASS_IDS", raw.class_ids[start:end]), ("SCORES", raw.scores[start:end]),
+            ("WIDTH", raw.width[start:end, None]), ("HEIGHT", raw.height[start:end, None]))]
+"""
+
+
+def _tree_cpu(pid) -> float:
+    """CPU seconds (user + system) of a process and its descendants so far."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     from pipeline.triton.repository import build_gpu_repository
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.server import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="gpu-repo-"))
-    models = {"resnet50": "classifier_resnet50", "default": "classifier"}
+    models = {"resnet50": "classifier_resnet50", "default": "classifier", "hop": "classifier_hop"}
     for net, name in models.items():
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
         build_gpu_repository(
@@ -419,6 +485,9 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         cfg.write_text(cfg.read_text().replace('name: "classifier"', f'name: "{name}"'))
         if net == "resnet50":
             (repo / name / "1" / "preprocess.json").write_text(IMAGENET_SPEC.to_json())
+        if net == "hop":  # the gpu model's own execute() with a classifier that does nothing: the hop alone
+            shim = repo / name / "1" / "model.py"
+            shim.write_text(shim.read_text() + HOP_MODEL)
 
     class Bundle:
         labels = tuple(str(i) for i in range(1000))
@@ -438,7 +507,7 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         eng.close()
         results["triton_bad_inputs"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
         print("triton bad inputs:", results["triton_bad_inputs"], flush=True)
-        runs = [(s, n) for s in sets for n in models if n == "resnet50" or s == "imagenet"]
+        runs = [(s, n) for s in sets for n in models if n in ("resnet50", "hop") or s == "imagenet"]
         for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
             name = models[net]
             eng = TritonEngine(Bundle(), url=server.grpc_url, model_name=name, request_batch=request_batch,
@@ -448,7 +517,9 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
                 images = bench_set * max(1, args.triton_images // len(bench_set))
                 eng.classify(images[: request_batch * concurrency * 2])  # warm-up
                 before = metrics(server.metrics_url).get(name, {})
+                cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
                 r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                cpu1, srv1, w1 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
                 after = metrics(server.metrics_url).get(name, {})
                 count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
                 execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
@@ -458,6 +529,8 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
                     "avg_batch_images": round(count / max(execs, 1), 1),
                     "inference_count": count,
                     "exec_count": execs,
+                    "client_cores": round((cpu1 - cpu0) / (w1 - w0), 2),  # this process (the actor-shaped client)
+                    "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stub processes
                 }
                 print(f"{key}: {results[key]}", flush=True)
             finally:
@@ -652,7 +725,7 @@ def print_table(results: dict) -> None:
     header = f"{'network':<9} {'set':<9} {'path':<40} {'img/s':>8} {'x naive':>8} {'% ceiling':>10}"
     print(header)
     print("-" * len(header))
-    for net in ("resnet50", "default"):
+    for net in ("resnet50", "default", "hop"):
         ceiling = results.get(net, {}).get("model_only")
         for set_name in results.get("sets", {}):
             row = results.get(net, {}).get(set_name, {})
@@ -663,7 +736,8 @@ def print_table(results: dict) -> None:
             for key, val in results.items():
                 if key.startswith(f"triton_{net}_{set_name}_"):
                     label = key.split(f"{set_name}_", 1)[1]
-                    lines.append((f"triton {label} (avg batch {val['avg_batch_images']})", val["img_s"]))
+                    lines.append((f"triton {label} (batch {val['avg_batch_images']:.0f}, cores "
+                                  f"{val.get('client_cores')}/{val.get('server_cores')})", val["img_s"]))
             for label, v in lines:
                 if not isinstance(v, (int, float)):
                     print(f"{net:<9} {set_name:<9} {label:<40} {str(v)[:30]:>8}")

@@ -188,8 +188,13 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
                "startup_timeout_s": args.startup_timeout_s}
     if not args.dry_run_cpu:
         options["server_args"] = GPU_SERVER_ARGS
-    config = RunConfig(source=str(images), output=str(out), engine="triton", num_actors=n,
-                       batch_size=args.batch_size, shard_size=args.shard_size, engine_options=options)
+    if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
+        options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
+        if args.half != "auto":
+            options["half"] = args.half == "true"
+    config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n,
+                       batch_size=args.batch_size, shard_size=args.shard_size, engine_options=options,
+                       fetch_ahead_bytes=args.fetch_ahead_mb * 2**20 if args.fetch_ahead_mb else None)
     t0 = time.time()
     try:
         summary = run_job(config, progress=progress)
@@ -245,7 +250,12 @@ def main() -> None:
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--queue-delay-us", type=int, default=2000)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
-    p.add_argument("--decoder", default="auto", help="gpu model's decoder: auto (DALI where installed), dali, ...")
+    p.add_argument("--fetch-ahead-mb", type=int, default=0,
+                   help="object-store budget for fetched bytes (RunConfig.fetch_ahead_bytes); 0: the job's default. "
+                        "Keep it several actor batches (batch-size x ~100 KB) large, or the actor starves")
+    p.add_argument("--engine", default="triton", choices=("triton", "gpu"),
+                   help="triton: a local tritonserver per actor (gpu profile); gpu: the classifier in the actor")
+    p.add_argument("--decoder", default="auto", help="gpu model's decoder: auto (parity-approved hand-written path), dali, ...")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI's hardware-decoder share (model default)")
     p.add_argument("--half", default="auto", help="network precision in the gpu model: auto, true, false")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per model instance")

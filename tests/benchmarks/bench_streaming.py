@@ -71,6 +71,19 @@ def make_images(root: Path, count: int) -> None:
             path.write_bytes(small_image(i))
 
 
+def make_photo_images(root: Path, count: int) -> None:
+    """``--photos``: 500x375 crops of the committed photos (about 40 KB each, as bench_vs_naive makes them)."""
+    from bench_vs_naive import make_images as make_crops
+
+    flat = root.parent / "photo-crops"
+    make_crops(flat, count)
+    for i in range(count):
+        path = image_path(root, i)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(flat / f"img{i:05d}.jpg", path)
+
+
 def link_subset(pool: Path, dest: Path, count: int) -> None:
     """``dest`` holds the first ``count`` images of ``pool`` (hard links, copies where links fail)."""
     if dest.exists():
@@ -292,6 +305,8 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=0.2, help="sampling period (default 0.2 s)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="stop a run that takes longer (default 1800)")
+    parser.add_argument("--photos", action="store_true",
+                        help="500x375 crops of tests/data/photos (about 40 KB each) instead of 64x48 JPEGs")
     parser.add_argument("extra", nargs="*", help="options passed to 'bulk-classify run' (after --)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -303,8 +318,9 @@ def main() -> None:
     ray_tmp = Path(tempfile.mkdtemp(prefix="bcb", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
     pool = workdir / "pool"
     t0 = time.perf_counter()
-    make_images(pool, max(sizes))
-    print(f"{max(sizes)} images of {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} in {pool} ({time.perf_counter() - t0:.1f}s); "
+    (make_photo_images if args.photos else make_images)(pool, max(sizes))
+    shape = "500x375 photo crops" if args.photos else f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}"
+    print(f"{max(sizes)} images of {shape} in {pool} ({time.perf_counter() - t0:.1f}s); "
           f"{os.cpu_count()} CPUs; sampling every {args.interval_s}s", flush=True)
 
     rows = []

@@ -108,3 +108,14 @@ def test_gpu_preflight_wants_torch(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(ConfigError, match="--engine gpu needs PyTorch with CUDA .* or use --engine onnx"):
         config(engine="gpu").check_requirements()
+
+
+def test_fetch_ahead_budget_holds_several_actor_batches():
+    """Below one actor batch Ray Data feeds the actor a trickle (a GPU actor with 3,072 ~100 KB images per call ran
+    at 122 img/s): the default budget holds a few batches of large calls, and CPU-sized calls keep the floor."""
+    from pipeline.config import FETCH_AHEAD_MIN
+    from pipeline.job.stages import fetch_budget
+
+    assert fetch_budget(1, 64) == FETCH_AHEAD_MIN
+    assert fetch_budget(1, 3072) >= 2 * 3072 * 100_000 * 2
+    assert fetch_budget(2, 3072) == 2 * fetch_budget(1, 3072)

@@ -37,8 +37,10 @@ def test_every_registered_option_is_a_constructor_argument(name):
     factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
     if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
         from pipeline.engines.gpu.classifier import GpuClassifier
+        from pipeline.engines.gpu.dali import dali_classifier_class
 
         params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
+        params |= set(inspect.signature(dali_classifier_class()).parameters)  # decoder "dali" (the default)
     else:
         params = set(inspect.signature(factory).parameters)
     assert {o.name for o in spec.options} <= params

@@ -1,0 +1,52 @@
+"""Listing a real S3 endpoint (moto server): a flat prefix split at probed keys, every key listed once."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import pipeline.source as source
+from pipeline.config import DEFAULT_EXTENSIONS
+from pipeline.source import list_unit, open_fs, plan_listing
+
+EXT = DEFAULT_EXTENSIONS
+
+
+def listed(fs, root, tasks):
+    groups = plan_listing(fs, root, EXT, tasks)
+    uris = [e[0] for g in groups for unit in g for e in list_unit(fs, unit, EXT)]
+    return groups, uris
+
+
+@pytest.fixture(scope="module")
+def flat_bucket(s3):
+    """A flat prefix of 345 keys (seven 50-key LIST pages here), a few nested keys and odd names beside it."""
+    s3.create_bucket(Bucket="flat-listing")
+    keys = [f"flat/img{i:06d}.jpg" for i in range(300)] + [f"flat/z/{i}.jpg" for i in range(40)]
+    keys += ["flat/Ärger.jpg", "flat/a b.jpg", "flat/~tilde.jpg", "flat/notes.txt", "other/x.jpg"]
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket="flat-listing", Key=k, Body=b"x"), keys))
+    return sorted(k for k in keys if k.startswith("flat/") and not k.endswith(".txt"))
+
+
+def test_s3_flat_prefix_is_split_at_probed_keys_and_lists_every_key_once(s3_server, flat_bucket, monkeypatch):
+    monkeypatch.setattr(source, "S3_PAGE", 50)  # LIST pages of 50 keys, so 345 keys behave like 345,000
+    fs, root = open_fs("s3://flat-listing/flat")
+    groups, uris = listed(fs, root, 8)
+    ranges = [u for g in groups for u in g]
+    assert len(groups) == 8 and len(ranges) >= 16 and all(u[0] == "s3_range" for u in ranges)
+    assert sorted(uris) == [f"s3://flat-listing/{k}" for k in flat_bucket]
+    assert len(uris) == len(set(uris))
+    one, uris_one = listed(fs, root, 1)  # one task: no probing, one range from the first key to the end
+    assert [u[0] for g in one for u in g] == ["s3_range"] and uris_one == sorted(uris)
+
+
+def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
+    s3.create_bucket(Bucket="small-listing")
+    for k in ("p/a.jpg", "p/b/c.jpg"):
+        s3.put_object(Bucket="small-listing", Key=k, Body=b"x", )
+    fs, root = open_fs("s3://small-listing/p")
+    groups, uris = listed(fs, root, 8)
+    assert [u[0] for g in groups for u in g] == ["s3_keys"]
+    assert sorted(uris) == ["s3://small-listing/p/a.jpg", "s3://small-listing/p/b/c.jpg"]
