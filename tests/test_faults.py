@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
-from conftest import make_jpeg
+from conftest import free_port, make_jpeg
 from pipeline.config import RunConfig
 from pipeline.fetch import fetch_batch
 from pipeline.job import run_job
@@ -102,35 +102,49 @@ def test_kill_minus_nine_at_five_random_moments_then_rerun(tmp_path):
 
 
 @pytest.mark.slow
-def test_s3_outage_mid_run_completes_with_every_row(s3_server, s3, ray_local, tmp_path):
+def test_s3_outage_mid_run_completes_with_every_row(s3_server, ray_local, tmp_path):
+    """The S3 endpoint goes away mid-run and comes back with its data, as a real S3 front end would.
+
+    moto's in-process server mode (ThreadedMotoServer) keeps its buckets across stop/start; the moto_server
+    subprocess does not, and re-putting 600 objects after its restart raced the job's retries on a loaded host
+    (a fetch between the restart and the re-put is a true not_found).
+    """
     import boto3
+    from moto.server import ThreadedMotoServer
 
-    s3.create_bucket(Bucket="outage")
-    bodies = {f"p/{i:04d}.jpg": make_jpeg(5000 + i, (24, 20)) for i in range(600)}
-    for key, body in bodies.items():
-        s3.put_object(Bucket="outage", Key=key, Body=body)
-    out = tmp_path / "out"
-    result = {}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        client = boto3.client("s3", endpoint_url=url)
+        client.create_bucket(Bucket="outage")
+        bodies = {f"p/{i:04d}.jpg": make_jpeg(5000 + i, (24, 20)) for i in range(600)}
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda kv: client.put_object(Bucket="outage", Key=kv[0], Body=kv[1]), bodies.items()))
+        out = tmp_path / "out"
+        result = {}
 
-    def job():
-        result["summary"] = run_job(RunConfig(source="s3://outage/p", output=str(out), shard_size=50,
-                                              batch_size=25, retries=8))
+        def job():
+            result["summary"] = run_job(RunConfig(source="s3://outage/p", output=str(out), shard_size=50,
+                                                  batch_size=25, retries=8,
+                                                  storage_options={"endpoint_url": url}))
 
-    runner = threading.Thread(target=job)
-    runner.start()
-    deadline = time.time() + 120
-    while time.time() < deadline and len(committed_uris(out)) < 50:
-        time.sleep(0.2)
-    assert committed_uris(out), "no shard committed before the outage"
-    s3_server.stop()  # the endpoint goes away mid-run
-    time.sleep(3)
-    s3_server.start()  # moto keeps no state across restarts: put the bucket back as real S3 would have it
-    client = boto3.client("s3", endpoint_url=s3_server.url)
-    client.create_bucket(Bucket="outage")
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda kv: client.put_object(Bucket="outage", Key=kv[0], Body=kv[1]), bodies.items()))
-    runner.join(300)
-    assert not runner.is_alive()
+        runner = threading.Thread(target=job)
+        runner.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and len(committed_uris(out)) < 50:
+            time.sleep(0.2)
+        assert committed_uris(out), "no shard committed before the outage"
+        assert len(committed_uris(out)) < 600, "the job ended before the outage; the test would prove nothing"
+        server.stop()  # the endpoint goes away mid-run ...
+        time.sleep(3)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # ... and comes back with its data
+        runner.join(300)
+        assert not runner.is_alive() and "summary" in result
+    finally:
+        server.stop()
     table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "status", "error"])
     uris = table.column("uri").to_pylist()
     assert len(uris) == len(set(uris)) == 600
