@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from pipeline.errors import ConfigError, OutputError
+from pipeline.stats import value_counts
 
 QUALITY_VERSION = 1
 # Fixed bins, so two nights' histograms always line up: 20 bins of 0.05 over [0, 1].
@@ -104,7 +105,7 @@ class QualityStats:
             errors = pc.drop_null(table.column("error"))
             if len(errors):
                 kind = pc.utf8_trim_whitespace(pc.list_element(pc.split_pattern(errors, ":", max_splits=1), 0))
-                self.error_kinds.update(_value_counts(kind))
+                self.error_kinds.update(value_counts(kind))
         if "scores" not in names:
             return self
         ok = table.filter(ok_mask)
@@ -131,7 +132,7 @@ class QualityStats:
         if "labels" in ok.column_names:
             labels = ok.column("labels")
             labels = labels.filter(pc.fill_null(pc.greater(pc.list_value_length(labels), 0), False))
-            self.labels.update(_value_counts(pc.list_element(labels, 0)))
+            self.labels.update(value_counts(pc.list_element(labels, 0)))
         return self
 
     def merge(self, other: "QualityStats") -> "QualityStats":
@@ -460,16 +461,6 @@ def _shares(counts: Iterable[float]) -> np.ndarray | None:
 def _bin(values: np.ndarray) -> np.ndarray:
     # np.histogram's last bin is closed, so a score of exactly 1.0 lands in it.
     return np.histogram(np.clip(values, 0.0, 1.0), bins=CONFIDENCE_EDGES)[0].astype(np.int64)
-
-
-def _value_counts(array: Any) -> dict[str, int]:
-    import pyarrow.compute as pc
-
-    out: dict[str, int] = {}
-    for item in pc.value_counts(array).to_pylist():
-        if item["values"] is not None:
-            out[str(item["values"])] = int(item["counts"])
-    return out
 
 
 def _open(url: str, storage_options: Mapping[str, Any] | None):

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any, Mapping
 
 from pipeline.errors import ConfigError, OutputError
+from pipeline.stats import value_counts
 from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
 from pipeline.writer import committed_parts, read_json
 
@@ -132,19 +133,19 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
             present = [c for c in SUMMARY_COLUMNS if c in pf.schema_arrow.names]
             table = pf.read(columns=present)
         if "status" in present:
-            status.update(_value_counts(table.column("status")))
+            status.update(value_counts(table.column("status")))
         if "error" in present:
             errors = pc.drop_null(table.column("error"))
             if len(errors):
                 kind = pc.list_element(pc.split_pattern(errors, ":", max_splits=1), 0)
-                kinds.update(_value_counts(pc.utf8_trim_whitespace(kind)))
+                kinds.update(value_counts(pc.utf8_trim_whitespace(kind)))
         if "labels" in present and "status" in present:
             ok = table.filter(pc.equal(table.column("status"), "ok")).column("labels")
             ok = ok.filter(pc.greater(pc.list_value_length(ok), 0))
             if len(ok):
-                labels.update(_value_counts(pc.list_element(ok, 0)))
+                labels.update(value_counts(pc.list_element(ok, 0)))
         if "model" in present:
-            models.update(_value_counts(table.column("model")))
+            models.update(value_counts(table.column("model")))
 
     success = read_json(fs, root, SUCCESS)
     run = read_json(fs, root, REPORT)
@@ -189,16 +190,6 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"{'top-1 label':<28}{'rows':>10}{'share':>8}")
         lines += [f"  {t['label'][:26]:<26}{_n(t['count']):>10}{t['share']:>8.1%}" for t in top]
     return "\n".join(lines)
-
-
-def _value_counts(array: Any) -> dict[str, int]:
-    import pyarrow.compute as pc
-
-    out: dict[str, int] = {}
-    for item in pc.value_counts(array).to_pylist():
-        if item["values"] is not None:
-            out[str(item["values"])] = int(item["counts"])
-    return out
 
 
 def _count(value: Any, name: str) -> int:

@@ -84,3 +84,14 @@ STATS_SCHEMA = pa.schema([
     ("fetch_s", pa.float64()), ("decode_s", pa.float64()), ("infer_s", pa.float64()), ("write_s", pa.float64()),
     ("engine_calls", pa.float64()),
 ])
+
+
+def value_counts(array: Any) -> dict[str, int]:
+    """Counts of each non-null value of a pyarrow array, as ``{str(value): count}``."""
+    import pyarrow.compute as pc
+
+    out: dict[str, int] = {}
+    for item in pc.value_counts(array).to_pylist():
+        if item["values"] is not None:
+            out[str(item["values"])] = int(item["counts"])
+    return out

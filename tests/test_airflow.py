@@ -86,10 +86,11 @@ print(json.dumps({{
     assert got["local"] == "python jobs/nightly_scan.py --source s3://in/z --output-root s3://o --date 2026-11-29"
 
 
-def run_task(env: dict, day: str, cluster, s3_server, source: str) -> subprocess.CompletedProcess:
+def airflow_env(env: dict, cluster, s3_server, source: str, output_root: str) -> dict:
+    """The DAG's Ray connection (this cluster, its token) and its scan variable (moto S3, one actor)."""
     scan = {
         "source": source,
-        "output_root": "s3://airflow-out/nightly",
+        "output_root": output_root,
         "working_dir": str(REPO),
         "args": ["--num-actors", "1"],
         "env_vars": {"AWS_ENDPOINT_URL": s3_server.url, "AWS_ACCESS_KEY_ID": "testing",
@@ -97,8 +98,12 @@ def run_task(env: dict, day: str, cluster, s3_server, source: str) -> subprocess
         "poll_s": 1,
     }
     host = cluster.address.removeprefix("http://")
-    task_env = {**env, "AIRFLOW_CONN_RAY_DEFAULT": f"http://:{cluster.token}@{host}",
-                "AIRFLOW_VAR_BULK_CLASSIFY_NIGHTLY": json.dumps(scan)}
+    return {**env, "AIRFLOW_CONN_RAY_DEFAULT": f"http://:{cluster.token}@{host}",
+            "AIRFLOW_VAR_BULK_CLASSIFY_NIGHTLY": json.dumps(scan)}
+
+
+def run_task(env: dict, day: str, cluster, s3_server, source: str) -> subprocess.CompletedProcess:
+    task_env = airflow_env(env, cluster, s3_server, source, "s3://airflow-out/nightly")
     return subprocess.run([str(AIRFLOW_VENV / "bin" / "airflow"), "tasks", "test", DAG_ID, TASK_ID, day],
                           env=task_env, capture_output=True, text=True, timeout=400)
 
@@ -155,18 +160,7 @@ def test_task_fails_when_the_job_fails_and_the_retry_submits_a_new_attempt(airfl
 
 def run_dag(env: dict, day: str, cluster, s3_server, source: str, output_root: str) -> subprocess.CompletedProcess:
     """`airflow dags test`: the whole DAG for one logical date, scan then quality gate, in this process tree."""
-    scan = {
-        "source": source,
-        "output_root": output_root,
-        "working_dir": str(REPO),
-        "args": ["--num-actors", "1"],
-        "env_vars": {"AWS_ENDPOINT_URL": s3_server.url, "AWS_ACCESS_KEY_ID": "testing",
-                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"},
-        "poll_s": 1,
-    }
-    host = cluster.address.removeprefix("http://")
-    dag_env = {**env, "AIRFLOW_CONN_RAY_DEFAULT": f"http://:{cluster.token}@{host}",
-               "AIRFLOW_VAR_BULK_CLASSIFY_NIGHTLY": json.dumps(scan)}
+    dag_env = airflow_env(env, cluster, s3_server, source, output_root)
     return subprocess.run([str(AIRFLOW_VENV / "bin" / "airflow"), "dags", "test", DAG_ID, day],
                           env=dag_env, capture_output=True, text=True, timeout=500)
 
