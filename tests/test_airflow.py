@@ -86,7 +86,7 @@ print(json.dumps({{
     assert got["local"] == "python jobs/nightly_scan.py --source s3://in/z --output-root s3://o --date 2026-11-29"
 
 
-def airflow_env(env: dict, cluster, s3_server, source: str, output_root: str) -> dict:
+def dag_run_env(env: dict, cluster, s3_server, source: str, output_root: str) -> dict:
     """The DAG's Ray connection (this cluster, its token) and its scan variable (moto S3, one actor)."""
     scan = {
         "source": source,
@@ -103,7 +103,7 @@ def airflow_env(env: dict, cluster, s3_server, source: str, output_root: str) ->
 
 
 def run_task(env: dict, day: str, cluster, s3_server, source: str) -> subprocess.CompletedProcess:
-    task_env = airflow_env(env, cluster, s3_server, source, "s3://airflow-out/nightly")
+    task_env = dag_run_env(env, cluster, s3_server, source, "s3://airflow-out/nightly")
     return subprocess.run([str(AIRFLOW_VENV / "bin" / "airflow"), "tasks", "test", DAG_ID, TASK_ID, day],
                           env=task_env, capture_output=True, text=True, timeout=400)
 
@@ -160,7 +160,7 @@ def test_task_fails_when_the_job_fails_and_the_retry_submits_a_new_attempt(airfl
 
 def run_dag(env: dict, day: str, cluster, s3_server, source: str, output_root: str) -> subprocess.CompletedProcess:
     """`airflow dags test`: the whole DAG for one logical date, scan then quality gate, in this process tree."""
-    dag_env = airflow_env(env, cluster, s3_server, source, output_root)
+    dag_env = dag_run_env(env, cluster, s3_server, source, output_root)
     return subprocess.run([str(AIRFLOW_VENV / "bin" / "airflow"), "dags", "test", DAG_ID, day],
                           env=dag_env, capture_output=True, text=True, timeout=500)
 
