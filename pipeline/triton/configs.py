@@ -10,9 +10,12 @@ PRODUCTION_TRT_INSTANCES = 2
 DALI_THREADS = 4
 QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
-GPU_MAX_BATCH_SIZE = 1024  # images per execute() at most; the model cuts them into batch_size network calls
-GPU_INSTANCES = 3  # stub processes, each with its own GIL: one's CPU work and decode fill the others' GPU gaps
-GPU_QUEUE_DELAY_US = 2000
+GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls
+# One stub process per GPU: its execute() only queues requests for one long-running pipeline (pipeline.engines.gpu.stream)
+# that overlaps decode and network across requests; more instances would time-share the GPU between CUDA contexts.
+GPU_INSTANCES = 1
+GPU_QUEUE_DELAY_US = 100
+GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
 
 
 def _mc():
@@ -128,9 +131,10 @@ def gpu_config(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
-    prep_workers: int = 1,
+    prep_workers: int = 2,
     hw_decoder_load: float | None = None,
     half: str = "auto",
+    max_delay_ms: float = GPU_STREAM_DELAY_MS,
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -155,6 +159,8 @@ def gpu_config(
         tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
+        tn.GPU_PARAM_MAX_DELAY_MS: str(max_delay_ms),
+        tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.engines.gpu.classifier)
     }
     if hw_decoder_load is not None:
         params[tn.GPU_PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)

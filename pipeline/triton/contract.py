@@ -66,4 +66,8 @@ GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_HALF = "half"  # "auto": FP16, but FP32 for the default model on the hand-written resampler (parity)
 GPU_PARAM_MAX_BYTES = "max_bytes"
 GPU_PARAM_MAX_PIXELS = "max_pixels"
+# A model that checks max_bytes/max_pixels per image itself (request parameters) says so; the engine then skips
+# its own header check of every file.
+PARAM_CHECKS_CAPS = "checks_caps"
+GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default

@@ -24,6 +24,7 @@ worker image have it).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -49,6 +50,8 @@ DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # A sub-batch's zero-padded pixel buffer is at most this many pixels (x3 channels, uint8 then fp16): images of
 # very different sizes are grouped by area so that one large photo does not pad a whole batch to its size.
 MAX_PADDED_PIXELS = 96 * 1024 * 1024
+# What a stream's source gives when the stream ends (GpuClassifier.run_stream).
+STOP = object()
 
 
 
@@ -273,42 +276,97 @@ class GpuClassifier:
                 items.append(self._triage(i, data))
             except ImageError as e:
                 errors[i] = str(e)
-        t1 = time.perf_counter()
-        chunks = [_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
-        pending: list = []  # (chunk, ids_host, scores_host, done_event)
-        net_s = 0.0
-        futures = []
-        ahead = self.prep_workers + 2  # batches in the decode and resize stages: hides them, bounds memory
+        self.times.triage_s += time.perf_counter() - t0
+        chunks = iter([_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
+        failure: list[BaseException] = []
 
-        def submit(c):
-            return self._resize_pool.submit(self._resize_after, c, self._prep_pool.submit(self._decode_stage, c))
+        def sink(chunk: _Chunk, idx_np, vals_np, error: BaseException | None) -> None:
+            if error is not None:
+                failure.append(error)
+                return
+            for index, msg in chunk.errors.items():
+                errors[index] = msg
+            if idx_np is None:
+                return
+            rows = np.asarray([chunk.items[p].index for p in chunk.ok], dtype=np.int64)
+            ids[rows, : idx_np.shape[1]] = idx_np
+            scores[rows, : vals_np.shape[1]] = vals_np
+            width[rows] = [chunk.items[p].width for p in chunk.ok]
+            height[rows] = [chunk.items[p].height for p in chunk.ok]
 
-        if self._prep_pool:
-            for c in chunks[:ahead]:
-                futures.append(submit(c))
-        for ci, chunk in enumerate(chunks):
-            if self._prep_pool:
-                futures[ci].result()
-                if ci + ahead < len(chunks):
-                    futures.append(submit(chunks[ci + ahead]))
-            else:
-                self._prepare(chunk)
-            tn = time.perf_counter()
-            pending.append((chunk, *self._infer(chunk)))
-            net_s += time.perf_counter() - tn
-            if len(pending) > 1:
-                self._collect(pending.pop(0), ids, scores, width, height, errors)
-        for p in pending:
-            self._collect(p, ids, scores, width, height, errors)
-        t2 = time.perf_counter()
-        times = self.times
-        times.images += n
-        times.triage_s += t1 - t0
-        times.decode_s += sum(c.decode_s for c in chunks)
-        times.preprocess_s += sum(c.preprocess_s for c in chunks)
-        times.network_s += net_s
-        times.total_s += t2 - t0
+        self.run_stream(lambda block: next(chunks, STOP), sink)
+        if failure:
+            raise failure[0]
+        self.times.images += n
+        self.times.total_s += time.perf_counter() - t0
         return RawResults(ids, scores, width, height, errors)
+
+    def run_stream(self, source, sink) -> None:
+        """The pipeline over a stream of chunks: decode/resize of the next ``prep_workers + 2`` chunks run while
+        the network runs this one, and across the caller's batches (the Triton model feeds it from its queue).
+
+        Args:
+            source: ``source(block)`` gives the next ``_Chunk``, ``None`` when none is ready (only asked with
+                ``block=False``, while work is in flight) or ``STOP`` when the stream ends.
+            sink: ``sink(chunk, class_ids, scores, error)`` for each chunk, in order, once its results are on the
+                host (``class_ids`` is None when no image of the chunk reached the network; ``error`` is the
+                exception that failed the whole chunk, else None).
+        """
+        ahead = self.prep_workers + 2  # chunks in the decode and resize stages: hides them, bounds memory
+        window: collections.deque = collections.deque()  # (chunk, future of its preparation)
+        pending: collections.deque = collections.deque()  # (chunk, ids_host, scores_host, done_event)
+        exhausted = False
+        while True:
+            while not exhausted and len(window) < ahead:
+                chunk = source(not (window or pending))  # block only when nothing is in flight
+                if chunk is STOP:
+                    exhausted = True
+                elif chunk is not None:
+                    window.append((chunk, self._submit(chunk)))
+                    continue
+                break
+            if not window:
+                while pending:
+                    self._emit(pending.popleft(), sink)
+                if exhausted:
+                    return
+                continue
+            chunk, preparing = window.popleft()
+            try:
+                if preparing is not None:
+                    preparing.result()
+                else:
+                    self._prepare(chunk)
+                t = time.perf_counter()
+                pending.append((chunk, *self._infer(chunk)))
+                self.times.network_s += time.perf_counter() - t
+            except Exception as err:  # noqa: BLE001 - this chunk fails; the stream goes on
+                log.exception("a batch of %d images failed", len(chunk.items))
+                sink(chunk, None, None, err)
+            self.times.decode_s += chunk.decode_s
+            self.times.preprocess_s += chunk.preprocess_s
+            if len(pending) > 1:
+                self._emit(pending.popleft(), sink)
+
+    def _submit(self, chunk: _Chunk):
+        if self._prep_pool is None:
+            return None
+        return self._resize_pool.submit(self._resize_after, chunk, self._prep_pool.submit(self._decode_stage, chunk))
+
+    def _emit(self, pending, sink) -> None:
+        chunk, idx_h, vals_h, done = pending
+        try:
+            if done is not None:
+                done.synchronize()
+            idx_np = None if idx_h is None else idx_h.numpy()
+            vals_np = None if vals_h is None else vals_h.numpy()
+        except Exception as err:  # noqa: BLE001 - the chunk's network run failed
+            sink(chunk, None, None, err)
+            return
+        finally:
+            chunk.keep = []
+            chunk.inputs = None
+        sink(chunk, idx_np, vals_np, None)
 
     def _triage(self, index: int, data: bytes) -> _Item:
         return triage(index, data, self.limits, gpu=bool(self.decoder))
@@ -551,24 +609,6 @@ class GpuClassifier:
                 done.record(self._net_stream)
                 return idx_h, vals_h, done
             return idx, vals, None
-
-    def _collect(self, pending, ids, scores, width, height, errors) -> None:
-        chunk, idx_h, vals_h, done = pending
-        if done is not None:
-            done.synchronize()
-        for index, msg in chunk.errors.items():
-            errors[index] = msg
-        if idx_h is None:
-            return
-        idx_np, vals_np = idx_h.numpy(), vals_h.numpy()
-        k = idx_np.shape[1]
-        rows = np.asarray([chunk.items[p].index for p in chunk.ok], dtype=np.int64)
-        ids[rows, :k] = idx_np
-        scores[rows, :k] = vals_np
-        width[rows] = [chunk.items[p].width for p in chunk.ok]
-        height[rows] = [chunk.items[p].height for p in chunk.ok]
-        chunk.keep = []
-        chunk.inputs = None
 
 
 def _area_groups(sizes: np.ndarray, max_pixels: int) -> list[list[int]]:

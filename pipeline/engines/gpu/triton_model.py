@@ -18,10 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.engines.gpu.stream import NullClassifier, RequestStream
 from pipeline.triton import contract as tn
 from pipeline.imaging import DecodeLimits, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
+# The stub's pybind11 reads numpy-1 arrays right; under numpy 2 tensors go through DLPack (see the module doc).
+_NUMPY_1 = int(np.__version__.split(".")[0]) < 2
 
 def _param(config: dict, key: str, default: str) -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
@@ -53,9 +56,6 @@ class TritonPythonModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
-        from pipeline.engines.gpu.dali import DEFAULT_HW_DECODER_LOAD, make_classifier, uses_dali  # noqa: PLC0415
-        from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415
-
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         folder = Path(args["model_repository"]) / args["model_version"]
@@ -65,8 +65,27 @@ class TritonPythonModel:
         self.has_error = tn.OUTPUT_ERROR in outputs
         kind = args.get("model_instance_kind", "GPU")
         device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if kind == "GPU" else "cpu"
-        bundle = _FolderBundle(folder, spec, 1000)
         net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
+        self.limits = DecodeLimits(
+            max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
+            max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
+        )
+        batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        if net_name == "none":  # the Triton hop alone: no decode, no network (benchmarks, tests)
+            self.classifier = NullClassifier(batch_size=batch_size, top_k=self.top_k)
+        else:
+            self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
+        self.classifier.warmup()
+        self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
+                                    max_delay_s=float(_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000)
+        LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
+
+    def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
+                          batch_size: int):
+        from pipeline.engines.gpu.dali import DEFAULT_HW_DECODER_LOAD, make_classifier, uses_dali  # noqa: PLC0415
+        from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415
+
+        bundle = _FolderBundle(folder, spec, 1000)
         half = _param(config, tn.GPU_PARAM_HALF, "auto").lower()
         decoder = _param(config, tn.GPU_PARAM_DECODER, "auto")
         if half == "auto":
@@ -75,26 +94,19 @@ class TritonPythonModel:
             half = uses_dali(decoder, device) or not default_network(bundle, net_name)
         else:
             half = half == "true"
-        network = load_network(bundle, net_name)
-        self.limits = DecodeLimits(
-            max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
-            max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
-        )
-        self.classifier = make_classifier(
-            network,
+        return make_classifier(
+            load_network(bundle, net_name),
             spec,
             hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
             top_k=self.top_k,
             limits=self.limits,
             decoder=decoder,
-            batch_size=int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE))),
+            batch_size=batch_size,
             device=device,
             cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-            prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "1")),
+            prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
             half=half,
         )
-        self.classifier.warmup()
-        LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 
     def _request_limits(self, request) -> DecodeLimits:
         try:
@@ -107,43 +119,40 @@ class TritonPythonModel:
         )
 
     def execute(self, requests):
+        """Queues each request's images for the pipeline and returns at once: the responses are sent by the
+        pipeline's thread when their images are done (the response sender, in the default transaction policy),
+        so the next requests arrive while this batch is still on the GPU."""
         pb = self.pb
-        responses: list = [None] * len(requests)
-        # All requests with the same limits go through one classify call: one pipeline over all their images.
-        groups: dict[DecodeLimits, list[tuple[int, list[bytes]]]] = {}
-        for r, request in enumerate(requests):
+        for request in requests:
+            sender = request.get_response_sender()
             try:
                 images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
                 lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH)).reshape(-1)
                 if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
                     raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
                 blobs = [images[i, : int(lengths[i])].tobytes() for i in range(images.shape[0])]
-                groups.setdefault(self._request_limits(request), []).append((r, blobs))
+                limits = self._request_limits(request)
             except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
-                responses[r] = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err)))
-        for limits, members in groups.items():
-            blobs = [b for _, bl in members for b in bl]
-            try:
-                self.classifier.limits = limits
-                raw = self.classifier.classify(blobs)
-            except Exception as err:  # noqa: BLE001 - reported on each request of the group
-                LOG.exception("gpu classify failed")
-                for r, _ in members:
-                    responses[r] = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err)))
+                self._send(sender, pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
                 continue
-            start = 0
-            for r, bl in members:
-                end = start + len(bl)
-                failed = [e for e in raw.errors[start:end] if e]
-                if failed and not self.has_error:
-                    # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
-                    # isolate the bad input, whose own one-image request then carries its error text.
-                    msg = failed[0] if len(bl) == 1 else f"{len(failed)} of {len(bl)} images failed; first: {failed[0]}"
-                    responses[r] = pb.InferenceResponse(output_tensors=[], error=self._bad_input(msg))
-                else:
-                    responses[r] = pb.InferenceResponse(output_tensors=self._tensors(raw, start, end))
-                start = end
-        return responses
+            self.stream.submit(sender, blobs, limits)
+        return None
+
+    def _respond(self, sender, raw, n: int) -> None:
+        """The response of one request (called by the stream's thread once all its images are done)."""
+        pb = self.pb
+        failed = [e for e in raw.errors if e]
+        if failed and not self.has_error:
+            # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
+            # isolate the bad input, whose own one-image request then carries its error text.
+            msg = failed[0] if n == 1 else f"{len(failed)} of {n} images failed; first: {failed[0]}"
+            response = pb.InferenceResponse(output_tensors=[], error=self._bad_input(msg))
+        else:
+            response = pb.InferenceResponse(output_tensors=self._tensors(raw, 0, n))
+        self._send(sender, response)
+
+    def _send(self, sender, response) -> None:
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _bad_input(self, msg: str):
         """An INVALID_ARG error (not INTERNAL, which clients read as a failing server)."""
@@ -151,14 +160,17 @@ class TritonPythonModel:
         return self.pb.TritonError(msg, code) if code is not None else self.pb.TritonError(msg)
 
     def _tensors(self, raw, start: int, end: int) -> list:
-        import torch  # noqa: PLC0415 - present wherever this model runs
-
         pb = self.pb
 
         def out_tensor(name: str, arr: np.ndarray):
+            arr = np.ascontiguousarray(arr)
+            if _NUMPY_1:
+                return pb.Tensor(name, arr)
+            import torch  # noqa: PLC0415 - present wherever this model runs under numpy 2
+
             # Through torch's DLPack capsule: numpy's own capsule crashed the stub ("PyCapsule_GetPointer called
             # with incorrect name"), and pb.Tensor(name, ndarray) mis-reads numpy-2 arrays.
-            return pb.Tensor.from_dlpack(name, torch.from_numpy(np.ascontiguousarray(arr)))
+            return pb.Tensor.from_dlpack(name, torch.from_numpy(arr))
 
         out = [
             out_tensor(tn.OUTPUT_CLASS_IDS, raw.class_ids[start:end]),
@@ -172,4 +184,5 @@ class TritonPythonModel:
         return out
 
     def finalize(self):
+        self.stream.close()
         self.classifier.close()

@@ -1,0 +1,253 @@
+"""Requests in, one pipeline out: the gpu profile's Triton model feeds every request's images into one long-running
+``GpuClassifier.run_stream``, so decode of the next requests overlaps the network on this one across ``execute()``
+calls, and network batches are full whatever the requests' sizes.
+
+``RequestStream.submit`` (called from ``execute``) triages a request's images on the CPU (caps, JPEG header) and
+queues them; the stream's thread cuts the queue into network batches (``batch_size`` images, or fewer when the GPU
+would otherwise wait longer than ``max_delay_s``), runs them through the classifier's pipeline, and calls
+``respond(sender, RawResults, n)`` for a request as soon as its last image is done. A batch that fails as a whole
+(a CUDA error, say) fails its images with an ``engine_error`` and the stream goes on.
+
+Torch-free: the classifier brings torch; tests run this module with a classifier that does no work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
+from pipeline.errors import ImageError
+from pipeline.imaging import DecodeLimits
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+@dataclass
+class _Request:
+    """One request's images on their way through the stream, and its results so far."""
+
+    sender: Any
+    n: int
+    ids: np.ndarray
+    scores: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    errors: list[str]
+    remaining: int = 0  # images still in the stream
+    done: bool = False
+
+    @classmethod
+    def new(cls, sender, n: int, top_k: int) -> "_Request":
+        return cls(sender, n, np.zeros((n, top_k), np.int32), np.zeros((n, top_k), np.float32),
+                   np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n)
+
+    def results(self) -> RawResults:
+        return RawResults(self.ids, self.scores, self.width, self.height, self.errors)
+
+
+@dataclass
+class _Pending:
+    """Queued images not yet cut into a batch: (serial, item) pairs, oldest first."""
+
+    items: list = field(default_factory=list)
+    since: float = 0.0  # when the oldest queued image arrived
+
+
+class RequestStream:
+    """Feeds requests' images into one ``classifier.run_stream`` running in its own thread.
+
+    Args:
+        classifier: a ``GpuClassifier`` (or anything with ``batch_size``, ``decoder``, ``run_stream``).
+        respond: ``respond(sender, results, n)``, called from the stream's thread once per request.
+        top_k: classes per image in the results.
+        max_delay_s: how long queued images wait for a fuller batch while the GPU has nothing else to do.
+    """
+
+    def __init__(self, classifier, respond: Callable[[Any, RawResults, int], None], *, top_k: int,
+                 max_delay_s: float = 0.002):
+        self.classifier = classifier
+        self.respond = respond
+        self.top_k = top_k
+        self.max_delay_s = max_delay_s
+        self.batch_size = int(classifier.batch_size)
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = _Pending()
+        self._owners: dict[int, tuple[_Request, int]] = {}  # serial -> (request, position); stream thread only
+        self._serial = 0
+        self._closing = False
+        self.batches = 0  # network batches cut, and their images (for the average batch)
+        self.images = 0
+        self._thread = threading.Thread(target=self._run, name="gpu-stream", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side (Triton's execute thread) ----------------------------------------------------------
+
+    def submit(self, sender, blobs: list[bytes], limits: DecodeLimits) -> None:
+        """Queues one request's images; its response comes through ``respond`` (at once if nothing is left)."""
+        request = _Request.new(sender, len(blobs), self.top_k)
+        items = []
+        for pos, data in enumerate(blobs):
+            try:
+                item = triage(self._serial, data, limits, gpu=bool(self.classifier.decoder))
+            except ImageError as err:
+                request.errors[pos] = str(err)
+                continue
+            items.append((item, pos))
+            self._serial += 1
+        request.remaining = len(items)
+        if not items:
+            self._finish(request)
+            return
+        self._queue.put((request, items))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops taking work, finishes what is queued, and stops the thread."""
+        self._closing = True
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout_s)
+
+    # ---- the stream's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.classifier.run_stream(self._source, self._sink)
+                return
+            except Exception:  # noqa: BLE001 - a bug in the pipeline must not leave requests waiting forever
+                log.exception("the gpu stream failed; failing its requests in flight and starting again")
+                for request, _ in list(self._owners.values()):
+                    if not request.done:
+                        request.errors = [e or "engine_error: the gpu pipeline failed" for e in request.errors]
+                        self._finish(request)
+                self._owners.clear()
+                if self._closing:
+                    return
+
+    def _take(self, timeout: float | None) -> bool:
+        """Moves one request's items from the queue to the pending list; False when nothing came or closing."""
+        try:
+            got = self._queue.get(timeout=timeout) if timeout is None or timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return False
+        if got is _CLOSE:
+            self._closing = True
+            return False
+        request, items = got
+        if not self._pending.items:
+            self._pending.since = time.monotonic()
+        for item, pos in items:
+            self._owners[item.index] = (request, pos)
+            self._pending.items.append(item)
+        return True
+
+    def _source(self, block: bool):
+        pending = self._pending
+        while len(pending.items) < self.batch_size and self._take(0):
+            pass
+        if not pending.items:
+            if not block:
+                return None
+            while not self._closing and not self._take(None):
+                pass
+            if not pending.items:
+                return STOP
+        if len(pending.items) < self.batch_size:
+            wait = pending.since + self.max_delay_s - time.monotonic()
+            if not block and wait > 0 and not self._closing:
+                return None  # the GPU is busy: let the batch fill a little longer
+            deadline = time.monotonic() + max(wait, 0.0)
+            while len(pending.items) < self.batch_size and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._take(left):
+                    break
+        batch, pending.items = pending.items[: self.batch_size], pending.items[self.batch_size :]
+        pending.since = time.monotonic()
+        self.batches += 1
+        self.images += len(batch)
+        return _Chunk(batch)
+
+    def _sink(self, chunk: _Chunk, ids, scores, error: BaseException | None) -> None:
+        if error is not None:
+            msg = f"engine_error: the batch failed on the GPU ({type(error).__name__}: {str(error)[:300]})"
+            for item in chunk.items:
+                chunk.errors.setdefault(item.index, msg)
+        for serial, msg in chunk.errors.items():
+            request, pos = self._owners[serial]
+            request.errors[pos] = msg
+        if ids is not None and error is None:
+            for row, p in enumerate(chunk.ok):
+                item = chunk.items[p]
+                request, pos = self._owners[item.index]
+                request.ids[pos, : ids.shape[1]] = ids[row]
+                request.scores[pos, : scores.shape[1]] = scores[row]
+                request.width[pos] = item.width
+                request.height[pos] = item.height
+        for item in chunk.items:
+            request, _ = self._owners.pop(item.index)
+            request.remaining -= 1
+            if request.remaining == 0:
+                self._finish(request)
+
+    def _finish(self, request: _Request) -> None:
+        request.done = True
+        try:
+            self.respond(request.sender, request.results(), request.n)
+        except Exception:  # noqa: BLE001 - the client may be gone; the stream goes on
+            log.exception("sending a response failed")
+
+
+class NullClassifier:
+    """A classifier that does no work: the gpu profile with ``network: "none"`` (the Triton hop alone, for
+    benchmarks; and the stream's bookkeeping under test on any machine). Each image's "classes" are derived from
+    its bytes (``echo_ids``), so a client can check that every answer came back for its own image.
+    """
+
+    decoder = True  # triage sends JPEGs down the "GPU" path: nothing is decoded here
+    decoder_name = "none"
+
+    def __init__(self, *, batch_size: int = 256, top_k: int = 5, in_flight: int = 4):
+        self.batch_size = batch_size
+        self.top_k = top_k
+        self.in_flight = in_flight
+        self.limits = DecodeLimits()
+
+    def warmup(self) -> None:
+        pass
+
+    def run_stream(self, source, sink) -> None:
+        window: list = []
+        while True:
+            chunk = source(not window)
+            if chunk is not None and chunk is not STOP:
+                # what the GPU decoder would not take is an error here (nothing decodes it), the rest "classified"
+                chunk.ok = [p for p, it in enumerate(chunk.items) if it.info is not None]
+                chunk.errors = {it.index: "unsupported: not a JPEG the gpu path decodes (network none)"
+                                for it in chunk.items if it.info is None}
+                window.append(chunk)
+            if window and (chunk is None or chunk is STOP or len(window) >= self.in_flight):
+                done = window.pop(0)
+                ok = [done.items[p].data for p in done.ok]
+                sink(done, echo_ids(ok, self.top_k),
+                     np.tile(np.linspace(0.5, 0.1, self.top_k, dtype=np.float32), (len(ok), 1)), None)
+            if chunk is STOP and not window:
+                return
+
+    def close(self) -> None:
+        pass
+
+
+def echo_ids(blobs: list[bytes], top_k: int) -> np.ndarray:
+    """``NullClassifier``'s answer for each image: k ids from the image's CRC-32."""
+    import zlib  # noqa: PLC0415
+
+    base = np.array([zlib.crc32(b) % 1000 for b in blobs], dtype=np.int32).reshape(-1, 1)
+    return ((base + np.arange(top_k, dtype=np.int32)) % 1000).astype(np.int32)

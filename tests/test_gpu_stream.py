@@ -1,0 +1,113 @@
+"""The gpu profile's request stream (pipeline.engines.gpu.stream) in a real tritonserver, on the CPU.
+
+The profile's model with ``network: "none"`` runs the whole Triton side - execute() queueing requests, the stream
+cutting them into batches across requests, responses sent from the stream's thread - with a classifier that does no
+work and answers each image with ids derived from its own bytes. So every answer can be checked against its image:
+many clients at once, ragged request sizes, bad inputs among them, a server restart in the middle.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from pipeline.engines.gpu.stream import echo_ids
+from pipeline.engines.triton import TritonEngine
+from pipeline.model import load_model
+from pipeline.triton import contract as tn
+from pipeline.triton.repository import build_gpu_repository
+from pipeline.triton.server import TritonServer
+from tests.oddities import encode, photo
+
+def _repo(tmp_path, **options):
+    repo = build_gpu_repository(None, tmp_path / "repo", network="none", instances=1, error_output=True, **options)
+    config = repo / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    return repo
+
+
+def _images(n: int, seed: int = 0) -> list[bytes]:
+    """Distinct JPEG-looking files of ragged sizes (SOI ... EOI): the stream routes them by header, decodes none."""
+    rng = random.Random(seed)
+    base = encode(photo().resize((64, 48)), "JPEG")
+    out = []
+    for i in range(n):
+        pad = rng.randrange(0, 3000)
+        # a COM segment makes each file unique and of its own length, still a valid JPEG
+        body = f"img{i}".encode() + bytes(rng.randrange(256) for _ in range(pad % 200)) + b"x" * pad
+        body = body[:60000]
+        com = b"\xff\xfe" + (len(body) + 2).to_bytes(2, "big") + body
+        out.append(base[:2] + com + base[2:])
+    return out
+
+
+def _check(rows, datas, bundle) -> None:
+    want = echo_ids(datas, 5)
+    for i, (row, data) in enumerate(zip(rows, datas)):
+        assert row.status == "ok", (i, row.error)
+        assert [bundle.labels.index(label) for label in row.labels] == want[i].tolist(), i
+
+
+def test_every_answer_is_its_own_images_with_many_clients(tmp_path):
+    bundle = load_model(None)
+    datas = _images(1200)
+    with TritonServer(_repo(tmp_path, batch_size=64, max_delay_ms=1.0)) as server:
+        engines = [TritonEngine(bundle, url=server.grpc_url, request_batch=rb, concurrency=c)
+                   for rb, c in ((7, 8), (64, 4), (1, 16))]
+        try:
+            def run(k):
+                part = datas[k * 400 : (k + 1) * 400]
+                return part, engines[k].classify(part)
+
+            with ThreadPoolExecutor(3) as pool:
+                for part, rows in pool.map(run, range(3)):
+                    _check(rows, part, bundle)
+        finally:
+            for engine in engines:
+                engine.close()
+        metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    # requests of 1, 7 and 64 images were merged: the server saw fewer execute() calls than requests
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith(("nv_inference_request_success", "nv_inference_exec_count")) and "classifier" in line}
+    assert counts["nv_inference_request_success"] >= 400 + 400 // 7 + 400 // 64
+
+
+def test_bad_inputs_are_their_own_rows_in_the_stream(tmp_path):
+    bundle = load_model(None)
+    good = _images(40, seed=1)
+    datas = good[:10] + [b"", b"not an image at all"] + good[10:] + [b"\xff\xd8\xff"]
+    with TritonServer(_repo(tmp_path, batch_size=16)) as server:
+        with TritonEngine(bundle, url=server.grpc_url, request_batch=8, concurrency=4) as engine:
+            rows = engine.classify(datas)
+    assert rows[10].status == "error" and rows[10].error.startswith("empty: ")  # the client's caps
+    # not JPEGs the GPU decodes: errors raised inside the stream's batches, each on its own row
+    assert rows[11].status == "error" and rows[11].error.startswith("unsupported: not a JPEG")
+    assert rows[-1].status == "error"
+    _check(rows[:10] + rows[12:-1], datas[:10] + datas[12:-1], bundle)
+
+
+def test_a_restarted_server_answers_every_image(tmp_path):
+    """The engine owns its server; killing it mid-run loses nothing: each image still gets its own answer."""
+    import threading
+
+    bundle = load_model(None)
+    datas = _images(3000, seed=2)
+    engine = TritonEngine(bundle, repository=str(_repo(tmp_path, batch_size=64)), request_batch=16, concurrency=8)
+    try:
+        killer = threading.Timer(0.5, lambda: os.kill(engine.server.pid, signal.SIGKILL))
+        killer.start()
+        rows = engine.classify(datas)
+        killer.join()
+        rows += engine.classify(datas[:100])
+        restarts = engine.server.restarts
+    finally:
+        engine.close()
+    _check(rows, datas + datas[:100], bundle)
+    assert np.all([r.status == "ok" for r in rows])
+    assert restarts >= 1  # the kill landed while images were in flight
