@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
@@ -65,11 +66,14 @@ class ClassifyActor:
         calls = [0.0] * n
         if todo:
             before = dict(self.engine.stage_seconds)
+            started = time.perf_counter()
             results = self.engine.classify([data[i] for i in todo])
+            wall = time.perf_counter() - started
             after = self.engine.stage_seconds
-            # Engines that can split decode from inference report both stages; the others report only "infer".
+            # Engines that can split decode from inference report both stages; the others report only "infer",
+            # which is this call's wall time (calls may overlap: --calls-per-actor).
             decode = after[STAGE_DECODE] - before[STAGE_DECODE] if STAGE_DECODE in after else None
-            infer = after[STAGE_INFER] - before[STAGE_INFER]
+            infer = after[STAGE_INFER] - before[STAGE_INFER] if decode is not None else wall
             share = infer / len(todo)
             if len(results) != len(todo):
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")

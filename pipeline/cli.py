@@ -70,6 +70,7 @@ RUN_OPTIONS = (
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
     click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default: 1 for a GPU engine on a cluster with GPUs, else 0)."),
+    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: 2 for triton, else 1)."),
     click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
     click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
     click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB)."),

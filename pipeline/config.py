@@ -72,6 +72,8 @@ class RunConfig:
             None: FETCH_AHEAD_PER_ACTOR per classify actor, at least FETCH_AHEAD_MIN and at least
             FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
+        calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
+            (2 for triton: one batch is sent while the previous one's last requests finish, 1 otherwise).
     """
 
     source: str
@@ -87,6 +89,7 @@ class RunConfig:
     previous: str | None = None
     num_actors: int | None = None
     num_gpus_per_actor: float | None = None
+    calls_per_actor: int | None = None
     fetch_threads: int = 16
     decode_threads: int | None = None
     max_bytes: int = DEFAULT_MAX_BYTES
@@ -115,6 +118,8 @@ class RunConfig:
             raise ConfigError(f"--retries must be 0 or more, got {self.retries}")
         if self.num_gpus_per_actor is not None and self.num_gpus_per_actor < 0:
             raise ConfigError(f"--num-gpus-per-actor must be 0 or more, got {self.num_gpus_per_actor}")
+        if self.calls_per_actor is not None and not 1 <= self.calls_per_actor <= 16:
+            raise ConfigError(f"--calls-per-actor must be within 1..16, got {self.calls_per_actor}")
         if self.num_actors is not None and self.num_actors < 1:
             raise ConfigError(f"--num-actors must be at least 1, got {self.num_actors}")
         if self.decode_threads is not None and self.decode_threads < 1:

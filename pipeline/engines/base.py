@@ -140,6 +140,8 @@ class EngineSpec:
         needs_gpu: actors take one GPU each when the cluster has GPUs.
         decode_threads_option: the option that ``--decode-threads`` fills, if the engine decodes in the actor.
         preflight: ``"module:function"`` called with the parsed options in the driver; raises ConfigError.
+        calls_per_actor: engine calls each actor runs at once by default (``--calls-per-actor``): more than one
+            for an engine whose calls mostly wait on a server, so the next batch is sent while this one finishes.
     """
 
     name: str
@@ -149,6 +151,7 @@ class EngineSpec:
     needs_gpu: bool = False
     decode_threads_option: str | None = None
     preflight: str | None = None
+    calls_per_actor: int = 1
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -236,6 +239,7 @@ REGISTRY: dict[str, EngineSpec] = {
             ),
             needs_gpu=True,
             preflight="pipeline.engines.base:check_triton",
+            calls_per_actor=2,
         ),
         EngineSpec(
             name="gpu",

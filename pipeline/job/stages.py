@@ -106,6 +106,7 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors, actor_cpus, num_gpus = _actor_plan(config)
+    calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, done=done,
                                 previous=previous, counter=counter)
     # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding.
@@ -127,7 +128,8 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
                                "decode_threads": config.decode_threads, "engine_options": config.engine_options},
         batch_size=config.batch_size,
         batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=actors),
+        compute=ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=calls,
+                                  enable_true_multi_threading=calls > 1),
         # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
         num_cpus=actor_cpus,
         num_gpus=num_gpus or None,

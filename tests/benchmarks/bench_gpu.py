@@ -140,9 +140,12 @@ def make_set(count: int, size_mode: str, seed0: int) -> list[bytes]:
 
 
 def _sync():
-    import torch
-
-    torch.cuda.synchronize()
+    try:
+        import torch
+    except ImportError:  # a client-only run (no torch here)
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
@@ -399,53 +402,6 @@ def metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-HOP_MODEL = """
-
-import numpy as np  # noqa: E402
-
-from pipeline.engines.gpu import triton_model as _tm  # noqa: E402
-from pipeline.engines.gpu.classifier import RawResults  # noqa: E402
-from pipeline.imaging import DecodeLimits  # noqa: E402
-
-
-class _Nothing:
-    decoder_name = "none"
-    limits = DecodeLimits()
-
-    def __init__(self, k):
-        self.k = k
-
-    def classify(self, blobs):
-        n = len(blobs)
-        return RawResults(np.zeros((n, self.k), np.int32), np.zeros((n, self.k), np.float32),
-                          np.ones(n, np.int32), np.ones(n, np.int32), [""] * n)
-
-    def close(self):
-        pass
-
-
-class TritonPythonModel(_tm.TritonPythonModel):  # noqa: F811 - the hop: input handling and outputs, no work
-    def initialize(self, args):
-        import json
-
-        import triton_python_backend_utils as pb
-
-        self.pb = pb
-        outputs = {o["name"]: o for o in json.loads(args["model_config"])["output"]}
-        self.top_k = int(outputs["CLASS_IDS"]["dims"][0])
-        self.has_error = "ERROR" in outputs
-        self.limits = DecodeLimits()
-        self.classifier = _Nothing(self.top_k)
-
-    def _tensors(self, raw, start, end):
-        if int(np.__version__.split(".")[0]) >= 2:
-            return super()._tensors(raw, start, end)
-        return [self.pb.Tensor(name, np.ascontiguousarray(arr)) for name, arr in (
-            ("CLASS_IDS", raw.class_ids[start:end]), ("SCORES", raw.scores[start:end]),
-            ("WIDTH", raw.width[start:end, None]), ("HEIGHT", raw.height[start:end, None]))]
-"""
-
-
 def _tree_cpu(pid) -> float:
     """CPU seconds (user + system) of a process and its descendants so far."""
     import psutil
@@ -465,32 +421,78 @@ def _tree_cpu(pid) -> float:
     return total
 
 
-def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
-    from pipeline.triton.repository import build_gpu_repository
+class _Labels:
+    labels = tuple(str(i) for i in range(1000))
+
+
+def _client_proc(url: str, model: str, images_file: str, request_batch: int, concurrency: int, seconds: float,
+                 start, out) -> None:
+    """One actor-shaped client process: TritonEngine.classify of the whole set, again and again, for ``seconds``
+    after ``start`` is set; puts (images, wall s, CPU s of this process) on ``out``."""
+    import pickle
+
     from pipeline.engines.triton import TritonEngine
+
+    images = pickle.loads(Path(images_file).read_bytes())
+    eng = TritonEngine(_Labels(), url=url, model_name=model, request_batch=request_batch, concurrency=concurrency)
+    try:
+        eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+        start.wait()
+        done, c0, t0 = 0, time.process_time(), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            done += len(eng.classify(images))
+        out.put((done, time.perf_counter() - t0, time.process_time() - c0))
+    finally:
+        eng.close()
+
+
+def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, concurrency: int, procs: int,
+                seconds: float) -> tuple[float, float]:
+    """img/s of ``procs`` client processes at once (several actors sharing one server), and their cores."""
+    import multiprocessing as mp
+    import pickle
+
+    ctx = mp.get_context("spawn")  # this process holds CUDA and gRPC state: never fork it
+    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+        f.write(pickle.dumps(images))
+    start, out = ctx.Event(), ctx.Queue()
+    workers = [ctx.Process(target=_client_proc, args=(url, model, f.name, request_batch, concurrency, seconds,
+                                                        start, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(8)  # imports, channel, warm-up of every process
+    start.set()
+    got = [out.get(timeout=seconds + 300) for _ in workers]
+    for w in workers:
+        w.join(30)
+    os.unlink(f.name)
+    return sum(g[0] / g[1] for g in got), sum(g[2] / g[1] for g in got)
+
+
+def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
+    """The gpu profile in a local tritonserver (one request stream per model), from clients shaped like the actor:
+    ResNet-50, the default model, and the hop alone (``network: none``: the model's execute(), stream and responses
+    with a classifier that does no work)."""
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.repository import build_gpu_repository
     from pipeline.triton.server import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="gpu-repo-"))
     models = {"resnet50": "classifier_resnet50", "default": "classifier", "hop": "classifier_hop"}
+    models = {net: name for net, name in models.items() if net in args.triton_nets.split(",")}
     for net, name in models.items():
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
         build_gpu_repository(
-            None, tmp, network="resnet50" if net == "resnet50" else "auto", instances=args.instances,
+            None, tmp, network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=args.instances,
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
-            hw_decoder_load=args.hw_decoder_load, half=args.half,
+            hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "classifier"', f'name: "{name}"'))
         if net == "resnet50":
             (repo / name / "1" / "preprocess.json").write_text(IMAGENET_SPEC.to_json())
-        if net == "hop":  # the gpu model's own execute() with a classifier that does nothing: the hop alone
-            shim = repo / name / "1" / "model.py"
-            shim.write_text(shim.read_text() + HOP_MODEL)
-
-    class Bundle:
-        labels = tuple(str(i) for i in range(1000))
 
     t0 = time.perf_counter()
     # The python backend moves inputs through shared memory that starts at 1 MB and grows 1 MB at a time:
@@ -500,7 +502,8 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     with TritonServer(repo, startup_timeout_s=300, extra_args=shm_args) as server:
         results["triton_startup_s"] = round(time.perf_counter() - t0, 1)
         # Bad inputs inside a request: each must come back as its own error row, the rest classified.
-        eng = TritonEngine(Bundle(), url=server.grpc_url, request_batch=8, concurrency=1)
+        eng = TritonEngine(_Labels(), url=server.grpc_url, request_batch=8, concurrency=1,
+                           model_name=models.get("default", next(iter(models.values()))))
         bench_set = sets["imagenet"]
         mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
         rows = eng.classify(mixed)
@@ -510,31 +513,42 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         runs = [(s, n) for s in sets for n in models if n in ("resnet50", "hop") or s == "imagenet"]
         for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
             name = models[net]
-            eng = TritonEngine(Bundle(), url=server.grpc_url, model_name=name, request_batch=request_batch,
-                               concurrency=concurrency)
-            try:
-                bench_set = sets[set_name]
-                images = bench_set * max(1, args.triton_images // len(bench_set))
-                eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+            bench_set = sets[set_name]
+            images = bench_set * max(1, args.triton_images // len(bench_set))
+            for procs in args.client_procs:
+                key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}" + (f"_p{procs}" if procs > 1 else "")
                 before = metrics(server.metrics_url).get(name, {})
-                cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
-                r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
-                cpu1, srv1, w1 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
+                srv0, w0 = _tree_cpu(server.pid), time.perf_counter()
+                if procs == 1:
+                    eng = TritonEngine(_Labels(), url=server.grpc_url, model_name=name,
+                                       request_batch=request_batch, concurrency=concurrency)
+                    try:
+                        eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+                        before = metrics(server.metrics_url).get(name, {})
+                        cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
+                        r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                        client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
+                    finally:
+                        eng.close()
+                else:
+                    r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency, procs,
+                                                  args.seconds)
+                srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
                 after = metrics(server.metrics_url).get(name, {})
                 count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
                 execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
-                key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
                 results[key] = {
                     "img_s": round(r),
-                    "avg_batch_images": round(count / max(execs, 1), 1),
+                    "client_procs": procs,
+                    "requests_per_execute": round(
+                        (after.get("nv_inference_request_success", 0) - before.get("nv_inference_request_success", 0))
+                        / max(execs, 1), 2),
                     "inference_count": count,
                     "exec_count": execs,
-                    "client_cores": round((cpu1 - cpu0) / (w1 - w0), 2),  # this process (the actor-shaped client)
-                    "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stub processes
+                    "client_cores": round(client_cores, 2),  # the actor-shaped client process(es)
+                    "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stub process
                 }
                 print(f"{key}: {results[key]}", flush=True)
-            finally:
-                eng.close()
         results["triton_log_tail"] = server.log_tail(15)
 
 
@@ -608,14 +622,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per measurement")
     p.add_argument("--decoder", default="auto")
-    p.add_argument("--instances", type=int, default=3, help="Triton model instances")
-    p.add_argument("--prep-workers", type=int, default=1, help="preparing threads per Triton instance")
+    p.add_argument("--instances", type=int, default=1, help="Triton model instances (each runs one request stream)")
+    p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per Triton instance")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")
-    p.add_argument("--queue-delay-us", type=int, default=2000)
+    p.add_argument("--queue-delay-us", type=int, default=100)
     p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
-    p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x12,256x8"),
+    p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x16"),
                    help="request_batch x concurrency pairs, comma-separated")
+    p.add_argument("--triton-nets", default="resnet50,default,hop", help="models served in the triton part")
+    p.add_argument("--client-procs", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2],
+                   help="client processes sharing the server, e.g. 1,2,3 (each one actor-shaped client)")
     p.add_argument("--parts", default="dali,decode,ceiling,naive,engine,parity,oddities,triton")
     p.add_argument("--engine-variants", default="", help="in-process variants to run (default: all)")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI in Triton (default: the model's)")
@@ -736,7 +753,7 @@ def print_table(results: dict) -> None:
             for key, val in results.items():
                 if key.startswith(f"triton_{net}_{set_name}_"):
                     label = key.split(f"{set_name}_", 1)[1]
-                    lines.append((f"triton {label} (batch {val['avg_batch_images']:.0f}, cores "
+                    lines.append((f"triton {label} (cores "
                                   f"{val.get('client_cores')}/{val.get('server_cores')})", val["img_s"]))
             for label, v in lines:
                 if not isinstance(v, (int, float)):
