@@ -111,3 +111,29 @@ def test_a_restarted_server_answers_every_image(tmp_path):
     _check(rows, datas + datas[:100], bundle)
     assert np.all([r.status == "ok" for r in rows])
     assert restarts >= 1  # the kill landed while images were in flight
+
+
+def test_engines_of_one_gpu_share_one_server_and_survive_its_loss(tmp_path, monkeypatch):
+    """share_server: the second engine connects to the first one's server; when the owner restarts it, or closes,
+    the other takes the lease again (finds the new server, or starts and owns one) and loses no image."""
+    from pipeline.triton import sharing
+
+    monkeypatch.setattr(sharing.tempfile, "gettempdir", lambda: str(tmp_path))
+    bundle = load_model(None)
+    datas = _images(600, seed=3)
+    repo = str(_repo(tmp_path, batch_size=64))
+    owner = TritonEngine(bundle, repository=repo, request_batch=16, concurrency=4, share_server=True)
+    other = TritonEngine(bundle, repository=repo, request_batch=16, concurrency=4, share_server=True)
+    try:
+        assert owner.server is not None and other.server is None and other.url == owner.url
+        _check(owner.classify(datas[:300]) + other.classify(datas[300:]), datas, bundle)
+        os.kill(owner.server.pid, signal.SIGKILL)  # the owner restarts it on its next call; the other follows
+        _check(owner.classify(datas[:50]), datas[:50], bundle)
+        _check(other.classify(datas), datas, bundle)
+        assert other.url == owner.url and other.server is None
+        owner.close()  # the owner leaves: the other starts its own server and owns the lease
+        _check(other.classify(datas[:200]), datas[:200], bundle)
+        assert other.server is not None
+    finally:
+        owner.close()
+        other.close()

@@ -236,6 +236,8 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
                 Option("model_name", str, "the model to call, e.g. classifier"),
                 _positive_float("request_timeout_s", "seconds one request may take, e.g. 300"),
+                Option("share_server", bool, "one local server for the actors of a GPU (with --num-gpus-per-actor "
+                       "below 1): true or false"),
             ),
             needs_gpu=True,
             preflight="pipeline.engines.base:check_triton",

@@ -122,6 +122,8 @@ class TritonEngine:
         server_args: extra tritonserver arguments.
         model_name: the model to call (default pipeline.triton.contract.MODEL_NAME).
         request_timeout_s: how long one request may take before it counts as failed.
+        share_server: share one local server between the engines of this node that would start the same one on
+            the same GPU (several actors per GPU; pipeline.triton.sharing); ignored with ``url``.
     """
 
     name = "triton"
@@ -141,6 +143,7 @@ class TritonEngine:
         server_args: Sequence[str] = (),
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        share_server: bool = False,
     ):
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
@@ -152,6 +155,7 @@ class TritonEngine:
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self.server = None
+        self._lease = None  # pipeline.triton.sharing.ServerLease when the server is shared
         # The server decodes and classifies: the actor sees one stage, the request's wall time.
         self.stage_seconds = {STAGE_INFER: 0.0}
         self._tmp_repository: Path | None = None
@@ -162,6 +166,7 @@ class TritonEngine:
         # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
+        self._share = share_server and not url
         try:
             if url:
                 self.url = url
@@ -186,8 +191,34 @@ class TritonEngine:
             repository = build_repository("portable", model_dir, str(self._tmp_repository),
                                           top_k=max(self.top_k, tn.DEFAULT_TOP_K), instances=instances or 1)
         preflight(repository)
-        self.server = TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args).start()
-        self.url = self.server.grpc_url
+
+        def start():
+            return TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args).start()
+
+        if not self._share:
+            self.server = start()
+            self.url = self.server.grpc_url
+            return
+        from pipeline.triton.sharing import ServerLease, lease_key  # noqa: PLC0415
+
+        self._lease = ServerLease(lease_key(repository, server_args, self.model_name))
+        self._start = start
+        self.url, self.server = self._lease.acquire(start)
+        if self.server is None:
+            self._wait_external(startup_timeout_s)
+
+    def _take_lease_again(self, failed: str) -> None:
+        """Our shared server (at ``failed``) stopped answering: find its restarted successor, or start one and
+        own it. Nothing to do when another thread already moved on from ``failed``."""
+        with self._restart_lock:
+            if self.url != failed:
+                return
+            self.url, self.server = self._lease.acquire(self._start, exclude_url=failed)
+            self._generation += 1
+            if self.server is None:
+                self._wait_external(120.0)
+            LOG.warning("shared tritonserver %s stopped answering; now %s (%s)", failed, self.url,
+                        "ours" if self.server is not None else "shared")
 
     def _wait_external(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -265,6 +296,8 @@ class TritonEngine:
 
     def _after_restart(self) -> None:
         self.url = self.server.grpc_url
+        if self._lease is not None:
+            self._lease.publish(self.server)
         self._generation += 1
         LOG.warning("tritonserver restarted (restart #%d); now at %s", self.server.restarts, self.url)
 
@@ -334,7 +367,7 @@ class TritonEngine:
         restarts = 0
         while True:
             with self._quarantine:  # wait while another thread isolates a crashing input
-                generation = self._generation
+                generation, url = self._generation, self.url
             try:
                 try:
                     response = self._stub().ModelInfer(request, timeout=self.request_timeout_s)
@@ -346,8 +379,12 @@ class TritonEngine:
                 if not (stub_dead or self._server_down(err)):
                     raise
                 if self.server is None:
-                    if stub_dead:
+                    if stub_dead and self._lease is None:
                         raise  # not ours to restart: each input of the request becomes an error row
+                    if not retries and self._lease is not None and restarts < MAX_RESTARTS_PER_REQUEST + 1:
+                        self._take_lease_again(url)
+                        retries, restarts = list(EXTERNAL_RETRY_S), restarts + 1
+                        continue
                     if not retries:
                         raise EngineError(f"tritonserver at {self.url} stopped answering ({err}); check that it "
                                           "is running, or let the engine start its own (no url)") from None
@@ -406,6 +443,8 @@ class TritonEngine:
         if pool is not None:
             pool.shutdown(wait=True)
         if self.server is not None:
+            if self._lease is not None:
+                self._lease.release(self.server)
             self.server.stop()
             self.server = None
         if self._tmp_repository is not None:

@@ -166,14 +166,17 @@ def steady_rate(starts: list[float]) -> tuple[float | None, float, float]:
     return inside / (hi - lo), lo, hi
 
 
-def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSampler) -> dict:
+def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSampler,
+             variant: tuple[int, int, bool] = (1, 1, False)) -> dict:
+    """One job on ``n`` GPUs; ``variant`` = (actors per GPU, engine calls per actor, one server shared per GPU)."""
     import pyarrow.dataset as pads
     import ray
 
     from pipeline.config import RunConfig
     from pipeline.job import run_job
 
-    out = root / f"out-{n}"
+    per_gpu, calls, shared = variant
+    out = root / f"out-{n}-{per_gpu}-{calls}-{int(shared)}"
     shutil.rmtree(out, ignore_errors=True)
     total = sum(1 for _ in images.rglob("*.jpg"))
     ray.init(num_gpus=0 if args.dry_run_cpu else n, include_dashboard=False, logging_level=logging.ERROR,
@@ -188,11 +191,14 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
                "startup_timeout_s": args.startup_timeout_s}
     if not args.dry_run_cpu:
         options["server_args"] = GPU_SERVER_ARGS
+    if shared:
+        options["share_server"] = True
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
         options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
         if args.half != "auto":
             options["half"] = args.half == "true"
-    config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n,
+    config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n * per_gpu,
+                       num_gpus_per_actor=None if args.dry_run_cpu else 1.0 / per_gpu, calls_per_actor=calls,
                        batch_size=args.batch_size, shard_size=args.shard_size, engine_options=options,
                        fetch_ahead_bytes=args.fetch_ahead_mb * 2**20 if args.fetch_ahead_mb else None)
     t0 = time.time()
@@ -206,7 +212,8 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     starts = [t.timestamp() for t in table.column("classified_at").to_pylist() if t is not None]
     rate, lo, hi = steady_rate(starts)
     row = {
-        "gpus": n, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
+        "gpus": n, "actors_per_gpu": per_gpu, "calls_per_actor": calls, "shared_server": shared,
+        "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
         "every_row_once": len(uris) == len(set(uris)) == total, "counts": summary.counts,
         "wall_s": round(wall, 1), "startup_s": round(min(starts) - t0, 1) if starts else None,
         "steady_img_s": round(rate, 1) if rate else None, "steady_window_s": round(hi - lo, 1),
@@ -221,16 +228,28 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
 
 def print_table(rows: list[dict]) -> None:
     base = rows[0]["steady_img_s"] if rows else None
-    header = (f"{'GPUs':>4} {'images':>7} {'rows once':>9} {'wall s':>7} {'start-up s':>10} {'steady img/s':>12} "
+    header = (f"{'GPUs':>4} {'actors/GPU, calls, server':>26} {'images':>7} {'rows once':>9} {'wall s':>7} {'start-up s':>10} {'steady img/s':>12} "
               f"{'x first':>7} {'job img/s':>9}  mean GPU util % (steady) / peak MiB")
     print(header)
     print("-" * len(header))
     for r in rows:
         ratio = f"{r['steady_img_s'] / base:.2f}" if base and r["steady_img_s"] else "-"
         gpus = ", ".join(f"gpu{i}: {g['util_mean']:.0f}% / {g['mem_peak_mib']:.0f}" for i, g in r["gpu"].items())
-        print(f"{r['gpus']:>4} {r['images']:>7} {str(r['every_row_once']):>9} {r['wall_s']:>7.1f} "
+        shape = f"{r.get('actors_per_gpu', 1)}, {r.get('calls_per_actor', 1)}, " + (
+            "shared" if r.get("shared_server") else "own")
+        print(f"{r['gpus']:>4} {shape:>26} {r['images']:>7} {str(r['every_row_once']):>9} {r['wall_s']:>7.1f} "
               f"{r['startup_s']:>10.1f} {str(r['steady_img_s']):>12} {ratio:>7} {str(r['job_img_s']):>9}"
               f"  {gpus or '-'}")
+
+
+def _variants(text: str) -> list[tuple[int, int, bool]]:
+    out = []
+    for item in text.split(","):
+        per_gpu, calls, server = item.split(":")
+        if server not in ("own", "shared"):
+            raise argparse.ArgumentTypeError(f"{item!r}: the third field is own or shared")
+        out.append((int(per_gpu), int(calls), server == "shared"))
+    return out
 
 
 def main() -> None:
@@ -244,11 +263,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1536, help="images per actor call (RunConfig.batch_size)")
     p.add_argument("--shard-size", type=int, default=1000, help="rows per Parquet shard (progress granularity)")
     p.add_argument("--request-batch", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=12)
-    p.add_argument("--instances", type=int, default=3, help="Triton model instances per server")
-    p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the gpu model")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--variants", type=_variants, default=_variants("1:2:own"),
+                   help="job shapes to run, comma-separated ACTORS_PER_GPU:CALLS_PER_ACTOR:own|shared, e.g. "
+                        "1:2:own,2:2:shared (shared: the actors of a GPU share one server)")
+    p.add_argument("--instances", type=int, default=1, help="Triton model instances per server")
+    p.add_argument("--triton-batch", type=int, default=256, help="network batch inside the gpu model")
     p.add_argument("--triton-max-batch", type=int, default=1024)
-    p.add_argument("--queue-delay-us", type=int, default=2000)
+    p.add_argument("--queue-delay-us", type=int, default=100)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--fetch-ahead-mb", type=int, default=0,
                    help="object-store budget for fetched bytes (RunConfig.fetch_ahead_bytes); 0: the job's default. "
@@ -287,7 +309,8 @@ def main() -> None:
     rows = []
     try:
         for n in (int(v) for v in args.gpus.split(",")):
-            rows.append(run_once(n, images, repo, root, args, sampler))
+            for variant in args.variants:
+                rows.append(run_once(n, images, repo, root, args, sampler, variant))
             (args.out / "bench_scaleout.json").write_text(json.dumps(rows, indent=2))
     finally:
         sampler.stop()
