@@ -152,8 +152,9 @@ def carry_dataset(config: RunConfig, previous_parts: list[str], carried: Any):
                              output=config.output, shard_size=config.shard_size)
     # One carry task per core at a time: each reads and writes Parquet on a core; more at once would only start
     # more worker processes, and a new worker spends seconds of CPU importing Ray Data before its first shard.
+    tasks = -(-len(previous_parts) // CARRY_PARTS_PER_TASK)
     return ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS,
-                                    concurrency=max(2, cpus))
+                                    concurrency=max(1, min(tasks, cpus)))
 
 
 def _write(ds: Any, config: RunConfig, cpus: int):
