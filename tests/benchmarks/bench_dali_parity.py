@@ -15,9 +15,13 @@ both sides):
 - after: ``preprocess_graph`` against ``pipeline.imaging`` (both: horizontal pass, rounded to 8 bits, vertical pass);
 - reference before vs after: how far the reference itself moved.
 
+With ``--time-s S`` it also times both graphs on DALI's CPU backend over the same files (img/s and their ratio, same
+run): the two-pass graph resamples every row of the decoded image in its first pass. Timed runs hold the shared
+benchmark lock: ``flock /tmp/bench.lock python tests/benchmarks/bench_dali_parity.py --time-s 10``.
+
 Usage::
 
-    python tests/benchmarks/bench_dali_parity.py [--count 520] [--out DIR]
+    python tests/benchmarks/bench_dali_parity.py [--count 520] [--out DIR] [--time-s S]
 """
 
 from __future__ import annotations
@@ -68,9 +72,13 @@ def legacy_graph(encoded, spec: PreprocessSpec):
 
 def legacy_reference(data: bytes, spec: PreprocessSpec) -> np.ndarray:
     """pipeline.imaging before the fix: one Image.resize call (the pass order is the installed Pillow's)."""
+    return legacy_reference_image(decode_image(data), spec)
+
+
+def legacy_reference_image(img, spec: PreprocessSpec) -> np.ndarray:
+    """preprocess_image before the fix, on a decoded image."""
     from pipeline.imaging import _PIL_FILTERS
 
-    img = decode_image(data)
     crop_h, crop_w = spec.crop
     w, h = img.size
     factor = spec.resize_shorter / min(w, h)
@@ -100,6 +108,42 @@ def run_dali(graph, blobs: list[bytes]) -> list[np.ndarray]:
         (tensors,) = p.run()
         out.extend(np.array(tensors.at(i)) for i in range(len(chunk)))
     return out
+
+
+def dali_rate(graph, blobs: list[bytes], seconds: float) -> float:
+    """img/s of ``graph`` on DALI's CPU backend (2 threads, batches of BATCH), fed the files again and again."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+    from nvidia.dali import pipeline_def
+
+    @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, prefetch_queue_depth=1, exec_async=False,
+                  exec_pipelined=False)
+    def pipe():
+        return graph(fn.external_source(name="encoded", dtype=types.UINT8, ndim=1))
+
+    p = pipe()
+    p.build()
+    batches = [[np.frombuffer(b, dtype=np.uint8) for b in blobs[i : i + BATCH]]
+               for i in range(0, len(blobs) - BATCH + 1, BATCH)]
+    p.feed_input("encoded", batches[0])
+    p.run()  # warm-up
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for batch in batches:
+            p.feed_input("encoded", batch)
+            p.run()
+            done += len(batch)
+    return done / (time.perf_counter() - t0)
+
+
+def reference_ms(preprocess, images: list, seconds: float) -> float:
+    """Milliseconds per image of ``preprocess(decoded image)``, one thread, over the decoded set again and again."""
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for img in images:
+            preprocess(img)
+        done += len(images)
+    return (time.perf_counter() - t0) * 1000 / done
 
 
 def decoded_differences(blobs: list[bytes]) -> tuple[int, int]:
@@ -153,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=520, help="images of the parity set (bench_gpu.make_set)")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    p.add_argument("--time-s", type=float, default=0.0, help="also time both graphs this long each (hold the lock)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import onnxruntime as ort
@@ -197,10 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     before, after = rows[0], rows[1]
     print(f"\nafter / before: mean level difference x{after['mean_levels'] / max(before['mean_levels'], 1e-12):.3f}, "
           f"disagreements {before['disagreements']} -> {after['disagreements']}; {time.perf_counter() - t0:.0f} s")
+    timing = {}
+    if args.time_s > 0:
+        timing = {"before": dali_rate(lambda enc: legacy_graph(enc, spec), blobs, args.time_s),
+                  "after": dali_rate(lambda enc: preprocess_graph(enc, spec, device="cpu", layout="CHW")[0], blobs,
+                                     args.time_s)}
+        decoded = [decode_image(b) for b in blobs]
+        timing["reference_ms_before"] = reference_ms(lambda img: legacy_reference_image(img, spec), decoded,
+                                                     args.time_s)
+        timing["reference_ms_after"] = reference_ms(lambda img: preprocess_image(img, spec), decoded, args.time_s)
+        print(f"DALI CPU (2 threads, batch {BATCH}): before {timing['before']:.1f} img/s, after "
+              f"{timing['after']:.1f} img/s, after / before {timing['after'] / timing['before']:.3f}")
+        print(f"reference resize + normalize (1 thread, decoded): before {timing['reference_ms_before']:.2f} ms/img, "
+              f"after {timing['reference_ms_after']:.2f} ms/img, after / before "
+              f"{timing['reference_ms_after'] / timing['reference_ms_before']:.3f}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps({"rows": rows, "decode_max_levels": decode_max,
-                                                           "decode_images_differing": decode_differing}, indent=2))
+                                                           "decode_images_differing": decode_differing, "dali_cpu_img_s": timing},
+                                                          indent=2))
     return 0
 
 
