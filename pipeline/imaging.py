@@ -253,11 +253,13 @@ def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     return normalize_array(np.asarray(_resample(img, spec, left, top, box_w, box_h)), spec)
 
 
-def _resample(img: Image.Image, spec: PreprocessSpec, left: float, top: float, box_w: float, box_h: float) -> Image.Image:
+def _resample(
+    img: Image.Image, spec: PreprocessSpec, left: float, top: float, box_w: float, box_h: float
+) -> Image.Image:
     """The crop box resampled to ``spec.crop``: a horizontal pass, rounded to 8 bits, then a vertical pass.
 
-    The order is fixed on purpose. One ``Image.resize`` call runs the passes in that order up to Pillow 12, but Pillow 13
-    runs the vertical pass first when the height shrinks more than twice the width does (python-pillow/Pillow#9549):
+    The order is fixed on purpose. One ``Image.resize`` call runs the passes in that order up to Pillow 12, but
+    Pillow 13 runs the vertical pass first when it drops more than twice as many rows as columns (Pillow#9549):
     on tall photos that moves pixels by up to 12 levels. Two explicit calls keep the reference the same on every
     Pillow, and let DALI (``pipeline.triton.dali_pipeline``) and the GPU resampler do exactly what it does.
     """
