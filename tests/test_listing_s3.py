@@ -32,8 +32,18 @@ def flat_bucket(s3):
 
 def test_s3_flat_prefix_is_split_at_probed_keys_and_lists_every_key_once(s3_server, flat_bucket, monkeypatch):
     monkeypatch.setattr(source, "S3_PAGE", 50)  # LIST pages of 50 keys, so 345 keys behave like 345,000
+    prefixes: list[str] = []
+    list_page = source._list_page
+    monkeypatch.setattr(source, "_list_page", lambda fs, bucket, prefix, *a, **k: prefixes.append(prefix)
+                        or list_page(fs, bucket, prefix, *a, **k))
     fs, root = open_fs("s3://flat-listing/flat")
-    groups, uris = listed(fs, root, 8)
+    groups = plan_listing(fs, root, EXT, 8)
+    # Leaves are split one level deeper only until there are enough ranges: every probe is a LIST call.
+    assert len(prefixes) <= 55, len(prefixes)  # 73 when every leaf was split a level at a time
+    prefixes.clear()
+    uris = [e[0] for g in groups for unit in g for e in list_unit(fs, unit, EXT)]
+    # A range lists under the common prefix of its first key and the next range's first key: narrower LISTs.
+    assert sum(p.startswith("flat/img000") for p in prefixes) >= 8, prefixes
     ranges = [u for g in groups for u in g]
     assert len(groups) == 8 and len(ranges) >= 16 and all(u[0] == "s3_range" for u in ranges)
     assert sorted(uris) == [f"s3://flat-listing/{k}" for k in flat_bucket]
