@@ -16,12 +16,9 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 100_000_000
 ENV_PREFIX = "BULK_CLASSIFY_"
 # Fetch-ahead: bytes fetched but not yet classified wait in Ray's object store. The default budget is sized per
-# classify actor from what it takes: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB. A CPU actor
-# took 58 img/s of 40 KB photo crops (2.3 MB/s, bench_streaming.py --photos): 256 MiB was ~110 s of its work, and
-# kept growing with the input up to that; 64 MiB is ~28 s of it, still 60 actor batches of 64 such images.
+# classify actor: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB, and ~60 s of a CPU actor.
 FETCH_AHEAD_PER_ACTOR = 256 * 1024 * 1024
 FETCH_AHEAD_MIN = 256 * 1024 * 1024
-FETCH_AHEAD_PER_CPU_ACTOR = 64 * 1024 * 1024
 # ...and never less than a few actor batches of typical images: with a budget below one actor batch Ray Data
 # feeds the actor a trickle (seen: a GPU actor with 3,072-image batches of ~100 KB at 122 img/s, GPU idle; a Ray
 # Data model of it ran 6.5x slower with the budget at 2/3 of one batch than at 6 batches).
@@ -72,9 +69,8 @@ class RunConfig:
         batch_size: images per engine call; shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
-            None: FETCH_AHEAD_PER_ACTOR per GPU classify actor (at least FETCH_AHEAD_MIN), or
-            FETCH_AHEAD_PER_CPU_ACTOR per CPU actor, and at least FETCH_AHEAD_BATCHES actor batches of
-            FETCH_AHEAD_IMAGE_BYTES per image per actor.
+            None: FETCH_AHEAD_PER_ACTOR per classify actor, at least FETCH_AHEAD_MIN and at least
+            FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
     """
 

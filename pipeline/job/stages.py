@@ -25,7 +25,10 @@ CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after ano
 # TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
 # Ray we start ourselves has no dashboard to read those metrics, so it runs without them;
 # set either variable yourself to override. A cluster given by RAY_ADDRESS is left as is.
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}
+LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
+                 # Workers' heaps kept what each fetched batch freed (a fetch worker held ~156 MiB in pyarrow's
+                 # mimalloc arena after 20,000 photos): plain malloc with few arenas hands it back.
+                 "ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"}
 
 
 def local_ray_env() -> None:
@@ -62,26 +65,18 @@ def init_ray(config: RunConfig) -> None:
 
 
 def fetch_ahead_bytes(config: RunConfig) -> int:
-    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, a few seconds of the actors' work and at
-    least FETCH_AHEAD_BATCHES actor batches each (a budget under one batch starves the actor)."""
+    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor and at least
+    FETCH_AHEAD_BATCHES actor batches each (a budget under one batch starves the actor)."""
     if config.fetch_ahead_bytes is not None:
         return config.fetch_ahead_bytes
-    actors, _cpus, gpus = _actor_plan(config)
-    return fetch_budget(actors, config.batch_size, gpu=bool(gpus))
+    return fetch_budget(_actor_plan(config)[0], config.batch_size)
 
 
-def fetch_budget(actors: int, batch_size: int, *, gpu: bool = True) -> int:
-    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call.
-
-    GPU actors get FETCH_AHEAD_PER_ACTOR each (at least FETCH_AHEAD_MIN); CPU actors, which classify ~100x
-    slower, FETCH_AHEAD_PER_CPU_ACTOR each. Either way at least FETCH_AHEAD_BATCHES batches of large images.
-    """
-    from pipeline.config import (FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_MIN,
-                                 FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR)
+def fetch_budget(actors: int, batch_size: int) -> int:
+    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call."""
+    from pipeline.config import FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
 
     batches = FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES * actors
-    if not gpu:
-        return max(FETCH_AHEAD_PER_CPU_ACTOR * actors, batches)
     return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * actors, batches)
 
 

@@ -119,7 +119,3 @@ def test_fetch_ahead_budget_holds_several_actor_batches():
     assert fetch_budget(1, 64) == FETCH_AHEAD_MIN
     assert fetch_budget(1, 3072) >= 2 * 3072 * 100_000 * 2
     assert fetch_budget(2, 3072) == 2 * fetch_budget(1, 3072)
-    # A CPU actor classifies ~100x slower: a few seconds of its work, not a GPU's budget, and still >= 3 batches.
-    assert fetch_budget(1, 64, gpu=False) < FETCH_AHEAD_MIN // 2
-    assert fetch_budget(1, 64, gpu=False) >= 3 * 64 * 256 * 1024
-    assert fetch_budget(1, 3072, gpu=False) == fetch_budget(1, 3072)
