@@ -295,8 +295,8 @@ def fill_to(client, port: int, keys: int, max_s: float | None) -> tuple[int, int
     return before, done, time.perf_counter() - start
 
 
-def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_max_s: float | None = None
-             ) -> dict | None:
+def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_max_s: float | None = None,
+             ranges_per_task: tuple[int, ...] = (4,)) -> dict | None:
     """Fill a flat prefix on a moto server and list it with 1 and ``tasks`` tasks, with both sides' CPU per LIST.
 
     ``port``: a moto_server already running on 127.0.0.1 (kept, and filled across invocations); None starts one.
@@ -319,7 +319,7 @@ def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_ma
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                       AWS_DEFAULT_REGION="us-east-1")
     calls = [0]
-    list_page = source._list_page
+    list_page, ranges_default = source._list_page, source.S3_RANGES_PER_TASK
 
     def counted(*args, **kwargs):
         calls[0] += 1
@@ -339,7 +339,10 @@ def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_ma
         print(f"  S3: {keys:,} keys in one flat prefix; this run put {filled - before:,} in {fill_s:.0f} s, "
               f"moto CPU {put_ms:.1f} ms per PUT", flush=True)
         out = {"keys": keys, "fill_s": fill_s, "put_ms": put_ms}
-        for label, n_tasks in (("one", 1), ("many", tasks)):
+        plans = [("one", 1, source.S3_RANGES_PER_TASK)] + [
+            ("many" if i == 0 else f"many{per}", tasks, per) for i, per in enumerate(ranges_per_task)]
+        for label, n_tasks, per in plans:
+            source.S3_RANGES_PER_TASK = per
             fs, root = open_fs("s3://catalog/flat")
             fs.invalidate_cache()
             calls[0] = 0
@@ -355,16 +358,16 @@ def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_ma
                 count = sum(pool.map(list_group, groups))
             wall = time.perf_counter() - start
             assert count == keys, (count, keys)
-            r = {"tasks": len(groups), "wall_s": wall, "plan_s": plan_s, "rate": count / wall, "calls": calls[0],
+            r = {"tasks": len(groups), "ranges": sum(len(g) for g in groups), "wall_s": wall, "plan_s": plan_s, "rate": count / wall, "calls": calls[0],
                  "probes": probes, "server_s": cpu_seconds(pid) - server_cpu,
                  "client_s": time.process_time() - client_cpu}
             out[label] = r
-            print(f"  S3 {n_tasks} task(s): {r['rate']:,.0f} keys/s ({wall:.1f} s, planning {plan_s:.1f} s with "
+            print(f"  S3 {n_tasks} task(s), {r['ranges']} ranges: {r['rate']:,.0f} keys/s ({wall:.1f} s, planning {plan_s:.1f} s with "
                   f"{probes} LIST calls; {r['calls']} LIST calls in all; moto CPU {r['server_s']:.1f} s = "
                   f"{r['server_s'] / wall:.0%} of one core, client CPU {r['client_s']:.1f} s)", flush=True)
         return out
     finally:
-        source._list_page = list_page
+        source._list_page, source.S3_RANGES_PER_TASK = list_page, ranges_default
         if server is not None:
             server.stop()
 
@@ -394,6 +397,8 @@ def main() -> None:
     parser.add_argument("--s3-keys", type=int, default=200_000)
     parser.add_argument("--s3-tasks", type=int, default=8)
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--s3-ranges-per-task", default="4",
+                        help="Comma-separated: list with --s3-tasks tasks once per value of the planner's ranges per task.")
     parser.add_argument("--s3-port", type=int, default=None,
                         help="Use the moto_server already on this 127.0.0.1 port (kept; filling resumes there).")
     parser.add_argument("--s3-fill-max-s", type=float, default=None,
@@ -423,7 +428,8 @@ def main() -> None:
         model = load_model(str(model_dir)).name
         for n in sizes:
             results.append(bench_size(n, args.layout, work, seeds, model_dir, model, env, args.interval_s))
-    s3 = None if args.skip_s3 else bench_s3(args.s3_keys, args.s3_tasks, work, args.s3_port, args.s3_fill_max_s)
+    s3 = None if args.skip_s3 else bench_s3(args.s3_keys, args.s3_tasks, work, args.s3_port, args.s3_fill_max_s,
+                                                  tuple(int(v) for v in args.s3_ranges_per_task.split(",")))
 
     print()
     if results:
@@ -462,19 +468,20 @@ def main() -> None:
         one, many = s3["one"], s3["many"]
         print(f"S3 flat prefix, {s3['keys']:,} keys on moto: 1 task {one['rate']:,.0f} keys/s, "
               f"{many['tasks']} tasks {many['rate']:,.0f} keys/s: {many['rate'] / one['rate']:.2f}x")
-        print(f"{'S3 listing':<24}{'tasks':>6}{'keys/s':>9}{'wall s':>8}{'LISTs':>7}{'probes':>7}"
+        print(f"{'S3 listing':<18}{'ranges':>6}{'tasks':>6}{'keys/s':>9}{'wall s':>8}{'LISTs':>7}{'probes':>7}"
               f"{'moto CPU ms/LIST':>18}{'client CPU ms/LIST':>20}{'moto busy':>10}")
-        for r in (one, many):
-            print(f"{'':<24}{r['tasks']:>6}{r['rate']:>9,.0f}{r['wall_s']:>8.1f}{r['calls']:>7}{r['probes']:>7}"
+        plans = [v for k, v in s3.items() if k == "one" or k.startswith("many")]
+        for r in plans:
+            print(f"{'':<18}{r['ranges']:>6}{r['tasks']:>6}{r['rate']:>9,.0f}{r['wall_s']:>8.1f}{r['calls']:>7}{r['probes']:>7}"
                   f"{r['server_s'] / r['calls'] * 1000:>18.0f}{r['client_s'] / r['calls'] * 1000:>20.0f}"
                   f"{r['server_s'] / r['wall_s']:>10.0%}")
         # The limit on this machine, from the CPU the listing costs: moto serves requests on one core (one
         # process; a lock around its dispatch), and moto plus the client share the machine's cores. However many
         # tasks list at once, the wall time is at least max(moto CPU, (moto + client CPU) / cores).
         cores = os.cpu_count() or 1
-        for r in (one, many):
+        for r in plans:
             floor_s = max(r["server_s"], (r["server_s"] + r["client_s"]) / cores)
-            print(f"CPU bound of the {r['tasks']}-task plan: its LISTs cost moto {r['server_s']:.1f} s + client "
+            print(f"CPU bound of the {r['tasks']}-task plan ({r['ranges']} ranges): its LISTs cost moto {r['server_s']:.1f} s + client "
                   f"{r['client_s']:.1f} s of CPU; on {cores} cores at best {s3['keys'] / floor_s:,.0f} keys/s = "
                   f"{s3['keys'] / floor_s / one['rate']:.2f}x the one-task rate")
 
