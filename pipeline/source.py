@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
+from pipeline.keys import identity_hashes, member, uri_hashes
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -82,40 +82,6 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         raise SourceError(f"source {url!r} does not exist; check the path or bucket prefix")
     if kind != "directory":
         raise SourceError(f"source {url!r} is a {kind}, not a folder or prefix; give the folder that holds the images")
-
-
-def uri_hash(uri: str) -> int:
-    """A stable signed 64-bit key of a URI, for compact membership sets across processes."""
-    return int.from_bytes(hashlib.blake2b(uri.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def uri_hashes(uris: list[str]) -> np.ndarray:
-    """``uri_hash`` of many URIs, as an int64 array."""
-    return np.fromiter((uri_hash(u) for u in uris), dtype=np.int64, count=len(uris))
-
-
-def identity_hashes(uris: list[str], etags: list, sizes: list, mtimes_us: list) -> np.ndarray:
-    """``identity_hash`` of many rows (mtimes already in microseconds), as an int64 array."""
-    return np.fromiter((identity_hash(u, e, s, m) for u, e, s, m in zip(uris, etags, sizes, mtimes_us)),
-                       dtype=np.int64, count=len(uris))
-
-
-def member(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Boolean mask: which ``values`` are in the sorted array ``keys`` (vectorised binary search)."""
-    if keys.size == 0 or values.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    idx = np.searchsorted(keys, values)
-    idx[idx == keys.size] = 0
-    return keys[idx] == values
-
-
-def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | None) -> int:
-    """Key of an object's version: the ETag when the storage has one, else size and mtime (in microseconds)."""
-    if etag:
-        key = f"{uri}\0e\0{etag}\0{size}"
-    else:
-        key = f"{uri}\0m\0{size}\0{mtime_us}"
-    return uri_hash(key)
 
 
 def mtime_us(value: Any) -> int | None:
@@ -305,7 +271,12 @@ def _local_entry(path: str, st: os.stat_result) -> Entry:
     return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
 
 
-def _walk_local(folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
+def _suffixes(extensions: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple("." + e.lower() for e in extensions)
+
+
+def _walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True) -> Iterator[Entry]:
+    suffixes = _suffixes(extensions)
     stack = [folder]
     while stack:
         current = stack.pop()
@@ -316,20 +287,38 @@ def _walk_local(folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
             continue
         subdirs = []
         for entry in entries:
+            name = entry.name
             if entry.is_dir():
                 subdirs.append(entry.path)
-            elif matches(entry.name, extensions) and entry.is_file():
-                yield _local_entry(entry.path, entry.stat())
+            elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
+                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
         stack.extend(reversed(subdirs))
 
 
-def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...]) -> Iterator[Entry]:
+def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True
+                 ) -> Iterator[Entry]:
+    suffixes = _suffixes(extensions)
     with os.scandir(folder) as it:
         for entry in it:
-            if parts > 1 and zlib.crc32(entry.name.encode()) % parts != part:
+            name = entry.name
+            if parts > 1 and zlib.crc32(name.encode()) % parts != part:
                 continue
-            if matches(entry.name, extensions) and entry.is_file():
-                yield _local_entry(entry.path, entry.stat())
+            if name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
+                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
+
+
+def _stat_local(entries: list[Entry]) -> list[Entry]:
+    """Size and mtime of local entries listed without them; a file removed since listing is dropped."""
+    out = []
+    for entry in entries:
+        if entry[1] is not None:
+            out.append(entry)
+            continue
+        try:
+            out.append(_local_entry(entry[0][7:], os.stat(entry[0][7:])))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return out
 
 
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
@@ -358,13 +347,18 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
             return
 
 
-def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...]) -> Iterator[Entry]:
-    """The entries of one planned unit, in a stable order."""
+def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...], *, stat: bool = True
+              ) -> Iterator[Entry]:
+    """The entries of one planned unit, in a stable order.
+
+    ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
+    needs them only for some (``listing_blocks`` stats the objects that are not done already).
+    """
     kind = unit[0]
     if kind == "local_dir":
-        yield from _walk_local(unit[1], extensions)
+        yield from _walk_local(unit[1], extensions, stat)
     elif kind == "local_files":
-        yield from _local_files(unit[1], unit[2], unit[3], extensions)
+        yield from _local_files(unit[1], unit[2], unit[3], extensions, stat)
     elif kind == "s3_keys":
         yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
     elif kind == "s3_range":
@@ -405,30 +399,34 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
     fresh_since = [time.monotonic()]
     clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
 
+    # Per object this is a few list operations and one or two hashes over Python values the listing made: no
+    # Arrow table is built for what is done or carried, and a local file is stat-ed only when it is not done.
     def flush(final: bool = False) -> Iterator[pa.Table]:
         nonlocal pending, carried, fresh
-        block = entries_table(pending)
-        pending = []
-        keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
-        skipped = int(block.num_rows - keep.sum())
-        block = block.filter(pa.array(keep))
+        block, pending = pending, []
+        skipped = 0
+        if done.size and block:
+            keep = ~member(done, uri_hashes([e[0] for e in block]))
+            skipped = len(block) - int(keep.sum())
+            if skipped:
+                block = [e for e, k in zip(block, keep) if k]
+        block = _stat_local(block)
         n_carried = 0
-        if previous.size and block.num_rows:
-            ids = identity_hashes(block.column("uri").to_pylist(), block.column("etag").to_pylist(),
-                                  block.column("size_bytes").to_pylist(),
-                                  pc.cast(block.column("mtime"), pa.int64()).to_pylist())
+        if previous.size and block:
+            uris, sizes, etags, mtimes = zip(*block)
+            ids = identity_hashes(uris, etags, sizes, mtimes)
             same = member(previous, ids)
             n_carried = int(same.sum())
             if n_carried:
                 carried.append(ids[same])
-                block = block.filter(pa.array(~same))
+                block = [e for e, s in zip(block, same) if not s]
         send = None
         if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
             send, carried = np.concatenate(carried), []
         if report is not None:
-            report(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0], send)
-        if block.num_rows:
-            fresh.append(block)
+            report(len(block) + n_carried, skipped, time.perf_counter() - clock[0], send)
+        if block:
+            fresh.append(entries_table(block))
         held = sum(b.num_rows for b in fresh)
         if held and (final or held >= FRESH_BLOCK_ROWS or time.monotonic() - fresh_since[0] >= FRESH_WAIT_S):
             out, fresh = pa.concat_tables(fresh), []
@@ -437,7 +435,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         clock[0] = time.perf_counter()
 
     for unit in group:
-        for entry in list_unit(fs, unit, extensions):
+        for entry in list_unit(fs, unit, extensions, stat=False):
             pending.append(entry)
             if len(pending) >= BLOCK_ROWS:
                 yield from flush()

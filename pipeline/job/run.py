@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from pipeline.config import RunConfig
 from pipeline.job.output import (
-    OutputIndex, check_compatible, count_output, index_output, prepare_output, read_previous,
+    OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
 )
 from pipeline.schema import REPORT, RUN_INFO, SUCCESS
 from pipeline.source import check_source, open_fs
@@ -73,9 +73,11 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at)
     from pipeline.quality import committed_quality
 
-    report["quality"] = committed_quality(dst_fs, dst_root)  # every committed row, shard by shard
+    counter = RecordCounter(dst_fs)
+    # every committed row, shard by shard; the final counts come from the same footers, read once
+    report["quality"] = committed_quality(dst_fs, dst_root, on_footer=counter)
     write_json(dst_fs, dst_root, REPORT, report)
-    all_counts = count_output(dst_fs, dst_root)
+    all_counts = counter.counts
     write_json(dst_fs, dst_root, SUCCESS, {
         "counts": all_counts,
         "rows": sum(all_counts.values()),

@@ -22,6 +22,11 @@ then measures, each as its own ``bulk-classify run ... --quiet`` subprocess with
 The 1 % new objects are classified by a tiny ONNX model (global average pool + one dense layer, 10 classes, a
 32x32 input) built by this script: the benchmark measures the catalog machinery, not the network.
 
+``--faults`` adds, at the largest size, the exactly-once check of issue 14 at scale: a *previous* output with a row
+for every object, 1 % of them (index = 50 mod 100) recorded with another size, as if those objects had changed
+since; a carry-over run into a fresh output killed with SIGKILL (the driver, raylet and workers) once a third of the
+shards are committed; a rerun; a resume. It prints rows, duplicates, missing, reclassified and carried counts.
+
 The S3 part fills a moto server bucket with ``--s3-keys`` keys in one flat prefix (parallel PUTs) and lists it
 with 1 and ``--s3-tasks`` listing tasks (threads here, each listing its planned key ranges), in the same run. It
 reports the CPU seconds of moto and of this process per LIST call, and the bound they set on this machine. Moto
@@ -41,6 +46,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,7 +122,7 @@ def make_catalog(root: Path, n: int, layout: str, seeds: list[Path]) -> None:
 
 
 def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], model: str,
-                keep=lambda i: True) -> None:
+                keep=lambda i: True, changed=lambda i: False) -> None:
     """Rows with the real schema for the objects ``keep`` selects, committed by the real writer."""
     from pipeline.schema import WORK_SCHEMA, conform
     from pipeline.quality import quality_footer
@@ -139,7 +145,7 @@ def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], 
             "scores": [[0.5, 0.2, 0.1, 0.1, 0.1]] * k,
             "model": [model] * k,
             "engine": ["onnx"] * k,
-            "size_bytes": [stats[i % SEEDS].st_size for i in chunk],
+            "size_bytes": [stats[i % SEEDS].st_size + (1 if changed(i) else 0) for i in chunk],
             "width": [64] * k,
             "height": [48] * k,
             "mtime": pa.array([int(stats[i % SEEDS].st_mtime * 1_000_000) for i in chunk], pa.int64()).cast(
@@ -197,6 +203,88 @@ def check_rows(dest: Path, n: int) -> dict:
     fresh_ok = all(int(u.rsplit("img", 1)[1][:7]) % 100 == 0 for u in fresh)
     return {"rows": table.num_rows, "unique": unique, "carried": int(carried.sum()), "fresh": len(fresh),
             "ok": table.num_rows == unique == n and len(fresh) == -(-n // 100) and fresh_ok}
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a job started in its own session and everything it started (driver, raylet, workers)."""
+    import psutil
+
+    try:
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = [proc.pid]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(60)
+
+
+def output_rows(dest: Path) -> pa.Table:
+    parts = sorted(str(p) for p in dest.rglob("part-*.parquet"))
+    if not parts:
+        return pa.table({"uri": pa.array([], pa.string()), "carried": pa.array([], pa.bool_()),
+                         "status": pa.array([], pa.string())})
+    return pads.dataset(parts, format="parquet").to_table(columns=["uri", "carried", "status"])
+
+
+def bench_faults(n: int, layout: str, work: Path, seeds: list[Path], model_dir: Path, model: str, env: dict,
+                 interval_s: float) -> dict:
+    """Exactly once at N: kill -9 mid-carry-over with 1 % changed, rerun, resume (see the module docstring)."""
+    import pyarrow.compute as pc
+
+    root = work / f"src-{layout}-{n}"
+    prev = work / f"previous-changed-{layout}-{n}"
+    fake_output(prev, root, n, layout, seeds, model, changed=lambda i: i % 100 == 50)
+    dest = work / f"faults-{layout}-{n}"
+    shutil.rmtree(dest, ignore_errors=True)
+    args = [str(root), "--output", str(dest), "--previous", str(prev), "--model", str(model_dir)]
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", *args, "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = n // SHARD // 3
+    start = time.perf_counter()
+    while proc.poll() is None and sum(1 for _ in dest.glob("*/part-*.parquet")) < target:
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        raise SystemExit(f"the carry-over run ended ({proc.returncode}) before {target} shards: nothing was killed")
+    kill_tree(proc)
+    killed_s = time.perf_counter() - start
+    table = output_rows(dest)
+    at_kill = {"rows": table.num_rows, "unique": pc.count_distinct(table.column("uri")).as_py(),
+               "carried": int(pc.sum(table.column("carried")).as_py() or 0)}
+    print(f"  faults N={n:,}: killed after {killed_s:.0f} s with {at_kill['rows']:,} rows committed "
+          f"({at_kill['unique']:,} distinct, {at_kill['carried']:,} carried)", flush=True)
+    rerun = run_cli(args, env, interval_s)
+    rerun_run = json.loads((dest / "_SUCCESS").read_text())["this_run"]
+    table = output_rows(dest)
+    uris = table.column("uri")
+    fresh = uris.filter(pc.invert(table.column("carried"))).to_pylist()
+    fresh_idx = sorted(int(u.rsplit("img", 1)[1][:7]) for u in fresh)
+    changed = list(range(50, n, 100))
+    unique = pc.count_distinct(uris).as_py()
+    statuses = set(pc.unique(table.column("status")).to_pylist())
+    resume = run_cli(args, env, interval_s)
+    success = json.loads((dest / "_SUCCESS").read_text())
+    after_resume = output_rows(dest).num_rows
+    out = {"n": n, "killed_s": killed_s, "at_kill": at_kill, "rerun": rerun, "rerun_run": rerun_run,
+           "rows": table.num_rows, "duplicates": table.num_rows - unique, "missing": n - unique,
+           "reclassified": len(fresh), "reclassified_are_changed": fresh_idx == changed,
+           "carried": int(pc.sum(table.column("carried")).as_py() or 0), "statuses": sorted(statuses),
+           "resume": resume, "resume_run": success["this_run"], "rows_after_resume": after_resume}
+    out["ok"] = (at_kill["rows"] == at_kill["unique"] and 0 < at_kill["rows"] < n and out["duplicates"] == 0
+                 and out["missing"] == 0 and out["reclassified_are_changed"] and statuses == {"ok"}
+                 and success["rows"] == n == after_resume
+                 and success["this_run"] == {"images": 0, "classified": 0, "carried": 0, "already_done": n})
+    print(f"  faults N={n:,}: rerun {rerun['wall_s']:.1f} s ({rerun_run}); rows {out['rows']:,}, duplicates "
+          f"{out['duplicates']}, missing {out['missing']}, reclassified {out['reclassified']:,} (the changed 1 %: "
+          f"{out['reclassified_are_changed']}), carried {out['carried']:,}; resume {resume['wall_s']:.1f} s "
+          f"({success['this_run']}), rows after {after_resume:,}: {'OK' if out['ok'] else 'FAILED'}", flush=True)
+    return out
 
 
 def listing_rate(root: Path) -> float:
@@ -406,6 +494,8 @@ def main() -> None:
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--workdir", default=None, help="Keep catalogs and fake outputs here between runs.")
     parser.add_argument("--interval-s", type=float, default=0.5)
+    parser.add_argument("--faults", action="store_true",
+                        help="Also check exactly-once at the largest size: kill -9 mid-carry-over, rerun, resume.")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-catalog-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -428,8 +518,10 @@ def main() -> None:
         model = load_model(str(model_dir)).name
         for n in sizes:
             results.append(bench_size(n, args.layout, work, seeds, model_dir, model, env, args.interval_s))
+        faults = (bench_faults(sizes[-1], args.layout, work, seeds, model_dir, model, env, args.interval_s)
+                  if args.faults else None)
     s3 = None if args.skip_s3 else bench_s3(args.s3_keys, args.s3_tasks, work, args.s3_port, args.s3_fill_max_s,
-                                                  tuple(int(v) for v in args.s3_ranges_per_task.split(",")))
+                                            tuple(int(v) for v in args.s3_ranges_per_task.split(",")))
 
     print()
     if results:
@@ -464,6 +556,12 @@ def main() -> None:
                 secs, mem = projection(small, large, key)
                 print(f"projection to {PROJECT_TO // 1_000_000} M, {label}: {secs / 60:,.0f} min, "
                       f"peak PSS {mem / MIB / 1024:,.1f} GiB (per-object slope between the two sizes)")
+    if not args.skip_local and faults:
+        f = faults
+        print(f"exactly once at {f['n']:,} (kill -9 mid-carry-over after {f['at_kill']['rows']:,} rows, rerun "
+              f"{f['rerun']['wall_s']:.1f} s, resume {f['resume']['wall_s']:.1f} s): rows {f['rows']:,}, duplicates "
+              f"{f['duplicates']}, missing {f['missing']}, reclassified {f['reclassified']:,} (all of the changed 1 %: "
+              f"{f['reclassified_are_changed']}), carried {f['carried']:,}: {'OK' if f['ok'] else 'FAILED'}")
     if s3:
         one, many = s3["one"], s3["many"]
         print(f"S3 flat prefix, {s3['keys']:,} keys on moto: 1 task {one['rate']:,.0f} keys/s, "
