@@ -26,10 +26,7 @@ CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after ano
 # TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
 # Ray we start ourselves has no dashboard to read those metrics, so it runs without them;
 # set either variable yourself to override. A cluster given by RAY_ADDRESS is left as is.
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
-                 # Workers' heaps kept what each fetched batch freed (a fetch worker held ~156 MiB in pyarrow's
-                 # mimalloc arena after 20,000 photos): plain malloc with few arenas hands it back.
-                 "ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"}
+LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}
 
 
 def local_ray_env() -> None:
