@@ -249,13 +249,16 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
         for i, (q, first) in enumerate(leaves):
             # Split leaves one level deeper only until there are enough: every probe is a LIST call (a full scan
             # of the bucket on moto), and splitting all of them at each level cost hundreds of probes.
-            if (q.endswith("\0") or len(first["Key"]) <= len(q) or prober.calls >= S3_MAX_PROBES
-                    or len(grown) + len(leaves) - i >= target):
+            # A q ending in NUL is finished: a key that is its own range. A key equal to q (a folder marker such
+            # as "photos/") is no reason to stop: children() gives it its own range and splits the rest.
+            if q.endswith("\0") or prober.calls >= S3_MAX_PROBES or len(grown) + len(leaves) - i >= target:
                 grown.append((q, first))
                 continue
             shared = prober.common(q, first)
-            # All keys under q share the whole first key: one key, nothing to split (kept as a finished leaf).
-            grown.extend([(shared, first)] if shared == first["Key"] else prober.children(shared, first))
+            if shared == first["Key"] and prober.first(q, shared) is None:  # one key under q: nothing to split
+                grown.append((shared + "\0", first))
+            else:
+                grown.extend(prober.children(shared, first))
         if [q for q, _ in grown] == [q for q, _ in leaves]:
             break
         leaves = grown
