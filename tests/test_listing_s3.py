@@ -61,3 +61,24 @@ def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
     groups, uris = listed(fs, root, 8)
     assert [u[0] for g in groups for u in g] == ["s3_keys"]
     assert sorted(uris) == ["s3://small-listing/p/a.jpg", "s3://small-listing/p/b/c.jpg"]
+
+
+def test_s3_keys_that_are_prefixes_of_each_other_are_listed_once(s3_server, s3, monkeypatch):
+    """Random short keys over a small alphabet ("p/a", "p/a.jpg", "p/a/b.jpg", the marker "p/", non-ASCII): every
+    planned range, listed under the common prefix of its bounds, adds up to each image exactly once."""
+    import random
+
+    monkeypatch.setattr(source, "S3_PAGE", 7)
+    rng = random.Random(3)
+    keys = {"p/"}
+    while len(keys) < 120:
+        keys.add("p/" + "".join(rng.choice("ab/.Äz~") for _ in range(rng.randint(0, 6))) + rng.choice(["", ".jpg"]))
+    s3.create_bucket(Bucket="prefix-listing")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket="prefix-listing", Key=k, Body=b"x"), sorted(keys)))
+    fs, root = open_fs("s3://prefix-listing/p")
+    want = sorted(f"s3://prefix-listing/{k}" for k in keys if source.matches(k, EXT))
+    for tasks in (3, 8):
+        groups, uris = listed(fs, root, tasks)
+        assert len(groups) == tasks and sum(len(g) for g in groups) > tasks
+        assert sorted(uris) == want and len(uris) == len(set(uris))
