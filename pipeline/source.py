@@ -185,11 +185,32 @@ class _Prober:
 
     def __init__(self, fs: Any, bucket: str):
         self.fs, self.bucket, self.calls = fs, bucket, 0
+        self._seen: dict[tuple[str, str | None], dict | None] = {}
 
     def first(self, prefix: str, start_after: str | None) -> dict | None:
-        self.calls += 1
-        contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
-        return contents[0] if contents else None
+        if (prefix, start_after) not in self._seen:
+            self.calls += 1
+            contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
+            self._seen[prefix, start_after] = contents[0] if contents else None
+        return self._seen[prefix, start_after]
+
+    def common(self, q: str, first: dict) -> str:
+        """The longest prefix that every key under ``q`` shares (a binary search over the first key's length).
+
+        A one-child chain (``img`` -> ``img0`` -> ``img00`` ...) would cost two probes a character otherwise.
+        """
+        key = first["Key"]
+        second = self.first(q, key)
+        if second is None:  # one key under q
+            return key
+        lo, hi = len(q), len(os.path.commonprefix([key, second["Key"]]))  # the first two keys bound it
+        while lo < hi and self.calls < S3_MAX_PROBES:
+            mid = (lo + hi + 1) // 2
+            if self.first(q, key[:mid] + MAX_CHAR) is None:  # nothing under q after the block key[:mid]...
+                lo = mid
+            else:
+                hi = mid - 1
+        return key[:lo]
 
     def children(self, q: str, first: dict) -> list[tuple[str, dict]]:
         """(q + next character, first key under it) for every character that follows ``q`` in some key."""
@@ -225,11 +246,19 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
         if len(leaves) >= target or prober.calls >= S3_MAX_PROBES:
             break
         grown: list[tuple[str, dict]] = []
-        for q, first in leaves:
-            if q.endswith("\0") or len(first["Key"]) <= len(q) or prober.calls >= S3_MAX_PROBES:
+        for i, (q, first) in enumerate(leaves):
+            # Split leaves one level deeper only until there are enough: every probe is a LIST call (a full scan
+            # of the bucket on moto), and splitting all of them at each level cost hundreds of probes.
+            # A q ending in NUL is finished: a key that is its own range. A key equal to q (a folder marker such
+            # as "photos/") is no reason to stop: children() gives it its own range and splits the rest.
+            if q.endswith("\0") or prober.calls >= S3_MAX_PROBES or len(grown) + len(leaves) - i >= target:
                 grown.append((q, first))
+                continue
+            shared = prober.common(q, first)
+            if shared == first["Key"] and prober.first(q, shared) is None:  # one key under q: nothing to split
+                grown.append((shared + "\0", first))
             else:
-                grown.extend(prober.children(q, first))
+                grown.extend(prober.children(shared, first))
         if [q for q, _ in grown] == [q for q, _ in leaves]:
             break
         leaves = grown
@@ -306,6 +335,8 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
     """Keys in [start, stop): the start key itself (found by the planner), then LIST pages after it."""
     if matches(start["Key"], extensions):
         yield _s3_entry(bucket, start)
+    if stop is not None:  # every key in [start, stop) shares their common prefix: a narrower LIST, same keys
+        prefix = os.path.commonprefix([start["Key"], stop])
     token = None
     while True:
         page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)

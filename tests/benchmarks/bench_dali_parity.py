@@ -19,9 +19,12 @@ With ``--time-s S`` it also times both graphs on DALI's CPU backend over the sam
 run): the two-pass graph resamples every row of the decoded image in its first pass. Timed runs hold the shared
 benchmark lock: ``flock /tmp/bench.lock python tests/benchmarks/bench_dali_parity.py --time-s 10``.
 
+``--device mixed`` runs the same comparison with DALI's GPU decoder (nvJPEG and the hardware engines) on GPU 0: the
+resize is then DALI's CUDA kernel, the network still ONNX Runtime on the CPU, so only the preprocessing differs.
+
 Usage::
 
-    python tests/benchmarks/bench_dali_parity.py [--count 520] [--out DIR] [--time-s S]
+    python tests/benchmarks/bench_dali_parity.py [--count 520] [--out DIR] [--time-s S] [--device mixed --onnx FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import make_set  # noqa: E402
 
+from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
 from pipeline.imaging import PreprocessSpec, decode_image, normalize_array, preprocess_image  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.triton.dali_pipeline import _INTERP, preprocess_graph  # noqa: E402
@@ -49,13 +53,14 @@ LOG = logging.getLogger("bench_dali_parity")
 BATCH = 32
 
 
-def legacy_graph(encoded, spec: PreprocessSpec):
+def legacy_graph(encoded, spec: PreprocessSpec, device: str = "cpu"):
     """preprocess_graph before the fix: one fn.resize over the source region of interest."""
     import nvidia.dali.fn as fn
     import nvidia.dali.math as dmath
     import nvidia.dali.types as types
 
-    image = fn.decoders.image(encoded, device="cpu", output_type=types.RGB, adjust_orientation=True)
+    extra = {"jpeg_fancy_upsampling": True} if device == "mixed" else {}
+    image = fn.decoders.image(encoded, device=device, output_type=types.RGB, adjust_orientation=True, **extra)
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
@@ -88,41 +93,42 @@ def legacy_reference_image(img, spec: PreprocessSpec) -> np.ndarray:
     return normalize_array(np.asarray(out), spec)
 
 
-def run_dali(graph, blobs: list[bytes]) -> list[np.ndarray]:
-    """Runs ``graph(encoded) -> one output`` on DALI's CPU backend over ``blobs``, one array per file."""
+def _pipeline(graph, device: str):
+    """A built DALI pipeline of ``graph(encoded) -> one output``; CPU backend, or "mixed" on GPU 0."""
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
     from nvidia.dali import pipeline_def
 
-    @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, prefetch_queue_depth=1, exec_async=False,
-                  exec_pipelined=False)
+    # The graph's sizes go GPU -> CPU with the mixed decoder, which only the async pipelined executor allows.
+    mixed = device == "mixed"
+
+    @pipeline_def(batch_size=BATCH, num_threads=2, device_id=0 if mixed else None, prefetch_queue_depth=1,
+                  exec_async=mixed, exec_pipelined=mixed)
     def pipe():
         return graph(fn.external_source(name="encoded", dtype=types.UINT8, ndim=1))
 
     p = pipe()
     p.build()
+    return p
+
+
+def run_dali(graph, blobs: list[bytes], device: str = "cpu") -> list[np.ndarray]:
+    """Runs ``graph(encoded) -> one output`` over ``blobs`` on ``device``; one host array per file."""
+    p = _pipeline(graph, device)
     out = []
     for start in range(0, len(blobs), BATCH):
         chunk = blobs[start : start + BATCH]
         p.feed_input("encoded", [np.frombuffer(b, dtype=np.uint8) for b in chunk])
         (tensors,) = p.run()
+        tensors = tensors.as_cpu() if hasattr(tensors, "as_cpu") else tensors
         out.extend(np.array(tensors.at(i)) for i in range(len(chunk)))
     return out
 
 
-def dali_rate(graph, blobs: list[bytes], seconds: float) -> float:
-    """img/s of ``graph`` on DALI's CPU backend (2 threads, batches of BATCH), fed the files again and again."""
-    import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
-    from nvidia.dali import pipeline_def
-
-    @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, prefetch_queue_depth=1, exec_async=False,
-                  exec_pipelined=False)
-    def pipe():
-        return graph(fn.external_source(name="encoded", dtype=types.UINT8, ndim=1))
-
-    p = pipe()
-    p.build()
+def dali_rate(graph, blobs: list[bytes], seconds: float, device: str = "cpu") -> float:
+    """img/s of ``graph`` on ``device`` (2 CPU threads, batches of BATCH, one at a time), fed the files again and
+    again; on the GPU each batch's output is copied to the host, so the copy counts."""
+    p = _pipeline(graph, device)
     batches = [[np.frombuffer(b, dtype=np.uint8) for b in blobs[i : i + BATCH]]
                for i in range(0, len(blobs) - BATCH + 1, BATCH)]
     p.feed_input("encoded", batches[0])
@@ -131,7 +137,9 @@ def dali_rate(graph, blobs: list[bytes], seconds: float) -> float:
     while time.perf_counter() - t0 < seconds:
         for batch in batches:
             p.feed_input("encoded", batch)
-            p.run()
+            (out,) = p.run()
+            if hasattr(out, "as_cpu"):
+                out.as_cpu()
             done += len(batch)
     return done / (time.perf_counter() - t0)
 
@@ -146,13 +154,14 @@ def reference_ms(preprocess, images: list, seconds: float) -> float:
     return (time.perf_counter() - t0) * 1000 / done
 
 
-def decoded_differences(blobs: list[bytes]) -> tuple[int, int]:
-    """(largest level difference, images that differ) between DALI's CPU decoder and the reference's decode."""
+def decoded_differences(blobs: list[bytes], device: str = "cpu") -> tuple[int, int]:
+    """(largest level difference, images that differ) between DALI's decoder and the reference's decode."""
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
-    decoded = run_dali(lambda enc: fn.decoders.image(enc, device="cpu", output_type=types.RGB,
-                                                     adjust_orientation=True), blobs)
+    extra = {"jpeg_fancy_upsampling": True} if device == "mixed" else {}
+    decoded = run_dali(lambda enc: fn.decoders.image(enc, device=device, output_type=types.RGB,
+                                                     adjust_orientation=True, **extra), blobs, device)
     worst, differing = 0, 0
     for dali, data in zip(decoded, blobs):
         ref = np.asarray(decode_image(data))
@@ -198,24 +207,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=520, help="images of the parity set (bench_gpu.make_set)")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json")
     p.add_argument("--time-s", type=float, default=0.0, help="also time both graphs this long each (hold the lock)")
+    p.add_argument("--device", choices=("cpu", "mixed"), default="cpu",
+                   help="DALI's decoder: cpu (libjpeg-turbo) or mixed (nvJPEG / hardware engines, GPU 0)")
+    p.add_argument("--onnx", type=Path, default=None,
+                   help="the default model's ONNX file (default: built or found by pipeline.model.load_model)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import onnxruntime as ort
 
     t0 = time.perf_counter()
-    bundle = load_model(None)
-    spec = bundle.spec
+    spec = DEFAULT_SPEC
+    onnx_path = args.onnx or load_model(None).onnx_path
     blobs = make_set(args.count, "varied", 10_000)
     LOG.info("set: %d JPEGs, mean %.1f KB", len(blobs), sum(map(len, blobs)) / len(blobs) / 1024)
-    decode_max, decode_differing = decoded_differences(blobs)
+    decode_max, decode_differing = decoded_differences(blobs, args.device)
+
+    def graph_after(enc):
+        return preprocess_graph(enc, spec, device=args.device, layout="CHW")[0]
+
+    def graph_before(enc):
+        return legacy_graph(enc, spec, args.device)
 
     ref_after = np.stack([preprocess_image(decode_image(b), spec) for b in blobs])
     ref_before = np.stack([legacy_reference(b, spec) for b in blobs])
-    dali_after = np.stack(run_dali(lambda enc: preprocess_graph(enc, spec, device="cpu", layout="CHW")[0], blobs))
-    dali_before = np.stack(run_dali(lambda enc: legacy_graph(enc, spec), blobs))
+    dali_after = np.stack(run_dali(graph_after, blobs, args.device))
+    dali_before = np.stack(run_dali(graph_before, blobs, args.device))
 
-    session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
-    probs = {k: probabilities(session, bundle.input_name, v) for k, v in
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    probs = {k: probabilities(session, input_name, v) for k, v in
              (("ref_after", ref_after), ("ref_before", ref_before), ("dali_after", dali_after),
               ("dali_before", dali_before))}
     rows = [
@@ -230,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     import PIL
     import nvidia.dali
 
-    print(f"\nDALI {nvidia.dali.__version__} (CPU) vs Pillow {PIL.__version__}, {len(blobs)} JPEGs; decode: DALI vs "
-          f"Pillow max {decode_max} levels, {decode_differing} images differ\n")
+    print(f"\nDALI {nvidia.dali.__version__} ({args.device}) vs Pillow {PIL.__version__}, {len(blobs)} JPEGs; decode: "
+          f"DALI vs Pillow max {decode_max} levels, {decode_differing} images differ\n")
     print("| comparison | images | max levels | mean levels | values differing | images > 2 levels | top-1 agree | "
           "disagreements (other's top-1 = ref's top-2) | ref margins of the disagreements |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -244,23 +264,23 @@ def main(argv: list[str] | None = None) -> int:
           f"disagreements {before['disagreements']} -> {after['disagreements']}; {time.perf_counter() - t0:.0f} s")
     timing = {}
     if args.time_s > 0:
-        timing = {"before": dali_rate(lambda enc: legacy_graph(enc, spec), blobs, args.time_s),
-                  "after": dali_rate(lambda enc: preprocess_graph(enc, spec, device="cpu", layout="CHW")[0], blobs,
-                                     args.time_s)}
+        timing = {"dali_img_s_before": dali_rate(graph_before, blobs, args.time_s, args.device),
+                  "dali_img_s_after": dali_rate(graph_after, blobs, args.time_s, args.device)}
         decoded = [decode_image(b) for b in blobs]
         timing["reference_ms_before"] = reference_ms(lambda img: legacy_reference_image(img, spec), decoded,
                                                      args.time_s)
         timing["reference_ms_after"] = reference_ms(lambda img: preprocess_image(img, spec), decoded, args.time_s)
-        print(f"DALI CPU (2 threads, batch {BATCH}): before {timing['before']:.1f} img/s, after "
-              f"{timing['after']:.1f} img/s, after / before {timing['after'] / timing['before']:.3f}")
+        print(f"DALI {args.device} (2 threads, batch {BATCH}): before {timing['dali_img_s_before']:.1f} img/s, after "
+              f"{timing['dali_img_s_after']:.1f} img/s, after / before "
+              f"{timing['dali_img_s_after'] / timing['dali_img_s_before']:.3f}")
         print(f"reference resize + normalize (1 thread, decoded): before {timing['reference_ms_before']:.2f} ms/img, "
               f"after {timing['reference_ms_after']:.2f} ms/img, after / before "
               f"{timing['reference_ms_after'] / timing['reference_ms_before']:.3f}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"rows": rows, "decode_max_levels": decode_max,
-                                                           "decode_images_differing": decode_differing, "dali_cpu_img_s": timing},
-                                                          indent=2))
+        results = {"device": args.device, "rows": rows, "decode_max_levels": decode_max,
+                   "decode_images_differing": decode_differing, "timing": timing}
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 
 
