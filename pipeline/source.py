@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,6 +15,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
 from pipeline.keys import identity_hashes, member, uri_hashes
+from pipeline.source_local import Entry, local_files, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -97,9 +97,6 @@ def mtime_us(value: Any) -> int | None:
         return mtime_us(datetime.fromisoformat(str(value)))
     except ValueError:
         return None
-
-
-Entry = tuple  # (uri, size_bytes, etag, mtime_us)
 
 
 def matches(name: str, extensions: tuple[str, ...]) -> bool:
@@ -185,11 +182,32 @@ class _Prober:
 
     def __init__(self, fs: Any, bucket: str):
         self.fs, self.bucket, self.calls = fs, bucket, 0
+        self._seen: dict[tuple[str, str | None], dict | None] = {}
 
     def first(self, prefix: str, start_after: str | None) -> dict | None:
-        self.calls += 1
-        contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
-        return contents[0] if contents else None
+        if (prefix, start_after) not in self._seen:
+            self.calls += 1
+            contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
+            self._seen[prefix, start_after] = contents[0] if contents else None
+        return self._seen[prefix, start_after]
+
+    def common(self, q: str, first: dict) -> str:
+        """The longest prefix that every key under ``q`` shares (a binary search over the first key's length).
+
+        A one-child chain (``img`` -> ``img0`` -> ``img00`` ...) would cost two probes a character otherwise.
+        """
+        key = first["Key"]
+        second = self.first(q, key)
+        if second is None:  # one key under q
+            return key
+        lo, hi = len(q), len(os.path.commonprefix([key, second["Key"]]))  # the first two keys bound it
+        while lo < hi and self.calls < S3_MAX_PROBES:
+            mid = (lo + hi + 1) // 2
+            if self.first(q, key[:mid] + MAX_CHAR) is None:  # nothing under q after the block key[:mid]...
+                lo = mid
+            else:
+                hi = mid - 1
+        return key[:lo]
 
     def children(self, q: str, first: dict) -> list[tuple[str, dict]]:
         """(q + next character, first key under it) for every character that follows ``q`` in some key."""
@@ -225,11 +243,19 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
         if len(leaves) >= target or prober.calls >= S3_MAX_PROBES:
             break
         grown: list[tuple[str, dict]] = []
-        for q, first in leaves:
-            if q.endswith("\0") or len(first["Key"]) <= len(q) or prober.calls >= S3_MAX_PROBES:
+        for i, (q, first) in enumerate(leaves):
+            # Split leaves one level deeper only until there are enough: every probe is a LIST call (a full scan
+            # of the bucket on moto), and splitting all of them at each level cost hundreds of probes.
+            # A q ending in NUL is finished: a key that is its own range. A key equal to q (a folder marker such
+            # as "photos/") is no reason to stop: children() gives it its own range and splits the rest.
+            if q.endswith("\0") or prober.calls >= S3_MAX_PROBES or len(grown) + len(leaves) - i >= target:
                 grown.append((q, first))
+                continue
+            shared = prober.common(q, first)
+            if shared == first["Key"] and prober.first(q, shared) is None:  # one key under q: nothing to split
+                grown.append((shared + "\0", first))
             else:
-                grown.extend(prober.children(q, first))
+                grown.extend(prober.children(shared, first))
         if [q for q, _ in grown] == [q for q, _ in leaves]:
             break
         leaves = grown
@@ -240,60 +266,6 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
 
 
 # ---- listing one unit (runs in the read task) ----
-
-def _local_entry(path: str, st: os.stat_result) -> Entry:
-    return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
-
-
-def _suffixes(extensions: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple("." + e.lower() for e in extensions)
-
-
-def _walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
-    stack = [folder]
-    while stack:
-        current = stack.pop()
-        try:
-            with os.scandir(current) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            continue
-        subdirs = []
-        for entry in entries:
-            name = entry.name
-            if entry.is_dir():
-                subdirs.append(entry.path)
-            elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
-        stack.extend(reversed(subdirs))
-
-
-def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True
-                 ) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
-    with os.scandir(folder) as it:
-        for entry in it:
-            name = entry.name
-            if parts > 1 and zlib.crc32(name.encode()) % parts != part:
-                continue
-            if name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
-
-
-def _stat_local(entries: list[Entry]) -> list[Entry]:
-    """Size and mtime of local entries listed without them; a file removed since listing is dropped."""
-    out = []
-    for entry in entries:
-        if entry[1] is not None:
-            out.append(entry)
-            continue
-        try:
-            out.append(_local_entry(entry[0][7:], os.stat(entry[0][7:])))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return out
-
 
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
     etag = item.get("ETag")
@@ -306,6 +278,8 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
     """Keys in [start, stop): the start key itself (found by the planner), then LIST pages after it."""
     if matches(start["Key"], extensions):
         yield _s3_entry(bucket, start)
+    if stop is not None:  # every key in [start, stop) shares their common prefix: a narrower LIST, same keys
+        prefix = os.path.commonprefix([start["Key"], stop])
     token = None
     while True:
         page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
@@ -328,9 +302,9 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str,
     """
     kind = unit[0]
     if kind == "local_dir":
-        yield from _walk_local(unit[1], extensions, stat)
+        yield from walk_local(unit[1], extensions, stat)
     elif kind == "local_files":
-        yield from _local_files(unit[1], unit[2], unit[3], extensions, stat)
+        yield from local_files(unit[1], unit[2], unit[3], extensions, stat)
     elif kind == "s3_keys":
         yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
     elif kind == "s3_range":
@@ -382,7 +356,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
             skipped = len(block) - int(keep.sum())
             if skipped:
                 block = [e for e, k in zip(block, keep) if k]
-        block = _stat_local(block)
+        block = stat_local(block)
         n_carried = 0
         if previous.size and block:
             uris, sizes, etags, mtimes = zip(*block)
