@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,6 +15,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
 from pipeline.keys import identity_hashes, member, uri_hashes
+from pipeline.source_local import Entry, local_files, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -97,9 +97,6 @@ def mtime_us(value: Any) -> int | None:
         return mtime_us(datetime.fromisoformat(str(value)))
     except ValueError:
         return None
-
-
-Entry = tuple  # (uri, size_bytes, etag, mtime_us)
 
 
 def matches(name: str, extensions: tuple[str, ...]) -> bool:
@@ -270,60 +267,6 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
 
 # ---- listing one unit (runs in the read task) ----
 
-def _local_entry(path: str, st: os.stat_result) -> Entry:
-    return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
-
-
-def _suffixes(extensions: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple("." + e.lower() for e in extensions)
-
-
-def _walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
-    stack = [folder]
-    while stack:
-        current = stack.pop()
-        try:
-            with os.scandir(current) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            continue
-        subdirs = []
-        for entry in entries:
-            name = entry.name
-            if entry.is_dir():
-                subdirs.append(entry.path)
-            elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
-        stack.extend(reversed(subdirs))
-
-
-def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True
-                 ) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
-    with os.scandir(folder) as it:
-        for entry in it:
-            name = entry.name
-            if parts > 1 and zlib.crc32(name.encode()) % parts != part:
-                continue
-            if name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield _local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
-
-
-def _stat_local(entries: list[Entry]) -> list[Entry]:
-    """Size and mtime of local entries listed without them; a file removed since listing is dropped."""
-    out = []
-    for entry in entries:
-        if entry[1] is not None:
-            out.append(entry)
-            continue
-        try:
-            out.append(_local_entry(entry[0][7:], os.stat(entry[0][7:])))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return out
-
-
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
     etag = item.get("ETag")
     return (f"s3://{bucket}/{item['Key']}", int(item.get("Size") or 0), str(etag).strip('"') if etag else None,
@@ -359,9 +302,9 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str,
     """
     kind = unit[0]
     if kind == "local_dir":
-        yield from _walk_local(unit[1], extensions, stat)
+        yield from walk_local(unit[1], extensions, stat)
     elif kind == "local_files":
-        yield from _local_files(unit[1], unit[2], unit[3], extensions, stat)
+        yield from local_files(unit[1], unit[2], unit[3], extensions, stat)
     elif kind == "s3_keys":
         yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
     elif kind == "s3_range":
@@ -413,7 +356,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
             skipped = len(block) - int(keep.sum())
             if skipped:
                 block = [e for e, k in zip(block, keep) if k]
-        block = _stat_local(block)
+        block = stat_local(block)
         n_carried = 0
         if previous.size and block:
             uris, sizes, etags, mtimes = zip(*block)

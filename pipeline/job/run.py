@@ -19,6 +19,7 @@ from pipeline.writer import write_json
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
+PROGRESS_S = 0.5  # how often the driver asks the listing counter for the listed total while draining
 
 
 @dataclass
@@ -155,11 +156,16 @@ class _Run:
     def _drain(self, ds: Any) -> None:
         import ray
 
+        listed, asked = 0, 0.0
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for shard in ShardStats.from_table(batch):
                 self.totals += shard
                 self.metrics.add_shard(shard)
-            listed, _, _ = ray.get(self.counter.get.remote())
+            # A carry-over yields a batch per shard (1,000 per million rows): ask the counter actor for the listed
+            # total at most every PROGRESS_S, not once per batch (each ask is a round trip the driver waits on).
+            if time.monotonic() - asked >= PROGRESS_S:
+                listed, _, _ = ray.get(self.counter.get.remote())
+                asked = time.monotonic()
             self._report_progress(listed)
 
     def _report_progress(self, listed: int) -> None:
