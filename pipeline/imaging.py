@@ -6,6 +6,7 @@ import functools
 import io
 import json
 import logging
+import math
 import struct
 import warnings
 from dataclasses import asdict, dataclass
@@ -33,6 +34,8 @@ _PIL_FILTERS = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
+# Half-width of each filter's kernel in output pixels (Pillow's filter supports); widened by the downscale factor.
+_FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
 
 # We enforce our own pixel cap from the header (DecodeLimits.max_pixels); Pillow's own warning between
 # its limit and twice it would only be noise. Above twice its limit Pillow raises, which we map to too_many_pixels.
@@ -247,8 +250,30 @@ def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     # The crop box in source pixels: exact floats, so no rounding of an intermediate resized size.
     box_w, box_h = crop_w / factor, crop_h / factor
     left, top = (w - box_w) / 2.0, (h - box_h) / 2.0
-    out = img.resize((crop_w, crop_h), _PIL_FILTERS[spec.interpolation], box=(left, top, left + box_w, top + box_h))
-    return normalize_array(np.asarray(out), spec)
+    return normalize_array(np.asarray(_resample(img, spec, left, top, box_w, box_h)), spec)
+
+
+def _resample(
+    img: Image.Image, spec: PreprocessSpec, left: float, top: float, box_w: float, box_h: float
+) -> Image.Image:
+    """The crop box resampled to ``spec.crop``: a horizontal pass, rounded to 8 bits, then a vertical pass.
+
+    The order is fixed on purpose. One ``Image.resize`` call runs the passes in that order up to Pillow 12, but
+    Pillow 13 runs the vertical pass first when it drops more than twice as many rows as columns (Pillow#9549):
+    on tall photos that moves pixels by up to 12 levels. Two explicit calls keep the reference the same on every
+    Pillow, and let DALI (``pipeline.triton.dali_pipeline``) and the GPU resampler do exactly what it does.
+    """
+    crop_h, crop_w = spec.crop
+    resample = _PIL_FILTERS[spec.interpolation]
+    if spec.interpolation == "nearest":  # a point sample per axis: the order cannot matter
+        return img.resize((crop_w, crop_h), resample, box=(left, top, left + box_w, top + box_h))
+    w, h = img.size
+    # Only the rows the vertical pass reads go through the horizontal one (what a single resize call does too).
+    support = _FILTER_SUPPORT[spec.interpolation] * max(box_h / crop_h, 1.0)
+    first, last = max(0, math.floor(top - support) - 1), min(h, math.ceil(top + box_h + support) + 1)
+    rows = img if (first, last) == (0, h) else img.crop((0, first, w, last))
+    mid = rows.resize((crop_w, last - first), resample, box=(left, 0, left + box_w, last - first))
+    return mid.resize((crop_w, crop_h), resample, box=(0, top - first, crop_w, top - first + box_h))
 
 
 @functools.lru_cache(maxsize=16)

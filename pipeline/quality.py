@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -201,23 +201,27 @@ def quality_footer(rows: Any) -> dict[bytes, bytes]:
     return {QUALITY_KEY: json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()}
 
 
-def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
+def quality_of_parts(fs: Any, parts: Iterable[str],
+                     on_footer: Callable[[str, Mapping[bytes, bytes]], None] | None = None) -> dict[str, Any]:
     """Quality statistics of committed shards, one shard at a time: from the counters the writer kept in each
     shard's footer, or, for a shard written without them, from its five columns.
 
     Carried rows are included (they are part of the night's answer) and counted apart in
-    ``carried`` and ``confidence.carried_counts``.
+    ``carried`` and ``confidence.carried_counts``. ``on_footer(path, footer)`` sees each footer read, so a caller
+    can take more from it (the job's final counts) without a second pass.
     """
     import json
 
     import pyarrow.parquet as pq
 
     from pipeline.schema import QUALITY_KEY
-    from pipeline.writer import read_footer
+    from pipeline.writer import iter_footers
 
     stats = QualityStats()
-    for path in parts:
-        raw = read_footer(fs, path).get(QUALITY_KEY)
+    for path, footer in iter_footers(fs, list(parts)):
+        if on_footer is not None:
+            on_footer(path, footer)
+        raw = footer.get(QUALITY_KEY)
         state = json.loads(raw) if raw is not None else None
         if state is not None and state.get("version") == QUALITY_VERSION:
             stats.merge(QualityStats.from_state(state))
@@ -229,7 +233,8 @@ def quality_of_parts(fs: Any, parts: Iterable[str]) -> dict[str, Any]:
     return stats.to_dict()
 
 
-def committed_quality(fs: Any, root: str) -> dict[str, Any]:
+def committed_quality(fs: Any, root: str,
+                      on_footer: Callable[[str, Mapping[bytes, bytes]], None] | None = None) -> dict[str, Any]:
     """:func:`quality_of_parts` of every shard committed in ROOT now.
 
     Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
@@ -237,7 +242,7 @@ def committed_quality(fs: Any, root: str) -> dict[str, Any]:
     from pipeline.writer import committed_parts
 
     fs.invalidate_cache()
-    return quality_of_parts(fs, committed_parts(fs, root))
+    return quality_of_parts(fs, committed_parts(fs, root), on_footer)
 
 
 def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, *,

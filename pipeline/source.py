@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
-import zlib
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
+from pipeline.keys import identity_hashes, member, uri_hashes
+from pipeline.source_local import Entry, local_files, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -84,40 +84,6 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         raise SourceError(f"source {url!r} is a {kind}, not a folder or prefix; give the folder that holds the images")
 
 
-def uri_hash(uri: str) -> int:
-    """A stable signed 64-bit key of a URI, for compact membership sets across processes."""
-    return int.from_bytes(hashlib.blake2b(uri.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def uri_hashes(uris: list[str]) -> np.ndarray:
-    """``uri_hash`` of many URIs, as an int64 array."""
-    return np.fromiter((uri_hash(u) for u in uris), dtype=np.int64, count=len(uris))
-
-
-def identity_hashes(uris: list[str], etags: list, sizes: list, mtimes_us: list) -> np.ndarray:
-    """``identity_hash`` of many rows (mtimes already in microseconds), as an int64 array."""
-    return np.fromiter((identity_hash(u, e, s, m) for u, e, s, m in zip(uris, etags, sizes, mtimes_us)),
-                       dtype=np.int64, count=len(uris))
-
-
-def member(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Boolean mask: which ``values`` are in the sorted array ``keys`` (vectorised binary search)."""
-    if keys.size == 0 or values.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    idx = np.searchsorted(keys, values)
-    idx[idx == keys.size] = 0
-    return keys[idx] == values
-
-
-def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | None) -> int:
-    """Key of an object's version: the ETag when the storage has one, else size and mtime (in microseconds)."""
-    if etag:
-        key = f"{uri}\0e\0{etag}\0{size}"
-    else:
-        key = f"{uri}\0m\0{size}\0{mtime_us}"
-    return uri_hash(key)
-
-
 def mtime_us(value: Any) -> int | None:
     if value is None:
         return None
@@ -131,9 +97,6 @@ def mtime_us(value: Any) -> int | None:
         return mtime_us(datetime.fromisoformat(str(value)))
     except ValueError:
         return None
-
-
-Entry = tuple  # (uri, size_bytes, etag, mtime_us)
 
 
 def matches(name: str, extensions: tuple[str, ...]) -> bool:
@@ -219,11 +182,32 @@ class _Prober:
 
     def __init__(self, fs: Any, bucket: str):
         self.fs, self.bucket, self.calls = fs, bucket, 0
+        self._seen: dict[tuple[str, str | None], dict | None] = {}
 
     def first(self, prefix: str, start_after: str | None) -> dict | None:
-        self.calls += 1
-        contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
-        return contents[0] if contents else None
+        if (prefix, start_after) not in self._seen:
+            self.calls += 1
+            contents = _list_page(self.fs, self.bucket, prefix, start_after, max_keys=1).get("Contents") or []
+            self._seen[prefix, start_after] = contents[0] if contents else None
+        return self._seen[prefix, start_after]
+
+    def common(self, q: str, first: dict) -> str:
+        """The longest prefix that every key under ``q`` shares (a binary search over the first key's length).
+
+        A one-child chain (``img`` -> ``img0`` -> ``img00`` ...) would cost two probes a character otherwise.
+        """
+        key = first["Key"]
+        second = self.first(q, key)
+        if second is None:  # one key under q
+            return key
+        lo, hi = len(q), len(os.path.commonprefix([key, second["Key"]]))  # the first two keys bound it
+        while lo < hi and self.calls < S3_MAX_PROBES:
+            mid = (lo + hi + 1) // 2
+            if self.first(q, key[:mid] + MAX_CHAR) is None:  # nothing under q after the block key[:mid]...
+                lo = mid
+            else:
+                hi = mid - 1
+        return key[:lo]
 
     def children(self, q: str, first: dict) -> list[tuple[str, dict]]:
         """(q + next character, first key under it) for every character that follows ``q`` in some key."""
@@ -259,11 +243,19 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
         if len(leaves) >= target or prober.calls >= S3_MAX_PROBES:
             break
         grown: list[tuple[str, dict]] = []
-        for q, first in leaves:
-            if q.endswith("\0") or len(first["Key"]) <= len(q) or prober.calls >= S3_MAX_PROBES:
+        for i, (q, first) in enumerate(leaves):
+            # Split leaves one level deeper only until there are enough: every probe is a LIST call (a full scan
+            # of the bucket on moto), and splitting all of them at each level cost hundreds of probes.
+            # A q ending in NUL is finished: a key that is its own range. A key equal to q (a folder marker such
+            # as "photos/") is no reason to stop: children() gives it its own range and splits the rest.
+            if q.endswith("\0") or prober.calls >= S3_MAX_PROBES or len(grown) + len(leaves) - i >= target:
                 grown.append((q, first))
+                continue
+            shared = prober.common(q, first)
+            if shared == first["Key"] and prober.first(q, shared) is None:  # one key under q: nothing to split
+                grown.append((shared + "\0", first))
             else:
-                grown.extend(prober.children(q, first))
+                grown.extend(prober.children(shared, first))
         if [q for q, _ in grown] == [q for q, _ in leaves]:
             break
         leaves = grown
@@ -274,37 +266,6 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
 
 
 # ---- listing one unit (runs in the read task) ----
-
-def _local_entry(path: str, st: os.stat_result) -> Entry:
-    return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
-
-
-def _walk_local(folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
-    stack = [folder]
-    while stack:
-        current = stack.pop()
-        try:
-            with os.scandir(current) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            continue
-        subdirs = []
-        for entry in entries:
-            if entry.is_dir():
-                subdirs.append(entry.path)
-            elif matches(entry.name, extensions) and entry.is_file():
-                yield _local_entry(entry.path, entry.stat())
-        stack.extend(reversed(subdirs))
-
-
-def _local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...]) -> Iterator[Entry]:
-    with os.scandir(folder) as it:
-        for entry in it:
-            if parts > 1 and zlib.crc32(entry.name.encode()) % parts != part:
-                continue
-            if matches(entry.name, extensions) and entry.is_file():
-                yield _local_entry(entry.path, entry.stat())
-
 
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
     etag = item.get("ETag")
@@ -317,6 +278,8 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
     """Keys in [start, stop): the start key itself (found by the planner), then LIST pages after it."""
     if matches(start["Key"], extensions):
         yield _s3_entry(bucket, start)
+    if stop is not None:  # every key in [start, stop) shares their common prefix: a narrower LIST, same keys
+        prefix = os.path.commonprefix([start["Key"], stop])
     token = None
     while True:
         page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
@@ -330,13 +293,18 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
             return
 
 
-def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...]) -> Iterator[Entry]:
-    """The entries of one planned unit, in a stable order."""
+def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...], *, stat: bool = True
+              ) -> Iterator[Entry]:
+    """The entries of one planned unit, in a stable order.
+
+    ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
+    needs them only for some (``listing_blocks`` stats the objects that are not done already).
+    """
     kind = unit[0]
     if kind == "local_dir":
-        yield from _walk_local(unit[1], extensions)
+        yield from walk_local(unit[1], extensions, stat)
     elif kind == "local_files":
-        yield from _local_files(unit[1], unit[2], unit[3], extensions)
+        yield from local_files(unit[1], unit[2], unit[3], extensions, stat)
     elif kind == "s3_keys":
         yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
     elif kind == "s3_range":
@@ -377,30 +345,34 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
     fresh_since = [time.monotonic()]
     clock = [time.perf_counter()]  # listing time excludes the waits while downstream consumes a block
 
+    # Per object this is a few list operations and one or two hashes over Python values the listing made: no
+    # Arrow table is built for what is done or carried, and a local file is stat-ed only when it is not done.
     def flush(final: bool = False) -> Iterator[pa.Table]:
         nonlocal pending, carried, fresh
-        block = entries_table(pending)
-        pending = []
-        keep = ~member(done, uri_hashes(block.column("uri").to_pylist()))
-        skipped = int(block.num_rows - keep.sum())
-        block = block.filter(pa.array(keep))
+        block, pending = pending, []
+        skipped = 0
+        if done.size and block:
+            keep = ~member(done, uri_hashes([e[0] for e in block]))
+            skipped = len(block) - int(keep.sum())
+            if skipped:
+                block = [e for e, k in zip(block, keep) if k]
+        block = stat_local(block)
         n_carried = 0
-        if previous.size and block.num_rows:
-            ids = identity_hashes(block.column("uri").to_pylist(), block.column("etag").to_pylist(),
-                                  block.column("size_bytes").to_pylist(),
-                                  pc.cast(block.column("mtime"), pa.int64()).to_pylist())
+        if previous.size and block:
+            uris, sizes, etags, mtimes = zip(*block)
+            ids = identity_hashes(uris, etags, sizes, mtimes)
             same = member(previous, ids)
             n_carried = int(same.sum())
             if n_carried:
                 carried.append(ids[same])
-                block = block.filter(pa.array(~same))
+                block = [e for e, s in zip(block, same) if not s]
         send = None
         if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
             send, carried = np.concatenate(carried), []
         if report is not None:
-            report(block.num_rows + n_carried, skipped, time.perf_counter() - clock[0], send)
-        if block.num_rows:
-            fresh.append(block)
+            report(len(block) + n_carried, skipped, time.perf_counter() - clock[0], send)
+        if block:
+            fresh.append(entries_table(block))
         held = sum(b.num_rows for b in fresh)
         if held and (final or held >= FRESH_BLOCK_ROWS or time.monotonic() - fresh_since[0] >= FRESH_WAIT_S):
             out, fresh = pa.concat_tables(fresh), []
@@ -409,7 +381,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         clock[0] = time.perf_counter()
 
     for unit in group:
-        for entry in list_unit(fs, unit, extensions):
+        for entry in list_unit(fs, unit, extensions, stat=False):
             pending.append(entry)
             if len(pending) >= BLOCK_ROWS:
                 yield from flush()

@@ -25,12 +25,13 @@ from pipeline.schema import (
     CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
     SHARD_META_KEY, conform,
 )
-from pipeline.source import identity_hashes, is_local, open_fs, uri_hashes
+from pipeline.keys import identity_hashes, uri_hashes
+from pipeline.source import is_local, open_fs
 from pipeline.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
 GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the hash arrays are in row order (1: sorted), so a carry task can reuse them per row
 FOOTER_READERS = 16  # concurrent footer reads on object stores
 
 
@@ -50,7 +51,7 @@ def part_name(shard: str) -> str:
 
 @dataclass
 class ShardRecord:
-    """A committed shard's record, read from its Parquet footer: counts and the sorted hashes resume needs."""
+    """A committed shard's record, read from its Parquet footer: counts and the hashes resume and carry-over need."""
 
     rows: int
     ok: int
@@ -58,12 +59,13 @@ class ShardRecord:
     carried: int
     model: str | None
     top_k: int | None
-    uri_hashes: np.ndarray  # sorted int64 uri_hash of every row
-    identities: np.ndarray  # sorted int64 identity_hash of the ok rows (the ones a later run may carry)
+    uri_hashes: np.ndarray  # int64 uri_hash of every row
+    identities: np.ndarray  # int64 identity_hash of the ok rows (the ones a later run may carry)
+    row_order: bool = True  # the arrays follow the shard's rows (ok rows only for identities); False: sorted
 
     def to_json(self) -> bytes:
         return json.dumps({
-            "version": RECORD_VERSION, "rows": self.rows, "ok": self.ok, "errors": self.errors,
+            "version": RECORD_VERSION if self.row_order else 1, "rows": self.rows, "ok": self.ok, "errors": self.errors,
             "carried": self.carried, "model": self.model, "top_k": self.top_k,
             "uri_hashes": base64.b64encode(self.uri_hashes.astype("<i8").tobytes()).decode(),
             "identities": base64.b64encode(self.identities.astype("<i8").tobytes()).decode(),
@@ -75,26 +77,31 @@ class ShardRecord:
         arrays = {k: np.frombuffer(base64.b64decode(d[k]), dtype="<i8").astype(np.int64) for k in
                   ("uri_hashes", "identities")}
         return cls(rows=d["rows"], ok=d["ok"], errors=d["errors"], carried=d["carried"], model=d["model"],
-                   top_k=d["top_k"], **arrays)
+                   top_k=d["top_k"], row_order=d.get("version", 1) >= 2, **arrays)
 
     @classmethod
-    def of_rows(cls, rows: pa.Table) -> "ShardRecord":
-        """The record of output rows (also how a shard written before records existed is read)."""
+    def of_rows(cls, rows: pa.Table, *, uri_keys: np.ndarray | None = None,
+                identities: np.ndarray | None = None) -> "ShardRecord":
+        """The record of output rows (also how a shard written before records existed is read).
+
+        ``uri_keys`` (every row) and ``identities`` (the ok rows), in row order, when the caller has them already:
+        carried rows come with their previous shard's hashes, so they are not hashed again.
+        """
         status = rows.column("status")
         ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
         ok_rows = rows.filter(ok_mask)
-        lengths = set(pc.list_value_length(ok_rows.column("class_ids")).to_pylist()) if ok_rows.num_rows else set()
-        models = set(rows.column("model").to_pylist()) if "model" in rows.column_names else set()
+        lengths = pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist() if ok_rows.num_rows else []
+        models = pc.unique(rows.column("model")).to_pylist() if "model" in rows.column_names else []
         carried = rows.column("carried") if "carried" in rows.column_names else pa.array([], pa.bool_())
         return cls(
             rows=rows.num_rows,
             ok=ok_rows.num_rows,
             errors=rows.num_rows - ok_rows.num_rows,
             carried=int(pc.sum(pc.fill_null(carried, False)).as_py() or 0),
-            model=next(iter(models)) if len(models) == 1 else None,
-            top_k=next(iter(lengths)) if len(lengths) == 1 else None,
-            uri_hashes=np.sort(uri_hashes(rows.column("uri").to_pylist())),
-            identities=np.sort(row_identities(ok_rows)),
+            model=models[0] if len(models) == 1 else None,
+            top_k=lengths[0] if len(lengths) == 1 else None,
+            uri_hashes=uri_keys if uri_keys is not None else uri_hashes(rows.column("uri").to_pylist()),
+            identities=identities if identities is not None else row_identities(ok_rows),
         )
 
 
@@ -130,17 +137,19 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
 
 
 def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any],
-                footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None) -> pa.Table:
+                footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None,
+                record: ShardRecord | None = None) -> pa.Table:
     """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row.
 
     ``footer(rows)`` may add more key-value metadata to the shard's footer (the job adds quality counters).
+    ``record`` is the rows' record when the caller built it already (``ShardRecord.of_rows`` with known hashes).
     """
     start = time.perf_counter()
     fs, dest = open_fs(output, storage_options)
     shard = shard_id(batch.column("uri").to_pylist())
     rows = conform(batch, OUTPUT_SCHEMA)
-    record = ShardRecord.of_rows(rows)
-    kinds = Counter(e.split(":", 1)[0] for e in rows.column("error").to_pylist() if e)
+    record = record if record is not None else ShardRecord.of_rows(rows)
+    kinds = Counter(e.split(":", 1)[0] for e in pc.drop_null(rows.column("error")).to_pylist() if e)
     extra = dict(footer(rows)) if footer is not None else {}
     commit_table(fs, dest, part_name(shard), rows, {**extra, SHARD_META_KEY: shard.encode(),
                                                     RECORD_KEY: record.to_json()})
@@ -193,25 +202,47 @@ def read_footer(fs: Any, path: str) -> dict[bytes, bytes]:
     return meta.metadata or {}
 
 
-def read_record(fs: Any, path: str) -> ShardRecord:
-    """A shard's record from its footer; a shard without one (an older output) is read and hashed instead."""
-    raw = read_footer(fs, path).get(RECORD_KEY)
+def read_record(fs: Any, path: str, footer: Mapping[bytes, bytes] | None = None) -> ShardRecord:
+    """A shard's record from its footer (``footer``, when read already); a shard without one (an older output) is
+    read and hashed instead."""
+    raw = (footer if footer is not None else read_footer(fs, path)).get(RECORD_KEY)
     if raw is not None:
         return ShardRecord.from_json(raw)
     columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]
     return ShardRecord.of_rows(read_columns(fs, [path], columns))
 
 
+def read_shard(fs: Any, path: str) -> tuple[pa.Table, ShardRecord | None]:
+    """A committed shard's rows (``OUTPUT_SCHEMA``) and its record, from one open of the file (None: no record)."""
+    if is_local(fs):
+        pf = pq.ParquetFile(path)
+        raw = (pf.metadata.metadata or {}).get(RECORD_KEY)
+        table = pf.read()
+    else:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            raw = (pf.metadata.metadata or {}).get(RECORD_KEY)
+            table = pf.read()
+    return conform(table.replace_schema_metadata(None), OUTPUT_SCHEMA), (
+        ShardRecord.from_json(raw) if raw is not None else None)
+
+
 def iter_records(fs: Any, paths: list[str]) -> Iterator[tuple[str, ShardRecord]]:
     """Records of many shards, read concurrently on object stores, in order, a bounded window at a time."""
+    for path, footer in iter_footers(fs, paths):
+        yield path, read_record(fs, path, footer)
+
+
+def iter_footers(fs: Any, paths: list[str]) -> Iterator[tuple[str, dict[bytes, bytes]]]:
+    """Footer metadata of many shards, read concurrently on object stores, in order, a bounded window at a time."""
     if is_local(fs):
         for path in paths:
-            yield path, read_record(fs, path)
+            yield path, read_footer(fs, path)
         return
     with ThreadPoolExecutor(FOOTER_READERS) as pool:
         for i in range(0, len(paths), FOOTER_READERS * 4):
             window = paths[i:i + FOOTER_READERS * 4]
-            yield from zip(window, pool.map(lambda p: read_record(fs, p), window))
+            yield from zip(window, pool.map(lambda p: read_footer(fs, p), window))
 
 
 def read_columns(fs: Any, paths: list[str], columns: list[str]) -> pa.Table:

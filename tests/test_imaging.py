@@ -108,6 +108,23 @@ def test_exact_scale_box_equals_resize_then_crop_when_sizes_are_whole():
     np.testing.assert_array_equal(ours, normalize_array(np.asarray(two_step), DEFAULT_SPEC))
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos"])
+@pytest.mark.parametrize("size", [(150, 400), (400, 150), (700, 900), (180, 240)])
+def test_resampling_is_a_horizontal_then_a_vertical_pass_on_every_pillow(size, interpolation):
+    # Pillow 13 runs one resize call vertical-first on tall images (python-pillow/Pillow#9549); the reference, DALI and
+    # the GPU resampler all make the horizontal pass first, rounded to 8 bits. Noise makes any other order show.
+    spec = PreprocessSpec(resize_shorter=256, interpolation=interpolation)
+    w, h = size
+    img = Image.fromarray(np.random.default_rng(w + h).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    box = 224 * min(w, h) / 256
+    left, top = (w - box) / 2, (h - box) / 2
+    filt = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+            "lanczos": Image.Resampling.LANCZOS}[interpolation]
+    horizontal = img.resize((224, h), filt, box=(left, 0, left + box, h))
+    both = horizontal.resize((224, 224), filt, box=(0, top, 224, top + box))
+    np.testing.assert_array_equal(preprocess_image(img, spec), normalize_array(np.asarray(both), spec))
+
+
 def test_exif_orientation_is_applied():
     upright = np.asarray(photo("chelsea"), dtype=np.int16)
     rotated = decode_image(exif_rotated_jpeg())

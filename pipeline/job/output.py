@@ -18,7 +18,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import OutputError
 from pipeline.schema import OWNED_PREFIXES, RUN_INFO, SUCCESS
 from pipeline.source import open_fs, storage_failure
-from pipeline.writer import GROUP_RE, committed_parts, iter_records, read_json
+from pipeline.writer import GROUP_RE, committed_parts, iter_records, read_json, read_record
 
 LOG = logging.getLogger(__name__)
 
@@ -64,6 +64,22 @@ def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: str | 
     if ids:
         index.identities = np.unique(np.concatenate(ids))
     return index
+
+
+class RecordCounter:
+    """Rows by status summed from shard footers handed to it one at a time (``on_footer`` of a footer pass)."""
+
+    def __init__(self, fs: Any):
+        self.fs, self.ok, self.errors = fs, 0, 0
+
+    def __call__(self, path: str, footer: Any) -> None:
+        rec = read_record(self.fs, path, footer)
+        self.ok += rec.ok
+        self.errors += rec.errors
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"ok": self.ok, "error": self.errors}
 
 
 def count_output(fs: Any, root: str) -> dict[str, int]:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from pipeline.config import RunConfig
 from pipeline.job.output import (
-    OutputIndex, check_compatible, count_output, index_output, prepare_output, read_previous,
+    OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
 )
 from pipeline.schema import REPORT, RUN_INFO, SUCCESS
 from pipeline.source import check_source, open_fs
@@ -19,6 +19,7 @@ from pipeline.writer import write_json
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
+PROGRESS_S = 0.5  # how often the driver asks the listing counter for the listed total while draining
 
 
 @dataclass
@@ -73,9 +74,11 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at)
     from pipeline.quality import committed_quality
 
-    report["quality"] = committed_quality(dst_fs, dst_root)  # every committed row, shard by shard
+    counter = RecordCounter(dst_fs)
+    # every committed row, shard by shard; the final counts come from the same footers, read once
+    report["quality"] = committed_quality(dst_fs, dst_root, on_footer=counter)
     write_json(dst_fs, dst_root, REPORT, report)
-    all_counts = count_output(dst_fs, dst_root)
+    all_counts = counter.counts
     write_json(dst_fs, dst_root, SUCCESS, {
         "counts": all_counts,
         "rows": sum(all_counts.values()),
@@ -153,11 +156,16 @@ class _Run:
     def _drain(self, ds: Any) -> None:
         import ray
 
+        listed, asked = 0, 0.0
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for shard in ShardStats.from_table(batch):
                 self.totals += shard
                 self.metrics.add_shard(shard)
-            listed, _, _ = ray.get(self.counter.get.remote())
+            # A carry-over yields a batch per shard (1,000 per million rows): ask the counter actor for the listed
+            # total at most every PROGRESS_S, not once per batch (each ask is a round trip the driver waits on).
+            if time.monotonic() - asked >= PROGRESS_S:
+                listed, _, _ = ray.get(self.counter.get.remote())
+                asked = time.monotonic()
             self._report_progress(listed)
 
     def _report_progress(self, listed: int) -> None:

@@ -14,7 +14,8 @@ from ray.data import Datasource
 from pipeline.config import RunConfig
 from pipeline.engines.base import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
-from pipeline.source import listing_blocks, member, open_fs, plan_listing, resolve_keys
+from pipeline.keys import member, uri_hashes
+from pipeline.source import is_local, listing_blocks, open_fs, plan_listing, resolve_keys
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -109,8 +110,11 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, done=done,
                                 previous=previous, counter=counter)
-    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding.
-    ds = ray.data.read_datasource(listing, override_num_blocks=config.list_tasks, num_cpus=IO_TASK_CPUS)
+    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
+    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
+    list_tasks = min(config.list_tasks, cpus) if is_local(open_fs(config.source, config.storage_options)[0]) \
+        else config.list_tasks
+    ds = ray.data.read_datasource(listing, override_num_blocks=list_tasks, num_cpus=IO_TASK_CPUS)
     ds = ds.map_batches(
         fetch_batch,
         fn_kwargs={"source": config.source, "storage_options": config.storage_options,
@@ -148,7 +152,11 @@ def carry_dataset(config: RunConfig, previous_parts: list[str], carried: Any):
     cpus = int(ray.cluster_resources().get("CPU", 1))
     source = CarryDatasource(config.previous, config.storage_options, previous_parts, carried,
                              output=config.output, shard_size=config.shard_size)
-    return ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS)
+    # One carry task per core at a time: each reads and writes Parquet on a core; more at once would only start
+    # more worker processes, and a new worker spends seconds of CPU importing Ray Data before its first shard.
+    tasks = -(-len(previous_parts) // CARRY_PARTS_PER_TASK)
+    return ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS,
+                                    concurrency=max(1, min(tasks, cpus)))
 
 
 def _write(ds: Any, config: RunConfig, cpus: int):
@@ -167,17 +175,24 @@ def _write(ds: Any, config: RunConfig, cpus: int):
     )
 
 
-def carry_rows(table: pa.Table, carried: np.ndarray) -> pa.Table:
-    """The ok rows of a previous shard whose identity is in ``carried``, marked ``carried``."""
+def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+    """The ok rows of a previous shard whose identity is in ``carried``, marked ``carried``, with their uri hashes
+    and identities in row order: from the shard's ``record`` when it keeps them in row order, else hashed here."""
     from pipeline.writer import row_identities
 
-    table = table.filter(pc.fill_null(pc.equal(table.column("status"), "ok"), False))
-    if not table.num_rows:
-        return conform(table, OUTPUT_SCHEMA)
-    keep = member(carried, row_identities(table))
+    ok = pc.fill_null(pc.equal(table.column("status"), "ok"), False)
+    n = table.num_rows
+    table = table.filter(ok)
+    if record is not None and record.row_order and record.uri_hashes.size == n and \
+            record.identities.size == table.num_rows:
+        uri_keys, ids = record.uri_hashes[ok.to_numpy(zero_copy_only=False)], record.identities
+    else:
+        uri_keys, ids = None, row_identities(table)
+    keep = member(carried, ids)
     table = table.filter(pa.array(keep))
-    table = table.set_column(table.schema.get_field_index("carried"), "carried", pa.array([True] * table.num_rows))
-    return conform(table, OUTPUT_SCHEMA)
+    uri_keys = uri_keys[keep] if uri_keys is not None else uri_hashes(table.column("uri").to_pylist())
+    table = table.set_column(table.schema.get_field_index("carried"), "carried", pa.array(np.ones(table.num_rows, bool)))
+    return conform(table, OUTPUT_SCHEMA), uri_keys, ids[keep]
 
 
 class ListingDatasource(Datasource):
@@ -256,22 +271,37 @@ class CarryDatasource(Datasource):
 
     def _read(self, paths: list[str]) -> Iterator[pa.Table]:
         from pipeline.quality import quality_footer
-        from pipeline.writer import read_columns, write_shard
+        from pipeline.writer import ShardRecord, read_shard, write_shard
 
         fs, _root = open_fs(self.url, self.storage_options)
         carried = resolve_keys(self.carried)
-        held: list[pa.Table] = []
+        held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
 
-        def commit(rows: pa.Table) -> pa.Table:
-            return write_shard(rows, output=self.output, storage_options=self.storage_options, footer=quality_footer)
+        def commit(parts: list[tuple[pa.Table, np.ndarray, np.ndarray]]) -> pa.Table:
+            rows = pa.concat_tables([p[0] for p in parts])
+            record = ShardRecord.of_rows(rows, uri_keys=np.concatenate([p[1] for p in parts]),
+                                         identities=np.concatenate([p[2] for p in parts]))
+            return write_shard(rows, output=self.output, storage_options=self.storage_options, footer=quality_footer,
+                               record=record)
 
         for path in paths:
-            rows = carry_rows(read_columns(fs, [path], OUTPUT_SCHEMA.names), carried)
+            table, record = read_shard(fs, path)
+            rows, keys, ids = carry_rows(table, carried, record)
             if rows.num_rows:
-                held.append(rows)
-            while sum(t.num_rows for t in held) >= self.shard_size:
-                table = pa.concat_tables(held)
-                held = [table.slice(self.shard_size)] if table.num_rows > self.shard_size else []
-                yield commit(table.slice(0, self.shard_size))
+                held.append((rows, keys, ids))
+            while sum(p[0].num_rows for p in held) >= self.shard_size:
+                out, rest, need = [], [], self.shard_size
+                for rows, keys, ids in held:
+                    if need >= rows.num_rows:
+                        out.append((rows, keys, ids))
+                        need -= rows.num_rows
+                    elif need > 0:
+                        out.append((rows.slice(0, need), keys[:need], ids[:need]))
+                        rest.append((rows.slice(need), keys[need:], ids[need:]))
+                        need = 0
+                    else:
+                        rest.append((rows, keys, ids))
+                held = rest
+                yield commit(out)
         if held:
-            yield commit(pa.concat_tables(held))
+            yield commit(held)

@@ -8,9 +8,8 @@ import numpy as np
 
 import pipeline.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
-from pipeline.source import (
-    identity_hash, list_unit, listing_blocks, member, open_fs, plan_listing, uri_hash,
-)
+from pipeline.keys import identity_hash, member, uri_hash
+from pipeline.source import list_unit, listing_blocks, open_fs, plan_listing
 
 EXT = DEFAULT_EXTENSIONS
 

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA, conform
-from pipeline.source import identity_hash, open_fs, uri_hash
+from pipeline.keys import identity_hash, uri_hash
+from pipeline.source import open_fs
 from pipeline.stats import ShardStats
 from pipeline.writer import (
     ShardRecord, committed_parts, iter_records, part_name, read_record, shard_id, write_shard,
@@ -53,9 +54,10 @@ def test_write_shard_commits_rows_and_a_record_in_the_footer(tmp_path):
     assert table.schema.remove_metadata() == OUTPUT_SCHEMA and table.num_rows == 10
     rec = read_record(fs, path)
     assert (rec.rows, rec.ok, rec.errors, rec.carried, rec.model, rec.top_k) == (10, 8, 2, 3, "m", 2)
-    assert rec.uri_hashes.tolist() == sorted(uri_hash(u) for u in batch.column("uri").to_pylist())
+    # in row order (ok rows only for identities), so a carry task takes a row's hashes without hashing again
+    assert rec.row_order and rec.uri_hashes.tolist() == [uri_hash(u) for u in batch.column("uri").to_pylist()]
     ok = [r for r in batch.to_pylist() if r["status"] == "ok"]
-    expect = sorted(identity_hash(r["uri"], None, r["size_bytes"], int(WHEN.timestamp() * 1_000_000)) for r in ok)
+    expect = [identity_hash(r["uri"], None, r["size_bytes"], int(WHEN.timestamp() * 1_000_000)) for r in ok]
     assert rec.identities.tolist() == expect
     # a retried write of the same rows replaces the shard, never adds one
     write_shard(batch, output=str(tmp_path), storage_options={})
@@ -87,6 +89,28 @@ def test_record_round_trips_through_json():
                       uri_hashes=np.array([-5, 1, 9], np.int64), identities=np.array([2, 3], np.int64))
     back = ShardRecord.from_json(rec.to_json())
     assert back.uri_hashes.tolist() == [-5, 1, 9] and back.identities.tolist() == [2, 3] and back.top_k == 5
+
+
+def test_carried_rows_take_their_hashes_from_a_row_order_record_or_are_hashed_from_an_older_one(tmp_path):
+    from pipeline.job.stages import carry_rows
+    from pipeline.writer import read_shard
+
+    batch = rows(10, errors=2)
+    write_shard(batch, output=str(tmp_path), storage_options={})
+    fs, root = open_fs(str(tmp_path))
+    [path] = committed_parts(fs, root)
+    table, rec = read_shard(fs, path)
+    assert table.schema == OUTPUT_SCHEMA and rec.row_order and rec.uri_hashes.size == 10
+    carried = np.sort(rec.identities[::2])  # every other ok row is unchanged
+    new = carry_rows(table, carried, rec)
+    sorted_v1 = ShardRecord.from_json(ShardRecord(**{**rec.__dict__, "row_order": False}).to_json())
+    assert not sorted_v1.row_order
+    for rows_, keys, ids in (new, carry_rows(table, carried, sorted_v1), carry_rows(table, carried)):
+        uris = rows_.column("uri").to_pylist()
+        assert uris == [f"file:///src/img{i:06d}.jpg" for i in range(2, 10, 2)]
+        assert keys.tolist() == [uri_hash(u) for u in uris] and sorted(ids.tolist()) == carried.tolist()
+        assert rows_.column("carried").to_pylist() == [True] * 4
+        assert ShardRecord.of_rows(rows_, uri_keys=keys, identities=ids).to_json() == ShardRecord.of_rows(rows_).to_json()
 
 
 def test_shard_stats_sum_and_round_trip():
