@@ -60,6 +60,8 @@ LOG = logging.getLogger("bench_gpu")
 ENGINE_VARIANTS = {
     "dali": {"decoder": "dali", "prep_workers": 2},
     "dali_3workers": {"decoder": "dali", "prep_workers": 3},
+    "dali_h1": {"decoder": "dali", "prep_workers": 2, "hw_decode_load": 1.0},
+    "dali_h1_3workers": {"decoder": "dali", "prep_workers": 3, "hw_decode_load": 1.0},
     "dali_fp32": {"decoder": "dali", "prep_workers": 2, "half": False},
     "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
     "torchvision": {"decoder": "torchvision", "prep_workers": 1},
@@ -460,7 +462,7 @@ def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, c
                                                         start, out)) for _ in range(procs)]
     for w in workers:
         w.start()
-    time.sleep(8)  # imports, channel, warm-up of every process
+    time.sleep(6)  # imports, channel, warm-up of every process
     start.set()
     got = [out.get(timeout=seconds + 300) for _ in workers]
     for w in workers:
