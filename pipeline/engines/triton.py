@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
+from pipeline.engines.triton_wire import build_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image
 from pipeline.triton import contract as tn
@@ -30,8 +31,6 @@ LOG = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_BATCH = 32
 DEFAULT_CONCURRENCY = 2
-# Requests are padded to their longest file: cap the padded size so one big file does not make a 2 GB message.
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
 # A request that brings the server down again right after a restart is poison: its inputs are then sent one by
 # one, so only the culprit costs a restart and an error row.
@@ -80,29 +79,6 @@ def _error_text(reason: str) -> str:
         return reason[:1000]
     kind = "decode_error" if "decod" in reason.lower() else "engine_error"
     return str(ImageError(kind, f"server: {reason[:500]}"))
-
-
-def _pack(blobs: Sequence[bytes]) -> tuple[bytes, int]:
-    """The IMAGE tensor's raw content (rows zero-padded to the longest file) and that length, in one copy."""
-    longest = max(1, max(len(b) for b in blobs))
-    return b"".join(b if len(b) == longest else b + bytes(longest - len(b)) for b in blobs), longest
-
-
-def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: int = MAX_REQUEST_BYTES) -> list[list[int]]:
-    """Groups input indices into requests: similar sizes together (less padding), at most ``request_batch``
-    images and ``max_request_bytes`` of padded tensor each (a single larger file still goes alone)."""
-    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
-    requests: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        padded = (len(current) + 1) * max(sizes[i], 1)  # sorted: this one is the longest so far
-        if current and (len(current) >= request_batch or padded > max_request_bytes):
-            requests.append(current)
-            current = []
-        current.append(i)
-    if current:
-        requests.append(current)
-    return requests
 
 
 class TritonEngine:
@@ -343,19 +319,7 @@ class TritonEngine:
         return local.stub
 
     def _request(self, blobs: list[bytes]):
-        from tritonclient.grpc import service_pb2  # noqa: PLC0415
-
-        raw, longest = _pack(blobs)
-        request = service_pb2.ModelInferRequest(model_name=self.model_name)
-        request.inputs.add(name=tn.INPUT_IMAGE, datatype=tn.INPUTS[tn.INPUT_IMAGE], shape=[len(blobs), longest])
-        request.inputs.add(name=tn.INPUT_LENGTH, datatype=tn.INPUTS[tn.INPUT_LENGTH], shape=[len(blobs), 1])
-        request.raw_input_contents.append(raw)
-        request.raw_input_contents.append(np.array([len(b) for b in blobs], dtype=np.int32).tobytes())
-        for name in self._wanted:
-            request.outputs.add(name=name)
-        request.parameters["max_bytes"].int64_param = self.limits.max_bytes
-        request.parameters["max_pixels"].int64_param = self.limits.max_pixels
-        return request
+        return build_request(self.model_name, blobs, self._wanted, self.limits)
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
         """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
@@ -420,18 +384,7 @@ class TritonEngine:
             return True
 
     def _results(self, response, n: int) -> list[Result]:
-        from tritonclient.utils import deserialize_bytes_tensor  # noqa: PLC0415
-
-        raw = {out.name: response.raw_output_contents[i] for i, out in enumerate(response.outputs)}
-        ids = np.frombuffer(raw[tn.OUTPUT_CLASS_IDS], dtype=np.int32).reshape(n, -1)
-        scores = np.frombuffer(raw[tn.OUTPUT_SCORES], dtype=np.float32).reshape(n, -1)
-        widths = np.frombuffer(raw[tn.OUTPUT_WIDTH], dtype=np.int32).reshape(n)
-        heights = np.frombuffer(raw[tn.OUTPUT_HEIGHT], dtype=np.int32).reshape(n)
-        if self.has_error_output and raw.get(tn.OUTPUT_ERROR):
-            errors = deserialize_bytes_tensor(raw[tn.OUTPUT_ERROR]).reshape(n)
-        else:
-            errors = [b""] * n
-        texts = [e.decode("utf-8", errors="replace") if isinstance(e, bytes) else str(e) for e in errors]
+        ids, scores, widths, heights, texts = parse_response(response, n, self.has_error_output)
         sizes = [(int(widths[i]) or None, int(heights[i]) or None) for i in range(n)]
         return results_from_topk(ids[:, : self.top_k], scores[:, : self.top_k], self.bundle.labels, sizes, texts)
 
