@@ -58,7 +58,7 @@ DEFAULT_TOP_K = 5
 # also accepted as request parameters), written by pipeline.triton.configs and read by the gpu profile's model.
 SPEC_FILE = "preprocess.json"
 GPU_PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-GPU_PARAM_DECODER = "decoder"  # "auto" (the parity-approved nvImageCodec/torchvision path), "dali", "nvimgcodec", "torchvision", "pil"
+GPU_PARAM_DECODER = "decoder"  # "auto" (DALI on a GPU where installed, else nvImageCodec/torchvision), "dali", "nvimgcodec", "torchvision", "pil"
 GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI / nvImageCodec: share of a batch for the hardware JPEG engines
 GPU_PARAM_BATCH_SIZE = "batch_size"
 GPU_PARAM_CUDA_GRAPH = "cuda_graph"
