@@ -48,7 +48,8 @@ def visit(page: Path, width: int = 1100, timeout_s: float = 60.0) -> PageVisit:
     browser = find_browser()
     if browser is None:
         raise RuntimeError("no Chromium found; install it: apt-get install -y chromium")
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium may still be writing its profile when it exits: a cleanup race must not fail the visit.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={profile}",
