@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
 from pipeline.engines.triton_wire import build_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
