@@ -264,6 +264,7 @@ REGISTRY: dict[str, EngineSpec] = {
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
             preflight="pipeline.engines.base:check_torch",
+            calls_per_actor=2,  # calls share one pipeline (RequestStream): the next call decodes during this one
         ),
     )
 }
