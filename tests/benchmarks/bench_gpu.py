@@ -359,10 +359,11 @@ def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: floa
             except Exception as e:  # noqa: BLE001 - report and continue
                 out[key] = f"failed: {e}"
             print("dali only", key, out[key], flush=True)
-        for depth, dali_threads in ((2, 4), (3, 4), (3, 8)):
-            key = f"h{load}_depth{depth}_t{dali_threads}"
+        for depth, dali_threads, fancy in ((2, 4, True), (3, 4, True), (3, 8, True), (3, 8, False)):
+            key = f"h{load}_depth{depth}_t{dali_threads}" + ("" if fancy else "_nofancy")
             try:
-                out[key] = round(dali_pipelined_rate(images, spec, batch, min_s, load, depth, dali_threads)[0])
+                out[key] = round(dali_pipelined_rate(images, spec, batch, min_s, load, depth, dali_threads,
+                                                     fancy=fancy)[0])
             except Exception as e:  # noqa: BLE001 - report and continue
                 out[key] = f"failed: {e}"
             print("dali only", key, out[key], flush=True)
@@ -370,7 +371,7 @@ def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: floa
 
 
 def dali_pipelined_rate(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: float, load: float,
-                        depth: int, dali_threads: int, during=None) -> tuple[float, dict]:
+                        depth: int, dali_threads: int, during=None, fancy: bool = True) -> tuple[float, dict]:
     """DALI alone as the classifier runs it with ``dali_depth``: one pipeline, ``depth`` batches scheduled at once
     (``depth + 1`` submitting threads), each output copied into a torch buffer. ``during``: a callable run in
     another thread for as long as the measurement (the overlap probe); its return value is given back."""
@@ -382,7 +383,7 @@ def dali_pipelined_rate(images: list[bytes], spec: PreprocessSpec, batch: int, m
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
     crop_h, crop_w = spec.crop
     prep = DaliPrep(spec, device="mixed", device_id=0, batch_size=batch, hw_decoder_load=load, half=True,
-                    layout="HWC", num_threads=dali_threads, depth=depth)
+                    layout="HWC", num_threads=dali_threads, depth=depth, fancy_upsampling=fancy)
     workers = depth + 1
     bufs = [torch.empty((batch, crop_h, crop_w, 3), dtype=torch.float16, device="cuda") for _ in range(workers)]
     streams = [torch.cuda.Stream() for _ in range(workers)]
@@ -448,11 +449,11 @@ def overlap_probe(images: list[bytes], spec: PreprocessSpec, net, batch: int, mi
     """Do DALI and the network share the GPU or take turns? Each alone, then both at once (separate threads and
     streams, no data between them): if the GPU work added up, 1/dali + 1/net would bound the pair."""
     out = {"network_alone": round(model_only(net, batch, min_s))}
-    for load, depth, threads in ((1.0, 3, 8), (0.9, 2, 4)):
-        key = f"h{load}_depth{depth}_t{threads}"
-        alone = dali_pipelined_rate(images, spec, batch, min_s, load, depth, threads)[0]
+    for load, depth, threads, fancy in ((1.0, 3, 8, True), (0.9, 2, 4, True), (1.0, 3, 8, False)):
+        key = f"h{load}_depth{depth}_t{threads}" + ("" if fancy else "_nofancy")
+        alone = dali_pipelined_rate(images, spec, batch, min_s, load, depth, threads, fancy=fancy)[0]
         both, side = dali_pipelined_rate(images, spec, batch, min_s, load, depth, threads,
-                                         during=network_loop(net, batch))
+                                         during=network_loop(net, batch), fancy=fancy)
         net_rate = side.get("net_img_s", 0)
         out[key] = {"dali_alone": round(alone), "dali_with_net": round(both), "net_with_dali": net_rate,
                     "serial_bound": round(1 / (1 / alone + 1 / out["network_alone"]))}

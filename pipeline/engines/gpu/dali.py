@@ -87,13 +87,15 @@ class DaliPrep:
         hw_decoder_load: share of each batch for the hardware JPEG engines (mixed only).
         half: FP16 output (else FP32).
         layout: "HWC" (the network's channels-last input) or "CHW".
-        pipelines: how many pipelines (one per preparing thread).
+        pipelines: how many pipelines (one per preparing thread; depth 1).
+        depth: batches scheduled at once on one pipeline (> 1: ``_Runner``; ``pipelines`` is then ignored).
+        fancy_upsampling: the reference's chroma upsampling (False only to measure its cost: parity needs it).
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
                  batch_size: int = 256, num_threads: int = DEFAULT_DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
-                 pipelines: int = 1, depth: int = 1):
+                 pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():
             raise EngineError("the dali decoder needs nvidia-dali (nvidia-dali-cuda130 or -cuda120); install it "
                               "or choose decoder 'nvimgcodec' / 'torchvision'")
@@ -104,7 +106,7 @@ class DaliPrep:
         self.spec = spec
         self._args = dict(device=device, device_id=(device_id or 0) if device == "mixed" else None,
                           batch_size=batch_size, num_threads=num_threads, hw_decoder_load=hw_decoder_load,
-                          half=half, layout=layout)
+                          half=half, layout=layout, fancy_upsampling=fancy_upsampling)
         if depth < 1:
             raise EngineError(f"the DALI queue depth must be at least 1, got {depth}")
         self.batch_size = batch_size
@@ -134,7 +136,7 @@ class DaliPrep:
             encoded = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
             out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
                                          hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
-                                         layout=a["layout"])
+                                         layout=a["layout"], fancy_upsampling=a["fancy_upsampling"])
             return out
 
         pipe = graph()
