@@ -251,6 +251,7 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
                 Option("decoder", str, "the JPEG decoder; auto: DALI on a GPU where installed (99.6 % parity, fastest), else nvImageCodec or torchvision", choices=GPU_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
+                _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
                 Option("device", str, "a torch device, e.g. cuda:0"),
                 Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
@@ -263,6 +264,7 @@ REGISTRY: dict[str, EngineSpec] = {
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
             preflight="pipeline.engines.base:check_torch",
+            calls_per_actor=2,  # calls share one pipeline (RequestStream): the next call decodes during this one
         ),
     )
 }
