@@ -16,9 +16,11 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 100_000_000
 ENV_PREFIX = "BULK_CLASSIFY_"
 # Fetch-ahead: bytes fetched but not yet classified wait in Ray's object store. The default budget is sized per
-# classify actor: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB, and ~60 s of a CPU actor.
+# classify actor by what it classifies in a while: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB;
+# a CPU actor takes ~60 img/s, so 64 MiB is still ~25 s of its work at 40 KB an image (256 MiB held the store's
+# share of a 20,000-image run's peak at 4x a 1,000-image run's).
 FETCH_AHEAD_PER_ACTOR = 256 * 1024 * 1024
-FETCH_AHEAD_MIN = 256 * 1024 * 1024
+FETCH_AHEAD_PER_CPU_ACTOR = 64 * 1024 * 1024
 # ...and never less than a few actor batches of typical images: with a budget below one actor batch Ray Data
 # feeds the actor a trickle (seen: a GPU actor with 3,072-image batches of ~100 KB at 122 img/s, GPU idle; a Ray
 # Data model of it ran 6.5x slower with the budget at 2/3 of one batch than at 6 batches).
@@ -69,8 +71,8 @@ class RunConfig:
         batch_size: images per engine call; shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
-            None: FETCH_AHEAD_PER_ACTOR per classify actor, at least FETCH_AHEAD_MIN and at least
-            FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
+            None: FETCH_AHEAD_PER_ACTOR per classify actor on a GPU, FETCH_AHEAD_PER_CPU_ACTOR per actor on CPUs,
+            and at least FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
             (2 for triton: one batch is sent while the previous one's last requests finish, 1 otherwise).

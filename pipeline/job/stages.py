@@ -21,6 +21,8 @@ LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
 IO_TASK_CPUS = 0.25  # listing, fetch and write tasks wait on storage, not on a core
 CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after another
+FETCH_AHEAD_BLOCKS = 16  # blocks of fetched images the fetch-ahead budget holds at least
+FETCH_BLOCK_MIN = 1024 * 1024
 # Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
 # worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
 # TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
@@ -58,24 +60,41 @@ def init_ray(config: RunConfig) -> None:
     ctx.verbose_stats_logs = False
     # Fetched bytes wait in the object store until an actor classifies them; without a cap Ray Data lets them
     # run ahead up to the store's size (30 % of a node's RAM), so memory grew with the input, not with the rate.
+    budget = fetch_ahead_bytes(config)
     limits = ctx.execution_options.resource_limits
-    ctx.execution_options.resource_limits = limits.copy(object_store_memory=fetch_ahead_bytes(config))
+    ctx.execution_options.resource_limits = limits.copy(object_store_memory=budget)
+    # Ray Data merges a task's outputs into blocks of up to target_max_block_size (128 MiB): a fetch task's images
+    # became blocks of 128 MiB, each held whole in the store until the actor had classified its last row, so the
+    # budget bounded nothing below a few such blocks (758 MiB of the store in use at 20,000 images of 40 KB).
+    ctx.target_max_block_size = fetch_block_bytes(budget)
 
 
 def fetch_ahead_bytes(config: RunConfig) -> int:
-    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, FETCH_AHEAD_PER_ACTOR per actor and at least
-    FETCH_AHEAD_BATCHES actor batches each (a budget under one batch starves the actor)."""
+    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, sized by the classify actors (see
+    ``fetch_budget``)."""
     if config.fetch_ahead_bytes is not None:
         return config.fetch_ahead_bytes
-    return fetch_budget(_actor_plan(config)[0], config.batch_size)
+    actors, _cpus, gpus = _actor_plan(config)
+    return fetch_budget(actors, config.batch_size, on_gpu=gpus > 0)
 
 
-def fetch_budget(actors: int, batch_size: int) -> int:
-    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call."""
-    from pipeline.config import FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR
+def fetch_block_bytes(budget: int) -> int:
+    """The largest block of fetched images: a FETCH_AHEAD_BLOCKS-th of the budget, within FETCH_BLOCK_MIN and Ray
+    Data's own default."""
+    from ray.data.context import DEFAULT_TARGET_MAX_BLOCK_SIZE
 
-    batches = FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES * actors
-    return max(FETCH_AHEAD_MIN, FETCH_AHEAD_PER_ACTOR * actors, batches)
+    return min(DEFAULT_TARGET_MAX_BLOCK_SIZE, max(FETCH_BLOCK_MIN, budget // FETCH_AHEAD_BLOCKS))
+
+
+def fetch_budget(actors: int, batch_size: int, *, on_gpu: bool) -> int:
+    """The default fetch-ahead bytes for ``actors`` classify actors taking ``batch_size`` images per call: what a
+    GPU or a CPU actor classifies in a while, and at least FETCH_AHEAD_BATCHES calls of large images each."""
+    from pipeline.config import (
+        FETCH_AHEAD_BATCHES, FETCH_AHEAD_IMAGE_BYTES, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR,
+    )
+
+    per_actor = FETCH_AHEAD_PER_ACTOR if on_gpu else FETCH_AHEAD_PER_CPU_ACTOR
+    return actors * max(per_actor, FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES)
 
 
 def _actor_plan(config: RunConfig) -> tuple[int, float, float]:

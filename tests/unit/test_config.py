@@ -113,9 +113,23 @@ def test_gpu_preflight_wants_torch(monkeypatch):
 def test_fetch_ahead_budget_holds_several_actor_batches():
     """Below one actor batch Ray Data feeds the actor a trickle (a GPU actor with 3,072 ~100 KB images per call ran
     at 122 img/s): the default budget holds a few batches of large calls, and CPU-sized calls keep the floor."""
-    from pipeline.config import FETCH_AHEAD_MIN
+    from pipeline.config import FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR
     from pipeline.job.stages import fetch_budget
 
-    assert fetch_budget(1, 64) == FETCH_AHEAD_MIN
-    assert fetch_budget(1, 3072) >= 2 * 3072 * 100_000 * 2
-    assert fetch_budget(2, 3072) == 2 * fetch_budget(1, 3072)
+    assert fetch_budget(1, 64, on_gpu=False) == FETCH_AHEAD_PER_CPU_ACTOR
+    assert fetch_budget(1, 64, on_gpu=True) == FETCH_AHEAD_PER_ACTOR
+    assert fetch_budget(1, 3072, on_gpu=True) >= 2 * 3072 * 100_000 * 2
+    assert fetch_budget(2, 3072, on_gpu=True) == 2 * fetch_budget(1, 3072, on_gpu=True)
+    assert fetch_budget(1, 1024, on_gpu=False) > FETCH_AHEAD_PER_CPU_ACTOR  # large CPU calls keep their batches
+
+
+def test_fetched_blocks_are_a_fraction_of_the_budget():
+    """Ray Data's 128 MiB blocks made the store hold several times the budget (a block stays whole until its last
+    row is classified): a block of fetched images is a sixteenth of the budget, at least 1 MiB, at most Ray's own."""
+    from pipeline.job.stages import fetch_block_bytes
+
+    mib = 1024 * 1024
+    assert fetch_block_bytes(64 * mib) == 4 * mib
+    assert fetch_block_bytes(16 * mib) == mib
+    assert fetch_block_bytes(8 * mib) == mib
+    assert fetch_block_bytes(64 * 1024 * mib) == 128 * mib
