@@ -44,11 +44,11 @@ log = logging.getLogger(__name__)
 
 # Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs). Measured on an H200,
 # bench_gpu.py "dali" part: see model_repository/GPU_NOTES.md.
-DEFAULT_HW_DECODER_LOAD = 0.9
+DEFAULT_HW_DECODER_LOAD = 1.0
 DEFAULT_DALI_THREADS = 4
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
-# alone). See model_repository/GPU_NOTES.md.
-DEFAULT_DALI_DEPTH = 1
+# alone). Depth 3 gave the engine 1.2-1.4x depth 1 on the H200 (model_repository/GPU_NOTES.md, session 3).
+DEFAULT_DALI_DEPTH = 3
 # What a failed DALI run raises (one undecodable file fails the batch).
 _DALI_ERRORS = (RuntimeError, IndexError, ValueError)
 _CLOSE = object()
