@@ -112,28 +112,34 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, alread
 
 
 class _Run:
-    """The Ray part of a run: the listing counter, the metrics endpoint, and draining the two pipelines."""
+    """The Ray part of a run: the listing counter, the metrics endpoint, the classify pipeline and the carry tasks."""
 
     def __init__(self, config: RunConfig, progress: ProgressCallback | None):
-        import ray
-
         from pipeline.job.stages import init_ray
-        from pipeline.listing_counter import ListingCounter
         from pipeline.metrics import JobMetrics
 
         self.config, self.progress = config, progress
         init_ray(config)
-        self.counter = ray.remote(num_cpus=0)(ListingCounter).remote()
+        self.counter: Any = None
+        self.carrying: list[Any] = []  # refs of carry tasks not yet collected
         self.metrics = JobMetrics(config.metrics_port)
         self.totals = ShardStats()
+        self.listed, self.asked = 0, 0.0
 
     def classify_and_carry(self, done: OutputIndex, previous: OutputIndex | None) -> tuple[ShardStats, int, int,
                                                                                            float]:
-        """Phase 1 classifies what is new or changed while the listing streams; phase 2 copies the unchanged."""
+        """Classify what is new or changed while the listing streams; copy the unchanged from the end of the listing.
+
+        The carry tasks wait only for the listing (the identities it matched), not for the classification: they
+        run beside the fetch, classify and write tasks, and the driver collects both.
+        """
         import ray
 
-        from pipeline.job.stages import carry_dataset, classify_dataset
+        from pipeline.job.stages import carry_tasks, classify_dataset, listing_groups
+        from pipeline.listing_counter import ListingCounter
 
+        groups = listing_groups(self.config)
+        self.counter = ray.remote(num_cpus=0)(ListingCounter).remote(len(groups))
         # The key sets go to the object store once; listing and carry tasks map them without copying.
         done_ref = ray.put(done.uri_hashes)
         previous_ref = ray.put(previous.identities) if previous is not None and previous.identities.size else None
@@ -141,40 +147,62 @@ class _Run:
         if previous is not None:
             previous.identities = None
         start = time.perf_counter()
-        self._drain(classify_dataset(self.config, done_ref, previous_ref, self.counter))
+        if previous_ref is not None:
+            self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote())
+        self._drain(classify_dataset(self.config, groups, done_ref, previous_ref, self.counter))
         listed, skipped, list_s = ray.get(self.counter.get.remote())
         LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
-                 self.totals.rows, time.perf_counter() - start)
+                 self.totals.classified, time.perf_counter() - start)
+        while self.carrying:
+            self._collect(timeout_s=PROGRESS_S)
+            self._report_progress()
         if previous_ref is not None:
-            start = time.perf_counter()
-            carried_ref = self.counter.carried_keys.remote()
-            self._drain(carry_dataset(self.config, previous.parts, carried_ref))
-            LOG.info("carried %d rows over in %.1f s", self.totals.carried, time.perf_counter() - start)
-        self._report_progress(listed)
+            LOG.info("carried %d rows over, done %.1f s after the listing started", self.totals.carried,
+                     time.perf_counter() - start)
+        self.listed = listed
+        self._report_progress(ask=False)
         return self.totals, listed, skipped, list_s
 
     def _drain(self, ds: Any) -> None:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            self._add(batch)
+            if self.carrying:
+                self._collect(timeout_s=0)
+            self._report_progress()
+
+    def _collect(self, timeout_s: float) -> None:
+        """Add the results of the carry tasks that have finished (waiting up to ``timeout_s`` for one)."""
         import ray
 
-        listed, asked = 0, 0.0
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            for shard in ShardStats.from_table(batch):
-                self.totals += shard
-                self.metrics.add_shard(shard)
-            # A carry-over yields a batch per shard (1,000 per million rows): ask the counter actor for the listed
-            # total at most every PROGRESS_S, not once per batch (each ask is a round trip the driver waits on).
-            if time.monotonic() - asked >= PROGRESS_S:
-                listed, _, _ = ray.get(self.counter.get.remote())
-                asked = time.monotonic()
-            self._report_progress(listed)
+        ready, self.carrying = ray.wait(self.carrying, num_returns=1, timeout=timeout_s)
+        if ready:
+            more, self.carrying = ray.wait(self.carrying, num_returns=len(self.carrying), timeout=0) \
+                if self.carrying else ([], [])
+            for table in ray.get(ready + more):
+                self._add(table)
 
-    def _report_progress(self, listed: int) -> None:
-        self.metrics.set_listed(listed)
+    def _add(self, table: Any) -> None:
+        for shard in ShardStats.from_table(table):
+            self.totals += shard
+            self.metrics.add_shard(shard)
+
+    def _report_progress(self, ask: bool = True) -> None:
+        import ray
+
+        # Ask the counter actor for the listed total at most every PROGRESS_S, not once per batch (each ask is a
+        # round trip the driver waits on).
+        if ask and self.counter is not None and time.monotonic() - self.asked >= PROGRESS_S:
+            self.listed, _, _ = ray.get(self.counter.get.remote())
+            self.asked = time.monotonic()
+        self.metrics.set_listed(self.listed)
         if self.progress is not None:
-            self.progress(self.totals.rows, listed, self.totals.errors)
+            self.progress(self.totals.rows, self.listed, self.totals.errors)
 
     def close(self) -> None:
         import ray
 
         self.metrics.close()
-        ray.kill(self.counter)
+        for ref in self.carrying:  # a run that failed: the carry tasks still waiting need not start
+            ray.cancel(ref)
+        if self.counter is not None:
+            ray.kill(self.counter)

@@ -1,9 +1,11 @@
-"""The job's Ray side: starting Ray, and the two Ray Data pipelines (list → fetch → classify → write; carry → write)."""
+"""The job's Ray side: starting Ray, the Ray Data pipeline (list → fetch → classify → write) and the carry-over tasks."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -23,6 +25,8 @@ IO_TASK_CPUS = 0.25  # listing, fetch and write tasks wait on storage, not on a 
 CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after another
 FETCH_AHEAD_BLOCKS = 16  # blocks of fetched images the fetch-ahead budget holds at least
 FETCH_BLOCK_MIN = 1024 * 1024
+PIPELINE_OPERATORS = 4  # listing, fetch, classify, write: Ray Data splits its CPU reservation among them
+COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
 # Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
 # worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
 # TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
@@ -122,7 +126,33 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
     return actors, actor_cpus, num_gpus
 
 
-def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
+def listing_groups(config: RunConfig) -> list[list]:
+    """The listing plan: one group of units (folders, key ranges) per listing task."""
+    import ray
+
+    fs, root = open_fs(config.source, config.storage_options)
+    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
+    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    list_tasks = min(config.list_tasks, cpus) if is_local(fs) else config.list_tasks
+    return plan_listing(fs, root, config.extensions, max(1, list_tasks))
+
+
+def listing_task_cpus(cpus: int, tasks: int) -> float:
+    """The CPU request of a listing task, so that Ray Data starts every planned listing task at once.
+
+    Ray Data starts an operator's tasks within its share of the CPUs: ``op_resource_reservation_ratio`` of them split
+    evenly among the operators (0.25 CPU of 2 for each of the job's four), so listing tasks of IO_TASK_CPUS ran one
+    after another on 2 CPUs (the second folder half listed only after the first). The plan already bounds the
+    listing's concurrency (one group per task); the request only has to fit that share.
+    """
+    from ray.data import DataContext
+
+    share = cpus * DataContext.get_current().op_resource_reservation_ratio / PIPELINE_OPERATORS
+    return max(0.01, min(IO_TASK_CPUS, math.floor(share / max(1, tasks) * 100) / 100))  # Ray counts 1/10,000ths
+
+
+def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any):
     """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards."""
     import ray
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
@@ -133,13 +163,10 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors, actor_cpus, num_gpus = _actor_plan(config)
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
-    listing = ListingDatasource(config.source, config.storage_options, config.extensions, done=done,
+    listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
                                 previous=previous, counter=counter)
-    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
-    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
-    list_tasks = min(config.list_tasks, cpus) if is_local(open_fs(config.source, config.storage_options)[0]) \
-        else config.list_tasks
-    ds = ray.data.read_datasource(listing, override_num_blocks=list_tasks, num_cpus=IO_TASK_CPUS)
+    ds = ray.data.read_datasource(listing, override_num_blocks=len(groups),
+                                  num_cpus=listing_task_cpus(cpus, len(groups)))
     ds = ds.map_batches(
         fetch_batch,
         fn_kwargs={"source": config.source, "storage_options": config.storage_options,
@@ -166,22 +193,30 @@ def classify_dataset(config: RunConfig, done: Any, previous: Any, counter: Any):
     return _write(ds, config, cpus)
 
 
-def carry_dataset(config: RunConfig, previous_parts: list[str], carried: Any):
-    """Copy the previous run's rows whose identity the listing matched (``carried``), shard by shard.
+def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> list[Any]:
+    """Submit the tasks that copy the previous run's rows whose identity the listing matched; their result refs.
 
-    Each task reads a few previous shards one at a time and commits the matching rows itself, in shards of
-    ``shard_size``: the rows never travel through the object store, and only ``ShardStats`` come back.
+    ``carried`` is the ref of those identities, which exists once the listing has ended: every task takes it as an
+    argument, so Ray starts the first ones right then, while the new objects are still being classified. Each task
+    reads CARRY_PARTS_PER_TASK previous shards one at a time and commits the matching rows itself, in shards of
+    ``shard_size``: the rows never travel through the object store, and only ``ShardStats`` come back. The tasks
+    form one chain per core (a task also takes the ref of the one before it in its chain): one carry task per core
+    at a time, each reading and writing Parquet on a core, and no more worker processes than that.
     """
     import ray
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    source = CarryDatasource(config.previous, config.storage_options, previous_parts, carried,
-                             output=config.output, shard_size=config.shard_size)
-    # One carry task per core at a time: each reads and writes Parquet on a core; more at once would only start
-    # more worker processes, and a new worker spends seconds of CPU importing Ray Data before its first shard.
-    tasks = -(-len(previous_parts) // CARRY_PARTS_PER_TASK)
-    return ray.data.read_datasource(source, override_num_blocks=max(2, cpus), num_cpus=IO_TASK_CPUS,
-                                    concurrency=max(1, min(tasks, cpus)))
+    task = ray.remote(carry_shards).options(num_cpus=IO_TASK_CPUS)
+    batches = [previous_parts[i:i + CARRY_PARTS_PER_TASK] for i in range(0, len(previous_parts),
+                                                                           CARRY_PARTS_PER_TASK)]
+    chains: list[Any] = [None] * max(1, min(cpus, len(batches)))
+    refs = []
+    for i, paths in enumerate(batches):
+        ref = task.remote(chains[i % len(chains)], paths, carried, previous=config.previous,
+                          storage_options=config.storage_options, output=config.output, shard_size=config.shard_size)
+        chains[i % len(chains)] = ref
+        refs.append(ref)
+    return refs
 
 
 def _write(ds: Any, config: RunConfig, cpus: int):
@@ -225,13 +260,13 @@ class ListingDatasource(Datasource):
 
     ``done`` and ``previous`` are Ray object refs of sorted int64 key arrays: read tasks map them from the object
     store without copying, so their memory counts once per node, not once per task. Carried identities and the
-    counts go to the ``counter`` actor.
+    counts go to the ``counter`` actor; each task tells it when it has finished (``ListingCounter.finish``).
     """
 
-    def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], *, done: Any = None,
-                 previous: Any = None, counter: Any = None):
+    def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], groups: list[list], *,
+                 done: Any = None, previous: Any = None, counter: Any = None):
         self.url, self.storage_options, self.extensions = url, dict(storage_options), extensions
-        self.done, self.previous, self.counter = done, previous, counter
+        self.groups, self.done, self.previous, self.counter = groups, done, previous, counter
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -243,90 +278,98 @@ class ListingDatasource(Datasource):
         from ray.data.block import BlockMetadata
         from ray.data.datasource import ReadTask
 
-        fs, root = open_fs(self.url, self.storage_options)
-        tasks = []
-        for group in plan_listing(fs, root, self.extensions, max(1, parallelism)):
-            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-            tasks.append(ReadTask(lambda g=group: self._read(g), meta))
-        return tasks
+        # The groups were planned in the driver (listing_groups), so the counter knows how many finishes to wait for.
+        meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
+        return [ReadTask(lambda i=i, g=group: self._read(i, g), meta) for i, group in enumerate(self.groups)]
 
-    def _read(self, group: list) -> Iterator[pa.Table]:
+    def _read(self, index: int, group: list) -> Iterator[pa.Table]:
         fs, _root = open_fs(self.url, self.storage_options)
-        counter = self.counter
-
-        def report(listed: int, skipped: int, seconds: float, carried: np.ndarray | None) -> None:
-            if counter is not None:
-                counter.add.remote(listed, skipped, seconds)
-                if carried is not None:
-                    counter.add_carried.remote(carried)
-
+        calls = _CounterCalls(self.counter)
         for block in listing_blocks(fs, group, self.extensions, done=resolve_keys(self.done),
-                                    previous=resolve_keys(self.previous), report=report):
+                                    previous=resolve_keys(self.previous), report=calls.report):
             yield conform(block, WORK_SCHEMA)
+        calls.finish(index)
 
 
-class CarryDatasource(Datasource):
-    """Read tasks over the previous run's shards, a few per task, that commit the rows to carry themselves.
+class _CounterCalls:
+    """A listing task's calls to the counter: counts sent at most every COUNTS_EVERY_S, carried identities as they
+    come, and at the end ``finish`` once every earlier call has run (an asyncio actor does not keep their order)."""
 
-    A task's shards depend only on its previous shards and the carry set, so a retried task rewrites the same
-    content-named shards instead of adding rows.
+    def __init__(self, counter: Any):
+        self.counter, self.pending, self.sums, self.sent_at = counter, [], [0, 0, 0.0], 0.0
+
+    def report(self, listed: int, skipped: int, seconds: float, carried: np.ndarray | None) -> None:
+        if self.counter is None:
+            return
+        self.sums = [self.sums[0] + listed, self.sums[1] + skipped, self.sums[2] + seconds]
+        if carried is not None:
+            self.pending.append(self.counter.add_carried.remote(carried))
+        if time.monotonic() - self.sent_at >= COUNTS_EVERY_S:
+            self._send_counts()
+
+    def _send_counts(self) -> None:
+        import ray
+
+        if self.sums[0] or self.sums[1]:
+            self.pending.append(self.counter.add.remote(*self.sums))
+            self.sums = [0, 0, 0.0]
+        self.sent_at = time.monotonic()
+        if len(self.pending) > 64:  # keep only the refs of calls not yet run
+            _ran, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+
+    def finish(self, index: int) -> None:
+        import ray
+
+        if self.counter is None:
+            return
+        self._send_counts()
+        ray.get(self.pending)
+        ray.get(self.counter.finish.remote(index))
+
+
+def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous: str, storage_options: Any,
+                 output: str, shard_size: int) -> pa.Table:
+    """A carry task: copy the rows of the previous shards ``paths`` whose identity is in ``carried`` into new shards
+    of ``shard_size`` rows; the ``ShardStats`` rows of the shards committed. ``after`` (the task before this one in
+    its chain) is ignored.
+
+    The shards written depend only on ``paths`` and ``carried``, so a retried task rewrites the same content-named
+    shards instead of adding rows.
     """
+    from pipeline.quality import quality_footer
+    from pipeline.stats import STATS_SCHEMA
+    from pipeline.writer import ShardRecord, read_shard, write_shard
 
-    def __init__(self, url: str, storage_options: Any, parts: list[str], carried: Any, *, output: str,
-                 shard_size: int):
-        self.url, self.storage_options, self.parts, self.carried = url, dict(storage_options), parts, carried
-        self.output, self.shard_size = output, shard_size
+    fs, _root = open_fs(previous, storage_options)
+    held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
+    stats: list[pa.Table] = []
 
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
+    def commit(parts: list[tuple[pa.Table, np.ndarray, np.ndarray]]) -> None:
+        rows = pa.concat_tables([p[0] for p in parts])
+        record = ShardRecord.of_rows(rows, uri_keys=np.concatenate([p[1] for p in parts]),
+                                     identities=np.concatenate([p[2] for p in parts]))
+        stats.append(write_shard(rows, output=output, storage_options=storage_options, footer=quality_footer,
+                                 record=record))
 
-    def get_name(self) -> str:
-        return "CarryOver"
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None):
-        from ray.data.block import BlockMetadata
-        from ray.data.datasource import ReadTask
-
-        tasks = []
-        step = CARRY_PARTS_PER_TASK
-        for i in range(0, len(self.parts), step):
-            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-            tasks.append(ReadTask(lambda g=self.parts[i:i + step]: self._read(g), meta))
-        return tasks
-
-    def _read(self, paths: list[str]) -> Iterator[pa.Table]:
-        from pipeline.quality import quality_footer
-        from pipeline.writer import ShardRecord, read_shard, write_shard
-
-        fs, _root = open_fs(self.url, self.storage_options)
-        carried = resolve_keys(self.carried)
-        held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
-
-        def commit(parts: list[tuple[pa.Table, np.ndarray, np.ndarray]]) -> pa.Table:
-            rows = pa.concat_tables([p[0] for p in parts])
-            record = ShardRecord.of_rows(rows, uri_keys=np.concatenate([p[1] for p in parts]),
-                                         identities=np.concatenate([p[2] for p in parts]))
-            return write_shard(rows, output=self.output, storage_options=self.storage_options, footer=quality_footer,
-                               record=record)
-
-        for path in paths:
-            table, record = read_shard(fs, path)
-            rows, keys, ids = carry_rows(table, carried, record)
-            if rows.num_rows:
-                held.append((rows, keys, ids))
-            while sum(p[0].num_rows for p in held) >= self.shard_size:
-                out, rest, need = [], [], self.shard_size
-                for rows, keys, ids in held:
-                    if need >= rows.num_rows:
-                        out.append((rows, keys, ids))
-                        need -= rows.num_rows
-                    elif need > 0:
-                        out.append((rows.slice(0, need), keys[:need], ids[:need]))
-                        rest.append((rows.slice(need), keys[need:], ids[need:]))
-                        need = 0
-                    else:
-                        rest.append((rows, keys, ids))
-                held = rest
-                yield commit(out)
-        if held:
-            yield commit(held)
+    for path in paths:
+        table, record = read_shard(fs, path)
+        rows, keys, ids = carry_rows(table, carried, record)
+        if rows.num_rows:
+            held.append((rows, keys, ids))
+        while sum(p[0].num_rows for p in held) >= shard_size:
+            out, rest, need = [], [], shard_size
+            for rows, keys, ids in held:
+                if need >= rows.num_rows:
+                    out.append((rows, keys, ids))
+                    need -= rows.num_rows
+                elif need > 0:
+                    out.append((rows.slice(0, need), keys[:need], ids[:need]))
+                    rest.append((rows.slice(need), keys[need:], ids[need:]))
+                    need = 0
+                else:
+                    rest.append((rows, keys, ids))
+            held = rest
+            commit(out)
+    if held:
+        commit(held)
+    return pa.concat_tables(stats) if stats else STATS_SCHEMA.empty_table()
