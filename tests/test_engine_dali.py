@@ -16,7 +16,7 @@ from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits, load_and_preprocess
 
 pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.engines.gpu.dali import DaliPrep, host_array  # noqa: E402
+from pipeline.engines.gpu.dali import DaliPrep, DaliRefused, host_array  # noqa: E402
 
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
 DALI_UNDECODABLE_ALPHA = {"rgba_png", "palette_png_transparent"}
@@ -141,3 +141,41 @@ def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
             assert (int(raw.width[i]), int(raw.height[i])) == EXPECTED_SIZES[name], name
     agree = sum(int(raw.class_ids[i, 0]) == ref[i].class_ids[0] for i in range(len(names)) if not raw.errors[i])
     assert agree >= sum(1 for r in ref if r.status == "ok") - 1
+
+
+def test_depth_two_keeps_batches_in_flight_and_gives_a_refusal_to_its_own_batch():
+    """``depth=2``: one pipeline, batches from several threads scheduled ahead. Each caller gets its own batch's
+    output (the same tensors as a depth-1 pipeline gives), and a batch DALI refuses fails alone: the runs in flight
+    beside it are run again on a rebuilt pipeline and succeed."""
+    import threading
+
+    photos = [p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))]
+    header_only = photos[0][: photos[0].index(b"\xff\xda")] + b"\xff\xd9"
+    batches = [photos[0:3], [photos[3], header_only], photos[3:6], photos[6:9], photos[0:1]]
+    one = DaliPrep(DEFAULT_SPEC, device="cpu", batch_size=4, num_threads=2, layout="CHW")
+    want = {}
+    for k, b in enumerate(batches):
+        if k != 1:
+            got = []
+            one.run(b, lambda out, got=got: got.append(host_array(out)))
+            want[k] = got[0]
+    deep = DaliPrep(DEFAULT_SPEC, device="cpu", batch_size=4, num_threads=2, layout="CHW", depth=2)
+    got: dict = {}
+
+    def submit(k):
+        try:
+            deep.run(batches[k], lambda out: got.__setitem__(k, host_array(out)))
+        except DaliRefused as err:
+            got[k] = err
+
+    for _ in range(2):  # twice: the pipeline rebuilt after the refusal serves the second round
+        got.clear()
+        threads = [threading.Thread(target=submit, args=(k,)) for k in range(len(batches))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert isinstance(got[1], DaliRefused)
+        for k, arr in want.items():
+            assert np.array_equal(got[k], arr), k
+    deep.close()

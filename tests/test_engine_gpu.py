@@ -279,6 +279,36 @@ def test_engine_isolates_bad_images_and_keeps_order(lite0):
     clf.close()
 
 
+def test_concurrent_calls_share_one_stream_with_dali_at_depth_two(lite0):
+    """The gpu engine as an actor runs it (several calls at once into one RequestStream), on DALI's CPU backend
+    with two batches in flight on one pipeline: every call gets its own images' answers (those of one call alone
+    at depth 1), bad inputs included."""
+    import threading
+
+    pytest.importorskip("nvidia.dali")
+    from pipeline.model import load_model
+
+    bundle = load_model(None)
+    good = _inputs()[:6]
+    calls = [[good[0], good[1], b"not an image"], [good[2], good[3][: len(good[3]) // 2], good[4]],
+             [good[5], good[0], b""], good[1:5]]
+    alone = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", decoder="dali", batch_size=4, pipeline=False)
+    want = [[(r.status, r.error and r.error.split(":")[0], r.class_ids) for r in alone.classify(c)] for c in calls]
+    alone.close()
+    engine = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", decoder="dali", batch_size=4, dali_depth=2)
+    got: dict = {}
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, engine.classify(calls[k])))
+               for k in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    engine.close()
+    for k, rows in enumerate(want):
+        assert [(r.status, r.error and r.error.split(":")[0], r.class_ids) for r in got[k]] == rows, k
+    assert [r.status for r in got[0]] == ["ok", "ok", "error"] and got[2][2].error.startswith("empty")
+
+
 # ---- on a GPU ---------------------------------------------------------------------------------------------
 
 

@@ -101,10 +101,16 @@ def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
     """(actors, CPUs per actor, GPUs per actor) for this cluster."""
     import ray
 
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    resources = ray.cluster_resources()
+    return actor_plan(config, int(resources.get("CPU", 1)), int(resources.get("GPU", 0)))
+
+
+def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's actors take
+    1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
     gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
-    num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else (1.0 if gpu_engine else 0.0)
+    default_gpus = 1.0 / engine_spec(config.engine).actors_per_gpu if gpu_engine else 0.0
+    num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else default_gpus
     if config.num_actors is not None:
         actors = config.num_actors
     elif num_gpus:

@@ -132,6 +132,8 @@ def gpu_config(
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
     prep_workers: int = 2,
+    dali_depth: int | None = None,
+    dali_threads: int | None = None,
     hw_decoder_load: float | None = None,
     half: str = "auto",
     max_delay_ms: float = GPU_STREAM_DELAY_MS,
@@ -164,6 +166,10 @@ def gpu_config(
     }
     if hw_decoder_load is not None:
         params[tn.GPU_PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)
+    if dali_depth is not None:
+        params[tn.GPU_PARAM_DALI_DEPTH] = str(dali_depth)
+    if dali_threads is not None:
+        params[tn.GPU_PARAM_DALI_THREADS] = str(dali_threads)
     if half != "auto":
         params[tn.GPU_PARAM_HALF] = str(half).lower()
     for key, value in params.items():

@@ -47,20 +47,21 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
 
 
 def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw_decoder_load: float | None = None,
-                     half: bool = False, layout: str | None = None):
+                     half: bool = False, layout: str | None = None, fancy_upsampling: bool = True):
     """Decode + resize + crop + normalize of a DataNode of encoded files; returns (PREPROCESSED, WIDTH, HEIGHT).
 
     The one definition shared by the production ensemble's DALI model (``pipeline_graph``) and the gpu profile
     (``pipeline.engines.gpu.dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
     "mixed" decoder gives the hardware JPEG engines (DALI's default when None). ``half``: FP16 output.
-    ``layout``: "CHW" or "HWC" (default: the spec's layout)."""
+    ``layout``: "CHW" or "HWC" (default: the spec's layout). ``fancy_upsampling``: the reference's chroma
+    upsampling on the GPU (False only to measure what it costs)."""
     import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
     import nvidia.dali.math as dmath  # noqa: PLC0415
     import nvidia.dali.types as types  # noqa: PLC0415
 
     decoder_args = {"output_type": types.BGR if spec.channel_order == "BGR" else types.RGB, "adjust_orientation": True}
     if device == "mixed":
-        decoder_args["jpeg_fancy_upsampling"] = True  # libjpeg-turbo's (and so Pillow's) chroma upsampling
+        decoder_args["jpeg_fancy_upsampling"] = fancy_upsampling  # libjpeg-turbo's (and so Pillow's) chroma upsampling
         if hw_decoder_load is not None:
             decoder_args["hw_decoder_load"] = float(hw_decoder_load)
     image = fn.decoders.image(encoded, device=device, **decoder_args)

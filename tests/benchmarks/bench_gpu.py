@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,10 +64,17 @@ ENGINE_VARIANTS = {
     "dali_h1": {"decoder": "dali", "prep_workers": 2, "hw_decode_load": 1.0},
     "dali_h1_3workers": {"decoder": "dali", "prep_workers": 3, "hw_decode_load": 1.0},
     "dali_fp32": {"decoder": "dali", "prep_workers": 2, "half": False},
+    # One pipeline with 2 / 3 batches scheduled at once (dali_depth), DALI threads 4 or 8.
+    "dali_d2": {"decoder": "dali", "dali_depth": 2},
+    "dali_d3": {"decoder": "dali", "dali_depth": 3},
+    "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decode_load": 1.0},
+    "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0},
+    "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
+    "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
     "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
     "torchvision": {"decoder": "torchvision", "prep_workers": 1},
 }
-DALI_LOADS = (0.65, 0.9, 1.0)
+DALI_LOADS = (0.9, 1.0)
 NOISE_SIGMA = 5.0
 QUALITY = (94, 98)
 
@@ -351,6 +359,105 @@ def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: floa
             except Exception as e:  # noqa: BLE001 - report and continue
                 out[key] = f"failed: {e}"
             print("dali only", key, out[key], flush=True)
+        for depth, dali_threads, fancy in ((2, 4, True), (3, 4, True), (3, 8, True), (3, 8, False)):
+            key = f"h{load}_depth{depth}_t{dali_threads}" + ("" if fancy else "_nofancy")
+            try:
+                out[key] = round(dali_pipelined_rate(images, spec, batch, min_s, load, depth, dali_threads,
+                                                     fancy=fancy)[0])
+            except Exception as e:  # noqa: BLE001 - report and continue
+                out[key] = f"failed: {e}"
+            print("dali only", key, out[key], flush=True)
+    return out
+
+
+def dali_pipelined_rate(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: float, load: float,
+                        depth: int, dali_threads: int, during=None, fancy: bool = True) -> tuple[float, dict]:
+    """DALI alone as the classifier runs it with ``dali_depth``: one pipeline, ``depth`` batches scheduled at once
+    (``depth + 1`` submitting threads), each output copied into a torch buffer. ``during``: a callable run in
+    another thread for as long as the measurement (the overlap probe); its return value is given back."""
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    from pipeline.engines.gpu.dali import DaliPrep
+
+    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
+    crop_h, crop_w = spec.crop
+    prep = DaliPrep(spec, device="mixed", device_id=0, batch_size=batch, hw_decoder_load=load, half=True,
+                    layout="HWC", num_threads=dali_threads, depth=depth, fancy_upsampling=fancy)
+    workers = depth + 1
+    bufs = [torch.empty((batch, crop_h, crop_w, 3), dtype=torch.float16, device="cuda") for _ in range(workers)]
+    streams = [torch.cuda.Stream() for _ in range(workers)]
+
+    def work(k, part):
+        for b in part:
+            prep.run(b, lambda o: feed_ndarray(o.as_tensor(), bufs[k], cuda_stream=streams[k]))
+
+    def run():
+        ts = [threading.Thread(target=work, args=(k, batches[k::workers])) for k in range(workers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    side: dict = {}
+    stop = threading.Event()
+    if during is not None:
+        run()  # warm-up before the side load starts
+        th = threading.Thread(target=lambda: side.update(during(stop)))
+        th.start()
+    try:
+        r = rate(run, len(batches) * batch, min_s)
+    finally:
+        stop.set()
+        if during is not None:
+            th.join()
+        prep.close()
+    return r, side
+
+
+def network_loop(net, batch: int):
+    """A callable for ``dali_pipelined_rate(during=...)``: the network's CUDA graph replayed on its own stream
+    until ``stop`` is set; gives {"net_img_s": rate while it ran}."""
+    import torch
+
+    net = net.cuda().half().to(memory_format=torch.channels_last).eval()
+    x = torch.randn(batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    s = torch.cuda.Stream()
+    with torch.inference_mode(), torch.cuda.stream(s):
+        for _ in range(3):
+            net(x)
+        s.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = net(x)
+
+    def loop(stop):
+        n, t0 = 0, time.perf_counter()
+        with torch.inference_mode(), torch.cuda.stream(s):
+            while not stop.is_set():
+                for _ in range(4):
+                    g.replay()
+                s.synchronize()
+                n += 4
+        assert y is not None  # the graph's output buffer stays alive while it replays
+        return {"net_img_s": round(n * batch / (time.perf_counter() - t0))}
+
+    return loop
+
+
+def overlap_probe(images: list[bytes], spec: PreprocessSpec, net, batch: int, min_s: float) -> dict:
+    """Do DALI and the network share the GPU or take turns? Each alone, then both at once (separate threads and
+    streams, no data between them): if the GPU work added up, 1/dali + 1/net would bound the pair."""
+    out = {"network_alone": round(model_only(net, batch, min_s))}
+    for load, depth, threads, fancy in ((1.0, 3, 8, True), (0.9, 2, 4, True), (1.0, 3, 8, False)):
+        key = f"h{load}_depth{depth}_t{threads}" + ("" if fancy else "_nofancy")
+        alone = dali_pipelined_rate(images, spec, batch, min_s, load, depth, threads, fancy=fancy)[0]
+        both, side = dali_pipelined_rate(images, spec, batch, min_s, load, depth, threads,
+                                         during=network_loop(net, batch), fancy=fancy)
+        net_rate = side.get("net_img_s", 0)
+        out[key] = {"dali_alone": round(alone), "dali_with_net": round(both), "net_with_dali": net_rate,
+                    "serial_bound": round(1 / (1 / alone + 1 / out["network_alone"]))}
+        print("overlap", key, out[key], flush=True)
     return out
 
 
@@ -427,6 +534,27 @@ class _Labels:
     labels = tuple(str(i) for i in range(1000))
 
 
+def _spy(server_pid: int, path: Path, seconds: float = 2.0) -> threading.Thread:
+    """py-spy samples of every python backend stub under the server for ``seconds``, as collapsed stacks with
+    thread names (where the stub's CPU goes); runs in a thread, starts at once."""
+    import psutil
+
+    def go():
+        stubs = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
+                 if "triton_python_backend_stub" in " ".join(p.cmdline())]
+        with path.open("w") as f:
+            for pid in stubs:
+                f.write(f"# stub {pid}\n")
+                f.flush()
+                subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                                "200", "--format", "raw", "--threads", "--nonblocking", "--output", "/dev/stdout"],
+                               stdout=f, stderr=subprocess.STDOUT, timeout=seconds + 30, check=False)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th
+
+
 def _client_proc(url: str, model: str, images_file: str, request_batch: int, concurrency: int, seconds: float,
                  start, out) -> None:
     """One actor-shaped client process: TritonEngine.classify of the whole set, again and again, for ``seconds``
@@ -489,6 +617,7 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
+            dali_depth=args.dali_depth, dali_threads=args.dali_threads,
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
@@ -528,7 +657,10 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
                         eng.classify(images[: request_batch * concurrency * 2])  # warm-up
                         before = metrics(server.metrics_url).get(name, {})
                         cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
+                        spy = _spy(server.pid, args.out / f"spy_{key}.txt") if args.py_spy else None
                         r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                        if spy is not None:
+                            spy.join()
                         client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
                     finally:
                         eng.close()
@@ -638,6 +770,9 @@ def main() -> None:
     p.add_argument("--parts", default="dali,decode,ceiling,naive,engine,parity,oddities,triton")
     p.add_argument("--engine-variants", default="", help="in-process variants to run (default: all)")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI in Triton (default: the model's)")
+    p.add_argument("--dali-depth", type=int, default=None, help="DALI in Triton: batches in flight (model default)")
+    p.add_argument("--dali-threads", type=int, default=None, help="DALI in Triton: CPU threads (model default)")
+    p.add_argument("--py-spy", action="store_true", help="sample the Triton model's stub with py-spy in each run")
     p.add_argument("--half", default="auto", help="Triton model's network precision: auto, true, false")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
     args = p.parse_args()
@@ -676,6 +811,11 @@ def main() -> None:
             results.setdefault(name, {})["model_only"] = attempt(
                 f"{name} ceiling", lambda: round(model_only(net, args.batch, args.seconds)))
             print(name, "model only", results[name]["model_only"], flush=True)
+    if "overlap" in parts:
+        net, _ = nets["resnet50"]
+        results["overlap_resnet50"] = attempt(
+            "overlap", lambda: overlap_probe(sets["imagenet"], IMAGENET_SPEC, net, args.batch, args.seconds))
+        save()
     for set_name, bench_set in sets.items():
         if "dali" in parts:
             results[f"dali_only_{set_name}"] = attempt(
@@ -715,8 +855,9 @@ def main() -> None:
             save()
     if "parity" in parts:
         net, spec = nets["default"]
-        clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True)
-        clf32 = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False)
+        deep = {"dali_depth": args.dali_depth} if args.dali_depth else {}
+        clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True, **deep)
+        clf32 = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False, **deep)
         attempt("parity", lambda: parity(results, clf, clf32))
         for key in ("parity", "parity_fp32_network"):
             print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)

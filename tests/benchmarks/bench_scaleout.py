@@ -79,7 +79,8 @@ def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: 
 
 def make_repository(root: Path, dry_run: bool, args) -> Path:
     """The gpu profile (or, dry run, the portable profile) for the default model; reused when present."""
-    repo = root / ("repo-portable" if dry_run else f"repo-gpu-{args.decoder}-{args.half}-{args.prep_workers}")
+    repo = root / ("repo-portable" if dry_run else
+                   f"repo-gpu-{args.decoder}-{args.half}-{args.prep_workers}-d{args.dali_depth}-t{args.dali_threads}")
     if (repo / "classifier" / "config.pbtxt").is_file():
         return repo
     if dry_run:
@@ -92,7 +93,8 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
         build_gpu_repository(None, str(repo), instances=args.instances, batch_size=args.triton_batch,
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
                              prep_workers=args.prep_workers, decoder=args.decoder,
-                             hw_decoder_load=args.hw_decoder_load, half=args.half)
+                             hw_decoder_load=args.hw_decoder_load, half=args.half,
+                             dali_depth=args.dali_depth, dali_threads=args.dali_threads)
     return repo
 
 
@@ -183,8 +185,12 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
              log_to_driver=True)
     points: list[tuple[float, int]] = []
 
+    spied: list = []
+
     def progress(done: int, listed, errors: int) -> None:
         points.append((time.time(), done))
+        if args.py_spy and not spied and done >= total * 0.25:
+            spied.append(spy_all(args.out / f"spy-{n}-{per_gpu}-{calls}-{int(shared)}.txt"))
         LOG.info("%d GPU(s): %d/%s rows, %d errors", n, done, listed, errors)
 
     options = {"repository": str(repo), "request_batch": args.request_batch, "concurrency": args.concurrency,
@@ -195,6 +201,8 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
         options["share_server"] = True
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
         options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
+        options.update({k: v for k, v in (("dali_depth", args.dali_depth), ("dali_threads", args.dali_threads),
+                                          ("hw_decode_load", args.hw_decoder_load)) if v is not None})
         if args.half != "auto":
             options["half"] = args.half == "true"
     config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n * per_gpu,
@@ -204,6 +212,8 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     t0 = time.time()
     try:
         summary = run_job(config, progress=progress)
+        for th in spied:
+            th.join(timeout=60)
     finally:
         ray.shutdown()
     wall = time.time() - t0
@@ -224,6 +234,51 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     }
     LOG.warning("run %s", json.dumps({k: v for k, v in row.items() if k != "progress"}))
     return row
+
+
+def spy_all(path: Path, seconds: int = 3) -> threading.Thread:
+    """Where the job's CPU goes, mid-run: CPU % of every process of this machine over ``seconds`` (by name), and
+    py-spy samples (collapsed stacks, thread names) of the Ray workers and Triton stubs, all at once."""
+    import psutil
+
+    def go():
+        procs = [p for p in psutil.process_iter(["pid", "name", "cmdline"]) if p.pid != os.getpid()]
+        for p in procs:
+            try:
+                p.cpu_percent(None)
+            except psutil.Error:
+                pass
+        pythons = [p for p in procs if any(k in " ".join(p.info["cmdline"] or []) for k in
+                                           ("ray::", "triton_python_backend_stub", "bench_scaleout"))]
+        spies = [(p, subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", str(seconds),
+                                       "--rate", "100", "--format", "raw", "--threads", "--nonblocking",
+                                       "--output", f"{path}.{p.pid}"], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT)) for p in pythons if shutil.which("py-spy")]
+        time.sleep(seconds)
+        usage = []
+        for p in procs:
+            try:
+                usage.append((p.cpu_percent(None), p.pid, " ".join(p.info["cmdline"] or [p.info["name"] or ""])[:90]))
+            except psutil.Error:
+                pass
+        for _, proc in spies:
+            try:
+                proc.wait(timeout=seconds + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        with path.open("w") as f:
+            f.write(f"# CPU % over {seconds} s, busiest first\n")
+            for pct, pid, cmd in sorted(usage, reverse=True)[:40]:
+                f.write(f"{pct:7.1f} {pid:>8} {cmd}\n")
+            for p, _ in spies:
+                part = Path(f"{path}.{p.pid}")
+                if part.is_file():
+                    f.write(f"\n# py-spy {p.pid} {' '.join(p.info['cmdline'] or [])[:90]}\n{part.read_text()}")
+                    part.unlink()
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th
 
 
 def print_table(rows: list[dict]) -> None:
@@ -281,6 +336,9 @@ def main() -> None:
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI's hardware-decoder share (model default)")
     p.add_argument("--half", default="auto", help="network precision in the gpu model: auto, true, false")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per model instance")
+    p.add_argument("--dali-depth", type=int, default=None, help="DALI batches in flight on one pipeline (default: the model's)")
+    p.add_argument("--dali-threads", type=int, default=None, help="DALI's CPU threads (default: the model's)")
+    p.add_argument("--py-spy", action="store_true", help="a quarter in, CPU by process and py-spy stacks to OUT/spy-*.txt")
     p.add_argument("--prepare-only", action="store_true", help="build images, model cache and repository, then stop")
     p.add_argument("--dry-run-cpu", action="store_true", help="no GPUs: portable profile, few images (script check)")
     args = p.parse_args()

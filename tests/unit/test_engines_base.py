@@ -102,3 +102,18 @@ def test_results_from_topk():
     assert rows[1].error == "decode_error: truncated" and rows[1].class_ids == [] and rows[1].width is None
     # an id the labels do not cover is written as its number rather than crashing the batch
     assert results_from_topk([[5]], [[1.0]], ["a"], [(1, 1)])[0].labels == ["5"]
+
+
+def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
+    from pipeline.config import RunConfig
+    from pipeline.job.stages import actor_plan
+
+    def plan(engine, cpus=16, gpus=2, **kw):
+        return actor_plan(RunConfig(source="/in", output="/out", engine=engine, **kw), cpus, gpus)
+
+    actors, actor_cpus, gpus_each = plan("gpu")
+    assert (actors, actor_cpus) == (6, 1.0) and abs(gpus_each - 1 / 3) < 1e-9
+    assert plan("triton") == (2, 1.0, 1.0)
+    assert plan("gpu", num_gpus_per_actor=0.5)[:1] == (4,)
+    assert plan("gpu", num_actors=2)[0] == 2
+    assert plan("gpu", gpus=0) == (4, 1.0, 0.0)  # no GPUs: the CPU plan (a core in four)

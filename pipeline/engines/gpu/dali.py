@@ -22,12 +22,14 @@ DALI's CPU backend (tests/test_engine_dali.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import queue
+import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -42,8 +44,14 @@ log = logging.getLogger(__name__)
 
 # Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs). Measured on an H200,
 # bench_gpu.py "dali" part: see model_repository/GPU_NOTES.md.
-DEFAULT_HW_DECODER_LOAD = 0.9
+DEFAULT_HW_DECODER_LOAD = 1.0
 DEFAULT_DALI_THREADS = 4
+# Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
+# alone). Depth 3 gave the engine 1.2-1.4x depth 1 on the H200 (model_repository/GPU_NOTES.md, session 3).
+DEFAULT_DALI_DEPTH = 3
+# What a failed DALI run raises (one undecodable file fails the batch).
+_DALI_ERRORS = (RuntimeError, IndexError, ValueError)
+_CLOSE = object()
 
 
 class DaliRefused(Exception):
@@ -79,13 +87,15 @@ class DaliPrep:
         hw_decoder_load: share of each batch for the hardware JPEG engines (mixed only).
         half: FP16 output (else FP32).
         layout: "HWC" (the network's channels-last input) or "CHW".
-        pipelines: how many pipelines (one per preparing thread).
+        pipelines: how many pipelines (one per preparing thread; depth 1).
+        depth: batches scheduled at once on one pipeline (> 1: ``_Runner``; ``pipelines`` is then ignored).
+        fancy_upsampling: the reference's chroma upsampling (False only to measure its cost: parity needs it).
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
                  batch_size: int = 256, num_threads: int = DEFAULT_DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
-                 pipelines: int = 1):
+                 pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():
             raise EngineError("the dali decoder needs nvidia-dali (nvidia-dali-cuda130 or -cuda120); install it "
                               "or choose decoder 'nvimgcodec' / 'torchvision'")
@@ -96,11 +106,18 @@ class DaliPrep:
         self.spec = spec
         self._args = dict(device=device, device_id=(device_id or 0) if device == "mixed" else None,
                           batch_size=batch_size, num_threads=num_threads, hw_decoder_load=hw_decoder_load,
-                          half=half, layout=layout)
+                          half=half, layout=layout, fancy_upsampling=fancy_upsampling)
+        if depth < 1:
+            raise EngineError(f"the DALI queue depth must be at least 1, got {depth}")
         self.batch_size = batch_size
+        self.depth = depth
         self._pool: queue.Queue = queue.Queue()
-        for _ in range(max(1, pipelines)):
-            self._pool.put(self._build())
+        self._runner: _Runner | None = None
+        if depth > 1:
+            self._runner = _Runner(self._build, depth)
+        else:
+            for _ in range(max(1, pipelines)):
+                self._pool.put(self._build())
 
     def _build(self):
         import nvidia.dali.fn as fn  # noqa: PLC0415 - optional, heavy
@@ -109,16 +126,17 @@ class DaliPrep:
 
         a = self._args
 
-        # Fed and run one batch at a time (queue depth 1): a failure belongs to the batch just fed. Overlap comes
-        # from several pipelines in several threads, and from the network running while they prepare. The graph's
-        # sizes go from GPU to CPU, which DALI allows only with the async pipelined executor.
+        # Depth 1: fed and run one batch at a time, overlap from several pipelines in several threads. Depth > 1:
+        # one pipeline with that many batches scheduled at once (``_Runner``), so DALI overlaps the CPU, decoder
+        # and GPU stages of consecutive batches. The graph's sizes go from GPU to CPU, which DALI allows only with
+        # the async pipelined executor.
         @pipeline_def(batch_size=a["batch_size"], num_threads=a["num_threads"], device_id=a["device_id"],
-                      prefetch_queue_depth=1, exec_async=True, exec_pipelined=True)
+                      prefetch_queue_depth=self.depth, exec_async=True, exec_pipelined=True)
         def graph():
             encoded = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
             out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
                                          hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
-                                         layout=a["layout"])
+                                         layout=a["layout"], fancy_upsampling=a["fancy_upsampling"])
             return out
 
         pipe = graph()
@@ -134,17 +152,34 @@ class DaliPrep:
         """
         if not 0 < len(blobs) <= self.batch_size:
             raise ValueError(f"a DALI batch holds 1..{self.batch_size} files, got {len(blobs)}")
+        if self._runner is not None:
+            raise RuntimeError("a DaliPrep of depth > 1 runs batches through prepare() (or run()), not batch()")
         pipe = self._pool.get()
         try:
             try:
                 pipe.feed_input(tn.INPUT_IMAGE, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
                 (out,) = pipe.run()
-            except (RuntimeError, IndexError, ValueError) as err:
+            except _DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable
                 raise DaliRefused(_first_line(err)) from None
             yield out
         finally:
             self._pool.put(pipe)
+
+    def run(self, blobs: Sequence[bytes], consume: Callable[[Any], None]) -> None:
+        """Runs one batch and gives its output to ``consume`` while it is valid (with depth > 1 from the runner's
+        thread, while other batches are in flight).
+
+        Raises:
+            DaliRefused: DALI failed the batch.
+        """
+        if self._runner is None:
+            with self.batch(blobs) as out:
+                consume(out)
+            return
+        if not 0 < len(blobs) <= self.batch_size:
+            raise ValueError(f"a DALI batch holds 1..{self.batch_size} files, got {len(blobs)}")
+        self._runner.submit(blobs, consume).result()
 
     def prepare(self, datas: Sequence[bytes], to_dali: Sequence[bool], limits: DecodeLimits,
                 consume: Callable[[Any], None], cpu_pool: Executor | None = None) -> Prepared:
@@ -155,8 +190,7 @@ class DaliPrep:
         ref_pos = [i for i, flag in enumerate(to_dali) if not flag]
         if dali_pos:
             try:
-                with self.batch([datas[i] for i in dali_pos]) as out:
-                    consume(out)
+                self.run([datas[i] for i in dali_pos], consume)
                 res.dali = dali_pos
             except DaliRefused as err:
                 log.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
@@ -181,8 +215,110 @@ class DaliPrep:
         return res
 
     def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
         while not self._pool.empty():
             self._pool.get_nowait()
+
+
+@dataclass
+class _Job:
+    arrays: list
+    consume: Callable[[Any], None]
+    future: Future
+
+
+class _Runner:
+    """One DALI pipeline kept ``depth`` batches ahead, in its own thread.
+
+    ``submit`` queues a batch; the thread feeds it and schedules a run as soon as fewer than ``depth`` runs are
+    in flight, and hands each batch's output to its ``consume`` (in the runner's thread, while the output is
+    valid) in the order the batches were submitted. A failed run breaks the pipeline and every run in flight: the
+    pipeline is rebuilt and those batches are run again one at a time, so a failure is given to the batch that
+    caused it (``DaliRefused``) and the others still succeed.
+    """
+
+    def __init__(self, build: Callable[[], Any], depth: int):
+        self._build = build
+        self.depth = depth
+        self._pipe = self._new()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="dali-runner", daemon=True)
+        self._thread.start()
+
+    def submit(self, blobs: Sequence[bytes], consume: Callable[[Any], None]) -> Future:
+        job = _Job([np.frombuffer(b, dtype=np.uint8) for b in blobs], consume, Future())
+        self._queue.put(job)
+        return job.future
+
+    def close(self) -> None:
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        flight: collections.deque = collections.deque()
+        closing = False
+        while True:
+            while not closing and len(flight) < self.depth:
+                try:
+                    job = self._queue.get(block=not flight)
+                except queue.Empty:
+                    break
+                if job is _CLOSE:
+                    closing = True
+                    break
+                try:
+                    self._schedule(job)
+                except _DALI_ERRORS:
+                    self._recover([*flight, job])
+                    flight.clear()
+                    continue
+                flight.append(job)
+            if not flight:
+                if closing:
+                    return
+                continue
+            job = flight.popleft()
+            try:
+                self._collect(job)
+            except _DALI_ERRORS:
+                self._recover([job, *flight])
+                flight.clear()
+
+    def _schedule(self, job: _Job) -> None:
+        self._pipe.feed_input(tn.INPUT_IMAGE, job.arrays)
+        self._pipe.schedule_run()
+
+    def _collect(self, job: _Job) -> None:
+        (out,) = self._pipe.share_outputs()
+        try:
+            job.consume(out)
+        except BaseException as err:  # noqa: BLE001 - the caller's failure, reported to the caller
+            job.future.set_exception(err)
+        else:
+            job.future.set_result(None)
+        finally:
+            self._pipe.release_outputs()
+
+    def _recover(self, jobs: list) -> None:
+        """A run failed: the pipeline and every run in flight are lost. Rebuild, then run each batch alone."""
+        for job in jobs:
+            self._pipe = self._new()
+            try:
+                self._schedule(job)
+                self._collect(job)
+            except _DALI_ERRORS as err:
+                job.future.set_exception(DaliRefused(_first_line(err)))
+        self._pipe = self._new()
+
+    def _new(self):
+        pipe = self._build()
+        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with
+        # fed inputs means runs with no data yet, and every batch then waited (0.7 s a batch on the H200,
+        # 6.6 batches/s against 10.8 on the CPU). Each schedule_run() here follows its own feed_input, so start
+        # past that step.
+        pipe._first_iter = False  # noqa: SLF001 - DALI 2.4's Pipeline; no public switch for it
+        return pipe
 
 
 def host_array(out) -> np.ndarray:
@@ -223,6 +359,7 @@ def make_classifier(network, spec: PreprocessSpec, *, decoder: str = "auto", **o
     if uses_dali(decoder, options.get("device")):
         return dali_classifier_class()(network, spec, **options)
     options.pop("dali_threads", None)
+    options.pop("dali_depth", None)
     return GpuClassifier(network, spec, decoder=decoder, **options)
 
 
@@ -235,8 +372,12 @@ def dali_classifier_class():
         """``GpuClassifier`` whose preparing stage is DALI (see the module's docstring); same results contract."""
 
         def __init__(self, network, spec: PreprocessSpec, *, hw_decode_load: float = DEFAULT_HW_DECODER_LOAD,
-                     dali_threads: int = DEFAULT_DALI_THREADS, prep_workers: int = 2, **options: Any):
+                     dali_threads: int = DEFAULT_DALI_THREADS, prep_workers: int = 2,
+                     dali_depth: int = DEFAULT_DALI_DEPTH, **options: Any):
             options.pop("decoder", None)
+            if dali_depth > 1:
+                # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
+                prep_workers = max(prep_workers, dali_depth + 1)
             super().__init__(network, spec, decoder="pil", prep_workers=prep_workers, **options)
             self.decoder = self  # truthy: triage sends the JPEGs the GPU decodes to DALI
             self.decoder_name = "dali"
@@ -251,6 +392,7 @@ def dali_classifier_class():
                 half=self.half,
                 layout="HWC",
                 pipelines=self.prep_workers,
+                depth=dali_depth,
             )
             self.refused_batches = 0
 
@@ -267,15 +409,18 @@ def dali_classifier_class():
             holder: dict[str, Any] = {}
 
             def consume(out):
-                n = len(out)
-                buf = torch.empty((n, crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
-                if self.is_cuda:
-                    from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415
+                # With dali_depth > 1 this runs in the DALI runner's thread: allocate and copy on this batch's
+                # stream all the same.
+                with self._stream_ctx(stream):
+                    n = len(out)
+                    buf = torch.empty((n, crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
+                    if self.is_cuda:
+                        from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415
 
-                    # A blocking copy on this stream: DALI reuses its output buffers on its next run.
-                    feed_ndarray(out.as_tensor(), buf, cuda_stream=stream)
-                else:
-                    buf.copy_(torch.from_numpy(host_array(out)))
+                        # A blocking copy on this stream: DALI reuses its output buffers on its next run.
+                        feed_ndarray(out.as_tensor(), buf, cuda_stream=stream)
+                    else:
+                        buf.copy_(torch.from_numpy(host_array(out)))
                 holder["dali"] = buf
 
             with self._stream_ctx(stream):

@@ -1,8 +1,14 @@
-"""The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows."""
+"""The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows.
+
+Calls share one pipeline: every ``classify`` call queues its images into one ``RequestStream`` (the same one the gpu
+profile's Triton model runs), so with several calls at once (``--calls-per-actor``, default 2) the next call's
+images are decoded while the network runs this one's, and network batches are full across calls.
+"""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
@@ -39,16 +45,29 @@ class GpuEngine:
                 options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
+        self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
         self.classifier = make_classifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        self._stream = None
+        if self.classifier.pipeline:
+            from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415
+
+            self._stream = RequestStream(self.classifier, _respond, top_k=top_k)
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         start = time.perf_counter()
-        raw = self.classifier.classify(images)
+        if self._stream is None:
+            raw = self.classifier.classify(images)
+        else:
+            done: Future = Future()
+            self._stream.submit(done, list(images), self.limits)
+            raw = done.result()
         self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
         return results_from_raw(raw, self.labels)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.classifier.close()
 
     def __enter__(self) -> "GpuEngine":
@@ -56,6 +75,10 @@ class GpuEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _respond(done: Future, raw: RawResults, n: int) -> None:
+    done.set_result(raw)
 
 
 def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:

@@ -83,6 +83,7 @@ class RequestStream:
         self._pending = _Pending()
         self._owners: dict[int, tuple[_Request, int]] = {}  # serial -> (request, position); stream thread only
         self._serial = 0
+        self._submit_lock = threading.Lock()  # submit is called from several threads (the gpu engine's calls)
         self._closing = False
         self.batches = 0  # network batches cut, and their images (for the average batch)
         self.images = 0
@@ -95,14 +96,17 @@ class RequestStream:
         """Queues one request's images; its response comes through ``respond`` (at once if nothing is left)."""
         request = _Request.new(sender, len(blobs), self.top_k)
         items = []
+        gpu = bool(self.classifier.decoder)
+        with self._submit_lock:
+            serial = self._serial
+            self._serial += len(blobs)
         for pos, data in enumerate(blobs):
             try:
-                item = triage(self._serial, data, limits, gpu=bool(self.classifier.decoder))
+                item = triage(serial + pos, data, limits, gpu=gpu)
             except ImageError as err:
                 request.errors[pos] = str(err)
                 continue
             items.append((item, pos))
-            self._serial += 1
         request.remaining = len(items)
         if not items:
             self._finish(request)

@@ -82,7 +82,13 @@ class TritonPythonModel:
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
-        from pipeline.engines.gpu.dali import DEFAULT_HW_DECODER_LOAD, make_classifier, uses_dali  # noqa: PLC0415
+        from pipeline.engines.gpu.dali import (  # noqa: PLC0415
+            DEFAULT_DALI_DEPTH,
+            DEFAULT_DALI_THREADS,
+            DEFAULT_HW_DECODER_LOAD,
+            make_classifier,
+            uses_dali,
+        )
         from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415
 
         bundle = _FolderBundle(folder, spec, 1000)
@@ -105,6 +111,8 @@ class TritonPythonModel:
             device=device,
             cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
             prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
+            dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
+            dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
             half=half,
         )
 
