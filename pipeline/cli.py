@@ -309,8 +309,7 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
     Exit status with --against: 0 no threshold crossed, 3 drift (a threshold crossed),
     1 an output cannot be read, 2 a bad option.
     """
-    import contextlib
-import json
+    import json
 
     from pipeline.report import format_summary, summarize_output
 
