@@ -78,7 +78,7 @@ RUN_OPTIONS = (
     click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M)."),
     click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5)."),
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
-    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor)."),
+    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 64 MiB per CPU classify actor, 256 MiB per GPU actor)."),
     click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
