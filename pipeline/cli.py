@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -77,7 +78,7 @@ RUN_OPTIONS = (
     click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M)."),
     click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5)."),
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
-    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 256 MiB per classify actor)."),
+    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 64 MiB per CPU classify actor, 256 MiB per GPU actor)."),
     click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
@@ -120,7 +121,8 @@ def run(source: str, quiet: bool, **options: Any) -> None:
 
     progress = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
-        summary = run_job(config, progress=progress)
+        with _ray_output_to_stderr():
+            summary = run_job(config, progress=progress)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
     finally:
@@ -138,6 +140,21 @@ class NightlyError(click.ClickException):
     """A bad option, storage or model in the nightly scan: exit status 2 (1 is a crash)."""
 
     exit_code = 2
+
+
+@contextlib.contextmanager
+def _ray_output_to_stderr():
+    """Ray prints its own messages to stdout (raylet errors such as "A worker died or was killed", forwarded
+    worker output); stdout is this command's report, so they go to stderr, Ray's shutdown included."""
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            yield
+        finally:
+            if "ray" in sys.modules:
+                import ray  # noqa: PLC0415 - only when the job started it
+
+                if ray.is_initialized():
+                    ray.shutdown()
 
 
 @main.command()
@@ -158,7 +175,8 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
 
     try:
         scan = nightly_options(config_file, no_previous, options)
-        result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
+        with _ray_output_to_stderr():
+            result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
     except BulkClassifyError as err:
         raise NightlyError(str(err)) from None
     if result.status == "already_complete":

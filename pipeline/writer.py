@@ -165,6 +165,21 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
     return stats.to_table()
 
 
+class ShardWriter:
+    """Callable class for the job's write stage: a long-lived process commits shard after shard (``write_shard``).
+
+    As tasks, each shard started a Ray worker of its own once backpressure kept the fetch task holding its worker:
+    19 workers in a 20,000-image run, each importing Ray Data and pyarrow (about 2 CPU-s) to write for 0.1 s.
+    """
+
+    def __init__(self, *, output: str, storage_options: Mapping[str, Any],
+                 footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None):
+        self.output, self.storage_options, self.footer = output, dict(storage_options), footer
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return write_shard(batch, output=self.output, storage_options=self.storage_options, footer=self.footer)
+
+
 def _any(batch: pa.Table, col: str) -> bool:
     return col in batch.column_names and batch.column(col).null_count < batch.num_rows
 

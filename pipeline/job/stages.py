@@ -220,18 +220,19 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> l
 
 
 def _write(ds: Any, config: RunConfig, cpus: int):
-    from ray.data import TaskPoolStrategy
+    from ray.data import ActorPoolStrategy
 
     from pipeline.quality import quality_footer
-    from pipeline.writer import write_shard
+    from pipeline.writer import ShardWriter
 
     return ds.map_batches(
-        write_shard,
-        fn_kwargs={"output": config.output, "storage_options": config.storage_options, "footer": quality_footer},
+        ShardWriter,
+        fn_constructor_kwargs={"output": config.output, "storage_options": config.storage_options,
+                               "footer": quality_footer},
         batch_size=config.shard_size,
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
-        compute=TaskPoolStrategy(size=max(1, cpus // 8)),
+        compute=ActorPoolStrategy(size=max(1, cpus // 8)),
     )
 
 

@@ -13,8 +13,9 @@ the network without leaving the GPU.
 
 A file DALI refuses fails DALI's whole batch: that batch is then decoded by the reference, so a bad file is that
 file's error row (the reference's status and kind, as the onnx engine gives) and its neighbours are classified.
-Preparing runs in ``prep_workers`` threads, each taking one of as many built DALI pipelines, while the network
-runs the previous batch.
+Preparing runs in ``prep_workers`` threads while the network runs the previous batch. With ``dali_depth`` > 1 (the
+default, 3) they share one DALI pipeline kept that many batches ahead (``pipeline.engines.gpu.dali_runner``); with 1,
+each takes one of as many built pipelines, run one batch at a time.
 
 ``DaliPrep`` is the torch-free part (triage outcome -> DALI batch / reference arrays / errors); CI runs it with
 DALI's CPU backend (tests/test_engine_dali.py).
@@ -22,14 +23,12 @@ DALI's CPU backend (tests/test_engine_dali.py).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
 import queue
-import threading
 import time
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -38,6 +37,7 @@ import numpy as np
 from pipeline.errors import EngineError, ImageError
 from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
 from pipeline.triton import contract as tn
+from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
 from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,6 @@ DEFAULT_DALI_THREADS = 4
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
 # alone). Depth 3 gave the engine 1.2-1.4x depth 1 on the H200 (model_repository/GPU_NOTES.md, session 3).
 DEFAULT_DALI_DEPTH = 3
-# What a failed DALI run raises (one undecodable file fails the batch).
-_DALI_ERRORS = (RuntimeError, IndexError, ValueError)
-_CLOSE = object()
-
-
-class DaliRefused(Exception):
-    """DALI failed a batch (one file it cannot decode fails them all); the message is DALI's reason."""
 
 
 def dali_available() -> bool:
@@ -88,7 +81,7 @@ class DaliPrep:
         half: FP16 output (else FP32).
         layout: "HWC" (the network's channels-last input) or "CHW".
         pipelines: how many pipelines (one per preparing thread; depth 1).
-        depth: batches scheduled at once on one pipeline (> 1: ``_Runner``; ``pipelines`` is then ignored).
+        depth: batches scheduled at once on one pipeline (> 1: ``Runner``; ``pipelines`` is then ignored).
         fancy_upsampling: the reference's chroma upsampling (False only to measure its cost: parity needs it).
     """
 
@@ -112,9 +105,9 @@ class DaliPrep:
         self.batch_size = batch_size
         self.depth = depth
         self._pool: queue.Queue = queue.Queue()
-        self._runner: _Runner | None = None
+        self._runner: Runner | None = None
         if depth > 1:
-            self._runner = _Runner(self._build, depth)
+            self._runner = Runner(self._build, depth)
         else:
             for _ in range(max(1, pipelines)):
                 self._pool.put(self._build())
@@ -127,7 +120,7 @@ class DaliPrep:
         a = self._args
 
         # Depth 1: fed and run one batch at a time, overlap from several pipelines in several threads. Depth > 1:
-        # one pipeline with that many batches scheduled at once (``_Runner``), so DALI overlaps the CPU, decoder
+        # one pipeline with that many batches scheduled at once (``Runner``), so DALI overlaps the CPU, decoder
         # and GPU stages of consecutive batches. The graph's sizes go from GPU to CPU, which DALI allows only with
         # the async pipelined executor.
         @pipeline_def(batch_size=a["batch_size"], num_threads=a["num_threads"], device_id=a["device_id"],
@@ -159,7 +152,7 @@ class DaliPrep:
             try:
                 pipe.feed_input(tn.INPUT_IMAGE, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
                 (out,) = pipe.run()
-            except _DALI_ERRORS as err:
+            except DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable
                 raise DaliRefused(_first_line(err)) from None
             yield out
@@ -219,106 +212,6 @@ class DaliPrep:
             self._runner.close()
         while not self._pool.empty():
             self._pool.get_nowait()
-
-
-@dataclass
-class _Job:
-    arrays: list
-    consume: Callable[[Any], None]
-    future: Future
-
-
-class _Runner:
-    """One DALI pipeline kept ``depth`` batches ahead, in its own thread.
-
-    ``submit`` queues a batch; the thread feeds it and schedules a run as soon as fewer than ``depth`` runs are
-    in flight, and hands each batch's output to its ``consume`` (in the runner's thread, while the output is
-    valid) in the order the batches were submitted. A failed run breaks the pipeline and every run in flight: the
-    pipeline is rebuilt and those batches are run again one at a time, so a failure is given to the batch that
-    caused it (``DaliRefused``) and the others still succeed.
-    """
-
-    def __init__(self, build: Callable[[], Any], depth: int):
-        self._build = build
-        self.depth = depth
-        self._pipe = self._new()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="dali-runner", daemon=True)
-        self._thread.start()
-
-    def submit(self, blobs: Sequence[bytes], consume: Callable[[Any], None]) -> Future:
-        job = _Job([np.frombuffer(b, dtype=np.uint8) for b in blobs], consume, Future())
-        self._queue.put(job)
-        return job.future
-
-    def close(self) -> None:
-        self._queue.put(_CLOSE)
-        self._thread.join(timeout=60)
-
-    def _loop(self) -> None:
-        flight: collections.deque = collections.deque()
-        closing = False
-        while True:
-            while not closing and len(flight) < self.depth:
-                try:
-                    job = self._queue.get(block=not flight)
-                except queue.Empty:
-                    break
-                if job is _CLOSE:
-                    closing = True
-                    break
-                try:
-                    self._schedule(job)
-                except _DALI_ERRORS:
-                    self._recover([*flight, job])
-                    flight.clear()
-                    continue
-                flight.append(job)
-            if not flight:
-                if closing:
-                    return
-                continue
-            job = flight.popleft()
-            try:
-                self._collect(job)
-            except _DALI_ERRORS:
-                self._recover([job, *flight])
-                flight.clear()
-
-    def _schedule(self, job: _Job) -> None:
-        self._pipe.feed_input(tn.INPUT_IMAGE, job.arrays)
-        self._pipe.schedule_run()
-
-    def _collect(self, job: _Job) -> None:
-        (out,) = self._pipe.share_outputs()
-        try:
-            job.consume(out)
-        except BaseException as err:  # noqa: BLE001 - the caller's failure, reported to the caller
-            job.future.set_exception(err)
-        else:
-            job.future.set_result(None)
-        finally:
-            self._pipe.release_outputs()
-
-    def _recover(self, jobs: list) -> None:
-        """A run failed: the pipeline and every run in flight are lost. Rebuild, then run each batch alone."""
-        for job in jobs:
-            self._pipe = self._new()
-            try:
-                self._schedule(job)
-                self._collect(job)
-            except _DALI_ERRORS as err:
-                job.future.set_exception(DaliRefused(_first_line(err)))
-        self._pipe = self._new()
-
-    def _new(self):
-        pipe = self._build()
-        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with
-        # fed inputs means runs with no data yet, and every batch then waited (0.7 s a batch on the H200,
-        # 6.6 batches/s against 10.8 on the CPU). Each schedule_run() here follows its own feed_input, so start
-        # past that step.
-        pipe._first_iter = False  # noqa: SLF001 - DALI 2.4's Pipeline; no public switch for it
-        return pipe
 
 
 def host_array(out) -> np.ndarray:
