@@ -129,7 +129,7 @@ echo
 echo "sha256 $sum  ($(stat -c %s "$work/env.tar") bytes, $n parts)"
 echo "$n calls, back to back (the machine stays warm 30 s after each; plan the last one before the first):"
 for k in $(seq 0 $((n-2))); do
-  echo "  call $k: carry [\"$rel/p$k\"]  command: mkdir -p /root/parts && cp $rel/p$k/* /root/parts/"
+  echo "  call $k: carry [\"$rel/p$k\"]  command: mkdir -p \$HOME/parts && cp $rel/p$k/* \$HOME/parts/"
 done
 echo "  call $((n-1)): carry [\"$last_rel\"]  command: bash $last_rel/setup_device.sh && source \$HOME/env/activate.sh && <experiment>"
 echo "  (setup_device.sh copies the last part from its own folder; if it reports parts missing, start again from call 0)"

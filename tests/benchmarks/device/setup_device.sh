@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# On the GPU machine, in the repository root, after the earlier calls copied env.tar.part* to /root/parts:
+# On the GPU machine, in the repository root, after the earlier calls copied env.tar.part* to $HOME/parts:
 # join the parts (the last one travels beside this script), check the sha256, unpack to $HOME/env, write
 # $HOME/env/activate.sh, and run a one-line import check. Made by build_carry.sh (README.md beside it).
 #
 # Usage: bash .dcparts/pN/setup_device.sh [SHA256]   then: source $HOME/env/activate.sh
-# Env:   PARTS_DIR (default /root/parts), ENV_DIR (default $HOME/env).
+# Env:   PARTS_DIR (default $HOME/parts), ENV_DIR (default $HOME/env).
 set -euo pipefail
 start=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
-parts_dir=${PARTS_DIR:-/root/parts}
+parts_dir=${PARTS_DIR:-$HOME/parts}
 dest=${ENV_DIR:-$HOME/env}
 want=${1:-$(cat "$here/SHA256" 2>/dev/null || true)}
 [[ $want =~ ^[0-9a-f]{64}$ ]] || { echo "setup_device: give the sha256 of env.tar (or keep SHA256 beside this script)" >&2; exit 2; }
