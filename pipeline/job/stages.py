@@ -101,12 +101,17 @@ def fetch_budget(actors: int, batch_size: int, *, on_gpu: bool) -> int:
     return actors * max(per_actor, FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES)
 
 
-def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
-    """(actors, CPUs per actor, GPUs per actor) for this cluster."""
+def _cluster() -> tuple[int, int]:
+    """(CPUs, GPUs) of the Ray cluster the job runs on."""
     import ray
 
     resources = ray.cluster_resources()
-    return actor_plan(config, int(resources.get("CPU", 1)), int(resources.get("GPU", 0)))
+    return int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
+
+
+def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) for this cluster."""
+    return actor_plan(config, *_cluster())
 
 
 def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
@@ -128,12 +133,10 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
 
 def listing_groups(config: RunConfig) -> list[list]:
     """The listing plan: one group of units (folders, key ranges) per listing task."""
-    import ray
-
     fs, root = open_fs(config.source, config.storage_options)
     # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
     # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+    cpus, _gpus = _cluster()
     list_tasks = min(config.list_tasks, cpus) if is_local(fs) else config.list_tasks
     return plan_listing(fs, root, config.extensions, max(1, list_tasks))
 
@@ -160,7 +163,7 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     from pipeline.actor import ClassifyActor
     from pipeline.fetch import fetch_batch
 
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+    cpus, _gpus = _cluster()
     actors, actor_cpus, num_gpus = _actor_plan(config)
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
@@ -205,7 +208,7 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> l
     """
     import ray
 
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+    cpus, _gpus = _cluster()
     task = ray.remote(carry_shards).options(num_cpus=IO_TASK_CPUS)
     batches = [previous_parts[i:i + CARRY_PARTS_PER_TASK] for i in range(0, len(previous_parts),
                                                                            CARRY_PARTS_PER_TASK)]
