@@ -94,8 +94,10 @@ def test_two_triton_actors_run_two_loopback_servers_and_leave_nothing_behind(ray
 def test_killing_an_actors_tritonserver_mid_job_loses_no_row(ray_local, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for i in range(120):
-        (src / f"img{i:03d}.jpg").write_bytes(make_jpeg(i))
+    # Photo-sized noise (~4 ms each to decode and resize here): the work after the first committed shard lasts
+    # seconds, so the kill lands mid-job. With 48x40 images the whole job was one burst at the end of start-up.
+    for i in range(360):
+        (src / f"img{i:03d}.jpg").write_bytes(make_jpeg(i, size=(640, 640)))
     out = tmp_path / "out"
     result = {}
 
@@ -115,7 +117,7 @@ def test_killing_an_actors_tritonserver_mid_job_loses_no_row(ray_local, tmp_path
         time.sleep(0.1)
     runner.join(300)
     assert killed is not None, "the job ended before its server could be killed"
-    assert result["summary"].counts == {"ok": 120, "error": 0}
+    assert result["summary"].counts == {"ok": 360, "error": 0}
     uris = pads.dataset(str(out), format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
-    assert len(uris) == len(set(uris)) == 120
+    assert len(uris) == len(set(uris)) == 360
     assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == psutil.STATUS_ZOMBIE
