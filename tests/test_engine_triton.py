@@ -136,6 +136,21 @@ def test_plan_requests_groups_by_size_and_caps_padding():
     assert groups[0] == [0, 2]  # the two smallest travel together
 
 
+def test_encoded_request_is_the_protobuf_message_byte_for_byte_in_meaning():
+    from tritonclient.grpc import service_pb2
+
+    from pipeline.engines.triton_wire import build_request, encode_request
+    from pipeline.imaging import DecodeLimits
+
+    limits = DecodeLimits(max_bytes=123_456_789, max_pixels=7)
+    for blobs in ([b"x"], [b"ab", b"c" * 300, b"\0" * 17], [bytes([i % 256]) * (40_000 + i) for i in range(5)]):
+        message = build_request("m", blobs, ["SCORES", "ERROR"], limits)
+        parsed = service_pb2.ModelInferRequest.FromString(encode_request("m", blobs, ["SCORES", "ERROR"], limits))
+        assert parsed == message
+        longest = max(map(len, blobs))
+        assert parsed.raw_input_contents[0] == b"".join(b.ljust(longest, b"\0") for b in blobs)
+
+
 # A DALI-like model: it fails the whole request when one input is bad (as one corrupt JPEG fails a DALI batch)
 # and has no ERROR output, so the engine must isolate the bad input by splitting.
 WHOLE_BATCH_FAILING_MODEL = '''

@@ -1,7 +1,11 @@
-"""The Triton engine's wire format: requests built as gRPC protobuf messages directly, responses read from their raw
-outputs (pipeline.triton.contract). Building the message ourselves costs the client about half the CPU per image
-of tritonclient's InferInput path (one copy of the files instead of four; bench_gpu.py's client rows), which is
-what one actor process can send to its GPU.
+"""The Triton engine's wire format: requests encoded as ModelInfer protobuf bytes directly, responses read from
+their raw outputs (pipeline.triton.contract).
+
+The client's CPU per image is what one actor process can send to its GPU. tritonclient's InferInput path copies
+the files four times; a ModelInferRequest message with the files appended, three (the padded join, the message's
+own copy, its serialization). ``encode_request`` writes the message's small fields with protobuf and appends the
+two raw input fields itself, so the files are copied once, into the bytes gRPC sends
+(``tests/benchmarks/bench_hop.py`` measures both against the same server).
 """
 
 from __future__ import annotations
@@ -40,21 +44,60 @@ def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: i
     return requests
 
 
-def build_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits):
-    """One ModelInferRequest: IMAGE (padded rows) + LENGTH, the outputs wanted, the caps as parameters."""
+# ModelInferRequest's field 7, ``repeated bytes raw_input_contents``: tag byte (7 << 3 | length-delimited).
+RAW_INPUT_TAG = bytes([7 << 3 | 2])
+
+
+def request_header(model_name: str, n: int, longest: int, outputs: Sequence[str], limits: DecodeLimits):
+    """A ModelInferRequest without its raw contents: IMAGE [n, longest] + LENGTH [n, 1], the outputs wanted, the
+    caps as parameters."""
     from tritonclient.grpc import service_pb2  # noqa: PLC0415
 
-    raw, longest = pack(blobs)
     request = service_pb2.ModelInferRequest(model_name=model_name)
-    request.inputs.add(name=tn.INPUT_IMAGE, datatype=tn.INPUTS[tn.INPUT_IMAGE], shape=[len(blobs), longest])
-    request.inputs.add(name=tn.INPUT_LENGTH, datatype=tn.INPUTS[tn.INPUT_LENGTH], shape=[len(blobs), 1])
-    request.raw_input_contents.append(raw)
-    request.raw_input_contents.append(np.array([len(b) for b in blobs], dtype=np.int32).tobytes())
+    request.inputs.add(name=tn.INPUT_IMAGE, datatype=tn.INPUTS[tn.INPUT_IMAGE], shape=[n, longest])
+    request.inputs.add(name=tn.INPUT_LENGTH, datatype=tn.INPUTS[tn.INPUT_LENGTH], shape=[n, 1])
     for name in outputs:
         request.outputs.add(name=name)
     request.parameters["max_bytes"].int64_param = limits.max_bytes
     request.parameters["max_pixels"].int64_param = limits.max_pixels
     return request
+
+
+def build_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits):
+    """The same request as a protobuf message (three copies of the files): ``encode_request``'s reference."""
+    raw, longest = pack(blobs)
+    request = request_header(model_name, len(blobs), longest, outputs, limits)
+    request.raw_input_contents.append(raw)
+    request.raw_input_contents.append(_lengths(blobs))
+    return request
+
+
+def encode_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits) -> bytes:
+    """One ModelInferRequest, serialized: protobuf's bytes for the small fields, then the two raw input fields,
+    the files copied once (rows zero-padded to the longest file). Parses to ``build_request``'s message."""
+    longest = max(1, max(len(b) for b in blobs))
+    lengths = _lengths(blobs)
+    parts = [request_header(model_name, len(blobs), longest, outputs, limits).SerializeToString(),
+             RAW_INPUT_TAG, _varint(len(blobs) * longest)]
+    for b in blobs:
+        parts.append(b)
+        if len(b) < longest:
+            parts.append(bytes(longest - len(b)))
+    parts += [RAW_INPUT_TAG, _varint(len(lengths)), lengths]
+    return b"".join(parts)
+
+
+def _lengths(blobs: Sequence[bytes]) -> bytes:
+    return np.array([len(b) for b in blobs], dtype=np.int32).tobytes()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def parse_response(response, n: int, has_error: bool):
