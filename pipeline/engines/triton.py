@@ -315,7 +315,7 @@ class TritonEngine:
         local = self._local
         if getattr(local, "stub_key", None) != (self._generation, self.url):
             options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            channel = grpc.insecure_channel(self.url, options=options)
+            local.channel = channel = grpc.insecure_channel(self.url, options=options)
             local.model_infer = channel.unary_unary(
                 "/inference.GRPCInferenceService/ModelInfer", request_serializer=_serialized,
                 response_deserializer=service_pb2.ModelInferResponse.FromString)
