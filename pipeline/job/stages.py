@@ -228,11 +228,6 @@ def _write(ds: Any, config: RunConfig, cpus: int):
     from pipeline.quality import quality_footer
     from pipeline.writer import ShardWriter
 
-    # Shards of exactly shard_size rows (the last one of a run smaller). Without this the write stage's batcher cut
-    # each bundle of classified blocks (shard_size rows or a little more) into shard_size rows and a remainder:
-    # 20,000 rows in shards of 1,000 made 29 files, 9 of them 16 rows. It costs one more Ray task per shard (1.06-1.07x
-    # the wall time of a small-image run on 2 cores; README, "Large catalogs").
-    ds = ds.repartition(target_num_rows_per_block=config.shard_size, strict=True)
     return ds.map_batches(
         ShardWriter,
         fn_constructor_kwargs={"output": config.output, "storage_options": config.storage_options,
