@@ -24,7 +24,15 @@ MAX_REQUEST_BYTES = 64 * 1024 * 1024
 def pack(blobs: Sequence[bytes]) -> tuple[bytes, int]:
     """The IMAGE tensor's raw content (rows zero-padded to the longest file) and that length, in one copy."""
     longest = max(1, max(len(b) for b in blobs))
-    return b"".join(b if len(b) == longest else b + bytes(longest - len(b)) for b in blobs), longest
+    return b"".join(_padded(blobs, longest)), longest
+
+
+def _padded(blobs: Sequence[bytes], longest: int):
+    """The files and the zero padding that brings each to ``longest`` bytes, as pieces to join."""
+    for b in blobs:
+        yield b
+        if len(b) < longest:
+            yield bytes(longest - len(b))
 
 
 def plan_requests(sizes: Sequence[int], request_batch: int, max_request_bytes: int = MAX_REQUEST_BYTES) -> list[list[int]]:
@@ -77,14 +85,9 @@ def encode_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], 
     the files copied once (rows zero-padded to the longest file). Parses to ``build_request``'s message."""
     longest = max(1, max(len(b) for b in blobs))
     lengths = _lengths(blobs)
-    parts = [request_header(model_name, len(blobs), longest, outputs, limits).SerializeToString(),
-             RAW_INPUT_TAG, _varint(len(blobs) * longest)]
-    for b in blobs:
-        parts.append(b)
-        if len(b) < longest:
-            parts.append(bytes(longest - len(b)))
-    parts += [RAW_INPUT_TAG, _varint(len(lengths)), lengths]
-    return b"".join(parts)
+    return b"".join([request_header(model_name, len(blobs), longest, outputs, limits).SerializeToString(),
+                     RAW_INPUT_TAG, _varint(len(blobs) * longest), *_padded(blobs, longest),
+                     RAW_INPUT_TAG, _varint(len(lengths)), lengths])
 
 
 def _lengths(blobs: Sequence[bytes]) -> bytes:

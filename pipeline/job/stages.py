@@ -163,8 +163,8 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     from pipeline.actor import ClassifyActor
     from pipeline.fetch import fetch_batch
 
-    cpus, _gpus = _cluster()
-    actors, actor_cpus, num_gpus = _actor_plan(config)
+    cpus, gpus = _cluster()
+    actors, actor_cpus, num_gpus = actor_plan(config, cpus, gpus)
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
                                 previous=previous, counter=counter)

@@ -1,6 +1,6 @@
 """A DALI pipeline kept several batches ahead, in its own thread (the gpu profile's ``dali_depth``).
 
-``_Runner`` feeds one built pipeline (``feed_input`` + ``schedule_run``) as soon as fewer than ``depth`` runs are in
+``Runner`` feeds one built pipeline (``feed_input`` + ``schedule_run``) as soon as fewer than ``depth`` runs are in
 flight and hands each run's output to its caller in submission order (``share_outputs`` / ``release_outputs``), so
 DALI overlaps the CPU, decoder and GPU stages of consecutive batches. A failed run breaks the pipeline and every run
 in flight: the pipeline is rebuilt and those batches run again one at a time, so the failure goes to the batch that
