@@ -223,18 +223,6 @@ class GpuClassifier:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
             prep_workers = max(prep_workers, dali_depth + 1)
         self.prep_workers = max(1, prep_workers) if pipeline else 1
-        self._prep = DaliPrep(
-            spec,
-            device="mixed" if self.is_cuda else "cpu",
-            device_id=self.device.index if self.is_cuda else None,
-            batch_size=batch_size,
-            num_threads=dali_threads,
-            hw_decoder_load=hw_decode_load,
-            half=self.half,
-            layout="HWC",
-            pipelines=self.prep_workers,
-            depth=dali_depth,
-        )
         self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-prep") if pipeline else None
         self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(8, os.cpu_count() or 1), "gpu-pil")
         self._lock = threading.Lock()
@@ -250,6 +238,20 @@ class GpuClassifier:
         )
         if self.use_graph:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
+        # DALI after the capture (its pipelines and runner thread make CUDA calls of their own), the order measured on
+        # the H200.
+        self._prep = DaliPrep(
+            spec,
+            device="mixed" if self.is_cuda else "cpu",
+            device_id=self.device.index if self.is_cuda else None,
+            batch_size=batch_size,
+            num_threads=dali_threads,
+            hw_decoder_load=hw_decode_load,
+            half=self.half,
+            layout="HWC",
+            pipelines=self.prep_workers,
+            depth=dali_depth,
+        )
 
     # ---- public ---------------------------------------------------------------------------------
 
