@@ -21,6 +21,7 @@ images), to check the script end to end on a laptop; its rates mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -223,6 +224,7 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     rate, lo, hi = steady_rate(starts)
     row = {
         "gpus": n, "actors_per_gpu": per_gpu, "calls_per_actor": calls, "shared_server": shared,
+        "engine": args.engine, "instances": args.instances, "mps": args.mps,
         "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
         "every_row_once": len(uris) == len(set(uris)) == total, "counts": summary.counts,
         "wall_s": round(wall, 1), "startup_s": round(min(starts) - t0, 1) if starts else None,
@@ -339,6 +341,9 @@ def main() -> None:
     p.add_argument("--dali-depth", type=int, default=None, help="DALI batches in flight on one pipeline (default: the model's)")
     p.add_argument("--dali-threads", type=int, default=None, help="DALI's CPU threads (default: the model's)")
     p.add_argument("--py-spy", action="store_true", help="a quarter in, CPU by process and py-spy stacks to OUT/spy-*.txt")
+    p.add_argument("--mps", action="store_true",
+                   help="run the jobs under a private CUDA MPS daemon (tests/benchmarks/gpu_mps.py): the processes "
+                        "sharing a GPU run their kernels at once instead of taking turns")
     p.add_argument("--prepare-only", action="store_true", help="build images, model cache and repository, then stop")
     p.add_argument("--dry-run-cpu", action="store_true", help="no GPUs: portable profile, few images (script check)")
     args = p.parse_args()
@@ -365,12 +370,18 @@ def main() -> None:
         return
     sampler = SmiSampler(args.out / "nvidia_smi.csv")
     rows = []
+    stack = contextlib.ExitStack()
+    if args.mps:
+        from gpu_mps import mps
+
+        stack.enter_context(mps(Path(tempfile.mkdtemp(prefix="mps-"))))
     try:
         for n in (int(v) for v in args.gpus.split(",")):
             for variant in args.variants:
                 rows.append(run_once(n, images, repo, root, args, sampler, variant))
             (args.out / "bench_scaleout.json").write_text(json.dumps(rows, indent=2))
     finally:
+        stack.close()
         sampler.stop()
     print()
     print_table(rows)
