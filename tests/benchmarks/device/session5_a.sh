@@ -31,6 +31,6 @@ timeout 470 python3 tests/benchmarks/bench_gpu.py --out $OUT/a --seconds 2 --set
 echo "bench_gpu rc=$?"
 sed -n '/^network /,$p' $OUT/a/bench.log | grep -v "naive\|None"
 grep -E "failures|Error|error" $OUT/a/bench.log | tail -5
-timeout 100 python3 tests/benchmarks/bench_hop.py --kind gpu --instances 1,3 --client-procs 1,3 --images 2048 \
+timeout 100 python3 tests/benchmarks/bench_hop.py --kind gpu --instances 1,3 --client-procs 1,3 --images 2048 --wires encoded \
   --rounds 1 --settle-s 3 > $OUT/a/hop.log 2>&1
 echo "bench_hop rc=$?"; tail -12 $OUT/a/hop.log
