@@ -71,6 +71,7 @@ ENGINE_VARIANTS = {
     "dali_d3": {"decoder": "dali", "dali_depth": 3},
     "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decode_load": 1.0},
     "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0},
+    "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "cuda_sync": "block"},
     "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
     "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
     "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
@@ -537,20 +538,28 @@ class _Labels:
 
 
 def _spy(server_pid: int, path: Path, seconds: float = 2.0) -> threading.Thread:
-    """py-spy samples of every python backend stub under the server for ``seconds``, as collapsed stacks with
-    thread names (where the stub's CPU goes); runs in a thread, starts at once."""
+    """py-spy samples (native frames too) of every python backend stub under the server at once, for ``seconds``,
+    as raw collapsed stacks with thread names (where the stubs' CPU goes); runs in a thread, starts at once."""
     import psutil
 
     def go():
         stubs = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
                  if "triton_python_backend_stub" in " ".join(p.cmdline())]
+        outs = [path.with_name(f"{path.stem}_{pid}.txt") for pid in stubs]
+        procs = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                                   "100", "--format", "raw", "--threads", "--native", "--output", str(out)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid, out in zip(stubs, outs)]
+        for proc in procs:
+            try:
+                proc.wait(timeout=seconds + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         with path.open("w") as f:
-            for pid in stubs:
+            for pid, out in zip(stubs, outs):
                 f.write(f"# stub {pid}\n")
-                f.flush()
-                subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
-                                "200", "--format", "raw", "--threads", "--nonblocking", "--output", "/dev/stdout"],
-                               stdout=f, stderr=subprocess.STDOUT, timeout=seconds + 30, check=False)
+                if out.is_file():
+                    f.write(out.read_text(errors="replace"))
+                    out.unlink()
 
     th = threading.Thread(target=go, daemon=True)
     th.start()
@@ -618,12 +627,14 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     responses with a classifier that does no work). One server per ``--servers`` entry: N model instances (each its
     own stub process, classifier and CUDA context), ":mps" under a private CUDA MPS daemon."""
     for spec in args.servers:
-        instances, _, flag = spec.partition(":")
-        if flag not in ("", "mps"):
-            raise SystemExit(f"--servers entry {spec!r}: write N or N:mps (N model instances, optionally under MPS)")
-        suffix = f"_i{instances}" + ("_mps" if flag else "")
-        if not flag:
-            _triton_server_runs(args, results, sets, int(instances), suffix)
+        instances, *flags = spec.split(":")
+        sync = next((f for f in flags if f in ("auto", "spin", "block")), None)
+        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block"}:
+            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto] (N model instances, "
+                             "optionally under MPS, and how the model's threads wait for the GPU)")
+        suffix = f"_i{instances}" + ("_mps" if "mps" in flags else "") + (f"_{sync}" if sync else "")
+        if "mps" not in flags:
+            _triton_server_runs(args, results, sets, int(instances), suffix, sync)
             continue
         from gpu_mps import log_tail, mps
 
@@ -631,14 +642,15 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         try:
             with mps(folder) as logs:
                 try:
-                    _triton_server_runs(args, results, sets, int(instances), suffix)
+                    _triton_server_runs(args, results, sets, int(instances), suffix, sync)
                 finally:
                     results[f"mps_log{suffix}"] = log_tail(logs)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str) -> None:
+def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
+                        cuda_sync: str | None = None) -> None:
     from bench_scaleout import SmiSampler, gpu_summary
 
     from pipeline.engines.triton import TritonEngine
@@ -655,7 +667,7 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
-            dali_depth=args.dali_depth, dali_threads=args.dali_threads,
+            dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync,
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
@@ -711,10 +723,14 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
                         def started():
                             mark.update(before=metrics(server.metrics_url).get(name, {}), srv0=_tree_cpu(server.pid),
                                         w0=time.perf_counter())
+                            if args.py_spy:
+                                mark["spy"] = _spy(server.pid, args.out / f"spy_{key}.txt")
 
                         r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency,
                                                       procs, args.seconds, on_start=started)
                         before, srv0, w0 = mark["before"], mark["srv0"], mark["w0"]
+                        if "spy" in mark:
+                            mark["spy"].join()
                     srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
                     after = metrics(server.metrics_url).get(name, {})
                     count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
@@ -813,7 +829,8 @@ def main() -> None:
     p.add_argument("--decoder", default="auto")
     p.add_argument("--servers", type=lambda t: t.split(","), default=["1"],
                    help="Triton servers to run one after another: N model instances each (one request stream, "
-                        "classifier and CUDA context per instance), N:mps under a private CUDA MPS daemon; e.g. 3,3:mps")
+                        "classifier and CUDA context per instance), N:mps under a private CUDA MPS daemon, "
+                        ":block / :spin how the model's threads wait for the GPU; e.g. 3,3:mps,4:mps:block")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per Triton instance")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")

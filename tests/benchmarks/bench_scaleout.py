@@ -79,11 +79,10 @@ def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: 
 
 
 def make_repository(root: Path, dry_run: bool, args) -> Path:
-    """The gpu profile (or, dry run, the portable profile) for the default model; reused when present."""
-    repo = root / ("repo-portable" if dry_run else
-                   f"repo-gpu-{args.decoder}-{args.half}-{args.prep_workers}-d{args.dali_depth}-t{args.dali_threads}")
-    if (repo / "classifier" / "config.pbtxt").is_file():
-        return repo
+    """The gpu profile (or, dry run, the portable profile) for the default model, written afresh for this run's
+    options (a repository reused by name once kept an earlier run's instance count)."""
+    repo = root / ("repo-portable" if dry_run else "repo-gpu")
+    shutil.rmtree(repo, ignore_errors=True)
     if dry_run:
         from pipeline.triton.repository import build_repository
 
@@ -95,7 +94,7 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
                              prep_workers=args.prep_workers, decoder=args.decoder,
                              hw_decoder_load=args.hw_decoder_load, half=args.half,
-                             dali_depth=args.dali_depth, dali_threads=args.dali_threads)
+                             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=args.cuda_sync)
     return repo
 
 
@@ -203,7 +202,8 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
         options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
         options.update({k: v for k, v in (("dali_depth", args.dali_depth), ("dali_threads", args.dali_threads),
-                                          ("hw_decode_load", args.hw_decoder_load)) if v is not None})
+                                          ("hw_decode_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
+                        if v is not None})
         if args.half != "auto":
             options["half"] = args.half == "true"
     config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n * per_gpu,
@@ -224,7 +224,7 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     rate, lo, hi = steady_rate(starts)
     row = {
         "gpus": n, "actors_per_gpu": per_gpu, "calls_per_actor": calls, "shared_server": shared,
-        "engine": args.engine, "instances": args.instances, "mps": args.mps,
+        "engine": args.engine, "instances": args.instances, "mps": args.mps, "cuda_sync": args.cuda_sync,
         "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
         "every_row_once": len(uris) == len(set(uris)) == total, "counts": summary.counts,
         "wall_s": round(wall, 1), "startup_s": round(min(starts) - t0, 1) if starts else None,
@@ -341,6 +341,8 @@ def main() -> None:
     p.add_argument("--dali-depth", type=int, default=None, help="DALI batches in flight on one pipeline (default: the model's)")
     p.add_argument("--dali-threads", type=int, default=None, help="DALI's CPU threads (default: the model's)")
     p.add_argument("--py-spy", action="store_true", help="a quarter in, CPU by process and py-spy stacks to OUT/spy-*.txt")
+    p.add_argument("--cuda-sync", default=None, choices=("auto", "spin", "block"),
+                   help="how the classifier's threads wait for the GPU (default: the model's)")
     p.add_argument("--mps", action="store_true",
                    help="run the jobs under a private CUDA MPS daemon (tests/benchmarks/gpu_mps.py): the processes "
                         "sharing a GPU run their kernels at once instead of taking turns")

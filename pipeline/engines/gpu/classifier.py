@@ -40,6 +40,7 @@ import numpy as np
 from pipeline.errors import EngineError, ImageError
 from pipeline.triton import contract as tn
 from pipeline.imaging import DecodeLimits, PreprocessSpec, decode_image
+from pipeline.engines.gpu.cuda_sync import check_cuda_sync, set_cuda_sync
 from pipeline.engines.gpu.decoders import DECODERS, _make_decoder, _orient, _torch
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.resample import crop_boxes, resample_coefficients_torch
@@ -47,6 +48,8 @@ from pipeline.engines.gpu.resample import crop_boxes, resample_coefficients_torc
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
+# How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
+DEFAULT_CUDA_SYNC = "auto"
 # A sub-batch's zero-padded pixel buffer is at most this many pixels (x3 channels, uint8 then fp16): images of
 # very different sizes are grouped by area so that one large photo does not pad a whole batch to its size.
 MAX_PADDED_PIXELS = 96 * 1024 * 1024
@@ -150,6 +153,8 @@ class GpuClassifier:
             (more than one keeps the hardware JPEG engines busy while another batch is resized).
         hw_decode_load: with nvImageCodec, the share of each batch given to the hardware JPEG engines; the rest
             goes to CUDA nvJPEG on the SMs (1.0: all to the engines, which leaves the SMs to the network).
+        cuda_sync: how threads wait for the GPU: "block" sleeps, "spin" and CUDA's "auto" spin on a core
+            (``pipeline.engines.gpu.cuda_sync``).
     """
 
     def __init__(
@@ -168,8 +173,10 @@ class GpuClassifier:
         pipeline: bool = True,
         prep_workers: int = 2,
         hw_decode_load: float = 1.0,
+        cuda_sync: str = DEFAULT_CUDA_SYNC,
     ):
         torch = _torch()
+        check_cuda_sync(cuda_sync)
         if decoder not in DECODERS:
             raise EngineError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
         if decoder == "dali":
@@ -186,9 +193,12 @@ class GpuClassifier:
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cuda_sync = cuda_sync
+        self.cuda_sync_in_force = "none"  # what the driver reports after setting it (CPU: none)
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True
+            self.cuda_sync_in_force = set_cuda_sync(self.device.index, cuda_sync)
         self.spec = spec
         self.top_k = top_k
         self.limits = limits
@@ -225,12 +235,13 @@ class GpuClassifier:
         self.times = StageTimes()
         self._num_classes: int | None = None
         log.info(
-            "gpu classifier on %s: decoder %s, batch %d, %s, cuda graph %s",
+            "gpu classifier on %s: decoder %s, batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
             self.decoder_name,
             batch_size,
             "fp16" if self.half else "fp32",
             self.use_graph,
+            self.cuda_sync_in_force,
         )
         if self.use_graph:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
@@ -605,7 +616,7 @@ class GpuClassifier:
                 idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
                 vals_h.copy_(vals, non_blocking=True)
                 idx_h.copy_(idx, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=self.cuda_sync == "block")
                 done.record(self._net_stream)
                 return idx_h, vals_h, done
             return idx, vals, None

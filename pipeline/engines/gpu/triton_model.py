@@ -89,6 +89,7 @@ class TritonPythonModel:
             make_classifier,
             uses_dali,
         )
+        from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC  # noqa: PLC0415
         from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415
 
         bundle = _FolderBundle(folder, spec, 1000)
@@ -114,6 +115,7 @@ class TritonPythonModel:
             dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
             dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
             half=half,
+            cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         )
 
     def _request_limits(self, request) -> DecodeLimits:
