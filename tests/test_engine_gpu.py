@@ -285,6 +285,21 @@ def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
 
 
 @pytest.mark.gpu
+def test_blocking_sync_is_in_force_and_classifies_the_same():
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.model import load_model
+
+    bundle = load_model(None)
+    datas = _inputs()
+    ref = OnnxEngine(bundle, top_k=5).classify(datas)
+    gpu = GpuEngine(bundle, top_k=5, cuda_sync="block")
+    assert gpu.classifier.cuda_sync_in_force == "block"
+    got = gpu.classify(datas)
+    gpu.close()
+    assert sum(g.class_ids[0] == r.class_ids[0] for g, r in zip(got, ref)) >= len(datas) - 1
+
+
+@pytest.mark.gpu
 def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     """DALI's "mixed" decode (hardware JPEG engines, nvJPEG) and resize against the reference, row by row."""
     torch = pytest.importorskip("torch")

@@ -153,6 +153,7 @@ def gpu_config(
     hw_decoder_load: float | None = None,
     half: str = "auto",
     max_delay_ms: float = GPU_STREAM_DELAY_MS,
+    cuda_sync: str | None = None,
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -192,6 +193,8 @@ def gpu_config(
         params[tn.GPU_PARAM_DALI_THREADS] = str(dali_threads)
     if half != "auto":
         params[tn.GPU_PARAM_HALF] = str(half).lower()
+    if cuda_sync is not None:
+        params[tn.GPU_PARAM_CUDA_SYNC] = cuda_sync
     for key, value in params.items():
         config.parameters[key].string_value = value
     return _text(config)

@@ -30,6 +30,8 @@ import itertools
 import json
 import logging
 import os
+import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,7 @@ ENGINE_VARIANTS = {
     "dali_d3": {"decoder": "dali", "dali_depth": 3},
     "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decode_load": 1.0},
     "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0},
+    "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "cuda_sync": "block"},
     "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
     "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
 }
@@ -429,20 +432,28 @@ class _Labels:
 
 
 def _spy(server_pid: int, path: Path, seconds: float = 2.0) -> threading.Thread:
-    """py-spy samples of every python backend stub under the server for ``seconds``, as collapsed stacks with
-    thread names (where the stub's CPU goes); runs in a thread, starts at once."""
+    """py-spy samples (native frames too) of every python backend stub under the server at once, for ``seconds``,
+    as raw collapsed stacks with thread names (where the stubs' CPU goes); runs in a thread, starts at once."""
     import psutil
 
     def go():
         stubs = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
                  if "triton_python_backend_stub" in " ".join(p.cmdline())]
+        outs = [path.with_name(f"{path.stem}_{pid}.txt") for pid in stubs]
+        procs = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                                   "100", "--format", "raw", "--threads", "--native", "--output", str(out)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid, out in zip(stubs, outs)]
+        for proc in procs:
+            try:
+                proc.wait(timeout=seconds + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         with path.open("w") as f:
-            for pid in stubs:
+            for pid, out in zip(stubs, outs):
                 f.write(f"# stub {pid}\n")
-                f.flush()
-                subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
-                                "200", "--format", "raw", "--threads", "--nonblocking", "--output", "/dev/stdout"],
-                               stdout=f, stderr=subprocess.STDOUT, timeout=seconds + 30, check=False)
+                if out.is_file():
+                    f.write(out.read_text(errors="replace"))
+                    out.unlink()
 
     th = threading.Thread(target=go, daemon=True)
     th.start()
@@ -471,7 +482,7 @@ def _client_proc(url: str, model: str, images_file: str, request_batch: int, con
 
 
 def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, concurrency: int, procs: int,
-                seconds: float) -> tuple[float, float]:
+                seconds: float, on_start=None) -> tuple[float, float]:
     """img/s of ``procs`` client processes at once (several actors sharing one server), and their cores."""
     import multiprocessing as mp
     import pickle
@@ -485,8 +496,19 @@ def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, c
     for w in workers:
         w.start()
     time.sleep(6)  # imports, channel, warm-up of every process
+    if on_start is not None:
+        on_start()  # the timed window starts now (server CPU, metrics)
     start.set()
-    got = [out.get(timeout=seconds + 300) for _ in workers]
+    got, deadline = [], time.monotonic() + seconds + 300
+    while len(got) < procs:  # a client process that died must not hold the device call for minutes
+        try:
+            got.append(out.get(timeout=2))
+        except queue.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for w in workers:
+                    w.kill()
+                raise RuntimeError(f"client processes failed (exit codes {dead}) or timed out") from None
     for w in workers:
         w.join(30)
     os.unlink(f.name)
@@ -494,9 +516,37 @@ def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, c
 
 
 def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
-    """The gpu profile in a local tritonserver (one request stream per model), from clients shaped like the actor:
-    ResNet-50, the default model, and the hop alone (``network: none``: the model's execute(), stream and responses
-    with a classifier that does no work)."""
+    """The gpu profile in a local tritonserver (one request stream per model instance), from clients shaped like the
+    actor: ResNet-50, the default model, and the hop alone (``network: none``: the model's execute(), stream and
+    responses with a classifier that does no work). One server per ``--servers`` entry: N model instances (each its
+    own stub process, classifier and CUDA context), ":mps" under a private CUDA MPS daemon."""
+    for spec in args.servers:
+        instances, *flags = spec.split(":")
+        sync = next((f for f in flags if f in ("auto", "spin", "block")), None)
+        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block"}:
+            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto] (N model instances, "
+                             "optionally under MPS, and how the model's threads wait for the GPU)")
+        suffix = f"_i{instances}" + ("_mps" if "mps" in flags else "") + (f"_{sync}" if sync else "")
+        if "mps" not in flags:
+            _triton_server_runs(args, results, sets, int(instances), suffix, sync)
+            continue
+        from gpu_mps import log_tail, mps
+
+        folder = Path(tempfile.mkdtemp(prefix="mps-"))
+        try:
+            with mps(folder) as logs:
+                try:
+                    _triton_server_runs(args, results, sets, int(instances), suffix, sync)
+                finally:
+                    results[f"mps_log{suffix}"] = log_tail(logs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
+                        cuda_sync: str | None = None) -> None:
+    from bench_scaleout import SmiSampler, gpu_summary
+
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.repository import build_gpu_repository
     from pipeline.triton.server import TritonServer
@@ -507,11 +557,11 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     for net, name in models.items():
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
         build_gpu_repository(
-            None, tmp, network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=args.instances,
+            None, tmp, network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
-            dali_depth=args.dali_depth, dali_threads=args.dali_threads,
+            dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync,
         )
         (tmp / "classifier").rename(repo / name)
         cfg = repo / name / "config.pbtxt"
@@ -524,60 +574,81 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     # start it large enough for several multi-MB requests.
     shm_args = ["--backend-config=python,shm-default-byte-size=268435456",
                 "--backend-config=python,shm-growth-byte-size=67108864"]
-    with TritonServer(repo, startup_timeout_s=300, extra_args=shm_args) as server:
-        results["triton_startup_s"] = round(time.perf_counter() - t0, 1)
-        # Bad inputs inside a request: each must come back as its own error row, the rest classified.
-        eng = TritonEngine(_Labels(), url=server.grpc_url, request_batch=8, concurrency=1,
-                           model_name=models.get("default", next(iter(models.values()))))
-        bench_set = sets["imagenet"]
-        mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
-        rows = eng.classify(mixed)
-        eng.close()
-        results["triton_bad_inputs"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
-        print("triton bad inputs:", results["triton_bad_inputs"], flush=True)
-        runs = [(s, n) for s in sets for n in models if n in ("resnet50", "hop") or s == "imagenet"]
-        for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
-            name = models[net]
-            bench_set = sets[set_name]
-            images = bench_set * max(1, args.triton_images // len(bench_set))
-            for procs in args.client_procs:
-                key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}" + (f"_p{procs}" if procs > 1 else "")
-                before = metrics(server.metrics_url).get(name, {})
-                srv0, w0 = _tree_cpu(server.pid), time.perf_counter()
-                if procs == 1:
-                    eng = TritonEngine(_Labels(), url=server.grpc_url, model_name=name,
-                                       request_batch=request_batch, concurrency=concurrency)
-                    try:
-                        eng.classify(images[: request_batch * concurrency * 2])  # warm-up
-                        before = metrics(server.metrics_url).get(name, {})
-                        cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
-                        spy = _spy(server.pid, args.out / f"spy_{key}.txt") if args.py_spy else None
-                        r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
-                        if spy is not None:
-                            spy.join()
-                        client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
-                    finally:
-                        eng.close()
-                else:
-                    r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency, procs,
-                                                  args.seconds)
-                srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
-                after = metrics(server.metrics_url).get(name, {})
-                count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
-                execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
-                results[key] = {
-                    "img_s": round(r),
-                    "client_procs": procs,
-                    "requests_per_execute": round(
-                        (after.get("nv_inference_request_success", 0) - before.get("nv_inference_request_success", 0))
-                        / max(execs, 1), 2),
-                    "inference_count": count,
-                    "exec_count": execs,
-                    "client_cores": round(client_cores, 2),  # the actor-shaped client process(es)
-                    "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stub process
-                }
-                print(f"{key}: {results[key]}", flush=True)
-        results["triton_log_tail"] = server.log_tail(15)
+    sampler = SmiSampler(args.out / f"nvidia_smi{suffix}.csv", period_ms=250)
+    try:
+        with TritonServer(repo, startup_timeout_s=300, extra_args=shm_args) as server:
+            results[f"triton_startup_s{suffix}"] = round(time.perf_counter() - t0, 1)
+            # Bad inputs inside a request: each must come back as its own error row, the rest classified.
+            eng = TritonEngine(_Labels(), url=server.grpc_url, request_batch=8, concurrency=1,
+                               model_name=models.get("default", next(iter(models.values()))))
+            bench_set = sets["imagenet"]
+            mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
+            rows = eng.classify(mixed)
+            eng.close()
+            results[f"triton_bad_inputs{suffix}"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
+            print("triton bad inputs:", results[f"triton_bad_inputs{suffix}"], flush=True)
+            runs = [(s, n) for s in sets for n in models if n in ("resnet50", "hop") or s == "imagenet"]
+            for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
+                name = models[net]
+                bench_set = sets[set_name]
+                images = bench_set * max(1, args.triton_images // len(bench_set))
+                for procs in args.client_procs:
+                    key = (f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
+                           + (f"_p{procs}" if procs > 1 else "") + suffix)
+                    before = metrics(server.metrics_url).get(name, {})
+                    srv0, w0 = _tree_cpu(server.pid), time.perf_counter()
+                    if procs == 1:
+                        eng = TritonEngine(_Labels(), url=server.grpc_url, model_name=name,
+                                           request_batch=request_batch, concurrency=concurrency)
+                        try:
+                            eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+                            before = metrics(server.metrics_url).get(name, {})
+                            cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
+                            spy = _spy(server.pid, args.out / f"spy_{key}.txt") if args.py_spy else None
+                            r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+                            if spy is not None:
+                                spy.join()
+                            client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
+                        finally:
+                            eng.close()
+                    else:
+                        mark: dict = {}
+
+                        def started():
+                            mark.update(before=metrics(server.metrics_url).get(name, {}), srv0=_tree_cpu(server.pid),
+                                        w0=time.perf_counter())
+                            if args.py_spy:
+                                mark["spy"] = _spy(server.pid, args.out / f"spy_{key}.txt")
+
+                        r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency,
+                                                      procs, args.seconds, on_start=started)
+                        before, srv0, w0 = mark["before"], mark["srv0"], mark["w0"]
+                        if "spy" in mark:
+                            mark["spy"].join()
+                    srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
+                    after = metrics(server.metrics_url).get(name, {})
+                    count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
+                    execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
+                    now = time.time()
+                    gpu = gpu_summary(sampler.samples(), now - args.seconds, now).get(0, {})
+                    results[key] = {
+                        "img_s": round(r),
+                        "client_procs": procs,
+                        "instances": instances,
+                        "requests_per_execute": round(
+                            (after.get("nv_inference_request_success", 0)
+                             - before.get("nv_inference_request_success", 0)) / max(execs, 1), 2),
+                        "inference_count": count,
+                        "exec_count": execs,
+                        "client_cores": round(client_cores, 2),  # the actor-shaped client process(es)
+                        "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stubs
+                        "gpu_util_mean": gpu.get("util_mean"),  # nvidia-smi, the last --seconds of the run
+                    }
+                    print(f"{key}: {results[key]}", flush=True)
+                    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+            results[f"triton_log_tail{suffix}"] = server.log_tail(15)
+    finally:
+        sampler.stop()
 
 
 # ---- parity -----------------------------------------------------------------------------------------------
@@ -650,7 +721,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per measurement")
     p.add_argument("--decoder", default="auto")
-    p.add_argument("--instances", type=int, default=1, help="Triton model instances (each runs one request stream)")
+    p.add_argument("--servers", type=lambda t: t.split(","), default=["1"],
+                   help="Triton servers to run one after another: N model instances each (one request stream, "
+                        "classifier and CUDA context per instance), N:mps under a private CUDA MPS daemon, "
+                        ":block / :spin how the model's threads wait for the GPU; e.g. 3,3:mps,4:mps:block")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per Triton instance")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")
@@ -768,7 +842,7 @@ def print_table(results: dict) -> None:
     for key in results:
         if key.startswith(("decode_only_", "dali_only_")):
             print(f"{key} (img/s): {results[key]}")
-    header = f"{'network':<9} {'set':<9} {'path':<40} {'img/s':>8} {'x naive':>8} {'% ceiling':>10}"
+    header = f"{'network':<9} {'set':<9} {'path':<58} {'img/s':>8} {'x naive':>8} {'% ceiling':>10}"
     print(header)
     print("-" * len(header))
     for net in ("resnet50", "default", "hop"):
@@ -782,15 +856,15 @@ def print_table(results: dict) -> None:
             for key, val in results.items():
                 if key.startswith(f"triton_{net}_{set_name}_"):
                     label = key.split(f"{set_name}_", 1)[1]
-                    lines.append((f"triton {label} (cores "
-                                  f"{val.get('client_cores')}/{val.get('server_cores')})", val["img_s"]))
+                    lines.append((f"triton {label} (cores {val.get('client_cores')}/{val.get('server_cores')}"
+                                  f", GPU {val.get('gpu_util_mean')} %)", val["img_s"]))
             for label, v in lines:
                 if not isinstance(v, (int, float)):
-                    print(f"{net:<9} {set_name:<9} {label:<40} {str(v)[:30]:>8}")
+                    print(f"{net:<9} {set_name:<9} {label:<58} {str(v)[:30]:>8}")
                     continue
                 xb = f"{v / base:.2f}" if base else "-"
                 pc = f"{100 * v / ceiling:.1f}%" if ceiling else "-"
-                print(f"{net:<9} {set_name:<9} {label:<40} {v:>8,.0f} {xb:>8} {pc:>10}")
+                print(f"{net:<9} {set_name:<9} {label:<58} {v:>8,.0f} {xb:>8} {pc:>10}")
     for net in ("resnet50", "default"):
         for set_name in results.get("sets", {}):
             row = results.get(net, {}).get(set_name, {})

@@ -21,6 +21,7 @@ images), to check the script end to end on a laptop; its rates mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -78,11 +79,10 @@ def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: 
 
 
 def make_repository(root: Path, dry_run: bool, args) -> Path:
-    """The gpu profile (or, dry run, the portable profile) for the default model; reused when present."""
-    repo = root / ("repo-portable" if dry_run else
-                   f"repo-gpu-{args.decoder}-{args.half}-{args.prep_workers}-d{args.dali_depth}-t{args.dali_threads}")
-    if (repo / "classifier" / "config.pbtxt").is_file():
-        return repo
+    """The gpu profile (or, dry run, the portable profile) for the default model, written afresh for this run's
+    options (a repository reused by name once kept an earlier run's instance count)."""
+    repo = root / ("repo-portable" if dry_run else "repo-gpu")
+    shutil.rmtree(repo, ignore_errors=True)
     if dry_run:
         from pipeline.triton.repository import build_repository
 
@@ -94,7 +94,7 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
                              prep_workers=args.prep_workers, decoder=args.decoder,
                              hw_decoder_load=args.hw_decoder_load, half=args.half,
-                             dali_depth=args.dali_depth, dali_threads=args.dali_threads)
+                             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=args.cuda_sync)
     return repo
 
 
@@ -202,7 +202,8 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
         options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
         options.update({k: v for k, v in (("dali_depth", args.dali_depth), ("dali_threads", args.dali_threads),
-                                          ("hw_decode_load", args.hw_decoder_load)) if v is not None})
+                                          ("hw_decode_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
+                        if v is not None})
         if args.half != "auto":
             options["half"] = args.half == "true"
     config = RunConfig(source=str(images), output=str(out), engine=args.engine, num_actors=n * per_gpu,
@@ -223,6 +224,7 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     rate, lo, hi = steady_rate(starts)
     row = {
         "gpus": n, "actors_per_gpu": per_gpu, "calls_per_actor": calls, "shared_server": shared,
+        "engine": args.engine, "instances": args.instances, "mps": args.mps, "cuda_sync": args.cuda_sync,
         "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
         "every_row_once": len(uris) == len(set(uris)) == total, "counts": summary.counts,
         "wall_s": round(wall, 1), "startup_s": round(min(starts) - t0, 1) if starts else None,
@@ -339,6 +341,11 @@ def main() -> None:
     p.add_argument("--dali-depth", type=int, default=None, help="DALI batches in flight on one pipeline (default: the model's)")
     p.add_argument("--dali-threads", type=int, default=None, help="DALI's CPU threads (default: the model's)")
     p.add_argument("--py-spy", action="store_true", help="a quarter in, CPU by process and py-spy stacks to OUT/spy-*.txt")
+    p.add_argument("--cuda-sync", default=None, choices=("auto", "spin", "block"),
+                   help="how the classifier's threads wait for the GPU (default: the model's)")
+    p.add_argument("--mps", action="store_true",
+                   help="run the jobs under a private CUDA MPS daemon (tests/benchmarks/gpu_mps.py): the processes "
+                        "sharing a GPU run their kernels at once instead of taking turns")
     p.add_argument("--prepare-only", action="store_true", help="build images, model cache and repository, then stop")
     p.add_argument("--dry-run-cpu", action="store_true", help="no GPUs: portable profile, few images (script check)")
     args = p.parse_args()
@@ -365,12 +372,18 @@ def main() -> None:
         return
     sampler = SmiSampler(args.out / "nvidia_smi.csv")
     rows = []
+    stack = contextlib.ExitStack()
+    if args.mps:
+        from gpu_mps import mps
+
+        stack.enter_context(mps(Path(tempfile.mkdtemp(prefix="mps-"))))
     try:
         for n in (int(v) for v in args.gpus.split(",")):
             for variant in args.variants:
                 rows.append(run_once(n, images, repo, root, args, sampler, variant))
             (args.out / "bench_scaleout.json").write_text(json.dumps(rows, indent=2))
     finally:
+        stack.close()
         sampler.stop()
     print()
     print_table(rows)

@@ -53,11 +53,14 @@ from pipeline.engines.gpu.dali import (
     dali_available,
     host_array,
 )
+from pipeline.engines.gpu.cuda_sync import check_cuda_sync, set_cuda_sync
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
+# How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
+DEFAULT_CUDA_SYNC = "auto"
 # What a stream's source gives when the stream ends (GpuClassifier.run_stream).
 STOP = object()
 
@@ -157,6 +160,8 @@ class GpuClassifier:
             the SMs (1.0: all to the engines, which leaves the SMs to the network).
         dali_threads: DALI's CPU threads per pipeline.
         dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.engines.gpu.dali_runner``).
+        cuda_sync: how threads wait for the GPU: "block" sleeps, "spin" and CUDA's "auto" spin on a core
+            (``pipeline.engines.gpu.cuda_sync``).
 
     Raises:
         ConfigError: an unknown or removed ``decoder``.
@@ -181,8 +186,10 @@ class GpuClassifier:
         hw_decode_load: float = DEFAULT_HW_DECODER_LOAD,
         dali_threads: int = DEFAULT_DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
+        cuda_sync: str = DEFAULT_CUDA_SYNC,
     ):
         check_gpu_decoder(decoder)
+        check_cuda_sync(cuda_sync)
         if not dali_available():
             raise EngineError(DALI_MISSING)
         if batch_size < 1:
@@ -198,9 +205,12 @@ class GpuClassifier:
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cuda_sync = cuda_sync
+        self.cuda_sync_in_force = "none"  # what the driver reports after setting it (CPU: none)
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True
+            self.cuda_sync_in_force = set_cuda_sync(self.device.index, cuda_sync)
         self.spec = spec
         self.top_k = top_k
         self.limits = limits
@@ -228,13 +238,14 @@ class GpuClassifier:
         self._lock = threading.Lock()
         self.times = StageTimes()
         log.info(
-            "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s",
+            "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
             hw_decode_load,
             dali_depth,
             batch_size,
             "fp16" if self.half else "fp32",
             self.use_graph,
+            self.cuda_sync_in_force,
         )
         if self.use_graph:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
@@ -508,7 +519,7 @@ class GpuClassifier:
                 idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
                 vals_h.copy_(vals, non_blocking=True)
                 idx_h.copy_(idx, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=self.cuda_sync == "block")
                 done.record(self._net_stream)
                 return idx_h, vals_h, done
             return idx, vals, None

@@ -82,7 +82,7 @@ class TritonPythonModel:
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
-        from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI
+        from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
         from pipeline.engines.gpu.dali import (  # noqa: PLC0415
             DEFAULT_DALI_DEPTH,
             DEFAULT_DALI_THREADS,
@@ -108,6 +108,7 @@ class TritonPythonModel:
             dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
             dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
             half=None if half == "auto" else half == "true",
+            cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         )
 
     def _request_limits(self, request) -> DecodeLimits:
