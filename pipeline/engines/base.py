@@ -262,6 +262,7 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (DALI: one pipeline each), e.g. 2"),
                 Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
+                Option("cuda_sync", str, "how threads wait for the GPU: auto, spin, yield or block"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
