@@ -277,6 +277,7 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
                 Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
+                Option("cuda_sync", str, "how threads wait for the GPU: auto, spin, yield or block"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",

@@ -12,9 +12,11 @@ DALI_THREADS = 4
 QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
 GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls
-# One stub process per GPU: its execute() only queues requests for one long-running pipeline (pipeline.engines.gpu.stream)
-# that overlaps decode and network across requests; more instances would time-share the GPU between CUDA contexts.
-GPU_INSTANCES = 1
+# Stub processes per GPU, each with its own request stream (pipeline.engines.gpu.stream), classifier and CUDA
+# context. In one process DALI and the network take turns on the GPU; several processes keep it busy. On an H200
+# (model_repository/GPU_NOTES.md, session 5): ResNet-50 through Triton 1 instance 5.1-5.9k img/s, 3 instances
+# 9.7-9.8k; under CUDA MPS (kernels of all processes at once) 3 instances 10.4k, 4 instances 11.8-11.9k.
+GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
 GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
 
