@@ -1,6 +1,6 @@
-"""The gpu profile's DALI path (pipeline.engines.gpu.dali) where it runs without a GPU: DALI's CPU backend through the same
-graph and the same triage / refusal / reference fallback the GPU runs (the network half needs torch and a GPU:
-``-m gpu`` on the device)."""
+"""The gpu engine's DALI preparation (pipeline.engines.gpu.dali) where it runs without a GPU: DALI's CPU backend
+through the same graph and the same triage / refusal / reference fallback the GPU runs (the classifier around it:
+tests/test_engine_gpu.py, with torch on the CPU; ``-m gpu`` on the device)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def prep():
 
 
 def _prepare(prep, datas, limits=DecodeLimits()):
-    """Triage + prepare as DaliClassifier does; returns (Prepared, {pos: DALI row}, {pos: triage error})."""
+    """Triage + prepare as GpuClassifier does; returns (Prepared, {pos: DALI row}, {pos: triage error})."""
     items, triaged = [], {}
     for i, data in enumerate(datas):
         try:
@@ -117,10 +117,10 @@ def test_a_file_dali_refuses_sends_its_batch_to_the_reference_and_the_pipeline_r
 
 @pytest.mark.gpu
 def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
-    """tests/oddities.py through DaliClassifier on the GPU (one batch, DALI and the reference mixed): the onnx
+    """tests/oddities.py through GpuClassifier on the GPU (one batch, DALI and the reference mixed): the onnx
     engine's status and error kind for every input, the same top-1 for the ok ones (seen 20/20 on an H200)."""
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.dali import make_classifier
+    from pipeline.engines.gpu.classifier import GpuClassifier
     from pipeline.engines.gpu.networks import load_network
     from pipeline.engines.onnx import OnnxEngine
     from pipeline.model import load_model
@@ -130,7 +130,7 @@ def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
     names = list(odd)
     datas = [odd[n][0] for n in names]
     ref = OnnxEngine(bundle, top_k=5).classify(datas)
-    clf = make_classifier(load_network(bundle, None), bundle.spec, decoder="dali", top_k=5, batch_size=8, half=False)
+    clf = GpuClassifier(load_network(bundle, None), bundle.spec, top_k=5, batch_size=8, half=False)
     raw = clf.classify(datas)
     clf.close()
     for i, name in enumerate(names):

@@ -111,8 +111,8 @@ def test_exact_scale_box_equals_resize_then_crop_when_sizes_are_whole():
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos"])
 @pytest.mark.parametrize("size", [(150, 400), (400, 150), (700, 900), (180, 240)])
 def test_resampling_is_a_horizontal_then_a_vertical_pass_on_every_pillow(size, interpolation):
-    # Pillow 13 runs one resize call vertical-first on tall images (python-pillow/Pillow#9549); the reference, DALI and
-    # the GPU resampler all make the horizontal pass first, rounded to 8 bits. Noise makes any other order show.
+    # Pillow 13 runs one resize call vertical-first on tall images (python-pillow/Pillow#9549); the reference and DALI
+    # both make the horizontal pass first, rounded to 8 bits. Noise makes any other order show.
     spec = PreprocessSpec(resize_shorter=256, interpolation=interpolation)
     w, h = size
     img = Image.fromarray(np.random.default_rng(w + h).integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from pipeline.engines.gpu.decoders import DECODERS as GPU_DECODERS  # stdlib only: names, not torch
 from pipeline.errors import ConfigError
+from pipeline.triton import contract as tn  # stdlib only: names
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
@@ -102,6 +102,7 @@ class Option:
     help: str
     minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()  # values that were choices once: refused with the choices to use instead
 
     def parse(self, engine: str, value: Any) -> Any:
         """``value`` (from the CLI, the environment or a YAML file) as this option's type; ConfigError names the fix."""
@@ -123,6 +124,8 @@ class Option:
             raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
+        if parsed in self.removed:
+            raise ConfigError(f"{where} was removed; use {' or '.join(self.choices)}")
         if self.choices and parsed not in self.choices:
             raise ConfigError(f"{where} is not one of {', '.join(self.choices)}")
         return parsed
@@ -183,11 +186,21 @@ def _positive_float(name: str, help: str) -> Option:
     return Option(name, float, help, minimum=0)
 
 
-def check_torch(options: Mapping[str, Any]) -> None:
-    """The gpu engine's requirement: PyTorch importable here."""
+def check_gpu(options: Mapping[str, Any]) -> None:
+    """The gpu engine's requirements: PyTorch and DALI importable here."""
     if importlib.util.find_spec("torch") is None:
         raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
                           "or use --engine onnx or --engine triton")
+    if not _importable("nvidia.dali"):
+        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
+                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package (here ``nvidia``) is missing
+        return False
 
 
 def check_triton(options: Mapping[str, Any]) -> None:
@@ -248,25 +261,27 @@ REGISTRY: dict[str, EngineSpec] = {
         EngineSpec(
             name="gpu",
             factory="pipeline.engines.gpu.engine:GpuEngine",
-            summary="decode, resize and classify on the actor's GPU with PyTorch",
+            summary="DALI decode + resize and a PyTorch network on the actor's GPU",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "the JPEG decoder; auto: DALI on a GPU where installed (99.6 % parity, fastest), else nvImageCodec or torchvision", choices=GPU_DECODERS),
+                Option("decoder", str, "'auto' or 'dali', the same: DALI decodes and resizes (the hand-written "
+                       "nvimgcodec, torchvision and pil were removed)", choices=tn.GPU_DECODERS,
+                       removed=tn.GPU_REMOVED_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
                 Option("device", str, "a torch device, e.g. cuda:0"),
                 Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
                 Option("half", bool, "FP16 network: true or false"),
-                _positive_int("cpu_decode_threads", "threads decoding what the GPU cannot, e.g. 4"),
-                Option("pipeline", bool, "overlap decode, resize and the network: true or false"),
-                _positive_int("prep_workers", "threads preparing batches (DALI: one pipeline each), e.g. 2"),
-                Option("hw_decode_load", float, "share of each batch for the hardware JPEG decoders, 0..1"),
+                _positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
+                Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
+                _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
+                Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
                 Option("cuda_sync", str, "how threads wait for the GPU: auto, spin, yield or block"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
-            preflight="pipeline.engines.base:check_torch",
+            preflight="pipeline.engines.base:check_gpu",
             # Calls share one pipeline (RequestStream): the next call decodes while the network runs this one. Three
             # actors per GPU: the whole job went 5,968 -> 8,146 -> 10,587 img/s with 1, 2, 3 (GPU 33 / 59 / 93 %
             # busy; 4: 10,435) on the H200 (model_repository/GPU_NOTES.md, session 3).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn
 
 DEFAULT_MAX_BATCH_SIZE = 64
@@ -122,6 +123,21 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
 
 
+def check_gpu_decoder(decoder: str) -> None:
+    """Refuses a gpu-profile ``decoder`` value other than ``tn.GPU_DECODERS``, saying what to use instead.
+
+    Raises:
+        ConfigError: an unknown value, or one of the removed hand-written decoders.
+    """
+    if decoder in tn.GPU_DECODERS:
+        return
+    choices = " or ".join(repr(d) for d in tn.GPU_DECODERS)
+    if decoder in tn.GPU_REMOVED_DECODERS:
+        raise ConfigError(f"decoder {decoder!r} was removed: the gpu engine decodes and resizes with DALI only "
+                          f"(faster everywhere it was measured); use decoder {choices}")
+    raise ConfigError(f"decoder {decoder!r} is unknown; use decoder {choices}")
+
+
 def gpu_config(
     *,
     top_k: int = 5,
@@ -146,7 +162,11 @@ def gpu_config(
     ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
     wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
     it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
+
+    Raises:
+        ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead).
     """
+    check_gpu_decoder(decoder)
     mc = _mc()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     if error_output is None:

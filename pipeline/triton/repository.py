@@ -20,6 +20,7 @@ from pipeline.triton.configs import (
     DALI_THREADS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PORTABLE_INSTANCES,
+    check_gpu_decoder,
     gpu_config,
     portable_config,
     production_configs,
@@ -316,9 +317,14 @@ def build_gpu_repository(model: str | None, output: str, **options: Any):
 
     Returns:
         the repository folder.
+
+    Raises:
+        ConfigError: a ``decoder`` that is not "auto" or "dali" (before anything is written).
+        ModelError: a user's model without ``model.torchscript``.
     """
     from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
 
+    check_gpu_decoder(options.get("decoder", "auto"))
     out = Path(output).expanduser()
     version = out / tn.MODEL_NAME / "1"
     version.mkdir(parents=True, exist_ok=True)

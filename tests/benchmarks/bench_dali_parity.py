@@ -1,7 +1,7 @@
 """DALI parity on the CPU: the shared DALI graph against the reference preprocessing, before and after, in one run.
 
 The graph is ``pipeline.triton.dali_pipeline.preprocess_graph`` (the one definition behind the production ensemble's
-DALI model and the gpu profile's ``DaliClassifier``), built with DALI's CPU backend; the reference is
+DALI model and the gpu engine's ``GpuClassifier``), built with DALI's CPU backend; the reference is
 ``pipeline.imaging`` (Pillow). DALI's CPU decoder is libjpeg-turbo like Pillow's (the "decode" row checks that they
 give the same pixels), so on the CPU every difference left is resize, crop and normalize. The set is bench_gpu.py's
 520-image parity set (``make_set(520, "varied", 10_000)``: JPEGs of 160-1,100 px cut from tests/data/photos, 30%

@@ -1,6 +1,6 @@
-"""GPU benchmark (one H200 call): model-only ceiling, naive path, gpu engine in process and through a local Triton.
+"""GPU benchmark (one H200 call): model-only ceiling, DALI alone, gpu engine in process and through a local Triton.
 
-Run on a GPU machine with torch, torchvision, tritonclient and (optionally) nvidia-nvimgcodec installed::
+Run on a GPU machine with torch, torchvision (ResNet-50), nvidia-dali and tritonclient installed::
 
     python tests/benchmarks/bench_gpu.py --out results/
 
@@ -10,15 +10,14 @@ brightness, JPEG quality 90-96 with 4:2:0 chroma: ImageNet-like files of about 1
 ResNet-50 FP16 (torchvision, random weights) and the default model (EfficientNet-Lite0):
 
 - model only (ceiling): the network on a ready batch, CUDA graph, FP16 channels-last;
-- naive: torchvision nvJPEG decode -> per-image resize/crop/normalize -> network -> top-5, sequential;
 - DALI alone: the gpu profile's DALI graph (mixed decode, resize, crop, normalize to FP16 NHWC on the GPU) at
   hardware-decoder loads 0.65 / 0.9 / 1.0, one or two pipelines;
-- gpu engine in process: the classifier with each decoder (DALI / nvImageCodec / torchvision);
+- gpu engine in process: the classifier (DALI) in each ``ENGINE_VARIANTS`` setting;
 - gpu engine through Triton: the ``gpu`` profile in tritonserver, client = ``TritonEngine`` (gRPC, padded
   UINT8 + LENGTH, concurrent requests, like the Ray actor), with the average batch Triton formed
   (nv_inference_count / nv_inference_exec_count);
 
-with ratios to the naive path and to the ceiling, stage times, GPU-vs-CPU parity of the default model (top-1
+with ratios to the ceiling, stage times, GPU-vs-CPU parity of the default model (top-1
 agreement with the ONNX Runtime CPU reference on 520 photo-derived JPEGs of varied sizes, FP16 and FP32 networks),
 and tests/oddities.py through the GPU path against the onnx engine (statuses and error kinds).
 """
@@ -49,6 +48,8 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
 from pipeline.imaging import PreprocessSpec  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
+from pipeline.triton.configs import check_gpu_decoder  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 IMAGENET_SPEC = PreprocessSpec(
@@ -74,8 +75,6 @@ ENGINE_VARIANTS = {
     "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "cuda_sync": "block"},
     "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
     "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
-    "nvimgcodec": {"decoder": "nvimgcodec", "prep_workers": 1},
-    "torchvision": {"decoder": "torchvision", "prep_workers": 1},
 }
 DALI_LOADS = (0.9, 1.0)
 NOISE_SIGMA = 5.0
@@ -212,55 +211,6 @@ def model_only(net, batch: int, min_s: float) -> float:
     return r
 
 
-def naive(net, spec: PreprocessSpec, images: list[bytes], batch: int, min_s: float) -> tuple[float, dict]:
-    """The naive path: batched nvJPEG decode, then a per-image resize/crop/normalize loop, then the network."""
-    import torch
-    import torch.nn.functional as F
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    net = net.cuda().half().to(memory_format=torch.channels_last).eval()
-    mean = torch.tensor(spec.mean, device="cuda").view(3, 1, 1)
-    std = torch.tensor(spec.std, device="cuda").view(3, 1, 1)
-    ch, cw = spec.crop
-    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
-    stage = {"decode_ms": 0.0, "preprocess_ms": 0.0, "model_ms": 0.0}
-    counter = {"n": 0}
-
-    def one(blobs):
-        t0 = time.perf_counter()
-        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
-        imgs = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
-        _sync()
-        t1 = time.perf_counter()
-        out = []
-        for im in imgs:
-            h, w = im.shape[1:]
-            f = spec.resize_shorter / min(h, w)
-            nh, nw = max(ch, round(h * f)), max(cw, round(w * f))
-            r = F.interpolate(im[None].float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
-            top, left = (nh - ch) // 2, (nw - cw) // 2
-            out.append(((r[0, :, top : top + ch, left : left + cw] - mean) / std).half())
-        x = torch.stack(out).contiguous(memory_format=torch.channels_last)
-        _sync()
-        t2 = time.perf_counter()
-        with torch.inference_mode():
-            p = net(x).float().softmax(-1).topk(5)
-            p.indices.cpu()
-        t3 = time.perf_counter()
-        stage["decode_ms"] += (t1 - t0) * 1e3
-        stage["preprocess_ms"] += (t2 - t1) * 1e3
-        stage["model_ms"] += (t3 - t2) * 1e3
-        counter["n"] += 1
-
-    def run():
-        for b in batches:
-            one(b)
-
-    r = rate(run, len(batches) * batch, min_s)
-    n = counter["n"]
-    return r, {k: round(v / n, 2) for k, v in stage.items()}
-
-
 def engine_rate(clf, images: list[bytes], min_s: float) -> tuple[float, dict]:
     clf.classify(images[: clf.batch_size * 2])  # warm-up: graphs, cudnn plans, decoder buffers
     clf.times.__init__()
@@ -268,56 +218,11 @@ def engine_rate(clf, images: list[bytes], min_s: float) -> tuple[float, dict]:
     t = clf.times
     calls = max(1, t.images / clf.batch_size)
     per_batch = {
-        "decode_ms": round(t.decode_s / calls * 1e3, 2),
-        "preprocess_ms": round(t.preprocess_s / calls * 1e3, 2),
+        "prepare_ms": round(t.prepare_s / calls * 1e3, 2),
         "net_launch_ms": round(t.network_s / calls * 1e3, 2),
         "wall_ms": round(t.total_s / calls * 1e3, 2),
     }
     return r, per_batch
-
-
-def decode_only(images: list[bytes], batch: int, min_s: float) -> dict:
-    """Decode throughput alone: nvImageCodec's hardware engines, CUDA nvJPEG, a split of both, two threads on the
-    engines, and torchvision's batched nvJPEG."""
-    import torch
-
-    from pipeline.engines.gpu.decoders import _NvImageCodecDecoder, _TorchvisionDecoder
-
-    out = {}
-    batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
-    variants = {
-        "nvimgcodec_hw": lambda: _NvImageCodecDecoder(0, hw_load=1.0),
-        "nvimgcodec_cuda": lambda: _NvImageCodecDecoder(0, hw_load=0.0),
-        "nvimgcodec_hw0.6_cuda0.4": lambda: _NvImageCodecDecoder(0, hw_load=0.6),
-        "torchvision": lambda: _TorchvisionDecoder(torch.device("cuda")),
-    }
-    for name, make in variants.items():
-        try:
-            dec = make()
-            stream = torch.cuda.Stream()
-
-            def run(dec=dec, stream=stream):
-                for b in batches:
-                    dec.decode(b, stream)
-
-            out[name] = round(rate(run, len(batches) * batch, min_s))
-        except Exception as e:  # noqa: BLE001 - report and continue
-            out[name] = f"failed: {e}"
-    try:  # two threads, each with its own decoder and stream, on the hardware engines
-        decs = [(_NvImageCodecDecoder(0, hw_load=1.0), torch.cuda.Stream()) for _ in range(2)]
-
-        def two():
-            ts = [threading.Thread(target=lambda d=d, st=st, half=half: [d.decode(b, st) for b in half])
-                  for (d, st), half in zip(decs, (batches[0::2], batches[1::2]))]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-
-        out["nvimgcodec_hw_2threads"] = round(rate(two, len(batches) * batch, min_s))
-    except Exception as e:  # noqa: BLE001
-        out["nvimgcodec_hw_2threads"] = f"failed: {e}"
-    return out
 
 
 def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: float) -> dict:
@@ -470,14 +375,14 @@ def oddities_part(results: dict, net, spec) -> None:
     from oddities import oddities
 
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.engines.gpu.dali import make_classifier
+    from pipeline.engines.gpu.classifier import GpuClassifier
     from pipeline.model import load_model
 
     odd = oddities()
     names = list(odd)
     datas = [odd[n][0] for n in names]
     ref = OnnxEngine(load_model(None), top_k=5).classify(datas)
-    clf = make_classifier(net, spec, decoder="dali", top_k=5, batch_size=8)
+    clf = GpuClassifier(net, spec, top_k=5, batch_size=8)
     raw = clf.classify(datas)
     clf.close()
     rows, same = {}, 0
@@ -487,17 +392,6 @@ def oddities_part(results: dict, net, spec) -> None:
         rows[name] = {"gpu": gpu, "onnx": onnx, "top1": [int(raw.class_ids[i, 0]), (ref[i].class_ids or [None])[0]]}
         same += gpu == onnx
     results["oddities"] = {"same_status_and_kind": f"{same}/{len(names)}", "rows": rows}
-
-
-def preprocess_only(clf, images: list[bytes], min_s: float) -> float:
-    """img/s of pack + resize + normalize on decoded batches (decode excluded)."""
-    import torch
-
-    b = clf.batch_size
-    decoded = clf.decoder.decode(images[:b], torch.cuda.current_stream())
-    sizes = np.asarray([(t.shape[0], t.shape[1]) if clf.layout == "HWC" else (t.shape[1], t.shape[2]) for t in decoded])
-    tensors = [t.contiguous() for t in decoded]
-    return rate(lambda: clf._preprocess(tensors, sizes), b, min_s)
 
 
 # ---- Triton -----------------------------------------------------------------------------------------------
@@ -841,7 +735,7 @@ def main() -> None:
     p.add_argument("--triton-nets", default="resnet50,default,hop", help="models served in the triton part")
     p.add_argument("--client-procs", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2],
                    help="client processes sharing the server, e.g. 1,2,3 (each one actor-shaped client)")
-    p.add_argument("--parts", default="dali,decode,ceiling,naive,engine,parity,oddities,triton")
+    p.add_argument("--parts", default="dali,ceiling,engine,parity,oddities,triton")
     p.add_argument("--engine-variants", default="", help="in-process variants to run (default: all)")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI in Triton (default: the model's)")
     p.add_argument("--dali-depth", type=int, default=None, help="DALI in Triton: batches in flight (model default)")
@@ -850,12 +744,16 @@ def main() -> None:
     p.add_argument("--half", default="auto", help="Triton model's network precision: auto, true, false")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
     args = p.parse_args()
+    try:  # a removed decoder fails here, not after the parts that run before Triton
+        check_gpu_decoder(args.decoder)
+    except ConfigError as err:
+        p.error(f"--decoder: {err}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
     import torch
 
-    from pipeline.engines.gpu.dali import make_classifier
+    from pipeline.engines.gpu.classifier import GpuClassifier
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()
@@ -894,17 +792,8 @@ def main() -> None:
         if "dali" in parts:
             results[f"dali_only_{set_name}"] = attempt(
                 "dali", lambda: dali_only(bench_set, IMAGENET_SPEC, args.batch, args.seconds / 2))
-        if "decode" in parts:
-            results[f"decode_only_{set_name}"] = attempt(
-                "decode", lambda: decode_only(bench_set, args.batch, args.seconds / 2))
-            print("decode only", set_name, results[f"decode_only_{set_name}"], flush=True)
         for name, (net, spec) in nets.items():
             row = results.setdefault(name, {}).setdefault(set_name, {})
-            if "naive" in parts:
-                got = attempt(f"{name} naive", lambda: naive(net, spec, bench_set, args.batch, args.seconds))
-                if got:
-                    row["naive"], row["naive_stage_ms_per_batch"] = round(got[0]), got[1]
-                    print(name, set_name, "naive", row["naive"], row["naive_stage_ms_per_batch"], flush=True)
             save()
             if "engine" not in parts:
                 continue
@@ -912,7 +801,7 @@ def main() -> None:
                 if args.engine_variants and label not in args.engine_variants.split(","):
                     continue
                 try:
-                    clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, **options)
+                    clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, **options)
                 except Exception as e:  # noqa: BLE001 - report and continue
                     row[f"engine_{label}"] = f"unavailable: {e}"
                     continue
@@ -920,9 +809,6 @@ def main() -> None:
                 if got:
                     row[f"engine_{label}"] = round(got[0])
                     row[f"engine_{label}_stage_ms_per_batch"] = got[1]
-                if label == "nvimgcodec" and "preprocess_only" not in row:
-                    pre = attempt(f"{name} preprocess", lambda: preprocess_only(clf, bench_set, args.seconds / 2))
-                    row["preprocess_only"] = round(pre) if pre else pre
                 print(name, set_name, label, row.get(f"engine_{label}"), row.get(f"engine_{label}_stage_ms_per_batch"),
                       flush=True)
                 clf.close()
@@ -930,8 +816,8 @@ def main() -> None:
     if "parity" in parts:
         net, spec = nets["default"]
         deep = {"dali_depth": args.dali_depth} if args.dali_depth else {}
-        clf = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True, **deep)
-        clf32 = make_classifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False, **deep)
+        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True, **deep)
+        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False, **deep)
         attempt("parity", lambda: parity(results, clf, clf32))
         for key in ("parity", "parity_fp32_network"):
             print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)
@@ -964,7 +850,7 @@ def print_table(results: dict) -> None:
         for set_name in results.get("sets", {}):
             row = results.get(net, {}).get(set_name, {})
             base = row.get("naive")
-            lines = [("model only (ceiling)", ceiling), ("naive", base)]
+            lines = [("model only (ceiling)", ceiling)]
             lines += [(f"engine in process ({k[7:]})", v) for k, v in row.items()
                       if k.startswith("engine_") and not k.endswith("per_batch")]
             for key, val in results.items():

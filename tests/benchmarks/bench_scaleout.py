@@ -334,7 +334,7 @@ def main() -> None:
                         "Keep it several actor batches (batch-size x ~100 KB) large, or the actor starves")
     p.add_argument("--engine", default="triton", choices=("triton", "gpu"),
                    help="triton: a local tritonserver per actor (gpu profile); gpu: the classifier in the actor")
-    p.add_argument("--decoder", default="auto", help="gpu model's decoder: auto (parity-approved hand-written path), dali, ...")
+    p.add_argument("--decoder", default="auto", choices=("auto", "dali"), help="gpu model's decoder: DALI either way")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI's hardware-decoder share (model default)")
     p.add_argument("--half", default="auto", help="network precision in the gpu model: auto, true, false")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per model instance")

@@ -35,6 +35,8 @@ OTHERS = [
                                           "--engine-option max_batch=8"),
     (["--engine", "triton", "--engine-option", "request_batch=-5"], "request_batch=-5 (engine 'triton') must be at"),
     (["--engine", "gpu", "--engine-option", "decoder=turbo"], "decoder='turbo' (engine 'gpu') is not one of auto"),
+    (["--engine", "gpu", "--engine-option", "decoder=nvimgcodec"],
+     "--engine-option decoder='nvimgcodec' (engine 'gpu') was removed; use auto or dali"),
     (["--engine", "triton", "--engine-option", "concurrency=two"], "concurrency='two' (engine 'triton') is not an "
                                                                    "integer"),
     (["--top-k", "0"], "--top-k must be a positive integer, got 0"),

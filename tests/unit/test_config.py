@@ -49,6 +49,8 @@ def test_defaults_then_environment_then_explicit_options():
     ({"engine": "triton", "engine_options": {"request_batch": -5}}, "request_batch=-5 .* must be at least 1"),
     ({"engine": "triton", "engine_options": {"startup_timeout_s": 0}}, "startup_timeout_s=0 .* must be more than 0"),
     ({"engine": "gpu", "engine_options": {"decoder": "jpegturbo"}}, "decoder='jpegturbo' .* is not one of auto"),
+    ({"engine": "gpu", "engine_options": {"decoder": "torchvision"}},
+     r"^--engine-option decoder='torchvision' \(engine 'gpu'\) was removed; use auto or dali$"),
     ({"engine": "gpu", "engine_options": {"half": "maybe"}}, "half='maybe' .* is not true or false"),
 ])
 def test_bad_values_name_the_option_and_the_fix(kw, message):
@@ -107,6 +109,27 @@ def test_gpu_preflight_wants_torch(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(ConfigError, match="--engine gpu needs PyTorch with CUDA .* or use --engine onnx"):
+        config(engine="gpu").check_requirements()
+
+
+def test_gpu_preflight_wants_dali_and_names_the_extra(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    real = importlib.util.find_spec
+    present = {"torch": real("json")}  # torch "installed" (CI has none); DALI missing with its namespace package
+
+    def find_spec(name, *a):
+        if name in present:
+            return present[name]
+        if name.startswith("nvidia"):
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigError, match=r"^--engine gpu decodes and resizes with DALI, which is not installed here: "
+                                          r"pip install 'bulk-classify\[dali\]' \(the gpu extra includes it\), "
+                                          r"or use --engine onnx$"):
         config(engine="gpu").check_requirements()
 
 

@@ -37,10 +37,8 @@ def test_every_registered_option_is_a_constructor_argument(name):
     factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
     if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
         from pipeline.engines.gpu.classifier import GpuClassifier
-        from pipeline.engines.gpu.dali import dali_classifier_class
 
         params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
-        params |= set(inspect.signature(dali_classifier_class()).parameters)  # decoder "dali" (the default)
     else:
         params = set(inspect.signature(factory).parameters)
     assert {o.name for o in spec.options} <= params
@@ -79,6 +77,8 @@ def test_option_types(option, raw, parsed):
     (Option("x", float, "", minimum=0), 0, "must be more than 0"),
     (Option("b", bool, ""), "perhaps", "is not true or false"),
     (Option("c", str, "", choices=("a", "b")), "z", "is not one of a, b"),
+    (Option("c", str, "", choices=("a", "b"), removed=("y",)), "y", r"^--engine-option c='y' \(engine 'e'\) was "
+                                                                     "removed; use a or b$"),
 ])
 def test_option_errors_name_the_value_and_the_fix(option, raw, message):
     with pytest.raises(ConfigError, match=message):

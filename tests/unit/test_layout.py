@@ -8,7 +8,7 @@ import import_graph
 
 # Modules allowed over import_graph.MAX_LINES, and why.
 LONG_MODULES = {
-    # GpuClassifier's pipelined hot path; the GPU issue (#12) replaces its decoder and resampler with DALI.
+    # GpuClassifier's pipelined hot path: triage, DALI preparation in threads, the CUDA-graph network, the stream loop.
     "pipeline.engines.gpu.classifier",
     # The quality counters, their merge over shards and the drift comparison: one concern (#13), one module.
     "pipeline.quality",

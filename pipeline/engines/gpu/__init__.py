@@ -1,7 +1,8 @@
-"""The gpu engine: decode, resize and classify on one GPU with torch.
+"""The gpu engine: DALI decode + resize and a torch network on one GPU.
 
-``jpeg`` triages on the CPU, ``decoders`` decode on the GPU, ``resample`` holds Pillow's resampling maths,
-``classifier`` (``GpuClassifier``) runs the pipelined batches, ``dali`` the DALI decode/resize path, ``engine`` (``GpuEngine``) adapts it to the engine
-contract, ``networks`` builds the torch networks and ``triton_model`` serves ``GpuClassifier`` as the gpu profile
-of a Triton repository. torch is imported only when a classifier is built.
+``jpeg`` triages on the CPU, ``dali`` (``DaliPrep``, with ``dali_runner``) decodes and resizes with DALI,
+``classifier`` (``GpuClassifier``) runs the pipelined batches through the network, ``engine`` (``GpuEngine``) adapts
+it to the engine contract, ``stream`` feeds requests into one pipeline, ``networks`` builds the torch networks and
+``triton_model`` serves ``GpuClassifier`` as the gpu profile of a Triton repository. torch and DALI are imported only
+when a classifier is built.
 """

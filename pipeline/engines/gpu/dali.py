@@ -1,33 +1,28 @@
-"""The gpu profile's preprocessing on DALI: the production ensemble's DALI graph, fed in process, its output handed to
-the network without leaving the GPU.
+"""The gpu engine's preprocessing on DALI: the production ensemble's DALI graph, fed in process, torch-free.
 
-``DaliClassifier`` is ``pipeline.engines.gpu.classifier.GpuClassifier`` with the hand-written decoder and resampler replaced by
-``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's DALI model uses):
+``DaliPrep`` runs ``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's
+DALI model uses) over one batch of unpadded encoded files, and the reference (``pipeline.imaging``, Pillow) over what
+DALI does not take:
 
-1. CPU triage (``classifier.triage``): size caps and the JPEG header; JPEGs the GPU decodes go to DALI, anything
-   else (PNG, CMYK, 12-bit, truncated, ...) to the reference (``pipeline.imaging``, Pillow);
+1. the caller's CPU triage (``pipeline.engines.gpu.classifier.triage``) marks the JPEGs DALI decodes; anything else
+   (PNG, CMYK, 12-bit, truncated, ...) goes to the reference;
 2. DALI, "mixed" decoder with a measured ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
    nvJPEG the rest), resize + crop + normalize per the model's ``PreprocessSpec``, FP16 or FP32, NHWC on the GPU;
-3. the batch is copied on the GPU into the network's input (channels-last), the network (CUDA graph), softmax,
-   top-k: only k ids and scores per image come back to the host.
+   its output goes to the caller's ``consume`` while it is valid (``GpuClassifier`` copies it into the network's
+   input without leaving the GPU).
 
 A file DALI refuses fails DALI's whole batch: that batch is then decoded by the reference, so a bad file is that
 file's error row (the reference's status and kind, as the onnx engine gives) and its neighbours are classified.
-Preparing runs in ``prep_workers`` threads while the network runs the previous batch. With ``dali_depth`` > 1 (the
-default, 3) they share one DALI pipeline kept that many batches ahead (``pipeline.engines.gpu.dali_runner``); with 1,
-each takes one of as many built pipelines, run one batch at a time.
-
-``DaliPrep`` is the torch-free part (triage outcome -> DALI batch / reference arrays / errors); CI runs it with
-DALI's CPU backend (tests/test_engine_dali.py).
+With ``depth`` > 1 callers share one DALI pipeline kept that many batches ahead (``pipeline.engines.gpu.dali_runner``);
+with 1, each takes one of as many built pipelines, run one batch at a time. CI runs it with DALI's CPU backend
+(tests/test_engine_dali.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -49,6 +44,9 @@ DEFAULT_DALI_THREADS = 4
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
 # alone). Depth 3 gave the engine 1.2-1.4x depth 1 on the H200 (model_repository/GPU_NOTES.md, session 3).
 DEFAULT_DALI_DEPTH = 3
+# The one line a gpu classifier fails with where DALI is not installed (pyproject's ``dali`` and ``gpu`` extras).
+DALI_MISSING = ("the gpu engine decodes and resizes with DALI, which is not installed here: "
+                "pip install 'bulk-classify[dali]' (nvidia-dali-cuda120; the gpu extra includes it)")
 
 
 def dali_available() -> bool:
@@ -90,8 +88,7 @@ class DaliPrep:
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
                  pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():
-            raise EngineError("the dali decoder needs nvidia-dali (nvidia-dali-cuda130 or -cuda120); install it "
-                              "or choose decoder 'nvimgcodec' / 'torchvision'")
+            raise EngineError(DALI_MISSING)
         if device not in ("mixed", "cpu"):
             raise EngineError(f"DALI device must be 'mixed' or 'cpu', got {device!r}")
         if not 0.0 <= hw_decoder_load <= 1.0:
@@ -219,137 +216,3 @@ def host_array(out) -> np.ndarray:
     if hasattr(out, "as_cpu"):
         out = out.as_cpu()
     return np.array(out.as_tensor())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The classifier (torch).
-
-
-def _classifier_base():
-    from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - it imports this module lazily
-
-    return GpuClassifier
-
-
-def uses_dali(decoder: str, device: str | None = None) -> bool:
-    """Whether ``make_classifier`` runs DALI for this decoder choice: "dali", or "auto" on a CUDA device where
-    DALI is installed. Since its graph resizes in two 8-bit passes like the reference, the DALI path agrees with
-    the CPU reference on 99.62 % of the parity set's top-1 with an FP16 network, on the H200 (GPU_NOTES.md), and it
-    is the fastest engine there; elsewhere "auto" is the hand-written nvImageCodec/torchvision path."""
-    if decoder == "dali":
-        return True
-    if decoder != "auto" or str(device or "").startswith("cpu") or not dali_available():
-        return False
-    import torch  # noqa: PLC0415 - the gpu engine's dependency
-
-    return torch.cuda.is_available()
-
-
-def make_classifier(network, spec: PreprocessSpec, *, decoder: str = "auto", **options: Any):
-    """The gpu engine's classifier for ``decoder``: "dali" runs
-    ``DaliClassifier``; "nvimgcodec", "torchvision" and "pil" run the hand-written ``GpuClassifier``."""
-    GpuClassifier = _classifier_base()
-    if uses_dali(decoder, options.get("device")):
-        return dali_classifier_class()(network, spec, **options)
-    options.pop("dali_threads", None)
-    options.pop("dali_depth", None)
-    return GpuClassifier(network, spec, decoder=decoder, **options)
-
-
-@functools.lru_cache(maxsize=1)
-def dali_classifier_class():
-    """The ``DaliClassifier`` class (built on first use: its base needs torch)."""
-    GpuClassifier = _classifier_base()
-
-    class DaliClassifier(GpuClassifier):
-        """``GpuClassifier`` whose preparing stage is DALI (see the module's docstring); same results contract."""
-
-        def __init__(self, network, spec: PreprocessSpec, *, hw_decode_load: float = DEFAULT_HW_DECODER_LOAD,
-                     dali_threads: int = DEFAULT_DALI_THREADS, prep_workers: int = 2,
-                     dali_depth: int = DEFAULT_DALI_DEPTH, **options: Any):
-            options.pop("decoder", None)
-            if dali_depth > 1:
-                # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
-                prep_workers = max(prep_workers, dali_depth + 1)
-            super().__init__(network, spec, decoder="pil", prep_workers=prep_workers, **options)
-            self.decoder = self  # truthy: triage sends the JPEGs the GPU decodes to DALI
-            self.decoder_name = "dali"
-            self.hw_decoder_load = hw_decode_load
-            self._prep = DaliPrep(
-                spec,
-                device="mixed" if self.is_cuda else "cpu",
-                device_id=self.device.index if self.is_cuda else None,
-                batch_size=self.batch_size,
-                num_threads=dali_threads,
-                hw_decoder_load=hw_decode_load,
-                half=self.half,
-                layout="HWC",
-                pipelines=self.prep_workers,
-                depth=dali_depth,
-            )
-            self.refused_batches = 0
-
-        def close(self) -> None:
-            super().close()
-            self._prep.close()
-
-        def _decode_stage(self, chunk):
-            """DALI (and the reference for the rest) into one NHWC batch on this thread's stream."""
-            torch = self._torch
-            t0 = time.perf_counter()
-            stream = self._thread_stream()
-            crop_h, crop_w = self.spec.crop
-            holder: dict[str, Any] = {}
-
-            def consume(out):
-                # With dali_depth > 1 this runs in the DALI runner's thread: allocate and copy on this batch's
-                # stream all the same.
-                with self._stream_ctx(stream):
-                    n = len(out)
-                    buf = torch.empty((n, crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
-                    if self.is_cuda:
-                        from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415
-
-                        # A blocking copy on this stream: DALI reuses its output buffers on its next run.
-                        feed_ndarray(out.as_tensor(), buf, cuda_stream=stream)
-                    else:
-                        buf.copy_(torch.from_numpy(host_array(out)))
-                holder["dali"] = buf
-
-            with self._stream_ctx(stream):
-                items = chunk.items
-                res = self._prep.prepare([it.data for it in items], [it.info is not None for it in items],
-                                         self.limits, consume, self._cpu_pool)
-                if res.refused:
-                    self.refused_batches += 1
-                for pos, msg in res.errors.items():
-                    chunk.errors[items[pos].index] = msg
-                for pos, (_, w, h) in res.reference.items():
-                    items[pos].width, items[pos].height = w, h
-                ok = sorted(res.dali + list(res.reference))
-                if ok:
-                    if not res.reference:
-                        batch = holder["dali"]  # positions ascending: rows already in ``ok`` order
-                    else:
-                        row = {p: r for r, p in enumerate(ok)}
-                        batch = torch.empty((len(ok), crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
-                        if res.dali:
-                            rows = torch.as_tensor([row[p] for p in res.dali], device=self.device)
-                            batch[rows] = holder["dali"]
-                        refs = sorted(res.reference)
-                        host = torch.from_numpy(np.stack([res.reference[p][0] for p in refs]))
-                        rows = torch.as_tensor([row[p] for p in refs], device=self.device)
-                        batch[rows] = host.to(self.device).to(self.dtype)
-                    chunk.ok = ok
-                    chunk.inputs = batch.permute(0, 3, 1, 2)  # NCHW view, channels-last memory
-                    chunk.keep = [holder]
-                if self.is_cuda:
-                    chunk.ready = torch.cuda.Event()
-                    chunk.ready.record(stream)
-            chunk.decode_s = time.perf_counter() - t0
-            return None
-
-        def _resize_stage(self, chunk, decoding) -> None:
-            """Nothing left to do: DALI resized, cropped and normalised in the decode stage."""
-
-    return DaliClassifier

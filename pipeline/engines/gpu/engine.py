@@ -27,27 +27,23 @@ class GpuEngine:
         top_k: classes per image.
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
-            ``GpuClassifier`` options: decoder, batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline.
+            ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
+            prep_workers, hw_decode_load, dali_threads, dali_depth (and decoder: "auto" or "dali").
     """
 
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.engines.gpu.dali import make_classifier, uses_dali  # noqa: PLC0415 - DALI is optional
-        from pipeline.engines.gpu.networks import default_network, load_network  # noqa: PLC0415 - needs torch
+        from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
+        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         network = options.pop("network", None)
         if network is None or isinstance(network, str):
-            on_dali = uses_dali(options.get("decoder", "auto"), options.get("device"))
-            if "half" not in options and default_network(bundle, network) and not on_dali:
-                # FP32 for the default model on the hand-written resampler: FP16 flips its near-ties there; on
-                # DALI the FP32 network agrees no better (GPU_NOTES.md).
-                options["half"] = False
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
-        self.classifier = make_classifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415

@@ -124,16 +124,6 @@ def resnet50_random(num_classes: int = 1000, seed: int = 0):
     return resnet50(weights=None, num_classes=num_classes).eval()
 
 
-def default_network(bundle, network: str | None = None) -> bool:
-    """Whether ``load_network`` would give the default EfficientNet-Lite0 (no TorchScript, no benchmark net)."""
-    if network not in (None, "", "auto", "default"):
-        return False
-    onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
-    if onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file():
-        return False
-    return bundle.name == MODEL_NAME
-
-
 def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 

@@ -66,7 +66,7 @@ class RequestStream:
     """Feeds requests' images into one ``classifier.run_stream`` running in its own thread.
 
     Args:
-        classifier: a ``GpuClassifier`` (or anything with ``batch_size``, ``decoder``, ``run_stream``).
+        classifier: a ``GpuClassifier`` (or anything with ``batch_size`` and ``run_stream``).
         respond: ``respond(sender, results, n)``, called from the stream's thread once per request.
         top_k: classes per image in the results.
         max_delay_s: how long queued images wait for a fuller batch while the GPU has nothing else to do.
@@ -96,13 +96,12 @@ class RequestStream:
         """Queues one request's images; its response comes through ``respond`` (at once if nothing is left)."""
         request = _Request.new(sender, len(blobs), self.top_k)
         items = []
-        gpu = bool(self.classifier.decoder)
         with self._submit_lock:
             serial = self._serial
             self._serial += len(blobs)
         for pos, data in enumerate(blobs):
             try:
-                item = triage(serial + pos, data, limits, gpu=gpu)
+                item = triage(serial + pos, data, limits)
             except ImageError as err:
                 request.errors[pos] = str(err)
                 continue
@@ -215,7 +214,6 @@ class NullClassifier:
     its bytes (``echo_ids``), so a client can check that every answer came back for its own image.
     """
 
-    decoder = True  # triage sends JPEGs down the "GPU" path: nothing is decoded here
     decoder_name = "none"
 
     def __init__(self, *, batch_size: int = 256, top_k: int = 5, in_flight: int = 4):
@@ -232,7 +230,7 @@ class NullClassifier:
         while True:
             chunk = source(not window)
             if chunk is not None and chunk is not STOP:
-                # what the GPU decoder would not take is an error here (nothing decodes it), the rest "classified"
+                # what DALI would not take is an error here (nothing decodes it), the rest "classified"
                 chunk.ok = [p for p, it in enumerate(chunk.items) if it.info is not None]
                 chunk.errors = {it.index: "unsupported: not a JPEG the gpu path decodes (network none)"
                                 for it in chunk.items if it.info is None}
