@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS  # stdlib only: names
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
 
@@ -277,7 +278,8 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
                 Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
-                Option("cuda_sync", str, "how threads wait for the GPU: auto, spin, yield or block"),
+                Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
+                       choices=tuple(SYNC_FLAGS)),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",

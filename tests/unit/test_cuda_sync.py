@@ -44,3 +44,13 @@ def test_the_gpu_profile_carries_the_option_to_its_model():
     text = gpu_config(cuda_sync="block")
     assert f'key: "{tn.GPU_PARAM_CUDA_SYNC}"' in text and 'string_value: "block"' in text
     assert tn.GPU_PARAM_CUDA_SYNC not in gpu_config()  # unset: the model's default
+
+
+def test_the_gpu_engine_option_refuses_a_wrong_mode_before_the_run():
+    from pipeline.config import RunConfig
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cuda_sync='sleep' \(engine 'gpu'\) is not one of auto, spin, yield, block"):
+        RunConfig(source="in/", output="out/", engine="gpu", engine_options={"cuda_sync": "sleep"})
+    ok = RunConfig(source="in/", output="out/", engine="gpu", engine_options={"cuda_sync": "block"})
+    assert ok.engine_options == {"cuda_sync": "block"}
