@@ -365,10 +365,13 @@ class GpuClassifier:
         keep = []  # the chunks' buffers live until the copies below are done
         here = torch.cuda.current_stream(self.device) if self.is_cuda else None
         for chunk, future in zip(chunks, preparing):
-            if future is not None:
-                future.result()
-            else:
-                self._prepare(chunk)
+            try:
+                future.result() if future is not None else self._prepare(chunk)
+            except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
+                log.exception("preparing a batch of %d images failed", len(chunk.items))
+                msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
+                chunk.errors = {item.index: msg for item in chunk.items}
+                chunk.inputs = None
             self.times.prepare_s += chunk.prepare_s
             for index, msg in chunk.errors.items():
                 errors[index] = msg
