@@ -246,17 +246,18 @@ def repo() -> None:
 @click.option("--top-k", type=int, default=5, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
 @click.option("--instances", type=int, default=None, help="Model instances per server (default: the profile's).")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
+@click.option("--shape", default="single", show_default=True, help="gpu profile: 'single' (one python model) or 'ensemble' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
-               max_batch_size: int | None) -> None:
+               max_batch_size: int | None, shape: str) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
     from pipeline.triton.repository import build_repository
 
     try:
         path = build_repository(profile, model, output, top_k=top_k, instances=instances,
-                                max_batch_size=max_batch_size)
+                                max_batch_size=max_batch_size, shape=shape)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(f"built {profile} repository in {path}")
+    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))
 
 
 @repo.command("check")

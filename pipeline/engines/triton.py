@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import shutil
 import tempfile
 import threading
@@ -73,9 +74,14 @@ def _serialized(request) -> bytes:
     return request if isinstance(request, bytes) else request.SerializeToString()
 
 
+# Triton puts this before a composing model's error (the gpu profile's ensemble shape): the kind follows it.
+_ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
+
+
 def _error_text(reason: str) -> str:
     """The error row of an input whose one-image request failed: the server's "kind: detail" when it gives one
     (python-backend profiles without the ERROR output), else decode_error/engine_error with its message."""
+    reason = _ENSEMBLE_PREFIX.sub("", reason, count=1)
     kind = reason.split(":", 1)[0].strip()
     if kind in ERROR_KINDS and ":" in reason:
         return reason[:1000]

@@ -18,6 +18,12 @@ GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts
 # 9.7-9.8k; under CUDA MPS (kernels of all processes at once) 3 instances 10.4k, 4 instances 11.8-11.9k.
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
+# The ensemble shape (gpu_ensemble_configs). Preprocess instances do what the single model's instances spend their
+# time on (triage, DALI, the reference), one execute() at a time each: as many as the single model's instances.
+# One network instance: the dynamic batcher merges every preprocess instance's output into its batches and one CUDA
+# graph replays them; a second would halve its batches. Neither is measured on a GPU yet (GPU_NOTES.md).
+GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
+GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
 
 
@@ -200,3 +206,115 @@ def gpu_config(
     for key, value in params.items():
         config.parameters[key].string_value = value
     return _text(config)
+
+
+def gpu_ensemble_configs(
+    spec,
+    *,
+    top_k: int = 5,
+    instances: int | None = None,
+    preprocess_instances: int | None = None,
+    network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES,
+    max_batch_size: int = GPU_MAX_BATCH_SIZE,
+    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
+    decoder: str = "auto",
+    network: str = "auto",
+    cuda_graph: bool = True,
+    queue_delay_us: int = GPU_QUEUE_DELAY_US,
+    error_output: bool | None = None,
+    prep_workers: int = 2,
+    dali_depth: int | None = None,
+    dali_threads: int | None = None,
+    hw_decoder_load: float | None = None,
+    half: str = "auto",
+    cuda_sync: str | None = None,
+) -> dict[str, str]:
+    """config.pbtxt of each model of the gpu profile's ensemble shape: ``preprocess`` (python backend: triage, DALI
+    and the reference; ragged ``IMAGE`` in, ``PREPROCESSED`` + ``WIDTH``/``HEIGHT``/``STATUS`` out), ``network``
+    (python backend: the torch network + top-k, ``PREPROCESSED`` read on the GPU) and the ``classifier`` ensemble
+    joining them, with the contract's inputs and outputs.
+
+    ``instances`` sets the preprocess instances when ``preprocess_instances`` is not given (the single shape's
+    option). ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any
+    device), "false" FP32. ``error_output``: as for ``gpu_config``; the preprocess model then sends ``ERROR``.
+    ``network`` "none" is the Triton hop alone: no DALI, no torch; each image's tensor carries a number derived from
+    its bytes, which the network model turns into its classes (``pipeline.engines.gpu.stream.echo_ids``).
+
+    Raises:
+        ConfigError: an unknown ``decoder`` or ``half``, or instance counts below 1.
+    """
+    check_gpu_decoder(decoder)
+    half = str(half).lower()
+    if half not in ("auto", "true", "false"):
+        raise ConfigError(f"half {half!r} is unknown; use auto, true or false")
+    pre_count = preprocess_instances or instances or GPU_ENSEMBLE_PREPROCESS_INSTANCES
+    if pre_count < 1 or network_instances < 1:
+        raise ConfigError(f"preprocess_instances={pre_count} and network_instances={network_instances} must be "
+                          "at least 1")
+    if error_output is None:
+        error_output = numpy_can_send_bytes()
+    mc = _mc()
+    dtype = "FP32" if half == "false" else "FP16"
+    shape = list(spec.input_shape)
+    configs = {}
+
+    pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="python", max_batch_size=max_batch_size)
+    for name, kind in tn.INPUTS.items():
+        _tensor(pre.input, name, kind, [-1] if name == tn.INPUT_IMAGE else [1])
+    pre.input[0].allow_ragged_batch = True  # requests padded to different lengths share one execute()
+    _tensor(pre.output, tn.PREPROCESSED, dtype, shape)
+    for name in (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.STATUS):
+        _tensor(pre.output, name, "INT32", [1])
+    if error_output:
+        _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
+    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=pre_count)
+    pre.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    params = {
+        tn.GPU_PARAM_NETWORK: network,  # "none": no DALI either (the hop)
+        tn.GPU_PARAM_DECODER: decoder,
+        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
+        tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
+    }
+    optional = {tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load, tn.GPU_PARAM_DALI_DEPTH: dali_depth,
+                tn.GPU_PARAM_DALI_THREADS: dali_threads, tn.GPU_PARAM_CUDA_SYNC: cuda_sync}
+    params.update({key: str(value) for key, value in optional.items() if value is not None})
+    for key, value in params.items():
+        pre.parameters[key].string_value = value
+    configs[tn.PREPROCESS_MODEL] = _text(pre)
+
+    net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
+    _tensor(net.input, tn.PREPROCESSED, dtype, shape)
+    _tensor(net.input, tn.STATUS, "INT32", [1])
+    _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
+    _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
+    net.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=network_instances)
+    net.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    params = {
+        tn.GPU_PARAM_NETWORK: network,
+        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
+        tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
+        # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+    }
+    if cuda_sync is not None:
+        params[tn.GPU_PARAM_CUDA_SYNC] = cuda_sync
+    for key, value in params.items():
+        net.parameters[key].string_value = value
+    configs[tn.NETWORK_MODEL] = _text(net)
+
+    ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)
+    _contract_io(ens, top_k, with_error=error_output)
+    ens.parameters[tn.PARAM_CHECKS_CAPS].string_value = "true"  # the preprocess model's triage checks both caps
+    step = ens.ensemble_scheduling.step.add(model_name=tn.PREPROCESS_MODEL, model_version=-1)
+    for name in tn.INPUTS:
+        step.input_map[name] = name
+    passed = (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT) + ((tn.OUTPUT_ERROR,) if error_output else ())
+    for name in (tn.PREPROCESSED, tn.STATUS) + passed:
+        step.output_map[name] = name
+    step = ens.ensemble_scheduling.step.add(model_name=tn.NETWORK_MODEL, model_version=-1)
+    for name in (tn.PREPROCESSED, tn.STATUS):
+        step.input_map[name] = name
+    for name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES):
+        step.output_map[name] = name
+    configs[tn.MODEL_NAME] = _text(ens)
+    return configs

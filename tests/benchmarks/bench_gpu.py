@@ -523,12 +523,15 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     for spec in args.servers:
         instances, *flags = spec.split(":")
         sync = next((f for f in flags if f in ("auto", "spin", "block")), None)
-        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block"}:
-            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto] (N model instances, "
-                             "optionally under MPS, and how the model's threads wait for the GPU)")
-        suffix = f"_i{instances}" + ("_mps" if "mps" in flags else "") + (f"_{sync}" if sync else "")
+        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block", "ens"}:
+            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto][:ens] (N model instances, "
+                             "optionally under MPS, how the model's threads wait for the GPU, and :ens for the "
+                             "ensemble shape, N preprocess instances + --network-instances)")
+        suffix = (f"_i{instances}" + ("_mps" if "mps" in flags else "") + (f"_{sync}" if sync else "")
+                  + ("_ens" if "ens" in flags else ""))
+        shape = "ensemble" if "ens" in flags else "single"
         if "mps" not in flags:
-            _triton_server_runs(args, results, sets, int(instances), suffix, sync)
+            _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape)
             continue
         from gpu_mps import log_tail, mps
 
@@ -536,15 +539,32 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         try:
             with mps(folder) as logs:
                 try:
-                    _triton_server_runs(args, results, sets, int(instances), suffix, sync)
+                    _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape)
                 finally:
                     results[f"mps_log{suffix}"] = log_tail(logs)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _add_models(built: Path, repo: Path, name: str, spec: PreprocessSpec | None) -> None:
+    """Moves a built gpu repository's models into ``repo`` under ``name`` (an ensemble's two steps: name + suffix),
+    so one server holds every net; ``spec`` replaces their preprocess.json."""
+    renames = {"classifier": name, "preprocess": f"{name}_preprocess", "network": f"{name}_network"}
+    for old, new in renames.items():
+        if not (built / old).is_dir():
+            continue
+        (built / old).rename(repo / new)
+        cfg = repo / new / "config.pbtxt"
+        text = cfg.read_text().replace(f'name: "{old}"', f'name: "{new}"')
+        for step, step_new in list(renames.items())[1:]:
+            text = text.replace(f'model_name: "{step}"', f'model_name: "{step_new}"')
+        cfg.write_text(text)
+        if spec is not None and (repo / new / "1" / "preprocess.json").is_file():
+            (repo / new / "1" / "preprocess.json").write_text(spec.to_json())
+
+
 def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
-                        cuda_sync: str | None = None) -> None:
+                        cuda_sync: str | None = None, shape: str = "single") -> None:
     from bench_scaleout import SmiSampler, gpu_summary
 
     from pipeline.engines.triton import TritonEngine
@@ -556,18 +576,16 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
     models = {net: name for net, name in models.items() if net in args.triton_nets.split(",")}
     for net, name in models.items():
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
+        ens = {"network_instances": args.network_instances} if shape == "ensemble" else {}
         build_gpu_repository(
-            None, tmp, network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
+            None, tmp, shape=shape, **ens,
+            network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync,
         )
-        (tmp / "classifier").rename(repo / name)
-        cfg = repo / name / "config.pbtxt"
-        cfg.write_text(cfg.read_text().replace('name: "classifier"', f'name: "{name}"'))
-        if net == "resnet50":
-            (repo / name / "1" / "preprocess.json").write_text(IMAGENET_SPEC.to_json())
+        _add_models(tmp, repo, name, IMAGENET_SPEC if net == "resnet50" else None)
 
     t0 = time.perf_counter()
     # The python backend moves inputs through shared memory that starts at 1 MB and grows 1 MB at a time:
@@ -726,6 +744,7 @@ def main() -> None:
                         "classifier and CUDA context per instance), N:mps under a private CUDA MPS daemon, "
                         ":block / :spin how the model's threads wait for the GPU; e.g. 3,3:mps,4:mps:block")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per Triton instance")
+    p.add_argument("--network-instances", type=int, default=1, help="network model instances of an :ens server")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")
     p.add_argument("--queue-delay-us", type=int, default=100)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import logging
 import os
 import threading
@@ -55,6 +54,7 @@ from pipeline.engines.gpu.dali import (
 )
 from pipeline.engines.gpu.cuda_sync import check_cuda_sync, set_cuda_sync
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
+from pipeline.engines.gpu.topk_network import TopKNetwork
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,16 @@ class RawResults:
     width: np.ndarray  # int32 [N]
     height: np.ndarray  # int32 [N]
     errors: list[str]  # "" when the image was classified
+
+
+@dataclass
+class Preprocessed:
+    """Per-image outputs of ``GpuClassifier.preprocess``: the network's input, without the network."""
+
+    inputs: Any  # torch [N, 3, H, W] (NCHW, contiguous) on the classifier's device; zeros where the image failed
+    width: np.ndarray  # int32 [N]
+    height: np.ndarray  # int32 [N]
+    errors: list[str]  # "" when the image was prepared
 
 
 @dataclass
@@ -142,7 +152,8 @@ class GpuClassifier:
     """Decode, preprocess and classify batches of encoded images on one device; the shared core of the gpu engine.
 
     Args:
-        network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes].
+        network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes]; None prepares
+            only (``preprocess``; the ensemble shape's preprocess model), with no network on the device.
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         top_k: how many classes to return per image.
         limits: encoded-size and pixel caps, as for every engine.
@@ -223,11 +234,10 @@ class GpuClassifier:
         self.hw_decoder_load = hw_decode_load
         self.refused_batches = 0  # DALI batches that went to the reference because DALI refused a file
         self._local = threading.local()  # per preparing thread: its CUDA stream
-        # A private copy: converting dtype/layout in place would change a module another classifier holds.
-        net = copy.deepcopy(network).eval().to(self.device)
-        net = net.to(memory_format=torch.channels_last)
-        self.network = net.half() if self.half else net.float()
-        self._graphs: dict[int, tuple] = {}
+        # None: preparation only (the ensemble shape's preprocess model), no network on this device.
+        self.network = None if network is None else TopKNetwork(
+            network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
+            cuda_graph=self.use_graph, top_k=top_k)
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
@@ -247,7 +257,7 @@ class GpuClassifier:
             self.use_graph,
             self.cuda_sync_in_force,
         )
-        if self.use_graph:
+        if self.use_graph and self.network is not None:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
         # DALI after the capture (its pipelines and runner thread make CUDA calls of their own), the order measured on
         # the H200.
@@ -268,25 +278,30 @@ class GpuClassifier:
 
     def warmup(self) -> None:
         """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
-        torch = self._torch
-        crop_h, crop_w = self.spec.crop
-        x = torch.zeros(self.batch_size, 3, crop_h, crop_w, dtype=self.dtype, device=self.device)
-        x = x.contiguous(memory_format=torch.channels_last)
-        self._run_network(x)
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        if self.network is not None:
+            self.network.warmup()
 
     def classify(self, images: Sequence[bytes]) -> RawResults:
         """Classifies encoded images; one output row per input, errors included, in input order."""
         with self._lock:
             return self._classify(images)
 
+    def preprocess(self, images: Sequence[bytes], limits: DecodeLimits | None = None) -> Preprocessed:
+        """Triage, DALI and the reference for encoded images, as ``classify`` does, without the network: one row
+        per input, in input order, on this classifier's device (synchronized: ready for another process to read).
+
+        ``limits`` overrides the classifier's caps for this call's triage (a request's parameters).
+        """
+        with self._lock:
+            return self._preprocess(images, limits or self.limits)
+
     def close(self) -> None:
         if self._prep_pool:
             self._prep_pool.shutdown(wait=True)
         self._cpu_pool.shutdown(wait=True)
         self._prep.close()
-        self._graphs.clear()
+        if self.network is not None:
+            self.network.clear()
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -329,6 +344,52 @@ class GpuClassifier:
         self.times.images += n
         self.times.total_s += time.perf_counter() - t0
         return RawResults(ids, scores, width, height, errors)
+
+    def _preprocess(self, images: Sequence[bytes], limits: DecodeLimits) -> Preprocessed:
+        torch = self._torch
+        t0 = time.perf_counter()
+        n = len(images)
+        out = torch.zeros((n, 3, *self.spec.crop), dtype=self.dtype, device=self.device)
+        width = np.zeros(n, dtype=np.int32)
+        height = np.zeros(n, dtype=np.int32)
+        errors = [""] * n
+        items = []
+        for i, data in enumerate(images):
+            try:
+                items.append(triage(i, data, limits))
+            except ImageError as e:
+                errors[i] = str(e)
+        self.times.triage_s += time.perf_counter() - t0
+        chunks = [_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
+        preparing = [self._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
+        keep = []  # the chunks' buffers live until the copies below are done
+        here = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        for chunk, future in zip(chunks, preparing):
+            try:
+                future.result() if future is not None else self._prepare(chunk)
+            except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
+                log.exception("preparing a batch of %d images failed", len(chunk.items))
+                msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
+                chunk.errors = {item.index: msg for item in chunk.items}
+                chunk.inputs = None
+            self.times.prepare_s += chunk.prepare_s
+            for index, msg in chunk.errors.items():
+                errors[index] = msg
+            if chunk.inputs is None:
+                continue
+            if chunk.ready is not None:
+                here.wait_event(chunk.ready)
+            items_ok = [chunk.items[p] for p in chunk.ok]
+            rows = [it.index for it in items_ok]
+            out[torch.as_tensor(rows, device=self.device)] = chunk.inputs
+            width[rows] = [it.width for it in items_ok]
+            height[rows] = [it.height for it in items_ok]
+            keep.append(chunk.keep)
+        if here is not None:
+            here.synchronize()
+        self.times.images += n
+        self.times.total_s += time.perf_counter() - t0
+        return Preprocessed(out, width, height, errors)
 
     def run_stream(self, source, sink) -> None:
         """The pipeline over a stream of chunks: preparation of the next ``prep_workers + 2`` chunks runs while the
@@ -465,40 +526,6 @@ class GpuClassifier:
                 chunk.ready.record(stream)
         chunk.prepare_s = time.perf_counter() - t0
 
-    def _run_network(self, x):
-        """Logits for a batch; a CUDA graph per padded batch size when enabled."""
-        torch = self._torch
-        with torch.inference_mode():
-            if not self.use_graph:
-                return self.network(x)
-            n = x.shape[0]
-            size = self.batch_size if n <= self.batch_size else n
-            graph = self._graphs.get(size)
-            if graph is None:
-                graph = self._capture(size, x)
-            g, static_in, static_out = graph
-            static_in[:n].copy_(x)
-            g.replay()
-            return static_out[:n]
-
-    def _capture(self, size: int, like):
-        torch = self._torch
-        static_in = torch.zeros((size,) + tuple(like.shape[1:]), dtype=like.dtype, device=self.device)
-        static_in = static_in.contiguous(memory_format=torch.channels_last)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # cudnn autotuning and lazy init happen outside the graph
-                self.network(static_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        # thread_local: the preprocessing threads' CUDA calls must not invalidate this capture
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            static_out = self.network(static_in)
-        self._graphs[size] = (g, static_in, static_out)
-        log.info("captured a CUDA graph for batch %d", size)
-        return self._graphs[size]
-
     def _infer(self, chunk: _Chunk):
         """Queues network + softmax + top-k for a prepared chunk; returns host buffers and their event."""
         torch = self._torch
@@ -508,12 +535,7 @@ class GpuClassifier:
             if chunk.ready is not None:
                 self._net_stream.wait_event(chunk.ready)
                 chunk.inputs.record_stream(self._net_stream)
-            logits = self._run_network(chunk.inputs)
-            probs = logits.float().softmax(dim=-1)
-            k = min(self.top_k, probs.shape[-1])
-            top = probs.topk(k, dim=-1)
-            vals = top.values
-            idx = top.indices.to(torch.int32)
+            vals, idx = self.network.scores(chunk.inputs)
             if self.is_cuda:
                 vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
                 idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)

@@ -27,6 +27,7 @@ LOG = logging.getLogger(__name__)
 _NUMPY_1 = int(np.__version__.split(".")[0]) < 2
 
 def _param(config: dict, key: str, default: str) -> str:
+    """A config.pbtxt ``parameters`` string value, ``default`` when absent or blank."""
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return value.strip() or default
 
@@ -36,6 +37,59 @@ def _as_numpy(tensor) -> np.ndarray:
         return np.from_dlpack(tensor)
     except (AttributeError, TypeError, RuntimeError, BufferError):
         return tensor.as_numpy()
+
+
+def output_tensor(pb, name: str, arr):
+    """A ``pb_utils.Tensor`` of a numpy array or a torch tensor (kept on its device: GPU tensors stay there)."""
+    if not isinstance(arr, np.ndarray):
+        return pb.Tensor.from_dlpack(name, arr.contiguous())
+    arr = np.ascontiguousarray(arr)
+    if _NUMPY_1:
+        return pb.Tensor(name, arr)
+    import torch  # noqa: PLC0415 - present wherever this model runs under numpy 2
+
+    # Through torch's DLPack capsule: numpy's own capsule crashed the stub ("PyCapsule_GetPointer called
+    # with incorrect name"), and pb.Tensor(name, ndarray) mis-reads numpy-2 arrays.
+    return pb.Tensor.from_dlpack(name, torch.from_numpy(arr))
+
+
+def bad_input(pb, msg: str):
+    """An INVALID_ARG error (not INTERNAL, which clients read as a failing server)."""
+    code = getattr(pb.TritonError, "INVALID_ARG", None)
+    return pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
+
+
+def request_images(pb, request) -> list[bytes]:
+    """A request's encoded files: ``IMAGE`` rows cut to their ``LENGTH``.
+
+    Raises:
+        ValueError: the tensors' shapes do not match the contract.
+    """
+    images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
+    lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH)).reshape(-1)
+    if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
+        raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
+    return [images[i, : int(lengths[i])].tobytes() for i in range(images.shape[0])]
+
+
+def request_limits(request, default: DecodeLimits) -> DecodeLimits:
+    """The caps of one request: its parameters' max_bytes/max_pixels, else ``default``."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        params = {}
+    return DecodeLimits(
+        max_bytes=int(params.get(tn.GPU_PARAM_MAX_BYTES, default.max_bytes)),
+        max_pixels=int(params.get(tn.GPU_PARAM_MAX_PIXELS, default.max_pixels)),
+    )
+
+
+def config_limits(config: dict) -> DecodeLimits:
+    """The caps a model's config.pbtxt parameters set (the defaults where absent)."""
+    return DecodeLimits(
+        max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
+        max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
+    )
 
 
 class _FolderBundle:
@@ -48,6 +102,48 @@ class _FolderBundle:
         self.onnx_path = folder / "model.onnx"  # only its folder is used: model.torchscript beside it
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
+
+
+def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
+                     batch_size: int, half: bool | None = None):
+    """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
+
+    ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where the FP16
+    network agrees with the reference as often as the FP32 one, 99.62 % top-1: GPU_NOTES.md; FP32 on the CPU).
+    """
+    from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
+    from pipeline.engines.gpu.dali import (  # noqa: PLC0415
+        DEFAULT_DALI_DEPTH,
+        DEFAULT_DALI_THREADS,
+        DEFAULT_HW_DECODER_LOAD,
+    )
+
+    if half is None:
+        value = _param(config, tn.GPU_PARAM_HALF, "auto").lower()
+        half = None if value == "auto" else value == "true"
+    return GpuClassifier(
+        network,
+        spec,
+        hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
+        top_k=top_k,
+        limits=limits,
+        decoder=_param(config, tn.GPU_PARAM_DECODER, "auto"),
+        batch_size=batch_size,
+        device=device,
+        cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
+        prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
+        dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
+        dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
+        half=half,
+        cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
+    )
+
+
+def instance_device(args: dict) -> str:
+    """The torch device of a model instance: its GPU for KIND_GPU, else the CPU."""
+    if args.get("model_instance_kind", "GPU") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
 
 
 class TritonPythonModel:
@@ -63,13 +159,9 @@ class TritonPythonModel:
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
         self.has_error = tn.OUTPUT_ERROR in outputs
-        kind = args.get("model_instance_kind", "GPU")
-        device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if kind == "GPU" else "cpu"
+        device = instance_device(args)
         net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
-        self.limits = DecodeLimits(
-            max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
-            max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
-        )
+        self.limits = config_limits(config)
         batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
         if net_name == "none":  # the Triton hop alone: no decode, no network (benchmarks, tests)
             self.classifier = NullClassifier(batch_size=batch_size, top_k=self.top_k)
@@ -82,44 +174,10 @@ class TritonPythonModel:
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
-        from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
-        from pipeline.engines.gpu.dali import (  # noqa: PLC0415
-            DEFAULT_DALI_DEPTH,
-            DEFAULT_DALI_THREADS,
-            DEFAULT_HW_DECODER_LOAD,
-        )
-        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415
+        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - torch
 
-        bundle = _FolderBundle(folder, spec, 1000)
-        half = _param(config, tn.GPU_PARAM_HALF, "auto").lower()
-        # "auto": the classifier's default, FP16 on a GPU (there the FP16 network agrees with the reference as often
-        # as the FP32 one, 99.62 % top-1: GPU_NOTES.md), FP32 on the CPU.
-        return GpuClassifier(
-            load_network(bundle, net_name),
-            spec,
-            hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
-            top_k=self.top_k,
-            limits=self.limits,
-            decoder=_param(config, tn.GPU_PARAM_DECODER, "auto"),
-            batch_size=batch_size,
-            device=device,
-            cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-            prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
-            dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
-            dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
-            half=None if half == "auto" else half == "true",
-            cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
-        )
-
-    def _request_limits(self, request) -> DecodeLimits:
-        try:
-            params = json.loads(request.parameters() or "{}")
-        except (AttributeError, ValueError):
-            params = {}
-        return DecodeLimits(
-            max_bytes=int(params.get(tn.GPU_PARAM_MAX_BYTES, self.limits.max_bytes)),
-            max_pixels=int(params.get(tn.GPU_PARAM_MAX_PIXELS, self.limits.max_pixels)),
-        )
+        return build_classifier(config, spec, load_network(_FolderBundle(folder, spec, 1000), net_name),
+                                device=device, top_k=self.top_k, limits=self.limits, batch_size=batch_size)
 
     def execute(self, requests):
         """Queues each request's images for the pipeline and returns at once: the responses are sent by the
@@ -129,12 +187,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
-                lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH)).reshape(-1)
-                if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
-                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
-                blobs = [images[i, : int(lengths[i])].tobytes() for i in range(images.shape[0])]
-                limits = self._request_limits(request)
+                blobs = request_images(pb, request)
+                limits = request_limits(request, self.limits)
             except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
                 self._send(sender, pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
                 continue
@@ -149,7 +203,7 @@ class TritonPythonModel:
             # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
             # isolate the bad input, whose own one-image request then carries its error text.
             msg = failed[0] if n == 1 else f"{len(failed)} of {n} images failed; first: {failed[0]}"
-            response = pb.InferenceResponse(output_tensors=[], error=self._bad_input(msg))
+            response = pb.InferenceResponse(output_tensors=[], error=bad_input(pb, msg))
         else:
             response = pb.InferenceResponse(output_tensors=self._tensors(raw, 0, n))
         self._send(sender, response)
@@ -157,23 +211,11 @@ class TritonPythonModel:
     def _send(self, sender, response) -> None:
         sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _bad_input(self, msg: str):
-        """An INVALID_ARG error (not INTERNAL, which clients read as a failing server)."""
-        code = getattr(self.pb.TritonError, "INVALID_ARG", None)
-        return self.pb.TritonError(msg, code) if code is not None else self.pb.TritonError(msg)
-
     def _tensors(self, raw, start: int, end: int) -> list:
         pb = self.pb
 
         def out_tensor(name: str, arr: np.ndarray):
-            arr = np.ascontiguousarray(arr)
-            if _NUMPY_1:
-                return pb.Tensor(name, arr)
-            import torch  # noqa: PLC0415 - present wherever this model runs under numpy 2
-
-            # Through torch's DLPack capsule: numpy's own capsule crashed the stub ("PyCapsule_GetPointer called
-            # with incorrect name"), and pb.Tensor(name, ndarray) mis-reads numpy-2 arrays.
-            return pb.Tensor.from_dlpack(name, torch.from_numpy(arr))
+            return output_tensor(pb, name, arr)
 
         out = [
             out_tensor(tn.OUTPUT_CLASS_IDS, raw.class_ids[start:end]),

@@ -1,0 +1,98 @@
+"""TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k.
+
+The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
+ensemble shape runs it alone in its ``network`` model (``pipeline.engines.gpu.triton_ensemble``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class TopKNetwork:
+    """A private, eval-mode copy of ``network`` on ``device`` (channels-last memory), returning top-k on the device.
+
+    Args:
+        network: a torch module mapping float [N, 3, H, W] to logits [N, classes].
+        crop: the network's input (height, width).
+        device: a ``torch.device``.
+        half: FP16 weights and inputs (else FP32).
+        batch_size: the CUDA graph's batch (smaller batches are padded into it).
+        cuda_graph: capture the network per batch size (CUDA only).
+        top_k: classes per image.
+    """
+
+    def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
+                 top_k: int):
+        import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
+
+        self._torch = torch
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.crop = tuple(crop)
+        self.half = half
+        self.dtype = torch.float16 if half else torch.float32
+        self.batch_size = batch_size
+        self.use_graph = cuda_graph and self.is_cuda
+        self.top_k = top_k
+        # A private copy: converting dtype/layout in place would change a module another classifier holds.
+        net = copy.deepcopy(network).eval().to(device)
+        net = net.to(memory_format=torch.channels_last)
+        self.module = net.half() if half else net.float()
+        self._graphs: dict[int, tuple] = {}
+
+    def warmup(self) -> None:
+        """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
+        torch = self._torch
+        x = torch.zeros(self.batch_size, 3, *self.crop, dtype=self.dtype, device=self.device)
+        self.run(x.contiguous(memory_format=torch.channels_last))
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def run(self, x):
+        """Logits for a batch; a CUDA graph per padded batch size when enabled."""
+        torch = self._torch
+        with torch.inference_mode():
+            if not self.use_graph:
+                return self.module(x)
+            n = x.shape[0]
+            size = self.batch_size if n <= self.batch_size else n
+            graph = self._graphs.get(size)
+            if graph is None:
+                graph = self._capture(size, x)
+            g, static_in, static_out = graph
+            static_in[:n].copy_(x)
+            g.replay()
+            return static_out[:n]
+
+    def scores(self, x):
+        """(top-k probabilities float32 [N, k], their class ids int32 [N, k]) on the device, best first."""
+        torch = self._torch
+        with torch.inference_mode():
+            probs = self.run(x).float().softmax(dim=-1)
+            top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+            return top.values, top.indices.to(torch.int32)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def _capture(self, size: int, like):
+        torch = self._torch
+        static_in = torch.zeros((size,) + tuple(like.shape[1:]), dtype=like.dtype, device=self.device)
+        static_in = static_in.contiguous(memory_format=torch.channels_last)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # cudnn autotuning and lazy init happen outside the graph
+                self.module(static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        # thread_local: the preprocessing threads' CUDA calls must not invalidate this capture
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            static_out = self.module(static_in)
+        self._graphs[size] = (g, static_in, static_out)
+        log.info("captured a CUDA graph for batch %d", size)
+        return self._graphs[size]

@@ -1,0 +1,218 @@
+"""The gpu profile's ensemble shape in Triton: ``PreprocessModel`` (triage + DALI + the reference) and
+``NetworkModel`` (the torch network + top-k), two python-backend models joined by the ``classifier`` ensemble.
+
+The production profile's shape with the gpu engine's parts: ``preprocess`` runs ``GpuClassifier.preprocess`` (the
+same triage, DALI batches and Pillow reference as the single model, no network) and sends ``PREPROCESSED`` as a GPU
+tensor through DLPack; ``network`` reads it on the GPU (``FORCE_CPU_ONLY_INPUT_TENSORS: no``) and runs
+``TopKNetwork`` (the single model's CUDA graph, softmax and top-k). ``STATUS`` tells the network which rows failed
+(they get no class). A bad image: with the ``ERROR`` output (numpy 1 in the stub) the preprocess model sends its text
+and the ensemble passes it on; without it (numpy 2: BYTES cannot be sent) the request fails with the first error and
+the client isolates the bad file, as with the single model.
+
+``network: "none"`` is the hop alone, torch- and DALI-free: preprocess triages and writes a number derived from each
+file's bytes into its tensor (``echo_ids``); the network model turns it into that image's classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.engines.gpu.classifier import Preprocessed, triage
+from pipeline.engines.gpu.stream import echo_ids
+from pipeline.engines.gpu.triton_model import (
+    _FolderBundle,
+    _as_numpy,
+    _param,
+    bad_input,
+    build_classifier,
+    config_limits,
+    instance_device,
+    output_tensor,
+    request_images,
+    request_limits,
+)
+from pipeline.errors import ImageError
+from pipeline.imaging import DecodeLimits, PreprocessSpec
+from pipeline.triton import contract as tn
+
+LOG = logging.getLogger(__name__)
+HOP_ERROR = "unsupported: not a JPEG the gpu path decodes (network none)"
+
+
+def _dims(config: dict, section: str, name: str) -> tuple[dict, list[int]]:
+    tensor = next(t for t in config[section] if t["name"] == name)
+    return tensor, [int(d) for d in tensor["dims"]]
+
+
+class PreprocessModel:
+    """Triton's entry points of the ``preprocess`` model."""
+
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+        out, self.shape = _dims(config, "output", tn.PREPROCESSED)
+        self.half = out["data_type"] == "TYPE_FP16"
+        self.has_error = any(t["name"] == tn.OUTPUT_ERROR for t in config["output"])
+        self.limits = config_limits(config)
+        batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        self.hop = _param(config, tn.GPU_PARAM_NETWORK, "auto") == "none"
+        device = instance_device(args)
+        self.classifier = None if self.hop else build_classifier(
+            config, spec, None, device=device, top_k=1, limits=self.limits, batch_size=batch_size, half=self.half)
+        LOG.info("preprocess model ready on %s (%s)", device, "hop" if self.hop else "DALI")
+
+    def execute(self, requests):
+        pb = self.pb
+        blobs, limits, spans, failed = [], [], [], {}
+        for r, request in enumerate(requests):
+            try:
+                images = request_images(pb, request)
+            except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
+                failed[r] = pb.TritonError(str(err))
+                images = []
+            spans.append((len(blobs), len(blobs) + len(images)))
+            blobs += images
+            limits.append(request_limits(request, self.limits))
+        if len(set(limits)) <= 1:  # the usual case: one pass over every request's images
+            prepared = [self._prepare(blobs, limits[0] if limits else self.limits)]
+            parts = [(prepared[0], start, end) for start, end in spans]
+        else:
+            parts = [(self._prepare(blobs[s:e], lim), 0, e - s) for (s, e), lim in zip(spans, limits)]
+        return [pb.InferenceResponse(output_tensors=[], error=failed[r]) if r in failed else self._response(*part)
+                for r, part in enumerate(parts)]
+
+    def _prepare(self, blobs: list[bytes], limits: DecodeLimits) -> Preprocessed:
+        if self.classifier is not None:
+            return self.classifier.preprocess(blobs, limits)
+        n = len(blobs)
+        x = np.zeros((n, *self.shape), dtype=np.float16 if self.half else np.float32)
+        width, height, errors, ok = np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, []
+        for i, data in enumerate(blobs):
+            try:
+                item = triage(i, data, limits)
+            except ImageError as err:
+                errors[i] = str(err)
+                continue
+            if item.info is None:
+                errors[i] = HOP_ERROR
+                continue
+            ok.append(i)
+            width[i], height[i] = item.width, item.height
+        if ok:
+            x[ok, 0, 0, 0] = echo_ids([blobs[i] for i in ok], 1)[:, 0]
+        return Preprocessed(x, width, height, errors)
+
+    def _response(self, prep: Preprocessed, start: int, end: int):
+        pb = self.pb
+        errors = prep.errors[start:end]
+        failed = [e for e in errors if e]
+        if failed and not self.has_error:
+            n = end - start
+            msg = failed[0] if n == 1 else f"{len(failed)} of {n} images failed; first: {failed[0]}"
+            return pb.InferenceResponse(output_tensors=[], error=bad_input(pb, msg))
+        status = np.array([[1 if e else 0] for e in errors], dtype=np.int32).reshape(-1, 1)
+        out = [
+            output_tensor(pb, tn.PREPROCESSED, prep.inputs[start:end]),
+            output_tensor(pb, tn.OUTPUT_WIDTH, prep.width[start:end, None]),
+            output_tensor(pb, tn.OUTPUT_HEIGHT, prep.height[start:end, None]),
+            output_tensor(pb, tn.STATUS, status),
+        ]
+        if self.has_error:
+            out.append(pb.Tensor(tn.OUTPUT_ERROR, np.array([[e.encode("utf-8")] for e in errors], dtype=np.object_)))
+        return pb.InferenceResponse(output_tensors=out)
+
+    def finalize(self):
+        if self.classifier is not None:
+            self.classifier.close()
+
+
+class NetworkModel:
+    """Triton's entry points of the ``network`` model."""
+
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        tensor, shape = _dims(config, "input", tn.PREPROCESSED)
+        _, (self.top_k,) = _dims(config, "output", tn.OUTPUT_CLASS_IDS)
+        self.batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
+        self.network = None
+        if net_name == "none":
+            return
+        import torch  # noqa: PLC0415 - the gpu profile's models run where torch is
+
+        from pipeline.engines.gpu.cuda_sync import set_cuda_sync  # noqa: PLC0415
+        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415
+        from pipeline.engines.gpu.topk_network import TopKNetwork  # noqa: PLC0415
+
+        self.torch = torch
+        self.device = torch.device(instance_device(args))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cudnn.benchmark = True
+            set_cuda_sync(self.device.index, _param(config, tn.GPU_PARAM_CUDA_SYNC, "auto"))
+        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+        module = load_network(_FolderBundle(folder, spec, 1000), net_name)
+        self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
+                                   half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,
+                                   cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
+                                   top_k=self.top_k)
+        self.network.warmup()
+        LOG.info("network model ready on %s", self.device)
+
+    def execute(self, requests):
+        pb = self.pb
+        inputs = [pb.get_input_tensor_by_name(r, tn.PREPROCESSED) for r in requests]
+        status = [pb.get_input_tensor_by_name(r, tn.STATUS) for r in requests]
+        if self.network is None:
+            ids, scores, failed, sizes = self._hop(inputs, status)
+        else:
+            ids, scores, failed, sizes = self._classify(inputs, status)
+        ids[failed], scores[failed] = 0, 0.0  # an image that was not prepared gets no class
+        responses, start = [], 0
+        for size in sizes:
+            end = start + size
+            responses.append(pb.InferenceResponse(output_tensors=[
+                output_tensor(pb, tn.OUTPUT_CLASS_IDS, ids[start:end]),
+                output_tensor(pb, tn.OUTPUT_SCORES, scores[start:end]),
+            ]))
+            start = end
+        return responses
+
+    def _hop(self, inputs, status):
+        parts = [_as_numpy(t) for t in inputs]
+        x = np.concatenate(parts)
+        base = x.reshape(len(x), -1)[:, 0].astype(np.int32)
+        ids = ((base[:, None] + np.arange(self.top_k, dtype=np.int32)) % 1000).astype(np.int32)
+        scores = np.tile(np.linspace(0.5, 0.1, self.top_k, dtype=np.float32), (len(x), 1))
+        failed = np.concatenate([_as_numpy(t).reshape(-1) for t in status]) != 0
+        return ids, scores, failed, [len(p) for p in parts]
+
+    def _classify(self, inputs, status):
+        torch = self.torch
+        parts = [torch.from_dlpack(t) for t in inputs]
+        x = torch.cat(parts).to(self.device, self.network.dtype)
+        ids = np.zeros((len(x), self.top_k), np.int32)
+        scores = np.zeros((len(x), self.top_k), np.float32)
+        for s in range(0, len(x), self.batch_size):
+            vals, idx = self.network.scores(x[s : s + self.batch_size])
+            k = idx.shape[1]
+            ids[s : s + len(idx), :k] = idx.cpu().numpy()
+            scores[s : s + len(idx), :k] = vals.cpu().numpy()
+        failed = torch.cat([torch.from_dlpack(t).reshape(-1).cpu() for t in status]).numpy() != 0
+        return ids, scores, failed, [len(p) for p in parts]
+
+    def finalize(self):
+        if self.network is not None:
+            self.network.clear()
