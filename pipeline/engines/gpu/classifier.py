@@ -313,13 +313,7 @@ class GpuClassifier:
         scores = np.zeros((n, k), dtype=np.float32)
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
-        errors = [""] * n
-        items = []
-        for i, data in enumerate(images):
-            try:
-                items.append(self._triage(i, data))
-            except ImageError as e:
-                errors[i] = str(e)
+        items, errors = self._triage_all(images, self.limits)
         self.times.triage_s += time.perf_counter() - t0
         chunks = iter([_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
@@ -352,13 +346,7 @@ class GpuClassifier:
         out = torch.zeros((n, 3, *self.spec.crop), dtype=self.dtype, device=self.device)
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
-        errors = [""] * n
-        items = []
-        for i, data in enumerate(images):
-            try:
-                items.append(triage(i, data, limits))
-            except ImageError as e:
-                errors[i] = str(e)
+        items, errors = self._triage_all(images, limits)
         self.times.triage_s += time.perf_counter() - t0
         chunks = [_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
         preparing = [self._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
@@ -456,6 +444,17 @@ class GpuClassifier:
             chunk.keep = []
             chunk.inputs = None
         sink(chunk, idx_np, vals_np, None)
+
+    @staticmethod
+    def _triage_all(images: Sequence[bytes], limits: DecodeLimits) -> tuple[list[_Item], list[str]]:
+        """Triage of a call's images: the items that go on, and each image's error ("" where none)."""
+        items, errors = [], [""] * len(images)
+        for i, data in enumerate(images):
+            try:
+                items.append(triage(i, data, limits))
+            except ImageError as e:
+                errors[i] = str(e)
+        return items, errors
 
     def _triage(self, index: int, data: bytes) -> _Item:
         return triage(index, data, self.limits)
