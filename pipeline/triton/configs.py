@@ -184,28 +184,28 @@ def gpu_config(
             tensor.allow_ragged_batch = True
     config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    params = {
+    _set_parameters(config, {
         tn.GPU_PARAM_NETWORK: network,
         tn.GPU_PARAM_DECODER: decoder,
-        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
-        tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
-        tn.GPU_PARAM_MAX_DELAY_MS: str(max_delay_ms),
+        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
+        tn.GPU_PARAM_MAX_DELAY_MS: max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.engines.gpu.classifier)
-    }
-    if hw_decoder_load is not None:
-        params[tn.GPU_PARAM_HW_DECODER_LOAD] = str(hw_decoder_load)
-    if dali_depth is not None:
-        params[tn.GPU_PARAM_DALI_DEPTH] = str(dali_depth)
-    if dali_threads is not None:
-        params[tn.GPU_PARAM_DALI_THREADS] = str(dali_threads)
-    if half != "auto":
-        params[tn.GPU_PARAM_HALF] = str(half).lower()
-    if cuda_sync is not None:
-        params[tn.GPU_PARAM_CUDA_SYNC] = cuda_sync
-    for key, value in params.items():
-        config.parameters[key].string_value = value
+        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: dali_threads,
+        tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
+        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+    })
     return _text(config)
+
+
+def _set_parameters(config, params: dict) -> None:
+    """A model config's string parameters; a None value leaves that parameter out (the model's default)."""
+    for key, value in params.items():
+        if value is not None:
+            config.parameters[key].string_value = str(value)
 
 
 def gpu_ensemble_configs(
@@ -269,17 +269,16 @@ def gpu_ensemble_configs(
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
     pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=pre_count)
     pre.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    params = {
+    _set_parameters(pre, {
         tn.GPU_PARAM_NETWORK: network,  # "none": no DALI either (the hop)
         tn.GPU_PARAM_DECODER: decoder,
-        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
-        tn.GPU_PARAM_PREP_WORKERS: str(prep_workers),
-    }
-    optional = {tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load, tn.GPU_PARAM_DALI_DEPTH: dali_depth,
-                tn.GPU_PARAM_DALI_THREADS: dali_threads, tn.GPU_PARAM_CUDA_SYNC: cuda_sync}
-    params.update({key: str(value) for key, value in optional.items() if value is not None})
-    for key, value in params.items():
-        pre.parameters[key].string_value = value
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+    })
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
@@ -289,17 +288,14 @@ def gpu_ensemble_configs(
     _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     net.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=network_instances)
     net.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    params = {
+    _set_parameters(net, {
         tn.GPU_PARAM_NETWORK: network,
-        tn.GPU_PARAM_BATCH_SIZE: str(batch_size),
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-    }
-    if cuda_sync is not None:
-        params[tn.GPU_PARAM_CUDA_SYNC] = cuda_sync
-    for key, value in params.items():
-        net.parameters[key].string_value = value
+        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+    })
     configs[tn.NETWORK_MODEL] = _text(net)
 
     ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)

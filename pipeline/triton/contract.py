@@ -84,3 +84,9 @@ GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifie
 # (model_repository/GPU_NOTES.md, session 5): a config naming one fails at once with what to use instead.
 GPU_DECODERS = ("auto", "dali")
 GPU_REMOVED_DECODERS = ("nvimgcodec", "torchvision", "pil")
+
+
+def failure_message(errors: list[str], n: int) -> str:
+    """The error of a request that fails because some of its ``n`` images did (a model without the ``ERROR``
+    output): the one image's error, or how many failed and the first; the client then isolates the bad files."""
+    return errors[0] if n == 1 else f"{len(errors)} of {n} images failed; first: {errors[0]}"

@@ -163,9 +163,8 @@ class TritonPythonModel:
                 if not self.has_error:
                     errors = [e.decode("utf-8") for e in outputs.pop(tn.OUTPUT_ERROR).reshape(-1) if e]
                     if errors:
-                        responses.append(pb.InferenceResponse(output_tensors=[], error=self._bad_input(
-                            errors[0] if len(images) == 1 else
-                            f"{len(errors)} of {len(images)} images failed; first: {errors[0]}")))
+                        responses.append(pb.InferenceResponse(
+                            output_tensors=[], error=self._bad_input(tn.failure_message(errors, len(images)))))
                         continue
                 tensors = [_to_tensor(pb, name, value) for name, value in outputs.items()]
                 responses.append(pb.InferenceResponse(output_tensors=tensors))

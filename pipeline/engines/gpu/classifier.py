@@ -52,7 +52,7 @@ from pipeline.engines.gpu.dali import (
     dali_available,
     host_array,
 )
-from pipeline.engines.gpu.cuda_sync import check_cuda_sync, set_cuda_sync
+from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.topk_network import TopKNetwork
 
@@ -217,11 +217,7 @@ class GpuClassifier:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda_sync = cuda_sync
-        self.cuda_sync_in_force = "none"  # what the driver reports after setting it (CPU: none)
-        if self.is_cuda:
-            torch.cuda.set_device(self.device)
-            torch.backends.cudnn.benchmark = True
-            self.cuda_sync_in_force = set_cuda_sync(self.device.index, cuda_sync)
+        self.cuda_sync_in_force = use_cuda_device(torch, self.device, cuda_sync)  # as the driver reports it
         self.spec = spec
         self.top_k = top_k
         self.limits = limits

@@ -15,9 +15,7 @@ file's bytes into its tensor (``echo_ids``); the network model turns it into tha
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 
@@ -31,12 +29,13 @@ from pipeline.engines.gpu.triton_model import (
     build_classifier,
     config_limits,
     instance_device,
+    model_setup,
     output_tensor,
     request_images,
     request_limits,
 )
 from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits, PreprocessSpec
+from pipeline.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 
 LOG = logging.getLogger(__name__)
@@ -55,9 +54,7 @@ class PreprocessModel:
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
         self.pb = pb_utils
-        config = json.loads(args["model_config"])
-        folder = Path(args["model_repository"]) / args["model_version"]
-        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+        config, _, spec = model_setup(args)
         out, self.shape = _dims(config, "output", tn.PREPROCESSED)
         self.half = out["data_type"] == "TYPE_FP16"
         self.has_error = any(t["name"] == tn.OUTPUT_ERROR for t in config["output"])
@@ -115,9 +112,8 @@ class PreprocessModel:
         errors = prep.errors[start:end]
         failed = [e for e in errors if e]
         if failed and not self.has_error:
-            n = end - start
-            msg = failed[0] if n == 1 else f"{len(failed)} of {n} images failed; first: {failed[0]}"
-            return pb.InferenceResponse(output_tensors=[], error=bad_input(pb, msg))
+            return pb.InferenceResponse(output_tensors=[],
+                                        error=bad_input(pb, tn.failure_message(failed, end - start)))
         status = np.array([[1 if e else 0] for e in errors], dtype=np.int32).reshape(-1, 1)
         out = [
             output_tensor(pb, tn.PREPROCESSED, prep.inputs[start:end]),
@@ -141,8 +137,7 @@ class NetworkModel:
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
         self.pb = pb_utils
-        config = json.loads(args["model_config"])
-        folder = Path(args["model_repository"]) / args["model_version"]
+        config, folder, spec = model_setup(args)
         tensor, shape = _dims(config, "input", tn.PREPROCESSED)
         _, (self.top_k,) = _dims(config, "output", tn.OUTPUT_CLASS_IDS)
         self.batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
@@ -152,17 +147,14 @@ class NetworkModel:
             return
         import torch  # noqa: PLC0415 - the gpu profile's models run where torch is
 
-        from pipeline.engines.gpu.cuda_sync import set_cuda_sync  # noqa: PLC0415
+        from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC  # noqa: PLC0415
+        from pipeline.engines.gpu.cuda_sync import use_cuda_device  # noqa: PLC0415
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415
         from pipeline.engines.gpu.topk_network import TopKNetwork  # noqa: PLC0415
 
         self.torch = torch
         self.device = torch.device(instance_device(args))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.backends.cudnn.benchmark = True
-            set_cuda_sync(self.device.index, _param(config, tn.GPU_PARAM_CUDA_SYNC, "auto"))
-        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+        use_cuda_device(torch, self.device, _param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC))
         module = load_network(_FolderBundle(folder, spec, 1000), net_name)
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,

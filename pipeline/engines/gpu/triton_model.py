@@ -139,6 +139,13 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     )
 
 
+def model_setup(args: dict) -> tuple[dict, Path, PreprocessSpec]:
+    """What every python model of the gpu profile reads first: its parsed config, version folder and spec."""
+    config = json.loads(args["model_config"])
+    folder = Path(args["model_repository"]) / args["model_version"]
+    return config, folder, PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+
+
 def instance_device(args: dict) -> str:
     """The torch device of a model instance: its GPU for KIND_GPU, else the CPU."""
     if args.get("model_instance_kind", "GPU") == "GPU":
@@ -153,9 +160,7 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
         self.pb = pb_utils
-        config = json.loads(args["model_config"])
-        folder = Path(args["model_repository"]) / args["model_version"]
-        spec = PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+        config, folder, spec = model_setup(args)
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
         self.has_error = tn.OUTPUT_ERROR in outputs
@@ -202,8 +207,7 @@ class TritonPythonModel:
         if failed and not self.has_error:
             # No ERROR output (numpy 2 in this Python): fail the request; the client splits it to
             # isolate the bad input, whose own one-image request then carries its error text.
-            msg = failed[0] if n == 1 else f"{len(failed)} of {n} images failed; first: {failed[0]}"
-            response = pb.InferenceResponse(output_tensors=[], error=bad_input(pb, msg))
+            response = pb.InferenceResponse(output_tensors=[], error=bad_input(pb, tn.failure_message(failed, n)))
         else:
             response = pb.InferenceResponse(output_tensors=self._tensors(raw, 0, n))
         self._send(sender, response)
