@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from pipeline.engines.gpu.stream import echo_ids
+from pipeline.engines.gpu.stream import NullClassifier, RequestStream, echo_ids
 from pipeline.engines.triton import TritonEngine
+from pipeline.imaging import DecodeLimits
 from pipeline.model import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
@@ -137,3 +141,77 @@ def test_engines_of_one_gpu_share_one_server_and_survive_its_loss(tmp_path, monk
     finally:
         owner.close()
         other.close()
+
+
+class _SlowNull(NullClassifier):
+    """The no-work classifier, each batch held ``delay_s`` on its way out: work that takes time, as a GPU's does."""
+
+    def __init__(self, delay_s: float, **kw):
+        super().__init__(**kw)
+        self.delay_s = delay_s
+
+    def run_stream(self, source, sink) -> None:
+        def slow_sink(*args):
+            time.sleep(self.delay_s)
+            sink(*args)
+
+        super().run_stream(source, slow_sink)
+
+
+def test_a_full_backlog_makes_submit_wait_until_work_is_done():
+    """max_backlog: with two batches' worth of images in the stream, the next submit waits for a response first
+    (so that Triton gives the next requests to another model instance); every answer is still its own image's."""
+    answered: dict = {}
+    order: list = []
+
+    def respond(sender, raw, n):
+        order.append(("answered", sender))
+        answered[sender] = raw
+
+    stream = RequestStream(_SlowNull(0.1, batch_size=8, top_k=5), respond, top_k=5, max_backlog=2)
+    datas = _images(40, seed=4)
+    try:
+        stream.submit("a", datas[:16], DecodeLimits())  # 16 images: the whole backlog, let in at once
+        order.append(("submitted", "a"))
+        waiter = threading.Thread(target=lambda: (stream.submit("b", datas[16:20], DecodeLimits()),
+                                                  order.append(("submitted", "b"))))
+        waiter.start()
+        waiter.join(10)
+        stream.submit("c", datas[20:40], DecodeLimits())  # more than the backlog holds, let in: it is not full
+        deadline = time.monotonic() + 10
+        while len(answered) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stream.close()
+    assert order.index(("answered", "a")) < order.index(("submitted", "b"))
+    assert stream.waits == 1 and stream.wait_s > 0.05  # b waited for a; c found 4 of 16 images in the stream
+    for sender, part in (("a", datas[:16]), ("b", datas[16:20]), ("c", datas[20:40])):
+        assert answered[sender].class_ids.tolist() == echo_ids(part, 5).tolist(), sender
+    assert "3 requests, 40 images" in stream.stats() and "max_backlog 16 images" in stream.stats()
+
+
+def test_instances_with_a_backlog_share_the_requests(tmp_path):
+    """Two model instances, each taking one batch before its execute() waits (max_backlog 1): the server hands the
+    requests to both, every answer is its own image's, and each instance's share is in the log at shutdown."""
+    bundle = load_model(None)
+    datas = _images(960, seed=5)
+    repo = build_gpu_repository(None, tmp_path / "repo", network="none", instances=2, error_output=True,
+                                batch_size=16, max_backlog=1)
+    config = repo / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    server = TritonServer(repo)
+    with server:
+        engines = [TritonEngine(bundle, url=server.grpc_url, request_batch=16, concurrency=8) for _ in range(3)]
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                parts = [datas[k * 320 : (k + 1) * 320] for k in range(3)]
+                for part, rows in zip(parts, pool.map(lambda k: engines[k].classify(parts[k]), range(3))):
+                    _check(rows, part, bundle)
+        finally:
+            for engine in engines:
+                engine.close()
+    lines = [line for line in server.stopped_log.splitlines() if "gpu stream of instance" in line]
+    assert len(lines) == 2, server.stopped_log[-2000:]
+    shares = [int(re.search(r"requests, (\d+) images", line).group(1)) for line in lines]
+    assert sum(shares) == len(datas) and min(shares) > 0, lines
+    assert any(int(re.search(r"waited (\d+) times", line).group(1)) > 0 for line in lines), lines

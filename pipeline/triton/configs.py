@@ -25,6 +25,9 @@ GPU_QUEUE_DELAY_US = 100
 GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
 GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
+# Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
+# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits).
+GPU_MAX_BACKLOG = 6
 
 
 def _mc():
@@ -162,6 +165,8 @@ def gpu_config(
     half: str = "auto",
     max_delay_ms: float = GPU_STREAM_DELAY_MS,
     cuda_sync: str | None = None,
+    fold_bn: bool = True,
+    max_backlog: float = GPU_MAX_BACKLOG,
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
 
@@ -197,6 +202,8 @@ def gpu_config(
         tn.GPU_PARAM_DALI_THREADS: dali_threads,
         tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
         tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+        tn.GPU_PARAM_FOLD_BN: "true" if fold_bn else "false",
+        tn.GPU_PARAM_MAX_BACKLOG: max_backlog,
     })
     return _text(config)
 
@@ -228,6 +235,7 @@ def gpu_ensemble_configs(
     hw_decoder_load: float | None = None,
     half: str = "auto",
     cuda_sync: str | None = None,
+    fold_bn: bool = True,
 ) -> dict[str, str]:
     """config.pbtxt of each model of the gpu profile's ensemble shape: ``preprocess`` (python backend: triage, DALI
     and the reference; ragged ``IMAGE`` in, ``PREPROCESSED`` + ``WIDTH``/``HEIGHT``/``STATUS`` out), ``network``
@@ -295,6 +303,7 @@ def gpu_ensemble_configs(
         # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+        tn.GPU_PARAM_FOLD_BN: "true" if fold_bn else "false",
     })
     configs[tn.NETWORK_MODEL] = _text(net)
 

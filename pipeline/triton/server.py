@@ -28,6 +28,7 @@ LOG = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 40
+STOPPED_LOG_LINES = 200  # kept in TritonServer.stopped_log once a server has stopped
 PORT_RETRIES = 3
 SHM_DIR = Path("/dev/shm")
 # Where NVIDIA's Triton container keeps its backends, relative to the binary (bin/tritonserver).
@@ -141,6 +142,7 @@ class TritonServer:
         self.shm_prefix = ""
         self.http_port = self.grpc_port = self.metrics_port = 0
         self.restarts = 0
+        self.stopped_log = ""  # the end of the log of the last server that stopped (models' finalize lines included)
 
     # ---- discovery -------------------------------------------------------------------------------
 
@@ -388,6 +390,7 @@ class TritonServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+            self.stopped_log = self.log_tail(STOPPED_LOG_LINES)
         if self.shm_prefix:
             for leftover in SHM_DIR.glob(f"{self.shm_prefix}*"):
                 leftover.unlink(missing_ok=True)

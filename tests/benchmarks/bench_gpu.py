@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -185,11 +186,24 @@ def networks():
     }
 
 
-def model_only(net, batch: int, min_s: float) -> float:
-    """The ceiling: the network alone on a ready FP16 channels-last batch, replayed as a CUDA graph."""
+def model_only(net, batch: int, min_s: float, variant: str = "folded") -> float:
+    """The ceiling: the network alone on a ready FP16 channels-last batch, replayed as a CUDA graph.
+
+    ``variant``: "folded" (BatchNorms folded into the convolutions, as the gpu engine serves it), "plain" (as built),
+    "compile" (folded, then ``torch.compile``, captured in the same CUDA graph).
+    """
+    import copy
+
     import torch
 
+    from pipeline.engines.gpu.topk_network import fold_batchnorm
+
+    net = copy.deepcopy(net).eval()
+    if variant in ("folded", "compile"):
+        net, _ = fold_batchnorm(net)
     net = net.cuda().half().to(memory_format=torch.channels_last).eval()
+    if variant == "compile":
+        net = torch.compile(net, mode="max-autotune-no-cudagraphs", dynamic=False)
     x = torch.randn(batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         s = torch.cuda.Stream()
@@ -523,15 +537,21 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     for spec in args.servers:
         instances, *flags = spec.split(":")
         sync = next((f for f in flags if f in ("auto", "spin", "block")), None)
-        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block", "ens"}:
-            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto][:ens] (N model instances, "
-                             "optionally under MPS, how the model's threads wait for the GPU, and :ens for the "
-                             "ensemble shape, N preprocess instances + --network-instances)")
+        backlog = next((f[2:] for f in flags if re.fullmatch(r"bl\d+(\.\d+)?", f)), None)
+        if not instances.isdigit() or set(flags) - {"mps", "auto", "spin", "block", "ens", "nofold", f"bl{backlog}"}:
+            raise SystemExit(f"--servers entry {spec!r}: write N[:mps][:block|spin|auto][:ens][:blB][:nofold] (N model "
+                             "instances, optionally under MPS, how the model's threads wait for the GPU, :ens for the "
+                             "ensemble shape, N preprocess instances + --network-instances; :blB a backlog of B "
+                             "batches per instance, 0 for none; :nofold the network's BatchNorms left unfolded)")
         suffix = (f"_i{instances}" + ("_mps" if "mps" in flags else "") + (f"_{sync}" if sync else "")
-                  + ("_ens" if "ens" in flags else ""))
+                  + ("_ens" if "ens" in flags else "") + (f"_bl{backlog}" if backlog is not None else "")
+                  + ("_nofold" if "nofold" in flags else ""))
         shape = "ensemble" if "ens" in flags else "single"
+        options = {"fold_bn": "nofold" not in flags}
+        if backlog is not None:
+            options["max_backlog"] = float(backlog)
         if "mps" not in flags:
-            _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape)
+            _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape, options)
             continue
         from gpu_mps import log_tail, mps
 
@@ -539,7 +559,7 @@ def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
         try:
             with mps(folder) as logs:
                 try:
-                    _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape)
+                    _triton_server_runs(args, results, sets, int(instances), suffix, sync, shape, options)
                 finally:
                     results[f"mps_log{suffix}"] = log_tail(logs)
         finally:
@@ -564,8 +584,8 @@ def _add_models(built: Path, repo: Path, name: str, spec: PreprocessSpec | None)
 
 
 def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
-                        cuda_sync: str | None = None, shape: str = "single") -> None:
-    from bench_scaleout import SmiSampler, gpu_summary
+                        cuda_sync: str | None = None, shape: str = "single", options: dict | None = None) -> None:
+    from bench_scaleout import SmiSampler
 
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.repository import build_gpu_repository
@@ -583,7 +603,7 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
             batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
-            dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync,
+            dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync, **(options or {}),
         )
         _add_models(tmp, repo, name, IMAGENET_SPEC if net == "resnet50" else None)
 
@@ -596,77 +616,100 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
     try:
         with TritonServer(repo, startup_timeout_s=300, extra_args=shm_args) as server:
             results[f"triton_startup_s{suffix}"] = round(time.perf_counter() - t0, 1)
-            # Bad inputs inside a request: each must come back as its own error row, the rest classified.
-            eng = TritonEngine(_Labels(), url=server.grpc_url, request_batch=8, concurrency=1,
-                               model_name=models.get("default", next(iter(models.values()))))
-            bench_set = sets["imagenet"]
-            mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
-            rows = eng.classify(mixed)
-            eng.close()
-            results[f"triton_bad_inputs{suffix}"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
-            print("triton bad inputs:", results[f"triton_bad_inputs{suffix}"], flush=True)
+
+            def bad_inputs():
+                # Bad inputs inside a request: each must come back as its own error row, the rest classified.
+                eng = TritonEngine(_Labels(), url=server.grpc_url, request_batch=8, concurrency=1,
+                                   model_name=models.get("default", next(iter(models.values()))))
+                bench_set = sets["imagenet"]
+                mixed = [bench_set[0], bench_set[1][: len(bench_set[1]) // 2], b"not an image", bench_set[2]]
+                rows = eng.classify(mixed)
+                eng.close()
+                results[f"triton_bad_inputs{suffix}"] = [(r.status, r.error, r.class_ids[:1], r.width) for r in rows]
+                print("triton bad inputs:", results[f"triton_bad_inputs{suffix}"], flush=True)
+
             runs = [(s, n) for s in sets for n in models if n in ("resnet50", "hop") or s == "imagenet"]
-            for (set_name, net), (request_batch, concurrency) in itertools.product(runs, args.client):
-                name = models[net]
-                bench_set = sets[set_name]
-                images = bench_set * max(1, args.triton_images // len(bench_set))
-                for procs in args.client_procs:
-                    key = (f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}"
-                           + (f"_p{procs}" if procs > 1 else "") + suffix)
-                    before = metrics(server.metrics_url).get(name, {})
-                    srv0, w0 = _tree_cpu(server.pid), time.perf_counter()
-                    if procs == 1:
-                        eng = TritonEngine(_Labels(), url=server.grpc_url, model_name=name,
-                                           request_batch=request_batch, concurrency=concurrency)
-                        try:
-                            eng.classify(images[: request_batch * concurrency * 2])  # warm-up
-                            before = metrics(server.metrics_url).get(name, {})
-                            cpu0, srv0, w0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter()
-                            spy = _spy(server.pid, args.out / f"spy_{key}.txt") if args.py_spy else None
-                            r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
-                            if spy is not None:
-                                spy.join()
-                            client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
-                        finally:
-                            eng.close()
-                    else:
-                        mark: dict = {}
-
-                        def started():
-                            mark.update(before=metrics(server.metrics_url).get(name, {}), srv0=_tree_cpu(server.pid),
-                                        w0=time.perf_counter())
-                            if args.py_spy:
-                                mark["spy"] = _spy(server.pid, args.out / f"spy_{key}.txt")
-
-                        r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency,
-                                                      procs, args.seconds, on_start=started)
-                        before, srv0, w0 = mark["before"], mark["srv0"], mark["w0"]
-                        if "spy" in mark:
-                            mark["spy"].join()
-                    srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
-                    after = metrics(server.metrics_url).get(name, {})
-                    count = after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0)
-                    execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
-                    now = time.time()
-                    gpu = gpu_summary(sampler.samples(), now - args.seconds, now).get(0, {})
-                    results[key] = {
-                        "img_s": round(r),
-                        "client_procs": procs,
-                        "instances": instances,
-                        "requests_per_execute": round(
-                            (after.get("nv_inference_request_success", 0)
-                             - before.get("nv_inference_request_success", 0)) / max(execs, 1), 2),
-                        "inference_count": count,
-                        "exec_count": execs,
-                        "client_cores": round(client_cores, 2),  # the actor-shaped client process(es)
-                        "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stubs
-                        "gpu_util_mean": gpu.get("util_mean"),  # nvidia-smi, the last --seconds of the run
-                    }
-                    print(f"{key}: {results[key]}", flush=True)
-                    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+            timed = [(set_name, net, pair, procs) for (set_name, net), pair in itertools.product(runs, args.client)
+                     for procs in args.client_procs]
+            if args.bad_inputs == "before":
+                bad_inputs()
+            for i, run in enumerate(timed):
+                _timed_run(args, results, server, models, sets, sampler, instances, suffix, *run)
+                if i == 0 and args.bad_inputs == "between":
+                    # The same run again after the bad-inputs request (session 5's lead: was the model that got it
+                    # the slow one?).
+                    bad_inputs()
+                    _timed_run(args, results, server, models, sets, sampler, instances, suffix + "_afterbad", *run)
+            if args.bad_inputs == "after":
+                bad_inputs()
             results[f"triton_log_tail{suffix}"] = server.log_tail(15)
+        # Each instance's share of the work, from the models' finalize lines (the log of the stopped server).
+        results[f"streams{suffix}"] = [line.split("gpu stream of ", 1)[1].rstrip('"')
+                                       for line in server.stopped_log.splitlines() if "gpu stream of " in line]
+        for line in results[f"streams{suffix}"]:
+            print(f"streams{suffix}: {line}", flush=True)
     finally:
         sampler.stop()
+
+
+def _timed_run(args, results: dict, server, models: dict, sets: dict, sampler, instances: int, suffix: str,
+               set_name: str, net: str, pair: tuple[int, int], procs: int) -> None:
+    """One timed run of actor-shaped clients against one model of a running server; its row goes to ``results``."""
+    from bench_scaleout import gpu_summary
+
+    from pipeline.engines.triton import TritonEngine
+
+    request_batch, concurrency = pair
+    name = models[net]
+    images = sets[set_name] * max(1, args.triton_images // len(sets[set_name]))
+    key = f"triton_{net}_{set_name}_r{request_batch}_c{concurrency}" + (f"_p{procs}" if procs > 1 else "") + suffix
+    if procs == 1:
+        eng = TritonEngine(_Labels(), url=server.grpc_url, model_name=name,
+                           request_batch=request_batch, concurrency=concurrency)
+        try:
+            eng.classify(images[: request_batch * concurrency * 2])  # warm-up
+            before = metrics(server.metrics_url).get(name, {})
+            cpu0, srv0, w0, t0 = time.process_time(), _tree_cpu(server.pid), time.perf_counter(), time.time()
+            spy = _spy(server.pid, args.out / f"spy_{key}.txt") if args.py_spy else None
+            r = rate(lambda: eng.classify(images), len(images), args.seconds, warmup=0)
+            if spy is not None:
+                spy.join()
+            client_cores = (time.process_time() - cpu0) / (time.perf_counter() - w0)
+        finally:
+            eng.close()
+    else:
+        mark: dict = {}
+
+        def started():
+            mark.update(before=metrics(server.metrics_url).get(name, {}), srv0=_tree_cpu(server.pid),
+                        w0=time.perf_counter(), t0=time.time())
+            if args.py_spy:
+                mark["spy"] = _spy(server.pid, args.out / f"spy_{key}.txt")
+
+        r, client_cores = _procs_rate(server.grpc_url, name, images, request_batch, concurrency, procs, args.seconds,
+                                      on_start=started)
+        before, srv0, w0, t0 = mark["before"], mark["srv0"], mark["w0"], mark["t0"]
+        if "spy" in mark:
+            mark["spy"].join()
+    srv1, w1 = _tree_cpu(server.pid), time.perf_counter()
+    after = metrics(server.metrics_url).get(name, {})
+    execs = after.get("nv_inference_exec_count", 0) - before.get("nv_inference_exec_count", 0)
+    gpu = gpu_summary(sampler.samples(), t0, time.time()).get(0, {})
+    results[key] = {
+        "img_s": round(r),
+        "client_procs": procs,
+        "instances": instances,
+        "requests_per_execute": round((after.get("nv_inference_request_success", 0)
+                                       - before.get("nv_inference_request_success", 0)) / max(execs, 1), 2),
+        "inference_count": after.get("nv_inference_count", 0) - before.get("nv_inference_count", 0),
+        "exec_count": execs,
+        "client_cores": round(client_cores, 2),  # the actor-shaped client process(es)
+        "server_cores": round((srv1 - srv0) / (w1 - w0), 2),  # tritonserver and its stubs
+        "gpu_util_mean": gpu.get("util_mean"),  # nvidia-smi over the timed window
+        "timed_s": round(w1 - w0, 2),
+    }
+    print(f"{key}: {results[key]}", flush=True)
+    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=2, default=str))
 
 
 # ---- parity -----------------------------------------------------------------------------------------------
@@ -762,6 +805,11 @@ def main() -> None:
     p.add_argument("--py-spy", action="store_true", help="sample the Triton model's stub with py-spy in each run")
     p.add_argument("--half", default="auto", help="Triton model's network precision: auto, true, false")
     p.add_argument("--sets", default="imagenet,light", help="JPEG sets: imagenet (~100 KB), light (~35 KB)")
+    p.add_argument("--ceiling-variants", default="folded,plain",
+                   help="the network alone: folded (as served), plain (BatchNorms as built), compile (torch.compile)")
+    p.add_argument("--bad-inputs", choices=("before", "after", "between"), default="after",
+                   help="when the Triton part sends its request holding bad inputs: before the timed runs, after "
+                        "them, or between a first timed run and the same run again")
     args = p.parse_args()
     try:  # a removed decoder fails here, not after the parts that run before Triton
         check_gpu_decoder(args.decoder)
@@ -798,10 +846,16 @@ def main() -> None:
 
     nets = networks()
     for name, (net, _spec) in nets.items():
-        if "ceiling" in parts:
-            results.setdefault(name, {})["model_only"] = attempt(
-                f"{name} ceiling", lambda: round(model_only(net, args.batch, args.seconds)))
-            print(name, "model only", results[name]["model_only"], flush=True)
+        if "ceiling" not in parts:
+            continue
+        for variant in args.ceiling_variants.split(","):
+            # "model_only" is the network as the gpu engine serves it (folded); the others are named by variant.
+            key = "model_only" if variant == "folded" else f"model_only_{variant}"
+            t = time.perf_counter()
+            results.setdefault(name, {})[key] = attempt(
+                f"{name} ceiling {variant}", lambda: round(model_only(net, args.batch, args.seconds, variant)))
+            print(name, "model only", variant, results[name][key], f"({time.perf_counter() - t:.0f} s)", flush=True)
+            save()
     if "overlap" in parts:
         net, _ = nets["resnet50"]
         results["overlap_resnet50"] = attempt(
@@ -872,7 +926,9 @@ def print_table(results: dict) -> None:
             # the same engine in process").
             base = next((v for k, v in row.items() if k.startswith("engine_") and not k.endswith("per_batch")
                          and isinstance(v, (int, float))), None)
-            lines = [("model only (ceiling)", ceiling)]
+            lines = [("model only (ceiling: as served)", ceiling)]
+            lines += [(f"model only ({k[11:]})", v) for k, v in results.get(net, {}).items()
+                      if k.startswith("model_only_")]
             lines += [(f"engine in process ({k[7:]})", v) for k, v in row.items()
                       if k.startswith("engine_") and not k.endswith("per_batch")]
             for key, val in results.items():

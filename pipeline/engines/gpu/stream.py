@@ -8,6 +8,10 @@ would otherwise wait longer than ``max_delay_s``), runs them through the classif
 ``respond(sender, RawResults, n)`` for a request as soon as its last image is done. A batch that fails as a whole
 (a CUDA error, say) fails its images with an ``engine_error`` and the stream goes on.
 
+With ``max_backlog`` set, ``submit`` waits while that many batches' worth of images are already in the stream, so a
+Triton model instance with enough work stays busy in ``execute()`` and the server gives the next requests to another
+instance (its scheduler hands requests to free instances; an ``execute()`` that returns at once is always free).
+
 Torch-free: the classifier brings torch; tests run this module with a classifier that does no work.
 """
 
@@ -43,6 +47,7 @@ class _Request:
     height: np.ndarray
     errors: list[str]
     remaining: int = 0  # images still in the stream
+    counted: int = 0  # images this request adds to the stream's backlog
     done: bool = False
 
     @classmethod
@@ -70,10 +75,12 @@ class RequestStream:
         respond: ``respond(sender, results, n)``, called from the stream's thread once per request.
         top_k: classes per image in the results.
         max_delay_s: how long queued images wait for a fuller batch while the GPU has nothing else to do.
+        max_backlog: batches' worth of images in the stream (queued, being prepared or on the GPU) above which
+            ``submit`` waits for some to finish; 0 never waits. One request is always let in, whatever its size.
     """
 
     def __init__(self, classifier, respond: Callable[[Any, RawResults, int], None], *, top_k: int,
-                 max_delay_s: float = 0.002):
+                 max_delay_s: float = 0.002, max_backlog: float = 0):
         self.classifier = classifier
         self.respond = respond
         self.top_k = top_k
@@ -85,8 +92,14 @@ class RequestStream:
         self._serial = 0
         self._submit_lock = threading.Lock()  # submit is called from several threads (the gpu engine's calls)
         self._closing = False
+        self.max_backlog_images = int(max_backlog * self.batch_size)
+        self._backlog = 0  # images submitted and not yet answered
+        self._backlog_changed = threading.Condition()
         self.batches = 0  # network batches cut, and their images (for the average batch)
         self.images = 0
+        self.requests = 0
+        self.waits = 0  # submits that waited for the backlog, and how long in all
+        self.wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="gpu-stream", daemon=True)
         self._thread.start()
 
@@ -107,14 +120,36 @@ class RequestStream:
                 continue
             items.append((item, pos))
         request.remaining = len(items)
+        self.requests += 1
         if not items:
             self._finish(request)
             return
+        self._admit(request)
         self._queue.put((request, items))
+
+    def _admit(self, request: _Request) -> None:
+        """Waits while the backlog is full (``max_backlog``), then counts the request's images in it."""
+        with self._backlog_changed:
+            if self.max_backlog_images and self._backlog >= self.max_backlog_images and not self._closing:
+                t0 = time.monotonic()
+                self.waits += 1
+                while self._backlog >= self.max_backlog_images and not self._closing:
+                    self._backlog_changed.wait(1.0)
+                self.wait_s += time.monotonic() - t0
+            request.counted = request.remaining
+            self._backlog += request.counted
+
+    def stats(self) -> str:
+        """One line: requests, images and batches so far, and how often ``submit`` waited for the backlog."""
+        return (f"{self.requests} requests, {self.images} images in {self.batches} batches "
+                f"(mean {self.images / max(self.batches, 1):.0f}), waited {self.waits} times for "
+                f"{self.wait_s:.2f} s (max_backlog {self.max_backlog_images} images)")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stops taking work, finishes what is queued, and stops the thread."""
         self._closing = True
+        with self._backlog_changed:
+            self._backlog_changed.notify_all()
         self._queue.put(_CLOSE)
         self._thread.join(timeout_s)
 
@@ -202,6 +237,11 @@ class RequestStream:
 
     def _finish(self, request: _Request) -> None:
         request.done = True
+        if request.counted:
+            with self._backlog_changed:
+                self._backlog -= request.counted
+                request.counted = 0
+                self._backlog_changed.notify_all()
         try:
             self.respond(request.sender, request.results(), request.n)
         except Exception:  # noqa: BLE001 - the client may be gone; the stream goes on

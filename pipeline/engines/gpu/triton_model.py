@@ -136,6 +136,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
         half=half,
         cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
+        fold_bn=_param(config, tn.GPU_PARAM_FOLD_BN, "true").lower() == "true",
     )
 
 
@@ -165,6 +166,7 @@ class TritonPythonModel:
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
         self.has_error = tn.OUTPUT_ERROR in outputs
         device = instance_device(args)
+        self.instance = args.get("model_instance_name", "?")
         net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.limits = config_limits(config)
         batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
@@ -174,7 +176,8 @@ class TritonPythonModel:
             self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
         self.classifier.warmup()
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
-                                    max_delay_s=float(_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000)
+                                    max_delay_s=float(_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
+                                    max_backlog=float(_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
@@ -234,4 +237,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stream.close()
+        # In the server's log: how this instance's share of the work went (several instances share the requests).
+        logger = getattr(self.pb, "Logger", None)
+        if logger is not None:
+            logger.log_info(f"gpu stream of instance {self.instance}: {self.stream.stats()}")
         self.classifier.close()
