@@ -15,7 +15,7 @@ def score(b):
     runs = [d.get(key + b, {}).get("img_s"), d.get(key + b + "_afterbad", {}).get("img_s")]
     runs = [r for r in runs if r]
     return sum(runs) / len(runs) if runs else 0
-print(max(("bl6", "bl3", "bl0"), key=score))
+print(max(("bl6", "bl12", "bl0"), key=score))
 PY
 )
 echo "backlog from call A: ${best:=bl6}"
