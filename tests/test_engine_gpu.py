@@ -115,14 +115,14 @@ def test_gpu_config_is_the_contract_with_a_ragged_image_input():
     assert f'name: "{tn.OUTPUT_ERROR}"' not in gpu_config(error_output=False)
 
 
-def test_gpu_config_sets_the_backlog_and_batchnorm_folding():
+def test_gpu_config_sets_the_backlog_per_instance():
     from pipeline.triton.configs import GPU_MAX_BACKLOG
 
     text = gpu_config()
-    assert f'key: "{tn.GPU_PARAM_MAX_BACKLOG}"' in text and f'string_value: "{GPU_MAX_BACKLOG}"' in text
-    assert f'key: "{tn.GPU_PARAM_FOLD_BN}"' in text and 'string_value: "true"' in text
-    off = gpu_config(max_backlog=0, fold_bn=False)
-    assert 'string_value: "0"' in off and 'string_value: "false"' in off
+    def setting(value) -> str:
+        return f'key: "{tn.GPU_PARAM_MAX_BACKLOG}"\n  value {{\n    string_value: "{value}"'
+
+    assert setting(GPU_MAX_BACKLOG) in text and setting(0) in gpu_config(max_backlog=0)
 
 
 def test_the_ensemble_shape_has_no_backlog(tmp_path):
@@ -216,59 +216,6 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
             # 1.2 % of them, by one level)
             assert levels.max() <= 1.0 and (levels > 0).mean() < 0.02
     clf.close()
-
-
-def test_batchnorms_fold_into_their_convolutions_and_compute_the_same():
-    """fold_batchnorm: conv + BN pairs become one conv (ResNet's shape: BN after conv, ReLU, a residual add); the
-    network computes the same; what fx cannot trace (TorchScript) and the default model (built folded) stay as
-    they are; TopKNetwork folds by default and gives the same top-k either way."""
-    import copy
-
-    torch = pytest.importorskip("torch")
-    from torch import nn
-
-    from pipeline.engines.gpu.topk_network import TopKNetwork, fold_batchnorm
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
-            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
-            self.fc = nn.Linear(8, 10)
-
-        def forward(self, x):
-            y = torch.relu(self.bn1(self.conv1(x)))
-            y = torch.relu(y + self.bn2(self.conv2(y)))
-            return self.fc(y.mean((2, 3)))
-
-    torch.manual_seed(0)
-    net = Block().eval()
-    for bn in (net.bn1, net.bn2):  # statistics far from the identity, so a wrong fold shows
-        bn.running_mean.uniform_(-1, 1)
-        bn.running_var.uniform_(0.3, 3)
-        bn.weight.data.uniform_(0.5, 2)
-        bn.bias.data.uniform_(-1, 1)
-    x = torch.randn(4, 3, 16, 16)
-    with torch.no_grad():
-        want = net(x)
-        folded, count = fold_batchnorm(copy.deepcopy(net))
-        assert count == 2 and not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
-        assert torch.allclose(folded(x), want, atol=1e-5)
-    scripted = torch.jit.trace(Block().eval(), x)
-    assert fold_batchnorm(scripted) == (scripted, 0)
-    kw = dict(crop=(16, 16), device=torch.device("cpu"), half=False, batch_size=4, cuda_graph=False, top_k=3)
-    on, off = TopKNetwork(Block().eval(), **kw), TopKNetwork(Block().eval(), fold_bn=False, **kw)
-    assert (on.folded, off.folded) == (2, 0)
-    net2 = Block().eval()
-    on, off = TopKNetwork(net2, **kw), TopKNetwork(net2, fold_bn=False, **kw)
-    assert torch.equal(on.scores(x)[1], off.scores(x)[1])
-    assert any(isinstance(m, nn.BatchNorm2d) for m in net2.modules())  # the caller's module is left as it was
-
-
-def test_the_default_network_has_no_batchnorm_left_to_fold(lite0):
-    from pipeline.engines.gpu.topk_network import fold_batchnorm
-
-    assert fold_batchnorm(lite0)[1] == 0
 
 
 def test_lite0_torch_module_equals_the_onnx_graph(lite0):

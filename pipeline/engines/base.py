@@ -280,7 +280,6 @@ REGISTRY: dict[str, EngineSpec] = {
                 Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
                 Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
                        choices=tuple(SYNC_FLAGS)),
-                Option("fold_bn", bool, "fold BatchNorms into the convolutions before them: true or false"),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",

@@ -25,8 +25,14 @@ GPU_QUEUE_DELAY_US = 100
 GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
 GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
+# The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE, 256):
+# through Triton, ResNet-50 with 4 instances under MPS did 10,098 img/s at 256 and 11,998-12,152 at 128 (H200,
+# model_repository/GPU_NOTES.md, session 6; session 5, in one run: 7,452 against 9,798).
+GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
-# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits).
+# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits). With it,
+# more instances pay under MPS: ResNet-50 4 / 5 / 6 instances 12.2k / 12.7k / 13.3k img/s (6 with a backlog of 4);
+# 5 instances without one did 11.1k in session 5 (GPU_NOTES.md, session 6).
 GPU_MAX_BACKLOG = 6
 
 
@@ -152,7 +158,7 @@ def gpu_config(
     top_k: int = 5,
     instances: int = GPU_INSTANCES,
     max_batch_size: int = GPU_MAX_BATCH_SIZE,
-    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
+    batch_size: int = GPU_TRITON_BATCH_SIZE,
     decoder: str = "auto",
     network: str = "auto",
     cuda_graph: bool = True,
@@ -165,7 +171,6 @@ def gpu_config(
     half: str = "auto",
     max_delay_ms: float = GPU_STREAM_DELAY_MS,
     cuda_sync: str | None = None,
-    fold_bn: bool = True,
     max_backlog: float = GPU_MAX_BACKLOG,
 ) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
@@ -202,7 +207,6 @@ def gpu_config(
         tn.GPU_PARAM_DALI_THREADS: dali_threads,
         tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
         tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
-        tn.GPU_PARAM_FOLD_BN: "true" if fold_bn else "false",
         tn.GPU_PARAM_MAX_BACKLOG: max_backlog,
     })
     return _text(config)
@@ -235,7 +239,6 @@ def gpu_ensemble_configs(
     hw_decoder_load: float | None = None,
     half: str = "auto",
     cuda_sync: str | None = None,
-    fold_bn: bool = True,
 ) -> dict[str, str]:
     """config.pbtxt of each model of the gpu profile's ensemble shape: ``preprocess`` (python backend: triage, DALI
     and the reference; ragged ``IMAGE`` in, ``PREPROCESSED`` + ``WIDTH``/``HEIGHT``/``STATUS`` out), ``network``
@@ -303,7 +306,6 @@ def gpu_ensemble_configs(
         # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
-        tn.GPU_PARAM_FOLD_BN: "true" if fold_bn else "false",
     })
     configs[tn.NETWORK_MODEL] = _text(net)
 

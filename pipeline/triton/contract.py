@@ -71,7 +71,6 @@ GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_DALI_DEPTH = "dali_depth"  # DALI: batches in flight on one pipeline (1: a pipeline per preparing thread)
 GPU_PARAM_DALI_THREADS = "dali_threads"  # DALI: CPU threads per pipeline
 GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: "block" (sleep) or "spin"
-GPU_PARAM_FOLD_BN = "fold_bn"  # "true": BatchNorms folded into the convolutions before them
 # Batches' worth of images one model instance holds before its execute() waits (so the server gives the next
 # requests to another instance); "0": never waits.
 GPU_PARAM_MAX_BACKLOG = "max_backlog"

@@ -90,7 +90,8 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
     else:
         from pipeline.triton.repository import build_gpu_repository
 
-        build_gpu_repository(None, str(repo), instances=args.instances, batch_size=args.triton_batch,
+        batch = {} if args.triton_batch is None else {"batch_size": args.triton_batch}
+        build_gpu_repository(None, str(repo), instances=args.instances, **batch,
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
                              prep_workers=args.prep_workers, decoder=args.decoder,
                              hw_decoder_load=args.hw_decoder_load, half=args.half,
@@ -325,7 +326,7 @@ def main() -> None:
                    help="job shapes to run, comma-separated ACTORS_PER_GPU:CALLS_PER_ACTOR:own|shared, e.g. "
                         "1:2:own,2:2:shared (shared: the actors of a GPU share one server)")
     p.add_argument("--instances", type=int, default=1, help="Triton model instances per server")
-    p.add_argument("--triton-batch", type=int, default=256, help="network batch inside the gpu model")
+    p.add_argument("--triton-batch", type=int, default=None, help="network batch inside the gpu model (its default)")
     p.add_argument("--triton-max-batch", type=int, default=1024)
     p.add_argument("--queue-delay-us", type=int, default=100)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)

@@ -173,8 +173,6 @@ class GpuClassifier:
         dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.engines.gpu.dali_runner``).
         cuda_sync: how threads wait for the GPU: "block" sleeps, "spin" and CUDA's "auto" spin on a core
             (``pipeline.engines.gpu.cuda_sync``).
-        fold_bn: fold the network's BatchNorms into the convolutions before them
-            (``pipeline.engines.gpu.topk_network.fold_batchnorm``).
 
     Raises:
         ConfigError: an unknown or removed ``decoder``.
@@ -200,7 +198,6 @@ class GpuClassifier:
         dali_threads: int = DEFAULT_DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
-        fold_bn: bool = True,
     ):
         check_gpu_decoder(decoder)
         check_cuda_sync(cuda_sync)
@@ -236,7 +233,7 @@ class GpuClassifier:
         # None: preparation only (the ensemble shape's preprocess model), no network on this device.
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
-            cuda_graph=self.use_graph, top_k=top_k, fold_bn=fold_bn)
+            cuda_graph=self.use_graph, top_k=top_k)
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.

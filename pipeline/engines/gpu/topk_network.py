@@ -23,12 +23,10 @@ class TopKNetwork:
         batch_size: the CUDA graph's batch (smaller batches are padded into it).
         cuda_graph: capture the network per batch size (CUDA only).
         top_k: classes per image.
-        fold_bn: fold each BatchNorm that follows a convolution into it (``fold_batchnorm``; the default model's
-            network is built folded already).
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
-                 top_k: int, fold_bn: bool = True):
+                 top_k: int):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -41,11 +39,8 @@ class TopKNetwork:
         self.use_graph = cuda_graph and self.is_cuda
         self.top_k = top_k
         # A private copy: converting dtype/layout in place would change a module another classifier holds.
-        net = copy.deepcopy(network).eval()
-        self.folded = 0
-        if fold_bn:
-            net, self.folded = fold_batchnorm(net)
-        net = net.to(device).to(memory_format=torch.channels_last)
+        net = copy.deepcopy(network).eval().to(device)
+        net = net.to(memory_format=torch.channels_last)
         self.module = net.half() if half else net.float()
         self._graphs: dict[int, tuple] = {}
 
@@ -101,28 +96,3 @@ class TopKNetwork:
         self._graphs[size] = (g, static_in, static_out)
         log.info("captured a CUDA graph for batch %d", size)
         return self._graphs[size]
-
-
-def fold_batchnorm(module):
-    """``module`` with each BatchNorm that follows a convolution folded into the convolution's weights and bias
-    (inference only: eval mode), and how many were folded.
-
-    The same function in fewer kernels: the folded BatchNorms no longer read and write every activation. It uses
-    torch.fx (``torch.fx.experimental.optimization.fuse``); a module fx cannot trace (TorchScript, data-dependent
-    control flow) is returned as it is, with 0.
-    """
-    import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
-    from torch.fx.experimental.optimization import fuse  # noqa: PLC0415
-
-    def count(m) -> int:
-        return sum(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
-
-    before = count(module)
-    if before == 0 or isinstance(module, torch.jit.ScriptModule):
-        return module, 0
-    try:
-        folded = fuse(module, inplace=True)
-    except Exception as err:  # noqa: BLE001 - not traceable: run the network as it is
-        log.info("BatchNorm folding skipped (%s: %s)", type(err).__name__, str(err)[:200])
-        return module, 0
-    return folded, before - count(folded)

@@ -159,8 +159,7 @@ class NetworkModel:
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,
                                    cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-                                   top_k=self.top_k,
-                                   fold_bn=_param(config, tn.GPU_PARAM_FOLD_BN, "true").lower() == "true")
+                                   top_k=self.top_k)
         self.network.warmup()
         LOG.info("network model ready on %s", self.device)
 

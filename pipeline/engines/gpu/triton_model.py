@@ -136,7 +136,6 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
         half=half,
         cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
-        fold_bn=_param(config, tn.GPU_PARAM_FOLD_BN, "true").lower() == "true",
     )
 
 
