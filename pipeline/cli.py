@@ -247,14 +247,15 @@ def repo() -> None:
 @click.option("--instances", type=int, default=None, help="Model instances per server (default: the profile's).")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
 @click.option("--shape", default="single", show_default=True, help="gpu profile: 'single' (one python model) or 'ensemble' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
+@click.option("--max-backlog", type=float, default=None, help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never; default 6; 4 measured best with 6 instances under MPS).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
-               max_batch_size: int | None, shape: str) -> None:
+               max_batch_size: int | None, shape: str, max_backlog: float | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
     from pipeline.triton.repository import build_repository
 
     try:
         path = build_repository(profile, model, output, top_k=top_k, instances=instances,
-                                max_batch_size=max_batch_size, shape=shape)
+                                max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))

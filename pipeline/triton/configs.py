@@ -180,9 +180,12 @@ def gpu_config(
     it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
 
     Raises:
-        ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead).
+        ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead), or a
+            negative ``max_backlog``.
     """
     check_gpu_decoder(decoder)
+    if max_backlog < 0:
+        raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
     mc = _mc()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     if error_output is None:
@@ -207,7 +210,7 @@ def gpu_config(
         tn.GPU_PARAM_DALI_THREADS: dali_threads,
         tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
         tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
-        tn.GPU_PARAM_MAX_BACKLOG: max_backlog,
+        tn.GPU_PARAM_MAX_BACKLOG: f"{max_backlog:g}",
     })
     return _text(config)
 

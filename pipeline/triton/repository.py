@@ -259,7 +259,8 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
-                     artifacts: bool = True, error_output: bool | None = None, shape: str = "single") -> Path:
+                     artifacts: bool = True, error_output: bool | None = None, shape: str = "single",
+                     max_backlog: float | None = None) -> Path:
     """Writes a complete repository of ``profile`` for ``model`` (a model folder, or None for the default).
 
     portable: ``classifier`` (python backend: reference preprocessing + ONNX Runtime).
@@ -267,7 +268,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     ``classifier_trt`` (the ONNX with softmax/top-k, and an FP16 plan where TensorRT is installed) and the
     ``classifier`` ensemble. ``artifacts=False`` writes only configs and sources (what is committed).
     ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
-    ``shape``: gpu only, "single" or "ensemble" (``build_gpu_repository``).
+    ``shape``: gpu only, "single" or "ensemble" (``build_gpu_repository``); ``max_backlog``: gpu single shape only.
 
     Returns:
         the repository folder.
@@ -277,7 +278,11 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     if profile == "gpu":
         options = {"top_k": top_k}
         options.update({k: v for k, v in (("instances", instances), ("max_batch_size", max_batch_size)) if v})
+        if max_backlog is not None:
+            options["max_backlog"] = max_backlog
         return build_gpu_repository(model, output, shape=shape, **options)
+    if max_backlog is not None:
+        raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
     if shape != "single":
         raise ConfigError(f"shape {shape!r} is the gpu profile's; use --profile gpu, or leave --shape out")
     if profile not in PROFILES:
