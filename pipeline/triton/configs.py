@@ -31,8 +31,8 @@ GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batc
 GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
 # hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits). With it,
-# more instances pay under MPS: ResNet-50 4 / 5 / 6 instances 12.2k / 12.7k / 13.3k img/s (6 with a backlog of 4);
-# 5 instances without one did 11.1k in session 5 (GPU_NOTES.md, session 6).
+# more instances pay under MPS: ResNet-50 4 / 5 / 6 instances 12.0-12.2k / 12.7k / 12.8-13.3k img/s (6 with a backlog
+# of 4); 5 instances without one did 11.1k in session 5 (GPU_NOTES.md, session 6).
 GPU_MAX_BACKLOG = 6
 
 
@@ -178,6 +178,8 @@ def gpu_config(
     ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
     wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
     it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
+    ``max_backlog``: network batches' worth of images one instance takes before its ``execute()`` waits (0: never),
+    so the server hands the next requests to the other instances (``pipeline.engines.gpu.stream``).
 
     Raises:
         ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead), or a

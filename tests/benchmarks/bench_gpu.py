@@ -592,7 +592,8 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
         build_gpu_repository(
             None, tmp, shape=shape, **ens,
             network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
-            batch_size=args.triton_batch, max_batch_size=args.triton_max_batch, decoder=args.decoder,
+            **({} if args.triton_batch is None else {"batch_size": args.triton_batch}),
+            max_batch_size=args.triton_max_batch, decoder=args.decoder,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync, **(options or {}),
@@ -781,9 +782,12 @@ def main() -> None:
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per Triton instance")
     p.add_argument("--network-instances", type=int, default=1, help="network model instances of an :ens server")
     p.add_argument("--triton-max-batch", type=int, default=1024)
-    p.add_argument("--triton-batch", type=int, default=128, help="network batch inside the Triton model")
+    p.add_argument("--triton-batch", type=int, default=None, help="network batch inside the Triton model (the "
+                   "profile's: 128)")
     p.add_argument("--queue-delay-us", type=int, default=100)
-    p.add_argument("--triton-images", type=int, default=8192, help="images per client classify() call")
+    p.add_argument("--triton-images", type=int, default=16384,
+                   help="images per client classify() call (with 8,192 a timed window held one call per client, "
+                        "its ramp and drain included)")
     p.add_argument("--client", type=_client_pairs, default=_client_pairs("128x16"),
                    help="request_batch x concurrency pairs, comma-separated")
     p.add_argument("--triton-nets", default="resnet50,default,hop", help="models served in the triton part")

@@ -112,6 +112,7 @@ class RequestStream:
         with self._submit_lock:
             serial = self._serial
             self._serial += len(blobs)
+            self.requests += 1
         for pos, data in enumerate(blobs):
             try:
                 item = triage(serial + pos, data, limits)
@@ -120,7 +121,6 @@ class RequestStream:
                 continue
             items.append((item, pos))
         request.remaining = len(items)
-        self.requests += 1
         if not items:
             self._finish(request)
             return
