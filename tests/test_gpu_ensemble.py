@@ -9,7 +9,6 @@ runs (DALI's CPU backend, torch on the CPU) and must agree with the single shape
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +21,7 @@ from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer
 from tests.oddities import encode, photo
-from tests.test_gpu_stream import _check, _images
+from tests.test_gpu_stream import _check, _classify_together, _images
 
 
 def _repo(path, shape="ensemble", **options):
@@ -79,20 +78,10 @@ def test_every_answer_is_its_own_images_through_the_ensemble(tmp_path):
     datas = _images(600)
     repo = _repo(tmp_path / "repo", network="none", preprocess_instances=2, batch_size=64, error_output=True)
     with TritonServer(repo) as server:
-        engines = [TritonEngine(bundle, url=server.grpc_url, request_batch=rb, concurrency=c)
-                   for rb, c in ((7, 8), (64, 4), (1, 16))]
-        try:
-            def run(k):
-                part = datas[k * 200 : (k + 1) * 200]
-                return part, engines[k].classify(part)
-
-            with ThreadPoolExecutor(3) as pool:
-                for part, rows in pool.map(run, range(3)):
-                    _check(rows, part, bundle)
-                    assert all(row.width == 64 and row.height == 48 for row in rows)
-        finally:
-            for engine in engines:
-                engine.close()
+        parts = [datas[k * 200 : (k + 1) * 200] for k in range(3)]
+        for part, rows in zip(parts, _classify_together(server.grpc_url, bundle, parts, [(7, 8), (64, 4), (1, 16)])):
+            _check(rows, part, bundle)
+            assert all(row.width == 64 and row.height == 48 for row in rows)
 
 
 @pytest.mark.parametrize("error_output", [True, False], ids=["error-output", "request-fails"])

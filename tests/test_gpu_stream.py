@@ -30,7 +30,8 @@ from pipeline.triton.server import TritonServer
 from tests.oddities import encode, photo
 
 def _repo(tmp_path, **options):
-    repo = build_gpu_repository(None, tmp_path / "repo", network="none", instances=1, error_output=True, **options)
+    repo = build_gpu_repository(None, tmp_path / "repo", network="none", error_output=True,
+                                **{"instances": 1, **options})
     config = repo / tn.MODEL_NAME / "config.pbtxt"
     config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
     return repo
@@ -51,6 +52,18 @@ def _images(n: int, seed: int = 0) -> list[bytes]:
     return out
 
 
+def _classify_together(url: str, bundle, parts: list, shapes: list[tuple[int, int]]) -> list:
+    """Each part classified at once by its own engine of (request_batch, concurrency), as several actors do; the
+    rows of each part."""
+    engines = [TritonEngine(bundle, url=url, request_batch=rb, concurrency=c) for rb, c in shapes]
+    try:
+        with ThreadPoolExecutor(len(parts)) as pool:
+            return list(pool.map(lambda k: engines[k].classify(parts[k]), range(len(parts))))
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def _check(rows, datas, bundle) -> None:
     want = echo_ids(datas, 5)
     for i, (row, data) in enumerate(zip(rows, datas)):
@@ -62,19 +75,9 @@ def test_every_answer_is_its_own_images_with_many_clients(tmp_path):
     bundle = load_model(None)
     datas = _images(1200)
     with TritonServer(_repo(tmp_path, batch_size=64, max_delay_ms=1.0)) as server:
-        engines = [TritonEngine(bundle, url=server.grpc_url, request_batch=rb, concurrency=c)
-                   for rb, c in ((7, 8), (64, 4), (1, 16))]
-        try:
-            def run(k):
-                part = datas[k * 400 : (k + 1) * 400]
-                return part, engines[k].classify(part)
-
-            with ThreadPoolExecutor(3) as pool:
-                for part, rows in pool.map(run, range(3)):
-                    _check(rows, part, bundle)
-        finally:
-            for engine in engines:
-                engine.close()
+        parts = [datas[k * 400 : (k + 1) * 400] for k in range(3)]
+        for part, rows in zip(parts, _classify_together(server.grpc_url, bundle, parts, [(7, 8), (64, 4), (1, 16)])):
+            _check(rows, part, bundle)
         metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     # requests of 1, 7 and 64 images were merged: the server saw fewer execute() calls than requests
     counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
@@ -195,21 +198,11 @@ def test_instances_with_a_backlog_share_the_requests(tmp_path):
     requests to both, every answer is its own image's, and each instance's share is in the log at shutdown."""
     bundle = load_model(None)
     datas = _images(960, seed=5)
-    repo = build_gpu_repository(None, tmp_path / "repo", network="none", instances=2, error_output=True,
-                                batch_size=16, max_backlog=1)
-    config = repo / tn.MODEL_NAME / "config.pbtxt"
-    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
-    server = TritonServer(repo)
+    server = TritonServer(_repo(tmp_path, instances=2, batch_size=16, max_backlog=1))
     with server:
-        engines = [TritonEngine(bundle, url=server.grpc_url, request_batch=16, concurrency=8) for _ in range(3)]
-        try:
-            with ThreadPoolExecutor(3) as pool:
-                parts = [datas[k * 320 : (k + 1) * 320] for k in range(3)]
-                for part, rows in zip(parts, pool.map(lambda k: engines[k].classify(parts[k]), range(3))):
-                    _check(rows, part, bundle)
-        finally:
-            for engine in engines:
-                engine.close()
+        parts = [datas[k * 320 : (k + 1) * 320] for k in range(3)]
+        for part, rows in zip(parts, _classify_together(server.grpc_url, bundle, parts, [(16, 8)] * 3)):
+            _check(rows, part, bundle)
     lines = [line for line in server.stopped_log.splitlines() if "gpu stream of instance" in line]
     assert len(lines) == 2, server.stopped_log[-2000:]
     shares = [int(re.search(r"requests, (\d+) images", line).group(1)) for line in lines]
