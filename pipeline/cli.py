@@ -12,7 +12,7 @@ import click
 
 from pipeline import __version__
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
-from pipeline.engines.base import ENGINE_NAMES, REGISTRY
+from pipeline.engines.base import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError
 from pipeline.triton.contract import PROFILES
 
@@ -61,16 +61,16 @@ def main(verbose: bool) -> None:
 # The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
 RUN_OPTIONS = (
     click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0."),
-    click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None, help="; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
+    click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=None, help=f"{AUTO_ENGINE} (default): triton where the Ray cluster has GPUs, else onnx; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
     click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
     click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5)."),
-    click.option("--batch-size", type=int, default=None, help="Images per engine call (default 64)."),
+    click.option("--batch-size", type=int, default=None, help="Images per engine call (default: 2048 where the actors take GPUs, else 64)."),
     click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000)."),
     click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for the source, the output and the previous output, e.g. endpoint_url=http://127.0.0.1:9000; repeatable."),
     click.option("--overwrite", is_flag=True, default=None, help="Delete this tool's earlier files in the output and start over."),
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
-    click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3 for gpu, 1 for triton; else 0)."),
+    click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3, three actors per GPU; else 0)."),
     click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: 3 for gpu, 2 for triton, else 1)."),
     click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
     click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
@@ -112,7 +112,7 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
     explicit = dict(_run_fields(options), source=source)
     try:
-        config = RunConfig.build(explicit)
+        config = RunConfig.build(explicit).resolved()
         config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
@@ -213,7 +213,14 @@ def nightly_options(config_file: str | None, no_previous: bool, options: dict[st
 
 @main.command("engines")
 def engines_command() -> None:
-    """The registered engines, what each needs, and their --engine-option names."""
+    """The registered engines, what each needs, their --engine-option names, and what auto picks here."""
+    from pipeline.engines.auto import choose  # noqa: PLC0415
+
+    try:
+        choice = choose()
+        click.echo(f"{AUTO_ENGINE} (the default) -> {choice.engine} here: {choice.reason}")
+    except Exception as err:  # noqa: BLE001 - a cluster that cannot be reached: say so, list the engines anyway
+        click.echo(f"{AUTO_ENGINE} (the default): could not count the cluster's GPUs ({err})")
     for spec in REGISTRY.values():
         click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
         for option in spec.options:

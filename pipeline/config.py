@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engines.base import DEFAULT_ENGINE, engine_spec
+from pipeline.engines.base import AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
@@ -67,8 +67,10 @@ class RunConfig:
         source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
-        engine: a name in ``pipeline.engines.base.REGISTRY``; ``engine_options`` are checked against its options.
-        batch_size: images per engine call; shard_size: rows per committed Parquet shard.
+        engine: a name in ``pipeline.engines.base.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
+            cluster's GPUs); ``engine_options`` are checked against its options.
+        batch_size: images per engine call (None: the engine's ``gpu_batch_size`` where its actors take GPUs,
+            else DEFAULT_BATCH_SIZE; set by ``resolved()``); shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
             None: FETCH_AHEAD_PER_ACTOR per classify actor on a GPU, FETCH_AHEAD_PER_CPU_ACTOR per actor on CPUs,
@@ -84,7 +86,7 @@ class RunConfig:
     model: str | None = None
     engine: str = DEFAULT_ENGINE
     top_k: int = 5
-    batch_size: int = 64
+    batch_size: int | None = None
     shard_size: int = 1000
     extensions: tuple[str, ...] = DEFAULT_EXTENSIONS
     storage_options: Mapping[str, Any] = field(default_factory=dict)
@@ -110,8 +112,13 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
-        spec = engine_spec(self.engine)
-        for name in ("top_k", "batch_size", "shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
+        if self.engine == AUTO_ENGINE and self.engine_options:
+            raise ConfigError("--engine-option needs an engine: add --engine onnx or --engine triton (auto picks "
+                              "one by the cluster's GPUs; 'bulk-classify engines' shows which)")
+        spec = None if self.engine == AUTO_ENGINE else engine_spec(self.engine)
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise ConfigError(f"--batch-size must be a positive integer, got {self.batch_size!r}")
+        for name in ("top_k", "shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -137,14 +144,33 @@ class RunConfig:
             raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
         object.__setattr__(self, "extensions", exts)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
-        object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
+        if spec is not None:
+            object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
+
+    def resolved(self, gpus: int | None = None, where: str = "this machine") -> "RunConfig":
+        """This config with ``auto`` resolved to an engine and the batch size filled in, both by the GPUs of the
+        cluster the job runs on (counted here, or given as ``gpus``); a config already resolved is returned as is."""
+        if self.engine != AUTO_ENGINE and self.batch_size is not None:
+            return self
+        from pipeline.engines.auto import choose, cluster_gpus  # noqa: PLC0415
+
+        if gpus is None and self.engine != AUTO_ENGINE and not engine_spec(self.engine).needs_gpu:
+            gpus = 0  # a CPU engine's batch does not depend on the cluster
+        if gpus is None:
+            gpus, where = cluster_gpus()
+        engine = choose(gpus, where).engine if self.engine == AUTO_ENGINE else self.engine
+        spec = engine_spec(engine)
+        batch = self.batch_size
+        if batch is None:
+            batch = spec.gpu_batch_size if spec.needs_gpu and gpus > 0 and spec.gpu_batch_size else DEFAULT_BATCH_SIZE
+        return dataclasses.replace(self, engine=engine, batch_size=batch)
 
     def check_requirements(self) -> None:
         """The engine's preflight (torch, tritonserver, repository) on this machine, before Ray starts.
 
         Skipped when ``RAY_ADDRESS`` points at a cluster: its nodes, not this driver, must meet them.
         """
-        if not os.environ.get("RAY_ADDRESS"):
+        if not os.environ.get("RAY_ADDRESS") and self.engine != AUTO_ENGINE:
             engine_spec(self.engine).check(self.engine_options)
 
     @classmethod

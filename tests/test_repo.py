@@ -151,3 +151,27 @@ def test_find_plan_matches_the_machine_or_fails_fast_naming_both(tmp_path):
         find_plan(tmp_path, PlanKey("9.0", "10.3.1"))
     with pytest.raises(ModelError, match="it has: none"):
         find_plan(tmp_path / "elsewhere", h200)
+
+
+def test_the_engine_builds_each_profile_once_into_the_cache(tmp_path):
+    """`--engine triton` builds its profile's repository once per model, top-k and shape, and every actor and later
+    run reuses it (a shared server is found by its repository's path)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.triton.profiles import PROFILES
+    from pipeline.triton.repository import cached_repository
+
+    bundle = load_model(None)
+    portable, gpu = PROFILES["portable"], PROFILES["gpu"]
+    with ThreadPoolExecutor(4) as pool:  # actors of one node asking at once get one folder
+        built = set(pool.map(lambda _: cached_repository(portable, bundle, top_k=5, cache_dir=tmp_path), range(4)))
+    assert len(built) == 1
+    folder = built.pop()
+    assert check_repository(str(folder)) == [] and repository_top_k(str(folder)) == 5
+    assert cached_repository(portable, bundle, top_k=5, cache_dir=tmp_path) == folder
+    assert cached_repository(portable, bundle, top_k=7, cache_dir=tmp_path) != folder
+    assert not list((tmp_path / "repositories").glob(".build-*"))  # no half-built folder left
+    served = cached_repository(gpu, bundle, top_k=5, cache_dir=tmp_path)
+    text = (served / tn.MODEL_NAME / "config.pbtxt").read_text()
+    assert f"count: {gpu.instances}" in text and f'string_value: "{gpu.max_backlog:g}"' in text
+    assert not (served / tn.MODEL_NAME / "1" / "model.torchscript").exists()  # the default network, from its weights

@@ -19,6 +19,7 @@ from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS  # stdlib only: names
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
 
+DEFAULT_BATCH_SIZE = 64
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
 DEFAULT_TOP_K = 5
@@ -147,6 +148,8 @@ class EngineSpec:
         calls_per_actor: engine calls each actor runs at once by default (``--calls-per-actor``): more than one
             for an engine whose calls mostly wait on a server, so the next batch is sent while this one finishes.
         actors_per_gpu: classify actors sharing one GPU by default (``--num-gpus-per-actor`` is 1 / this).
+        gpu_batch_size: images per actor call by default where the actors take GPUs (``--batch-size``); None:
+            the CPU default, DEFAULT_BATCH_SIZE.
     """
 
     name: str
@@ -158,6 +161,7 @@ class EngineSpec:
     preflight: str | None = None
     calls_per_actor: int = 1
     actors_per_gpu: int = 1
+    gpu_batch_size: int | None = None
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -215,6 +219,16 @@ def check_triton(options: Mapping[str, Any]) -> None:
                               "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
     if options.get("url"):
         return
+    from pipeline.triton.profiles import AUTO, GPU, visible_gpus  # noqa: PLC0415
+
+    profile = options.get("profile", AUTO)
+    if repository is None and (profile == GPU or (profile == AUTO and visible_gpus())):
+        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
+
+        missing = missing_gpu_stack()
+        if missing:
+            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
+                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
     from pipeline.errors import TritonError  # noqa: PLC0415
     from pipeline.triton.server import find_tritonserver  # noqa: PLC0415 - light: stdlib only
 
@@ -230,7 +244,7 @@ REGISTRY: dict[str, EngineSpec] = {
         EngineSpec(
             name="onnx",
             factory="pipeline.engines.onnx:OnnxEngine",
-            summary="ONNX Runtime on the actor's CPU cores (default)",
+            summary="ONNX Runtime on the actor's CPU cores (auto's choice without GPUs)",
             options=(
                 _positive_int("decode_threads", "threads decoding images per actor, e.g. 4"),
                 _positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2"),
@@ -241,11 +255,16 @@ REGISTRY: dict[str, EngineSpec] = {
         EngineSpec(
             name="triton",
             factory="pipeline.engines.triton:TritonEngine",
-            summary="a local tritonserver per actor, images over gRPC",
+            summary="one local tritonserver per GPU (gpu profile: DALI + the network) or per actor (portable: "
+                    "ONNX Runtime on the CPU), images over gRPC",
             options=(
+                Option("profile", str, "the repository the engine builds and serves: auto (gpu where the actor "
+                       "has a GPU, else portable), gpu or portable", choices=("auto", "gpu", "portable")),
                 Option("repository", str, "a folder built by 'bulk-classify repo build'"),
                 Option("url", str, "a running server's gRPC host:port"),
-                _positive_int("instances", "model instances when the engine builds the repository, e.g. 1"),
+                _positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
+                Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
+                       "or false (default: the profile's)"),
                 _positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
                 _positive_int("request_batch", "images per request, e.g. 32"),
                 _positive_int("concurrency", "requests in flight, e.g. 2"),
@@ -257,7 +276,12 @@ REGISTRY: dict[str, EngineSpec] = {
             ),
             needs_gpu=True,
             preflight="pipeline.engines.base:check_triton",
+            # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
+            # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
+            # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
             calls_per_actor=2,
+            actors_per_gpu=3,
+            gpu_batch_size=2048,
         ),
         EngineSpec(
             name="gpu",
@@ -289,11 +313,14 @@ REGISTRY: dict[str, EngineSpec] = {
             # busy; 4: 10,435) on the H200 (model_repository/GPU_NOTES.md, session 3).
             calls_per_actor=3,
             actors_per_gpu=3,
+            gpu_batch_size=2048,
         ),
     )
 }
 ENGINE_NAMES = tuple(REGISTRY)
-DEFAULT_ENGINE = "onnx"
+AUTO_ENGINE = "auto"  # pipeline.engines.auto: triton where the cluster has GPUs, onnx elsewhere
+ENGINE_CHOICES = (AUTO_ENGINE, *ENGINE_NAMES)
+DEFAULT_ENGINE = AUTO_ENGINE
 
 
 def engine_spec(name: str) -> EngineSpec:
@@ -301,7 +328,7 @@ def engine_spec(name: str) -> EngineSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"--engine {name!r} is unknown; choose one of {', '.join(REGISTRY)}") from None
+        raise ConfigError(f"--engine {name!r} is unknown; choose one of {', '.join(ENGINE_CHOICES)}") from None
 
 
 def engine_kwargs(name: str, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import re
-import shutil
-import tempfile
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,6 @@ from pipeline.triton.server import HEALTH_TIMEOUT_S
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_BATCH = 32
-DEFAULT_CONCURRENCY = 2
 REQUEST_TIMEOUT_S = 300.0
 # A request that brings the server down again right after a restart is poison: its inputs are then sent one by
 # one, so only the culprit costs a restart and an error row.
@@ -96,14 +93,18 @@ class TritonEngine:
         bundle: the model (labels, and the ONNX/spec the default repository is built from).
         top_k: classes per image; at most the repository's k.
         limits: byte and pixel caps, checked here before sending, and sent to the server with each request.
-        repository: a model repository folder; default: the portable profile for ``bundle``, built into a
-            temporary folder that ``close()`` removes.
+        profile: the repository profile this engine builds and serves (pipeline.triton.profiles): "auto" is the
+            gpu profile where this process has a GPU, else the portable one. Its ``ServingProfile`` gives every
+            default below that is None.
+        repository: a model repository folder; default: ``profile``'s for ``bundle``, built once into the cache
+            (pipeline.triton.repository.cached_repository).
         url: "host:port" of an already running server's gRPC endpoint (then no server is started or restarted).
         instances: model instances when this engine builds the repository.
+        mps: start a private CUDA MPS daemon for the server this engine starts (pipeline.triton.mps).
         startup_timeout_s: how long to wait for the server to be ready.
         request_batch: images per request at most.
         concurrency: requests in flight at once.
-        server_args: extra tritonserver arguments.
+        server_args: extra tritonserver arguments (after the profile's own).
         model_name: the model to call (default pipeline.triton.contract.MODEL_NAME).
         request_timeout_s: how long one request may take before it counts as failed.
         share_server: share one local server between the engines of this node that would start the same one on
@@ -118,17 +119,27 @@ class TritonEngine:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
+        profile: str = "auto",
         repository: str | None = None,
         url: str | None = None,
         instances: int | None = None,
+        mps: bool | None = None,
         startup_timeout_s: float = 120.0,
-        request_batch: int = DEFAULT_REQUEST_BATCH,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        request_batch: int | None = None,
+        concurrency: int | None = None,
         server_args: Sequence[str] = (),
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
-        share_server: bool = False,
+        share_server: bool | None = None,
     ):
+        from pipeline.triton.profiles import choose_profile  # noqa: PLC0415
+
+        self.profile = serving = choose_profile(profile)
+        request_batch = serving.request_batch if request_batch is None else request_batch
+        concurrency = serving.concurrency if concurrency is None else concurrency
+        share_server = serving.share_server if share_server is None else share_server
+        self.use_mps = serving.mps if mps is None else mps
+        self.counters = {"server_starts": 0, "failovers": 0}
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
                               "must be positive")
@@ -142,7 +153,7 @@ class TritonEngine:
         self._lease = None  # pipeline.triton.sharing.ServerLease when the server is shared
         # The server decodes and classifies: the actor sees one stage, the request's wall time.
         self.stage_seconds = {STAGE_INFER: 0.0}
-        self._tmp_repository: Path | None = None
+        self._mps = None  # pipeline.triton.mps.MpsDaemon of the server this engine owns
         self._local = threading.local()
         self._generation = 0
         self._restart_lock = threading.Lock()
@@ -156,7 +167,8 @@ class TritonEngine:
                 self.url = url
                 self._wait_external(startup_timeout_s)
             else:
-                self._start_own(bundle, repository, instances, startup_timeout_s, server_args)
+                self._start_own(bundle, repository, instances, startup_timeout_s,
+                                [*serving.server_args(), *server_args])
             self._read_model()
         except BaseException:
             self.close()
@@ -166,18 +178,24 @@ class TritonEngine:
 
     def _start_own(self, bundle, repository, instances, startup_timeout_s, server_args) -> None:
         from pipeline.triton.checks import preflight  # noqa: PLC0415
-        from pipeline.triton.repository import build_repository  # noqa: PLC0415
+        from pipeline.triton.repository import cached_repository  # noqa: PLC0415
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:
-            self._tmp_repository = Path(tempfile.mkdtemp(prefix="bulk-classify-repo-"))
-            model_dir = None if getattr(bundle, "onnx_path", None) is None else str(Path(bundle.onnx_path).parent)
-            repository = build_repository("portable", model_dir, str(self._tmp_repository),
-                                          top_k=max(self.top_k, tn.DEFAULT_TOP_K), instances=instances or 1)
+            repository = str(cached_repository(self.profile, bundle, top_k=max(self.top_k, tn.DEFAULT_TOP_K),
+                                               instances=instances))
         preflight(repository)
 
         def start():
-            return TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args).start()
+            env = self._start_mps()
+            try:
+                server = TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args,
+                                      env=env).start()
+            except BaseException:
+                self._stop_mps()
+                raise
+            self.counters["server_starts"] += 1
+            return server
 
         if not self._share:
             self.server = start()
@@ -191,6 +209,34 @@ class TritonEngine:
         if self.server is None:
             self._wait_external(startup_timeout_s)
 
+    def _start_mps(self) -> dict[str, str]:
+        """The environment of a server under this engine's private MPS daemon; {} without one (a message says why
+        where MPS was wanted but cannot start)."""
+        if not self.use_mps or not self.profile.needs_gpu or self._mps is not None:
+            return dict(self._mps.env) if self._mps is not None else {}
+        from pipeline.triton.mps import CONTROL, MpsDaemon  # noqa: PLC0415
+
+        daemon = MpsDaemon()
+        if not daemon.available:
+            LOG.warning("%s is not on this node: the server's model instances take turns on the GPU (slower); "
+                        "install the NVIDIA driver's utilities, or pass --engine-option mps=false", CONTROL)
+            self.use_mps = False
+            return {}
+        try:
+            env = daemon.start()
+        except (OSError, subprocess.SubprocessError) as err:
+            LOG.warning("a private CUDA MPS daemon did not start (%s): serving without MPS (slower); "
+                        "pass --engine-option mps=false to skip it", err)
+            self.use_mps = False
+            return {}
+        self._mps = daemon
+        return env
+
+    def _stop_mps(self) -> None:
+        if self._mps is not None:
+            self._mps.stop()
+            self._mps = None
+
     def _take_lease_again(self, failed: str) -> None:
         """Our shared server (at ``failed``) stopped answering: find its restarted successor, or start one and
         own it. Nothing to do when another thread already moved on from ``failed``."""
@@ -199,6 +245,7 @@ class TritonEngine:
                 return
             self.url, self.server = self._lease.acquire(self._start, exclude_url=failed)
             self._generation += 1
+            self.counters["failovers"] += 1
             if self.server is None:
                 self._wait_external(120.0)
             LOG.warning("shared tritonserver %s stopped answering; now %s (%s)", failed, self.url,
@@ -410,9 +457,7 @@ class TritonEngine:
                 self._lease.release(self.server)
             self.server.stop()
             self.server = None
-        if self._tmp_repository is not None:
-            shutil.rmtree(self._tmp_repository, ignore_errors=True)
-            self._tmp_repository = None
+        self._stop_mps()
 
     def __enter__(self) -> "TritonEngine":
         return self

@@ -42,6 +42,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
+    config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()

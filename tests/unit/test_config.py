@@ -16,7 +16,7 @@ def config(**kw) -> RunConfig:
 
 def test_defaults_and_frozen():
     c = config()
-    assert c.engine == "onnx" and c.top_k == 5 and c.extensions == DEFAULT_EXTENSIONS
+    assert c.engine == "auto" and c.batch_size is None and c.top_k == 5 and c.extensions == DEFAULT_EXTENSIONS
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.top_k = 3
 
@@ -34,7 +34,7 @@ def test_defaults_then_environment_then_explicit_options():
 @pytest.mark.parametrize("kw, message", [
     ({"source": ""}, "SOURCE is empty"),
     ({"output": "in/"}, "--output must differ from SOURCE"),
-    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of onnx, triton, gpu"),
+    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of auto, onnx, triton, gpu"),
     ({"top_k": 0}, "--top-k must be a positive integer, got 0"),
     ({"top_k": 1001}, "--top-k 1001 is larger than any ImageNet head"),
     ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),
@@ -44,8 +44,8 @@ def test_defaults_then_environment_then_explicit_options():
     ({"decode_threads": 0}, "--decode-threads must be at least 1"),
     ({"metrics_port": 70000}, "--metrics-port 70000 is not a TCP port"),
     ({"extensions": ("jpg", "a/b")}, "is not a list like jpg,png,webp"),
-    ({"engine_options": {"bogus": 1}}, "engine 'onnx' has no option bogus; its options are decode_threads"),
-    ({"engine_options": {"max_batch": 0}}, r"--engine-option max_batch=0 \(engine 'onnx'\) must be at least 1"),
+    ({"engine": "onnx", "engine_options": {"bogus": 1}}, "engine 'onnx' has no option bogus; its options are decode_threads"),
+    ({"engine": "onnx", "engine_options": {"max_batch": 0}}, r"--engine-option max_batch=0 \(engine 'onnx'\) must be at least 1"),
     ({"engine": "triton", "engine_options": {"request_batch": -5}}, "request_batch=-5 .* must be at least 1"),
     ({"engine": "triton", "engine_options": {"startup_timeout_s": 0}}, "startup_timeout_s=0 .* must be more than 0"),
     ({"engine": "gpu", "engine_options": {"decoder": "jpegturbo"}}, "decoder='jpegturbo' .* is not one of auto"),

@@ -23,10 +23,10 @@ from pipeline.errors import ConfigError
 
 
 def test_registry_names_every_engine_once():
-    assert ENGINE_NAMES == ("onnx", "triton", "gpu") and DEFAULT_ENGINE in REGISTRY
+    assert ENGINE_NAMES == ("onnx", "triton", "gpu") and DEFAULT_ENGINE == "auto" and DEFAULT_ENGINE not in REGISTRY
     assert [s.name for s in REGISTRY.values()] == list(REGISTRY)
     assert {name for name, spec in REGISTRY.items() if spec.needs_gpu} == {"triton", "gpu"}
-    with pytest.raises(ConfigError, match="--engine 'cuda' is unknown; choose one of onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match="--engine 'cuda' is unknown; choose one of auto, onnx, triton, gpu"):
         engine_spec("cuda")
 
 
@@ -87,7 +87,7 @@ def test_option_errors_name_the_value_and_the_fix(option, raw, message):
 
 def test_unknown_option_lists_the_known_ones():
     with pytest.raises(ConfigError, match="engine 'triton' has no option bogus, max_batch; its options are "
-                                          "repository, url, instances"):
+                                          "profile, repository, url, instances"):
         REGISTRY["triton"].parse_options({"max_batch": 8, "bogus": 1})
 
 
@@ -113,7 +113,7 @@ def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
 
     actors, actor_cpus, gpus_each = plan("gpu")
     assert (actors, actor_cpus) == (6, 1.0) and abs(gpus_each - 1 / 3) < 1e-9
-    assert plan("triton") == (2, 1.0, 1.0)
+    assert plan("triton")[:1] == (6,)  # three actors per GPU share its one server (the gpu profile)
     assert plan("gpu", num_gpus_per_actor=0.5)[:1] == (4,)
     assert plan("gpu", num_actors=2)[0] == 2
     assert plan("gpu", gpus=0) == (4, 1.0, 0.0)  # no GPUs: the CPU plan (a core in four)

@@ -1,0 +1,73 @@
+"""``--engine auto``, the default: the triton engine (gpu profile) where the Ray cluster has GPUs, onnx elsewhere.
+
+The choice is made once in the driver, before anything is written, from the GPUs Ray will schedule on: this
+machine's (as Ray counts them) for a local Ray, the cluster's resources with ``RAY_ADDRESS``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+from pipeline.triton.profiles import node_gpus
+
+LOG = logging.getLogger(__name__)
+
+AUTO_ENGINE = "auto"
+GPU_CHOICE = "triton"  # one local Triton per GPU serving DALI + the network: the product's GPU path
+CPU_CHOICE = "onnx"
+GPU_STACK = ("torch", "nvidia.dali")  # what the gpu profile's model imports inside the server
+GPU_EXTRA_HINT = "pip install 'bulk-classify[gpu]' and PyTorch with CUDA"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` resolves to, and why, in words a user reads in ``bulk-classify engines``."""
+
+    engine: str
+    gpus: int
+    reason: str
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package (``nvidia``) is missing
+        return False
+
+
+def missing_gpu_stack() -> list[str]:
+    """The gpu profile's imports that this machine lacks."""
+    return [m for m in GPU_STACK if not _importable(m)]
+
+
+def cluster_gpus() -> tuple[int, str]:
+    """(GPUs, where they were counted): the cluster's with ``RAY_ADDRESS`` (Ray is connected for it), else this
+    machine's as a local Ray would count them."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        return node_gpus(), "this machine"
+    import ray  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True)
+    return int(ray.cluster_resources().get("GPU", 0)), f"the Ray cluster at {address}"
+
+
+def choose(gpus: int | None = None, where: str = "this machine") -> Choice:
+    """The engine ``auto`` runs: triton on a cluster with GPUs (whose driver has the GPU stack, when the cluster
+    is this machine), onnx elsewhere."""
+    if gpus is None:
+        gpus, where = cluster_gpus()
+    if gpus <= 0:
+        return Choice(CPU_CHOICE, 0, f"{where} has no GPU that Ray can use")
+    if where == "this machine":
+        missing = missing_gpu_stack()
+        if missing:
+            LOG.warning("%d GPU(s) here but no %s: classifying on the CPU; %s for the GPU path", gpus,
+                        " or ".join(missing), GPU_EXTRA_HINT)
+            return Choice(CPU_CHOICE, gpus, f"{where} has {gpus} GPU(s) but no {' or '.join(missing)} "
+                                            f"({GPU_EXTRA_HINT})")
+    return Choice(GPU_CHOICE, gpus, f"{where} has {gpus} GPU(s): one local Triton per GPU, gpu profile")

@@ -1,0 +1,213 @@
+"""The whole job as a user types it: ``bulk-classify run IMAGES --output OUT [ARGS]``, one table of variants.
+
+Run on a GPU node (the device kit: tests/benchmarks/device/README.md)::
+
+    python tests/benchmarks/bench_job.py --images 100000 --work /tmp/job \\
+        --variant default= --variant inproc='--engine gpu --batch-size 2048'
+
+Each variant is ``NAME=ARGS``: the CLI (``python -m pipeline.cli -v run IMAGES --output OUT ARGS``) runs as a
+subprocess on a fresh output, and the table gives, from the rows and the shard files it wrote:
+
+- steady img/s: rows whose actor call started (``classified_at``) between those of the rows at 15 % and 90 %;
+- start: the command's start to the first committed shard; tail: the last committed shard to the command's exit;
+- wall, every row exactly once, GPU busy over the steady window (``nvidia-smi`` every 0.25 s);
+- tritonserver processes (the most at once, and all seen), and the log lines that report a server failover;
+- CPU seconds by process over the whole run (``bench_streaming.TreeSampler``).
+
+The images are ImageNet-like JPEGs (500x375, ~100 KB) from ``bench_scaleout.make_images``, hard-linked.
+``--dry-run-cpu`` checks the script end to end on a machine without a GPU (a few hundred images).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+
+LOG = logging.getLogger("bench_job")
+FAILOVER_MARKERS = ("stopped answering", "tritonserver restarted")
+
+
+class ServerCounter:
+    """Samples the tritonserver processes of this machine every ``period_s``: the most at once and every pid."""
+
+    def __init__(self, period_s: float = 0.25):
+        self.period_s, self.most, self.pids = period_s, 0, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            now = {p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "") == "tritonserver"}
+            self.most = max(self.most, len(now))
+            self.pids |= now
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "ServerCounter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def run_timed(cmd: list[str], env: dict[str, str], timeout_s: float):
+    """Runs ``cmd`` while sampling its process tree; (wall s, sampler, output with each line's arrival time)."""
+    from bench_streaming import TreeSampler, stop_tree
+
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(f"{time.perf_counter() - start:8.2f} {line.rstrip()}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        with TreeSampler(proc.pid, 0.5, 5.0) as sampler:
+            proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_tree(proc.pid)
+        raise SystemExit(f"{' '.join(cmd)} ran past {timeout_s:.0f} s:\n" + "\n".join(lines[-60:])) from None
+    except BaseException:
+        stop_tree(proc.pid)
+        raise
+    finally:
+        reader.join(10)
+    wall = time.perf_counter() - start
+    log = "\n".join(lines)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}:\n{log[-4000:]}")
+    return wall, sampler, log
+
+
+def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampler) -> dict:
+    import pyarrow.dataset as pads
+
+    from bench_scaleout import gpu_summary, steady_rate
+
+    out = root / f"out-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pipeline.cli", "-v", "run", str(images), "--output", str(out),
+           *shlex.split(args_text)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    LOG.warning("variant %s: %s", name, " ".join(cmd))
+    t0 = time.time()
+    with ServerCounter() as servers:
+        wall, tree, log = run_timed(cmd, env, opts.timeout_s)
+    t_end = t0 + wall
+    (opts.out / f"log-{name}.txt").write_text(log)
+    table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "classified_at", "status"])
+    uris = table.column("uri").to_pylist()
+    starts = [t.timestamp() for t in table.column("classified_at").to_pylist() if t is not None]
+    rate, lo, hi = steady_rate(starts)
+    commits = sorted(p.stat().st_mtime for p in out.rglob("part-*.parquet"))
+    report = json.loads((out / "_REPORT.json").read_text()) if (out / "_REPORT.json").is_file() else {}
+    cpu = collections.Counter()
+    for pid, seconds in tree.cpu_s.items():
+        cpu[tree.proc_peak.get(pid, ("?", 0))[0]] += seconds
+    total = opts.images
+    row = {
+        "variant": name, "args": args_text, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
+        "every_row_once": len(uris) == len(set(uris)) == total,
+        "ok": table.column("status").to_pylist().count("ok"),
+        "wall_s": round(wall, 1), "start_s": round(commits[0] - t0, 1) if commits else None,
+        "first_call_s": round(min(starts) - t0, 1) if starts else None,
+        "tail_s": round(t_end - commits[-1], 1) if commits else None,
+        "steady_img_s": round(rate, 1) if rate else None, "steady_window_s": round(hi - lo, 1),
+        "job_img_s": round(total / wall, 1),
+        "gpu_steady": gpu_summary(sampler.samples(), lo, hi) if rate else {},
+        "servers_at_once": servers.most, "servers_seen": len(servers.pids),
+        "failover_lines": [ln[:200] for ln in log.splitlines() if any(m in ln for m in FAILOVER_MARKERS)],
+        "engine": report.get("engine"), "serving": report.get("serving"),
+        "cpu_s_by_process": {k: round(v, 1) for k, v in cpu.most_common(12)},
+        "cpu_s_total": round(tree.cpu_total_s, 1),
+    }
+    LOG.warning("result %s", json.dumps(row))
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    base = rows[0]["steady_img_s"] if rows else None
+    header = (f"{'variant':<14} {'engine':<22} {'rows once':>9} {'steady img/s':>12} {'x first':>7} {'window s':>8} "
+              f"{'GPU %':>6} {'wall s':>7} {'start s':>7} {'tail s':>6} {'servers':>7} {'failovers':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = f"{r['steady_img_s'] / base:.2f}" if base and r["steady_img_s"] else "-"
+        gpu = "/".join(f"{g['util_mean']:.0f}" for g in r["gpu_steady"].values()) or "-"
+        print(f"{r['variant']:<14} {str(r['engine'])[:22]:<22} {str(r['every_row_once']):>9} "
+              f"{str(r['steady_img_s']):>12} {ratio:>7} {r['steady_window_s']:>8} {gpu:>6} {r['wall_s']:>7} "
+              f"{str(r['start_s']):>7} {str(r['tail_s']):>6} {r['servers_at_once']:>3}/{r['servers_seen']:<3} "
+              f"{len(r['failover_lines']):>9}")
+    for r in rows:
+        cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_s_by_process"].items())
+        print(f"CPU s {r['variant']}: total {r['cpu_s_total']} over {r['wall_s']} s wall: {cpu}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=100_000, help="files in the source (hard links)")
+    p.add_argument("--unique", type=int, default=2048, help="distinct JPEGs behind them")
+    p.add_argument("--set", default="imagenet", help="bench_gpu set: imagenet (~100 KB) or light (~35 KB)")
+    p.add_argument("--work", type=Path, required=True, help="folder for the images and outputs (images reused)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON and logs (default WORK/results)")
+    p.add_argument("--variant", action="append", default=[], help="NAME=ARGS for 'bulk-classify run' (repeatable)")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
+    p.add_argument("--mps", action="store_true", help="every variant under a private CUDA MPS daemon (gpu_mps.py)")
+    p.add_argument("--dry-run-cpu", action="store_true", help="a few hundred images, for a machine without a GPU")
+    opts = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if opts.dry_run_cpu:
+        opts.images, opts.unique = min(opts.images, 240), min(opts.unique, 48)
+    opts.out = opts.out or opts.work / "results"
+    opts.out.mkdir(parents=True, exist_ok=True)
+    variants = [v.partition("=")[::2] for v in opts.variant] or [("default", "")]
+
+    from bench_scaleout import SmiSampler, make_images
+
+    from pipeline.model import load_model
+
+    load_model(None)  # the default model's ONNX in the cache, as after a user's first run
+    images = make_images(opts.work, opts.images, opts.unique, opts.set)
+    sampler = SmiSampler(opts.out / "nvidia_smi.csv", period_ms=250)
+    rows = []
+    stack = contextlib.ExitStack()
+    if opts.mps:
+        from gpu_mps import mps
+
+        stack.enter_context(mps(opts.work / "mps"))
+    try:
+        for name, args_text in variants:
+            try:
+                rows.append(run_variant(name, args_text, images, opts.work, opts, sampler))
+            except SystemExit as err:  # one failing variant does not lose the others' rows
+                LOG.warning("variant %s failed: %s", name, str(err)[-3000:])
+            (opts.out / "bench_job.json").write_text(json.dumps(rows, indent=2))
+    finally:
+        stack.close()
+        sampler.stop()
+    print()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

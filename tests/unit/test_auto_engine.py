@@ -1,0 +1,74 @@
+"""``--engine auto`` and the triton engine's profiles: what each resolves to, by the GPUs there are."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import RunConfig
+from pipeline.engines import auto
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, REGISTRY
+from pipeline.errors import ConfigError
+from pipeline.triton import profiles
+
+
+def config(**kw) -> RunConfig:
+    return RunConfig(**{"source": "in/", "output": "out/", **kw})
+
+
+def test_auto_is_onnx_without_gpus_and_triton_with_them():
+    assert auto.choose(0, "this machine") == auto.Choice("onnx", 0, "this machine has no GPU that Ray can use")
+    choice = auto.choose(2, "the Ray cluster at ray://head:10001")
+    assert (choice.engine, choice.gpus) == ("triton", 2)
+    assert choice.reason == "the Ray cluster at ray://head:10001 has 2 GPU(s): one local Triton per GPU, gpu profile"
+
+
+def test_auto_on_a_gpu_machine_without_the_gpu_stack_stays_on_the_cpu(monkeypatch, caplog):
+    monkeypatch.setattr(auto, "missing_gpu_stack", lambda: ["nvidia.dali"])
+    choice = auto.choose(1, "this machine")
+    assert choice.engine == "onnx"
+    assert choice.reason == ("this machine has 1 GPU(s) but no nvidia.dali (pip install 'bulk-classify[gpu]' and "
+                             "PyTorch with CUDA)")
+    assert "classifying on the CPU" in caplog.text
+    # a remote cluster's nodes are not this driver: their packages are theirs
+    assert auto.choose(1, "the Ray cluster at x").engine == "triton"
+
+
+def test_this_machine_has_no_gpu_here():
+    """The CPU machines that run CI: auto must resolve to onnx, the quick start's engine."""
+    assert profiles.node_gpus() == 0
+    assert auto.choose().engine == "onnx"
+
+
+def test_resolved_fills_the_engine_and_the_batch_size_by_the_gpus():
+    assert (config().resolved(gpus=0).engine, config().resolved(gpus=0).batch_size) == ("onnx", DEFAULT_BATCH_SIZE)
+    on_gpus = config().resolved(gpus=1, where="the Ray cluster at x")
+    assert (on_gpus.engine, on_gpus.batch_size) == ("triton", REGISTRY["triton"].gpu_batch_size)
+    assert config(batch_size=8).resolved(gpus=1, where="the Ray cluster at x").batch_size == 8  # explicit wins
+    assert config(engine="triton").resolved(gpus=0).batch_size == DEFAULT_BATCH_SIZE  # portable profile, CPU
+    assert config(engine="onnx").resolved(gpus=4).batch_size == DEFAULT_BATCH_SIZE
+    resolved = config(engine="onnx", batch_size=16)
+    assert resolved.resolved() is resolved
+
+
+def test_engine_options_need_an_engine():
+    with pytest.raises(ConfigError, match=r"^--engine-option needs an engine: add --engine onnx or --engine triton"):
+        config(engine_options={"max_batch": 8})
+
+
+@pytest.mark.parametrize("visible, profile", [("", "portable"), ("-1", "portable"), ("0", "gpu"), ("1,2", "gpu")])
+def test_triton_serves_the_gpu_profile_where_the_actor_has_a_gpu(monkeypatch, visible, profile):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert profiles.choose_profile("auto").name == profile
+    assert profiles.choose_profile("portable").name == "portable"
+
+
+def test_profiles_carry_their_serving_shape():
+    gpu, portable = profiles.PROFILES["gpu"], profiles.PROFILES["portable"]
+    assert gpu.server_args() == ["--backend-config=python,shm-default-byte-size=268435456",
+                                 "--backend-config=python,shm-growth-byte-size=67108864"]
+    assert portable.server_args() == []
+    assert gpu.needs_gpu and gpu.share_server and gpu.mps and not portable.share_server
+    # requests in flight per engine keep the actor's call busy: a call's images fill the requests at least once
+    assert REGISTRY["triton"].gpu_batch_size >= gpu.request_batch * gpu.concurrency
+    with pytest.raises(ConfigError, match=r"profile='cpu' is unknown; use auto, portable, gpu"):
+        profiles.choose_profile("cpu")
