@@ -15,7 +15,6 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
