@@ -21,8 +21,10 @@ from pipeline.errors import EngineError
 from pipeline.imaging import decode_image, load_and_preprocess, normalize_array
 
 DATA = Path(__file__).resolve().parent / "data"
-# FP32 on the CPU: the layouts sum the same products in another order (seen: at most 1.3e-5 of logits up to ~15).
+# FP32 on the CPU the layouts gave bit-identical logits (torch 2.13, the photos and all 200 parity inputs); the bound
+# leaves room for a backend that sums the zero taps or the larger padding in another order.
 MAX_LOGIT_DIFF = 1e-4
+PARITY_INPUTS = 8
 
 
 def _conv_shapes() -> list[tuple[int, int, int]]:
@@ -98,11 +100,11 @@ def weights():
 
 @pytest.fixture(scope="module")
 def inputs() -> np.ndarray:
-    """The committed photos (whole reference preprocessing) and 16 of the parity inputs (already 224 px)."""
+    """The committed photos (whole reference preprocessing) and 8 of the parity inputs (already 224 px)."""
     photos = [load_and_preprocess(p.read_bytes(), DEFAULT_SPEC)[0] for p in sorted((DATA / "photos").glob("*.jpg"))]
     parity = [normalize_array(np.asarray(decode_image(p.read_bytes())), DEFAULT_SPEC)
-              for p in sorted((DATA / "parity" / "inputs").glob("*.jpg"))[:16]]
-    assert len(photos) >= 10 and len(parity) == 16
+              for p in sorted((DATA / "parity" / "inputs").glob("*.jpg"))[:PARITY_INPUTS]]
+    assert len(photos) >= 10 and len(parity) == PARITY_INPUTS
     return np.stack(photos + parity)
 
 
@@ -119,12 +121,15 @@ def test_the_reference_layout_matches_the_original_torch_model(inputs, reference
     """The explicit layout against the package's own torch model's logits on the parity inputs
     (tests/data/parity/torch_logits.npz, made by tests/data/make_parity_fixture.py)."""
     fixture = np.load(DATA / "parity" / "torch_logits.npz")
-    got = reference_logits[-16:]
-    assert np.abs(got - fixture["logits"][:16]).max() < 1e-3
-    assert (got.argmax(1) == fixture["logits"][:16].argmax(1)).all()
+    got, want = reference_logits[-PARITY_INPUTS:], fixture["logits"][:PARITY_INPUTS]
+    assert np.abs(got - want).max() < 1e-3
+    assert (got.argmax(1) == want.argmax(1)).all()
 
 
-@pytest.mark.parametrize("name", [n for n in LITE0_LAYOUTS if n != REFERENCE_LITE0_LAYOUT])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n == DEFAULT_LITE0_LAYOUT else pytest.mark.slow)
+    for n in LITE0_LAYOUTS if n != REFERENCE_LITE0_LAYOUT
+])
 def test_each_layout_gives_the_reference_logits(name, weights, inputs, reference_logits):
     torch = pytest.importorskip("torch")
     from pipeline.engines.gpu.networks import efficientnet_lite0

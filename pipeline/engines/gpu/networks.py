@@ -115,7 +115,7 @@ def pad_plan(size: int, kernel: int, stride: int, form: str) -> PadPlan:
         return PadPlan(None, before, 0, 0)
     if form == "kernel":
         return PadPlan(None, after, after - before, 0)
-    if form == "slice":
+    if form == "slice" and after <= before + stride:
         return PadPlan(None, before + stride, 0, 1)
     raise ValueError(f"padding form {form!r} cannot make the asymmetric pads ({before}, {after})")
 
