@@ -8,11 +8,20 @@ GPU and the ONNX reference compute the same function; the ``efficientnet-lite-py
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.default_model import BN_EPS, HEAD_CHANNELS, IMAGE_SIZE, LITE0_BLOCKS, MODEL_NAME, load_checkpoint
+from pipeline.default_model import (
+    BN_EPS,
+    HEAD_CHANNELS,
+    IMAGE_SIZE,
+    LITE0_BLOCKS,
+    MODEL_NAME,
+    _same_pads,
+    load_checkpoint,
+)
 from pipeline.errors import EngineError, ModelError
 from pipeline.model import TORCHSCRIPT_FILE
 
@@ -21,11 +30,48 @@ log = logging.getLogger(__name__)
 BENCHMARK_NETWORKS = ("resnet50",)
 
 
-def _same_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
-    """TF 'SAME' padding (before, after) for a static input size, as the checkpoint's training used."""
-    out = -(-size // stride)
-    total = max((out - 1) * stride + kernel - size, 0)
-    return total // 2, total - total // 2
+@dataclass(frozen=True, kw_only=True)
+class Lite0Layout:
+    """How the torch module computes the checkpoint's TF "SAME" padding; every layout computes the same function.
+
+    Each field is one of "pad" (``F.pad``, then the conv without padding: a separate copy of the input),
+    "conv" (the conv's own symmetric padding: only for symmetric pads), "kernel" (zero taps in front of the kernel,
+    so that the asymmetric pad becomes the conv's own symmetric one) or "slice" (the conv's own padding, one stride
+    larger in front, and the extra first output row and column dropped after the block's 1x1 projection, where
+    the tensor is smallest).
+
+    Attributes:
+        symmetric: the stride-1 layers' pads ("pad" or "conv").
+        asymmetric: the stride-2 depthwise layers' pads ("pad", "kernel" or "slice").
+        stem: the stride-2 stem's pad ("pad" or "kernel").
+        inplace: ReLU6 in place.
+    """
+
+    symmetric: str
+    asymmetric: str
+    stem: str
+    inplace: bool
+
+    def __post_init__(self):
+        for name, allowed in (("symmetric", ("pad", "conv")), ("asymmetric", ("pad", "kernel", "slice")),
+                              ("stem", ("pad", "kernel"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Lite0Layout.{name} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+
+
+# Named layouts, measured against each other (and timm's efficientnet_lite0) by tests/benchmarks/bench_network.py.
+LITE0_LAYOUTS = {
+    "explicit": Lite0Layout(symmetric="pad", asymmetric="pad", stem="pad", inplace=False),
+    "conv_pads": Lite0Layout(symmetric="conv", asymmetric="pad", stem="pad", inplace=False),
+    "slice": Lite0Layout(symmetric="conv", asymmetric="slice", stem="pad", inplace=False),
+    "slice_kstem": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=False),
+    "kernel": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=False),
+    "slice_kstem_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=True),
+    "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
+}
+REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
+# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are unmeasured).
+DEFAULT_LITE0_LAYOUT = "slice_kstem_inplace"
 
 
 def _fold(weights: dict[str, np.ndarray], conv: str, bn: str) -> tuple[np.ndarray, np.ndarray]:
@@ -37,60 +83,116 @@ def _fold(weights: dict[str, np.ndarray], conv: str, bn: str) -> tuple[np.ndarra
     return (w * factor[:, None, None, None]).astype(np.float32), (beta - mean * factor).astype(np.float32)
 
 
-def efficientnet_lite0(weights: dict[str, np.ndarray]):
-    """EfficientNet-Lite0 as a torch module (eval only, BatchNorm folded) from the checkpoint's arrays."""
+@dataclass(frozen=True)
+class PadPlan:
+    """One conv's TF "SAME" padding as a layout computes it.
+
+    Attributes:
+        pad: ``F.pad``'s (left, right, top, bottom) before the conv, or None.
+        padding: the conv's own symmetric padding.
+        front_taps: zero taps put in front of the kernel (rows and columns).
+        drop: output rows and columns to drop in front (after the block's projection).
+    """
+
+    pad: tuple[int, int, int, int] | None
+    padding: int
+    front_taps: int
+    drop: int
+
+
+def pad_plan(size: int, kernel: int, stride: int, form: str) -> PadPlan:
+    """How a conv of ``kernel`` and ``stride`` on a ``size`` square input gets TF's "SAME" output in ``form``.
+
+    With TF's (before, after) pads, output ``i`` reads input ``stride * i + t - before`` for tap ``t``:
+    - "kernel": ``after - before`` zero taps in front and padding ``after`` read input
+      ``stride * i + (t + after - before) - after``, the same positions, with as many outputs;
+    - "slice": padding ``before + stride`` makes output ``i + 1`` what TF's output ``i`` is, so the first is dropped.
+    """
+    before, after = _same_pads(size, kernel, stride)
+    if form == "pad" and (before or after):
+        return PadPlan((before, after, before, after), 0, 0, 0)
+    if before == after or form == "pad":
+        return PadPlan(None, before, 0, 0)
+    if form == "kernel":
+        return PadPlan(None, after, after - before, 0)
+    if form == "slice" and after <= before + stride:
+        return PadPlan(None, before + stride, 0, 1)
+    raise ValueError(f"padding form {form!r} cannot make the asymmetric pads ({before}, {after})")
+
+
+def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout = DEFAULT_LITE0_LAYOUT):
+    """EfficientNet-Lite0 as a torch module (eval only, BatchNorm folded) from the checkpoint's arrays.
+
+    ``layout``: how TF's "SAME" padding is computed (a ``LITE0_LAYOUTS`` name or a ``Lite0Layout``); all give the
+    same logits, up to float rounding.
+    """
     import torch  # noqa: PLC0415 - optional dependency
     from torch import nn
 
+    if isinstance(layout, str):
+        if layout not in LITE0_LAYOUTS:
+            raise EngineError(f"unknown EfficientNet-Lite0 layout {layout!r}; use one of {', '.join(LITE0_LAYOUTS)}")
+        layout = LITE0_LAYOUTS[layout]
+    relu6 = nn.functional.relu6
+
     class ConvBN(nn.Module):
-        def __init__(self, conv: str, bn: str, *, stride: int, size: int, groups: int = 1, relu6: bool = True):
+        def __init__(self, conv: str, bn: str, *, stride: int, size: int, groups: int = 1, act: bool = True,
+                     form: str = "pad"):
             super().__init__()
             w, b = _fold(weights, conv, bn)
-            k = w.shape[-1]
-            before, after = _same_pads(size, k, stride)
-            self.pad = (before, after, before, after)
-            self.conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], k, stride=stride, groups=groups, bias=True)
+            plan = pad_plan(size, w.shape[-1], stride, form)
+            if plan.front_taps:
+                w = np.pad(w, ((0, 0), (0, 0), (plan.front_taps, 0), (plan.front_taps, 0)))
+            self.pad, self.drop = plan.pad, plan.drop
+            self.conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], w.shape[-1], stride=stride, padding=plan.padding,
+                                  groups=groups, bias=True)
             with torch.no_grad():
                 self.conv.weight.copy_(torch.from_numpy(w))
                 self.conv.bias.copy_(torch.from_numpy(b))
-            self.relu6 = relu6
+            self.act = act
 
         def forward(self, x):
-            if any(self.pad):
+            if self.pad is not None:
                 x = nn.functional.pad(x, self.pad)
             x = self.conv(x)
-            return nn.functional.relu6(x) if self.relu6 else x
+            return relu6(x, inplace=layout.inplace) if self.act else x
 
     class Block(nn.Module):
-        def __init__(self, p: str, *, kernel: int, stride: int, expand: int, cin: int, cout: int, size: int):
+        def __init__(self, p: str, *, stride: int, expand: int, cin: int, cout: int, size: int):
             super().__init__()
             layers = []
             if expand != 1:
                 layers.append(ConvBN(f"{p}._expand_conv", f"{p}._bn0", stride=1, size=size))
-            layers.append(ConvBN(f"{p}._depthwise_conv", f"{p}._bn1", stride=stride, size=size, groups=cin * expand))
-            layers.append(ConvBN(f"{p}._project_conv", f"{p}._bn2", stride=1, size=-(-size // stride), relu6=False))
+            form = layout.symmetric if stride == 1 else layout.asymmetric
+            depthwise = ConvBN(f"{p}._depthwise_conv", f"{p}._bn1", stride=stride, size=size, groups=cin * expand,
+                               form=form)
+            layers.append(depthwise)
+            layers.append(ConvBN(f"{p}._project_conv", f"{p}._bn2", stride=1, size=-(-size // stride), act=False))
             self.body = nn.Sequential(*layers)
+            self.drop, self.out_size = depthwise.drop, -(-size // stride)
             self.residual = stride == 1 and cin == cout
 
         def forward(self, x):
             y = self.body(x)
+            if self.drop:  # the projection is pointwise, so the extra front row and column can go after it
+                keep = y.is_contiguous(memory_format=torch.channels_last)
+                y = y[:, :, self.drop : self.drop + self.out_size, self.drop : self.drop + self.out_size]
+                y = y.contiguous(memory_format=torch.channels_last if keep else torch.contiguous_format)
             return y + x if self.residual else y
 
     class Lite0(nn.Module):
         def __init__(self):
             super().__init__()
+            self.layout = layout
             size = IMAGE_SIZE
-            self.stem = ConvBN("_conv_stem", "_bn0", stride=2, size=size)
+            self.stem = ConvBN("_conv_stem", "_bn0", stride=2, size=size, form=layout.stem)
             size = -(-size // 2)
             blocks, index = [], 0
-            for repeats, kernel, stride, expand, in_f, out_f in LITE0_BLOCKS:
+            for repeats, _kernel, stride, expand, in_f, out_f in LITE0_BLOCKS:
                 for r in range(repeats):
                     s = stride if r == 0 else 1
                     cin = in_f if r == 0 else out_f
-                    blocks.append(
-                        Block(f"_blocks.{index}", kernel=kernel, stride=s, expand=expand, cin=cin, cout=out_f,
-                              size=size)
-                    )
+                    blocks.append(Block(f"_blocks.{index}", stride=s, expand=expand, cin=cin, cout=out_f, size=size))
                     size = -(-size // s)
                     index += 1
             self.blocks = nn.Sequential(*blocks)
