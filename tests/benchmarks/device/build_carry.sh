@@ -25,7 +25,8 @@ if [[ -n ${WORK:-} ]]; then work=$(realpath -m "$WORK"); mkdir -p "$work"; else
 
 # Versions (cp312, manylinux x86_64; the machine has Python 3.12, glibc 2.39, torch cu130).
 SITE_WHEELS=(nvidia-dali-cuda130==2.4.0 astunparse==1.6.3 gast==0.7.0 optree==0.20.0 nvtx==0.2.17 makefun==1.16.0
-  libcst==1.9.0 nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43 tritonclient==2.73.0
+  libcst==1.9.0 nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43 nvidia-nvtiff-cu13==0.8.0.82
+  nvidia-nvjpeg2k-cu13==0.11.0.51 tritonclient==2.73.0
   python-rapidjson==1.25 py-spy==0.4.3)
 # tritonclient.grpc's generated code wants grpcio >= 1.81.1 and protobuf >= 6.33 (checked at import time).
 FALLBACK_WHEELS=(grpcio==1.85.3 protobuf==6.33.6)

@@ -60,7 +60,7 @@ fi
 
 cat > "$dest/activate.sh" <<EOF
 # source this: the carried packages, the tritonserver of nvidia-pytriton and the default model's weights
-export LD_LIBRARY_PATH=$dest/site/nvidia/cu13/lib:$dest/site/nvidia/nvimgcodec:$dest/tsd/ts/libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$dest/site/nvidia/cu13/lib:$dest/site/nvidia/nvimgcodec:$dest/site/nvidia/nvtiff/lib:$dest/site/nvidia/nvjpeg2k/lib:$dest/tsd/ts/libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 export PYTHONPATH=$repo:$dest/raypkg:$dest/site:$dest/effnet$fallback
 export PATH=$dest/bin:\$PATH
 export BULK_CLASSIFY_TRITONSERVER=$dest/tsd/ts/bin/tritonserver
