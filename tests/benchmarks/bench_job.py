@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and logs (default WORK/results)")
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS for 'bulk-classify run' (repeatable)")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
+    p.add_argument("--oddities", default="", help="also run tests/oddities.py's files through these variants "
+                   "(comma-separated NAMEs) and compare each file's status and error kind with the expected ones")
     p.add_argument("--mps", action="store_true", help="every variant under a private CUDA MPS daemon (gpu_mps.py)")
     p.add_argument("--dry-run-cpu", action="store_true", help="a few hundred images, for a machine without a GPU")
     opts = p.parse_args()
@@ -207,6 +209,41 @@ def main() -> None:
         sampler.stop()
     print()
     print_table(rows)
+    for name in filter(None, opts.oddities.split(",")):
+        check_oddities(name, dict(variants).get(name, ""), opts)
+
+
+def check_oddities(name: str, args_text: str, opts) -> None:
+    """Every odd input through variant ``name``: one row each, with the status and error kind oddities() expects."""
+    import pyarrow.dataset as pads
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from oddities import oddities
+
+    folder = opts.work / "odd"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    expected = {}
+    for odd, (blob, status, kind) in oddities().items():
+        (folder / f"{odd}.jpg").write_bytes(blob)
+        expected[odd] = (status, kind)
+    out = opts.work / f"odd-out-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(folder), "--output", str(out), "--quiet",
+           *shlex.split(args_text)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=opts.timeout_s)
+    if proc.returncode != 0:
+        print(f"oddities {name}: the run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        return
+    rows = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "status", "error"]).to_pylist()
+    got = {}
+    for row in rows:
+        odd = Path(row["uri"]).stem
+        kind = (row["error"] or "").split(":", 1)[0] or None
+        got.setdefault(odd, []).append((row["status"], kind))
+    bad = {k: (v, got.get(k)) for k, v in expected.items() if got.get(k) != [v]}
+    print(f"oddities {name}: {len(expected) - len(bad)}/{len(expected)} as expected, {len(rows)} rows"
+          + ("" if not bad else f"; differ: {bad}"))
 
 
 if __name__ == "__main__":
