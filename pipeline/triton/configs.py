@@ -54,7 +54,7 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
     for name, dtype in tn.INPUTS.items():
         _tensor(config.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
     dims = {tn.OUTPUT_CLASS_IDS: [k], tn.OUTPUT_SCORES: [k], tn.OUTPUT_WIDTH: [1], tn.OUTPUT_HEIGHT: [1],
-            tn.OUTPUT_ERROR: [1]}
+            tn.OUTPUT_ECHO: [1], tn.OUTPUT_ERROR: [1]}
     for name, dtype in tn.OUTPUTS.items():
         if name == tn.OUTPUT_ERROR and not with_error:
             continue
