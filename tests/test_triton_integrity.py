@@ -162,6 +162,48 @@ def test_a_repository_without_the_echo_is_refused_naming_repo_build(bundle, tmp_
         make_engine("triton", bundle, top_k=TOP_K, repository=str(repo))
 
 
+def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_answers(tmp_path):
+    """The engine's counters ride on the actor's rows to the committed shards' stats and into the run report."""
+    import pyarrow as pa
+    import psutil
+
+    from pipeline.actor import ClassifyActor
+    from pipeline.report import build_run_report, format_run_report
+    from pipeline.schema import DATA, WORK_SCHEMA
+    from pipeline.stats import ShardStats
+    from pipeline.writer import write_shard
+
+    def batch(start: int, n: int) -> pa.Table:
+        rows = [{"uri": f"file:///{start + i}.jpg", DATA: b} for i, b in enumerate(_images(start, n))]
+        columns = {f.name: [r.get(f.name) for r in rows] for f in WORK_SCHEMA}
+        columns["carried"] = [False] * n
+        return pa.table(columns, schema=WORK_SCHEMA)
+
+    actor = ClassifyActor(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
+                          engine_options={"request_batch": 4})
+    try:
+        outs = [actor(batch(0, 8))]
+        victim = actor.engine.server.pid
+        os.kill(victim, signal.SIGKILL)
+        psutil.Process(victim).wait(10)
+        outs.append(actor(batch(8, 8)))  # restarted between batches
+    finally:
+        actor.close()
+    totals = ShardStats()
+    for k, out in enumerate(outs):
+        for shard in ShardStats.from_table(write_shard(out, output=str(tmp_path / "out"), storage_options={})):
+            totals += shard
+    assert totals.ok == 16
+    events = totals.engine_events
+    assert events[triton_engine.EVENT_STARTS] == 1 and events[triton_engine.EVENT_RESTARTS] == 1
+    assert events[triton_engine.EVENT_CHECKED] == 16 and events[triton_engine.EVENT_REQUESTS] == 4
+    assert events.get(triton_engine.EVENT_MISMATCHES, 0) == 0 and triton_engine.EVENT_FAILOVERS not in events
+    report = build_run_report({**totals.report_fields(), "elapsed_s": 1.0})
+    assert report["engine_events"] == dict(sorted(events.items()))
+    assert "engine events       answers checked 16  requests 4  server restarts 1  server starts 1" in \
+        format_run_report(report)
+
+
 # ---- shared servers: slow is not dead -------------------------------------------------------------------------
 
 
