@@ -376,7 +376,8 @@ def test_stress_every_answer_checked_under_many_clients_timeouts_and_server_kill
         def killer():
             for delay in (0.3, 1.0):  # after the server (restarted) is ready again
                 deadline = time.monotonic() + 120
-                while (owner.server.pid in (None, *kills) or not owner.server.is_ready()) and time.monotonic() < deadline:
+                while time.monotonic() < deadline and (owner.server.pid in (None, *kills)
+                                                       or not owner.server.is_ready()):
                     time.sleep(0.1)
                 time.sleep(delay)
                 kills.append(owner.server.pid)

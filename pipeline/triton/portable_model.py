@@ -163,7 +163,8 @@ class TritonPythonModel:
                 lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH))
                 tags = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG))
                 if images.ndim != 2 or lengths.shape[0] != images.shape[0] or tags.shape[0] != images.shape[0]:
-                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes], {tn.INPUT_LENGTH} and {tn.INPUT_TAG} [n, 1]")
+                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes], {tn.INPUT_LENGTH} and {tn.INPUT_TAG} "
+                                     "[n, 1]")
                 outputs = self.classifier.classify(images, lengths, self._request_limits(request), tags)
                 if not self.has_error:
                     errors = [e.decode("utf-8") for e in outputs.pop(tn.OUTPUT_ERROR).reshape(-1) if e]
