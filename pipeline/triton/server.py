@@ -58,7 +58,7 @@ SHM_PREFIX = "bulkcls_"
 # How long one health check waits for an answer (a loaded host can keep a healthy server from answering in seconds).
 HEALTH_TIMEOUT_S = 15.0
 # How long a live server may go without answering its health checks before it counts as hung and is restarted
-# (ensure_running): as long as a request may take, so a slow server is waited for, never replaced.
+# (ensure_running): minutes, so a slow server is waited for, never replaced.
 HUNG_AFTER_S = 300.0
 
 
