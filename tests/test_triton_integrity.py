@@ -467,3 +467,27 @@ def test_the_production_dali_graph_passes_each_images_tag_through(bundle):
     config = text_format.Parse(pre, model_config_pb2.ModelConfig())
     assert [t.name for t in config.input] == list(tn.INPUTS)
     assert [t.name for t in config.output] == [tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.OUTPUT_ECHO]
+
+
+def test_repo_prepare_rebuilds_a_kept_repository_built_before_the_echo(tmp_path):
+    """A worker's persistent repository (or a cached archive) from before TAG/ECHO would be refused by the engine:
+    ``repo prepare`` rebuilds it instead of keeping it."""
+    from pipeline.triton import prepare as prep
+    from pipeline.triton.repository import PlanKey, write_plan_key
+
+    key = PlanKey("9.0", "10.3.0")
+
+    def build(profile, model, output, **kw):  # the production build, with a plan file where TensorRT would write one
+        repo = build_repository(profile, model, output, artifacts=False, **kw)
+        (repo / tn.CLASSIFIER_TRT_MODEL / "1").mkdir(parents=True, exist_ok=True)
+        (repo / tn.CLASSIFIER_TRT_MODEL / "1" / key.filename).write_bytes(b"plan bytes")
+        write_plan_key(repo / tn.CLASSIFIER_TRT_MODEL, key)
+        return repo
+
+    dest = tmp_path / "repository"
+    first = prep.prepare(str(dest), None, key=key, build=build)
+    assert first["action"] == "built" and prep.prepare(str(dest), None, key=key, build=build)["action"] == "kept"
+    config = dest / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace(f'name: "{tn.INPUT_TAG}"', 'name: "OLD_TAG"'))
+    again = prep.prepare(str(dest), None, key=key, build=build)
+    assert again["action"] == "built" and f'name: "{tn.INPUT_TAG}"' in config.read_text()
