@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
-from pipeline.engines.triton_wire import AnswerMismatch, echoes, encode_request, parse_response, plan_requests
+from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image
 from pipeline.triton import contract as tn
@@ -454,17 +454,9 @@ class TritonEngine:
 
     def _checked(self, response, tags) -> list[Result]:
         """The request's results, once every row's ECHO is its own image's TAG; else AnswerMismatch."""
-        n = len(tags)
-        echo = echoes(response, n)
-        if echo is None:
-            raise AnswerMismatch(f"no {tn.OUTPUT_ECHO} of {n} rows in the response")
-        wrong = (echo != tags.reshape(-1)).nonzero()[0]
-        if wrong.size:
-            first = int(wrong[0])
-            raise AnswerMismatch(f"{wrong.size} of {n} rows answer other tags; row {first} answers "
-                                 f"{int(echo[first]):#x}, sent {int(tags[first, 0]):#x}")
-        results = self._results(response, n)
-        self._count(EVENT_CHECKED, n)
+        check_answer(response, tags)
+        results = self._results(response, len(tags))
+        self._count(EVENT_CHECKED, len(tags))
         return results
 
     def _server_down(self, err) -> bool:

@@ -133,13 +133,18 @@ def parse_response(response, n: int, has_error: bool):
         raise AnswerMismatch(f"a response of {n} images has outputs {shapes} ({type(err).__name__}: {err})") from None
 
 
-def echoes(response, n: int) -> np.ndarray | None:
-    """The ECHO column ([n]) of a ModelInferResponse, None when it has none or not ``n`` of them."""
-    for i, out in enumerate(response.outputs):
-        if out.name == tn.OUTPUT_ECHO:
-            echo = np.frombuffer(response.raw_output_contents[i], dtype=np.int64)
-            return echo if echo.size == n else None
-    return None
+def check_answer(response, tags: np.ndarray) -> None:
+    """Raises AnswerMismatch unless the response's ECHO column is exactly the request's ``tags``, row by row."""
+    n = len(tags)
+    echo = next((np.frombuffer(response.raw_output_contents[i], dtype=np.int64)
+                 for i, out in enumerate(response.outputs) if out.name == tn.OUTPUT_ECHO), None)
+    if echo is None or echo.size != n:
+        raise AnswerMismatch(f"no {tn.OUTPUT_ECHO} of {n} rows in the response")
+    wrong = (echo != tags.reshape(-1)).nonzero()[0]
+    if wrong.size:
+        first = int(wrong[0])
+        raise AnswerMismatch(f"{wrong.size} of {n} rows answer other tags; row {first} answers {int(echo[first]):#x}, "
+                             f"sent {int(tags[first, 0]):#x}")
 
 
 class AnswerMismatch(Exception):

@@ -329,9 +329,8 @@ class TritonServer:
     def ensure_running(self, hung_after_s: float = HUNG_AFTER_S) -> bool:
         """Health check between batches: restart a crashed or hung server. True if it was restarted.
 
-        A live server is given ``hung_after_s`` to answer: on a host whose CPUs are saturated (decode threads, other
-        actors) a healthy server can take many seconds, and killing it then would turn its requests into error rows
-        and send the engines sharing it to servers of their own.
+        A live server is given ``hung_after_s`` to answer: on a saturated host a healthy server can take many seconds,
+        and killing it would turn its requests into error rows and send the engines sharing it to servers of their own.
         """
         with self._lock:
             if self._answers_within(hung_after_s):
@@ -349,19 +348,17 @@ class TritonServer:
 
     def _answers_within(self, deadline_s: float) -> bool:
         """True when the server answers its readiness endpoint before ``deadline_s``; False once it is dead."""
-        deadline = time.monotonic() + deadline_s
-        warned = False
+        deadline, warned = time.monotonic() + deadline_s, False
         while self.is_alive():
-            left = deadline - time.monotonic()
-            if self.is_ready(max(0.1, min(HEALTH_TIMEOUT_S, left))):
+            if self.is_ready(max(0.1, min(HEALTH_TIMEOUT_S, deadline - time.monotonic()))):
                 return True
             if time.monotonic() >= deadline:
                 return False
             if not warned:
-                LOG.warning("tritonserver (pid %s) is alive but did not answer its health check; waiting up to "
-                            "%.0f s before counting it hung", self.pid, deadline_s)
-                warned = True
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                LOG.warning("tritonserver (pid %s) is alive but not answering; waiting up to %.0f s before counting "
+                            "it hung", self.pid, deadline_s)
+            warned = True
+            time.sleep(1.0)
         return False
 
     def restart(self) -> None:
