@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Mapping
@@ -11,7 +13,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_OK, engine_kwargs, engine_spec
-from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S
+from pipeline.schema import CALLS, DATA, DECODE_S, ENGINE_EVENTS, INFER_S
 
 LOG = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class ClassifyActor:
             self.bundle, top_k=top_k, limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels), options=options
         )
         self.engine_name = engine
+        self._reported: dict[str, int] = {}  # the engine's ``events`` as far as rows carry them already
+        self._events_lock = threading.Lock()
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
         # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
         atexit.register(self.close)
@@ -83,6 +87,9 @@ class ClassifyActor:
                 width[i], height[i] = r.width, r.height
                 infer_s[i], calls[i] = share, 1.0 / len(todo)
                 decode_s[i] = None if decode is None else decode / len(todo)
+        events: list[str | None] = [None] * n
+        if n:
+            events[0] = self._new_events()
         for i in range(n):
             if carried[i]:
                 continue
@@ -96,10 +103,22 @@ class ClassifyActor:
             ("status", status), ("error", error), ("class_ids", class_ids), ("labels", labels),
             ("scores", scores), ("width", width), ("height", height), ("model", model), ("engine", engine),
             ("classified_at", when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
+            (ENGINE_EVENTS, events),
         ):
             idx = out.schema.get_field_index(name)
             out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
+
+    def _new_events(self) -> str | None:
+        """JSON of the engine's counters (``events``, if it keeps any) not yet carried by a row, or None."""
+        counters = getattr(self.engine, "events", None)
+        if not counters:
+            return None
+        with self._events_lock:
+            now = dict(counters)
+            delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+            self._reported = now
+        return json.dumps(delta, sort_keys=True) if delta else None
 
     def close(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

@@ -28,7 +28,8 @@ def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
         stats: ``counts`` {status: n}, ``error_kinds`` {kind: n}, ``images`` (rows this run), ``classified``,
             ``carried``, ``elapsed_s``, ``stage_seconds`` {list, fetch, decode_preprocess, infer, write}
             (seconds summed over tasks; a stage may be None when the engine cannot separate it),
-            ``engine_calls``, ``model``, ``engine``, ``started_at``, ``finished_at``; optional ``already_done``.
+            ``engine_calls``, ``model``, ``engine``, ``started_at``, ``finished_at``; optional ``already_done`` and
+            ``engine_events`` {event: n} (the triton engine's server starts, restarts, failovers, answers checked).
 
     Returns:
         The report: the inputs cleaned up plus ``images_per_s`` (rows classified per wall second),
@@ -65,6 +66,8 @@ def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
         "images_per_s": round(classified / elapsed_s, 2) if elapsed_s > 0 else None,
         "rows_per_s": round(images / elapsed_s, 2) if elapsed_s > 0 else None,
         "engine_calls": engine_calls,
+        "engine_events": {str(k): _count(v, f"engine_events[{k!r}]")
+                          for k, v in sorted(dict(stats.get("engine_events") or {}).items())},
         "avg_batch_size": round(classified / engine_calls, 2) if engine_calls else None,
         "stage_seconds": {s: (None if v is None else round(v, 3)) for s, v in stage_seconds.items()},
         "stage_share": {s: (None if v is None or stage_total <= 0 else round(v / stage_total, 4))
@@ -90,6 +93,8 @@ def format_run_report(report: Mapping[str, Any]) -> str:
     kinds = report.get("error_kinds") or {}
     if kinds:
         lines.append(_row("errors", sum(kinds.values()), ", ".join(f"{k} {_n(v)}" for k, v in kinds.items())))
+    if report.get("engine_events"):
+        lines.append(_events_row(report["engine_events"]))
     lines.append(f"{'stage':<20}{'seconds':>10}{'share':>8}")
     shares = report.get("stage_share") or {}
     for stage, seconds in (report.get("stage_seconds") or {}).items():
@@ -162,7 +167,8 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         "models": dict(models.most_common()),
         "finished_at": (success or {}).get("finished_at"),
         "last_run": None if run is None else {k: run.get(k) for k in (
-            "engine", "elapsed_s", "images", "classified", "carried", "images_per_s", "avg_batch_size")},
+            "engine", "elapsed_s", "images", "classified", "carried", "images_per_s", "avg_batch_size",
+            "engine_events")},
     }
 
 
@@ -181,6 +187,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(_row("last run", f"{_fmt_s(last.get('elapsed_s'))}",
                           f"engine {last.get('engine')}  {_num(last.get('images_per_s'))} img/s  "
                           f"classified {_n(last.get('classified') or 0)}  carried {_n(last.get('carried') or 0)}"))
+        if last.get("engine_events"):
+            lines.append(_events_row(last["engine_events"]))
     kinds = summary.get("error_kinds") or {}
     if kinds:
         lines.append(f"{'error kind':<20}{'rows':>10}")
@@ -190,6 +198,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"{'top-1 label':<28}{'rows':>10}{'share':>8}")
         lines += [f"  {t['label'][:26]:<26}{_n(t['count']):>10}{t['share']:>8.1%}" for t in top]
     return "\n".join(lines)
+
+
+def _events_row(events: Mapping[str, int]) -> str:
+    """The engine's counters in one line: "server starts 1  server restarts 0  ..."."""
+    return f"{'engine events':<20}" + "  ".join(f"{k.replace('_', ' ')} {_n(v)}" for k, v in events.items())
 
 
 def _count(value: Any, name: str) -> int:

@@ -48,10 +48,13 @@ FETCH_S = "_fetch_s"
 DECODE_S = "_decode_s"
 INFER_S = "_infer_s"
 CALLS = "_engine_calls"
+# JSON {event: count} of what the engine counted since its actor's previous call (server starts, restarts,
+# failovers, answers checked), on one row of the call; null on the others.
+ENGINE_EVENTS = "_engine_events"
 WORK_SCHEMA = pa.schema(
     list(OUTPUT_SCHEMA)
     + [(DATA, pa.binary()), (FETCH_S, pa.float64()), (DECODE_S, pa.float64()), (INFER_S, pa.float64()),
-       (CALLS, pa.float64())]
+       (CALLS, pa.float64()), (ENGINE_EVENTS, pa.string())]
 )
 
 

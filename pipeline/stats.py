@@ -19,6 +19,8 @@ class ShardStats:
         fetch_s, infer_s, write_s: seconds summed over rows (tasks); ``decode_s`` is None when the engine
             cannot separate decoding from inference.
         engine_calls: engine calls behind the classified rows (fractions per row, summed).
+        engine_events: what the engines counted, by event (the triton engine's server starts, restarts and
+            failovers, requests, answers checked and mismatched: ``pipeline.engines.triton.EVENTS``).
     """
 
     rows: int = 0
@@ -31,6 +33,7 @@ class ShardStats:
     infer_s: float = 0.0
     write_s: float = 0.0
     engine_calls: float = 0.0
+    engine_events: dict[str, int] = field(default_factory=dict)
 
     @property
     def classified(self) -> int:
@@ -39,7 +42,7 @@ class ShardStats:
     def __iadd__(self, other: "ShardStats") -> "ShardStats":
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "error_kinds":
+            if f.name in ("error_kinds", "engine_events"):
                 for kind, n in theirs.items():
                     mine[kind] = mine.get(kind, 0) + n
             elif f.name == "decode_s":
@@ -53,6 +56,7 @@ class ShardStats:
         """The one-row Arrow record a write task returns to the driver."""
         row = {f.name: [getattr(self, f.name)] for f in fields(self)}
         row["error_kinds"] = [json.dumps(self.error_kinds, sort_keys=True)]
+        row["engine_events"] = [json.dumps(self.engine_events, sort_keys=True)]
         return pa.Table.from_pydict(row, schema=STATS_SCHEMA)
 
     @classmethod
@@ -60,6 +64,7 @@ class ShardStats:
         """The records of a batch of write-task results."""
         for rec in table.to_pylist():
             rec["error_kinds"] = json.loads(rec["error_kinds"] or "{}")
+            rec["engine_events"] = json.loads(rec.get("engine_events") or "{}")
             yield cls(**rec)
 
     def report_fields(self) -> dict[str, Any]:
@@ -71,6 +76,7 @@ class ShardStats:
             "classified": self.classified,
             "carried": self.carried,
             "engine_calls": self.engine_calls,
+            "engine_events": dict(self.engine_events),
         }
 
     def stage_seconds(self, list_s: float) -> dict[str, float | None]:
@@ -83,6 +89,7 @@ STATS_SCHEMA = pa.schema([
     ("error_kinds", pa.string()),  # JSON {kind: count}
     ("fetch_s", pa.float64()), ("decode_s", pa.float64()), ("infer_s", pa.float64()), ("write_s", pa.float64()),
     ("engine_calls", pa.float64()),
+    ("engine_events", pa.string()),  # JSON {event: count}
 ])
 
 

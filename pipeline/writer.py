@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.schema import (
-    CALLS, DECODE_S, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
+    CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
     SHARD_META_KEY, conform,
 )
 from pipeline.keys import identity_hashes, uri_hashes
@@ -160,7 +160,7 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
     stats = ShardStats(
         rows=record.rows, ok=record.ok, errors=record.errors, carried=record.carried, error_kinds=dict(kinds),
         fetch_s=total(FETCH_S), decode_s=total(DECODE_S) if _any(batch, DECODE_S) else None, infer_s=total(INFER_S),
-        write_s=time.perf_counter() - start, engine_calls=total(CALLS),
+        write_s=time.perf_counter() - start, engine_calls=total(CALLS), engine_events=_events(batch),
     )
     return stats.to_table()
 
@@ -178,6 +178,16 @@ class ShardWriter:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return write_shard(batch, output=self.output, storage_options=self.storage_options, footer=self.footer)
+
+
+def _events(batch: pa.Table) -> dict[str, int]:
+    """The sum of the rows' engine counters (``ENGINE_EVENTS``)."""
+    out: dict[str, int] = {}
+    if ENGINE_EVENTS in batch.column_names:
+        for text in pc.drop_null(batch.column(ENGINE_EVENTS)).to_pylist():
+            for event, n in json.loads(text).items():
+                out[event] = out.get(event, 0) + int(n)
+    return out
 
 
 def _any(batch: pa.Table, col: str) -> bool:

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from oddities import oddities
@@ -144,11 +145,16 @@ def test_encoded_request_is_the_protobuf_message_byte_for_byte_in_meaning():
 
     limits = DecodeLimits(max_bytes=123_456_789, max_pixels=7)
     for blobs in ([b"x"], [b"ab", b"c" * 300, b"\0" * 17], [bytes([i % 256]) * (40_000 + i) for i in range(5)]):
-        message = build_request("m", blobs, ["SCORES", "ERROR"], limits)
-        parsed = service_pb2.ModelInferRequest.FromString(encode_request("m", blobs, ["SCORES", "ERROR"], limits))
+        tags = tn.tags(12345, len(blobs))
+        message = build_request("m", blobs, ["SCORES", "ERROR"], limits, tags)
+        parsed = service_pb2.ModelInferRequest.FromString(encode_request("m", blobs, ["SCORES", "ERROR"], limits,
+                                                                         tags))
         assert parsed == message
         longest = max(map(len, blobs))
         assert parsed.raw_input_contents[0] == b"".join(b.ljust(longest, b"\0") for b in blobs)
+        assert [i.name for i in parsed.inputs] == [tn.INPUT_IMAGE, tn.INPUT_LENGTH, tn.INPUT_TAG]
+        assert list(np.frombuffer(parsed.raw_input_contents[2], np.int64)) == [(12345 << 24) + i
+                                                                              for i in range(len(blobs))]
 
 
 # A DALI-like model: it fails the whole request when one input is bad (as one corrupt JPEG fails a DALI batch)
@@ -170,7 +176,8 @@ class TritonPythonModel:
         for request in requests:
             images = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy()
             lengths = pb_utils.get_input_tensor_by_name(request, "LENGTH").as_numpy()
-            out = self.classifier.classify(images, lengths)
+            tags = pb_utils.get_input_tensor_by_name(request, "TAG").as_numpy()
+            out = self.classifier.classify(images, lengths, tags=tags)
             bad = [e for e in out.pop("ERROR").reshape(-1) if e]
             if bad:
                 responses.append(pb_utils.InferenceResponse(

@@ -208,3 +208,25 @@ def test_instances_with_a_backlog_share_the_requests(tmp_path):
     shares = [int(re.search(r"requests, (\d+) images", line).group(1)) for line in lines]
     assert sum(shares) == len(datas) and min(shares) > 0, lines
     assert any(int(re.search(r"waited (\d+) times", line).group(1)) > 0 for line in lines), lines
+
+
+def test_each_answer_carries_its_own_images_tag():
+    """The TAG of each image travels on its item through the stream's batches and comes back beside its answer, for
+    classified images and for those triage refused alike."""
+    answered: dict = {}
+    stream = RequestStream(NullClassifier(batch_size=8, top_k=5), lambda s, raw, n: answered.setdefault(s, raw),
+                           top_k=5)
+    datas = _images(30, seed=6)
+    parts = {"a": datas[:13] + [b""], "b": datas[13:]}
+    tags = {name: tn.tags(7 + k, len(part)).reshape(-1) for k, (name, part) in enumerate(parts.items())}
+    try:
+        for name, part in parts.items():
+            stream.submit(name, part, DecodeLimits(), tags[name])
+        deadline = time.monotonic() + 10
+        while len(answered) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stream.close()
+    for name in parts:
+        assert answered[name].echo.tolist() == tags[name].tolist(), name
+    assert answered["a"].errors[-1].startswith("empty: ")

@@ -163,3 +163,27 @@ def test_cli_report_prints_the_summary(tmp_path):
     assert ": complete" in result.output and "tabby" in result.output and "decode_error" in result.output
     result = CliRunner().invoke(main, ["report", str(tmp_path / "nothing")])
     assert result.exit_code != 0 and "holds no part-*.parquet shard" in result.output
+
+
+def test_the_report_shows_the_engines_server_events(tmp_path):
+    """_REPORT.json's engine_events (server starts, restarts, failovers, answers checked) in the run report's table
+    and in `bulk-classify report`."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    def put(path, data):
+        (tmp_path / path.rsplit("/", 1)[-1]).write_bytes(data)
+
+    write_output(put, str(tmp_path), complete=True)
+    events = {"server_starts": 1, "server_restarts": 2, "server_failovers": 0, "answers_checked": 80}
+    report = build_run_report({**STATS, "engine": "triton", "engine_events": events})
+    assert report["engine_events"] == dict(sorted(events.items()))
+    line = "engine events       answers checked 80  server failovers 0  server restarts 2  server starts 1"
+    assert line in format_run_report(report).splitlines()
+    (tmp_path / "_REPORT.json").write_text(json.dumps(report))
+    assert summarize_output(str(tmp_path))["last_run"]["engine_events"] == report["engine_events"]
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 0 and line in result.output.splitlines(), result.output
+    with pytest.raises(ConfigError, match="engine_events"):
+        build_run_report({**STATS, "engine_events": {"server_starts": -1}})

@@ -4,13 +4,20 @@ The server decodes (python backend or DALI), so the actor only checks byte/pixel
 files into one UINT8 tensor with their lengths (pipeline.triton.contract). A request that fails because of one
 input is split until that input stands alone, so a bad image costs one error row, not a batch; a server that
 died is restarted (when this engine owns it) and the request retried.
+
+Every answer is checked: each image goes with a TAG (its request's id and its index) that the model echoes in
+ECHO, and a response whose echoes are not exactly the request's tags is retried, then given up as engine_error
+rows, never read as those images' labels. A repository without TAG/ECHO is refused (rebuild it). A server that is
+slow but alive is waited for, never replaced: only a dead (or hung for HUNG_AFTER_S) server is restarted.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
+import secrets
 import subprocess
 import threading
 import time
@@ -18,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
-from pipeline.engines.triton_wire import encode_request, parse_response, plan_requests
+from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image
 from pipeline.triton import contract as tn
@@ -33,12 +40,32 @@ MAX_RESTARTS_PER_REQUEST = 1
 # What Triton answers, with the server still "ready", once a python-backend stub has died (a crashing decoder).
 STUB_DEAD_MARKER = "is not healthy"
 EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
-# gRPC status codes that mean "the server is gone or not answering", not "this request is bad".
-SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "DEADLINE_EXCEEDED", "INTERNAL")
+# gRPC status codes that mean "the server is gone or not answering", not "this request is bad". A request past
+# its deadline (DEADLINE_EXCEEDED) met a slow server: it is sent again, never counted as the server's death.
+SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
+TIMEOUT_CODE = "DEADLINE_EXCEEDED"
+# A response answering other images than its request's is sent again this many times before its images become
+# engine_error rows.
+MAX_MISMATCH_RETRIES = 2
+# The engine's counters (``TritonEngine.events``, summed into the run report's ``engine_events``).
+EVENT_REQUESTS = "requests"  # requests sent, retries included
+EVENT_CHECKED = "answers_checked"  # images whose answer's ECHO was their own TAG
+EVENT_MISMATCHES = "answer_mismatches"  # responses whose ECHO named other images (each one retried)
+EVENT_TIMEOUTS = "request_timeouts"  # requests without an answer within request_timeout_s (each one retried)
+EVENT_STARTS = "server_starts"  # tritonservers this engine started (a shared one counts for its owner only)
+EVENT_RESTARTS = "server_restarts"  # restarts of a server this engine owns
+EVENT_FAILOVERS = "server_failovers"  # moves of a shared-server user to another server (restarted, or its own)
+EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT_STARTS, EVENT_RESTARTS,
+          EVENT_FAILOVERS)
 
 
 class _ServerDown(Exception):
     """The server stopped answering while serving these inputs (restarts did not help)."""
+
+
+class _NoAnswer(Exception):
+    """These inputs got no answer of their own after the retries (timeouts, mismatched answers, a shared server
+    that stays unreachable): each becomes an engine_error row."""
 
 
 def _check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
@@ -138,7 +165,6 @@ class TritonEngine:
         concurrency = serving.concurrency if concurrency is None else concurrency
         share_server = serving.share_server if share_server is None else share_server
         self.use_mps = serving.mps if mps is None else mps
-        self.counters = {"server_starts": 0, "failovers": 0}
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
                               "must be positive")
@@ -148,7 +174,12 @@ class TritonEngine:
         self.request_batch = request_batch
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.server = None
+        self.events = dict.fromkeys(EVENTS, 0)
+        self._events_lock = threading.Lock()
+        # Request ids start at random so two engines sharing a server never send the same TAG.
+        self._request_ids = itertools.count(secrets.randbits(32))
         self._lease = None  # pipeline.triton.sharing.ServerLease when the server is shared
         # The server decodes and classifies: the actor sees one stage, the request's wall time.
         self.stage_seconds = {STAGE_INFER: 0.0}
@@ -193,12 +224,12 @@ class TritonEngine:
             except BaseException:
                 self._stop_mps()
                 raise
-            self.counters["server_starts"] += 1
             return server
 
         if not self._share:
             self.server = start()
             self.url = self.server.grpc_url
+            self._count(EVENT_STARTS)
             return
         from pipeline.triton.sharing import ServerLease, lease_key  # noqa: PLC0415
 
@@ -207,6 +238,8 @@ class TritonEngine:
         self.url, self.server = self._lease.acquire(start)
         if self.server is None:
             self._wait_external(startup_timeout_s)
+        else:
+            self._count(EVENT_STARTS)
 
     def _start_mps(self) -> dict[str, str]:
         """The environment of a server under this engine's private MPS daemon; {} without one (a message says why
@@ -238,24 +271,35 @@ class TritonEngine:
 
     def _take_lease_again(self, failed: str) -> None:
         """Our shared server (at ``failed``) stopped answering: find its restarted successor, or start one and
-        own it. Nothing to do when another thread already moved on from ``failed``."""
+        own it (``ServerLease.acquire``: never while its process lives). Nothing to do when another thread
+        already moved on from ``failed``."""
         with self._restart_lock:
             if self.url != failed:
                 return
-            self.url, self.server = self._lease.acquire(self._start, exclude_url=failed)
+            url, server = self._lease.acquire(self._start, exclude_url=failed, wait_s=self.startup_timeout_s)
+            if url == failed:
+                LOG.info("shared tritonserver %s is slow to answer but alive; still sharing it", failed)
+                return
+            self.url, self.server = url, server
             self._generation += 1
-            self.counters["failovers"] += 1
+            self._count(EVENT_FAILOVERS)
             if self.server is None:
-                self._wait_external(120.0)
+                self._wait_external(self.startup_timeout_s)
+            else:
+                self._count(EVENT_STARTS)
             LOG.warning("shared tritonserver %s stopped answering; now %s (%s)", failed, self.url,
                         "ours" if self.server is not None else "shared")
+
+    def _count(self, event: str, n: int = 1) -> None:
+        with self._events_lock:
+            self.events[event] += n
 
     def _wait_external(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
             try:
-                if self._client().is_model_ready(self.model_name):
+                if self._client().is_model_ready(self.model_name, client_timeout=HEALTH_TIMEOUT_S):
                     return
             except Exception as err:  # noqa: BLE001 - keep polling until the deadline
                 last = err
@@ -267,9 +311,10 @@ class TritonEngine:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
         outputs = {o["name"]: o for o in config.get("output", [])}
         missing = [name for name in tn.REQUIRED_OUTPUTS if name not in outputs]
+        missing += [name for name in tn.INPUTS if name not in {i["name"] for i in config.get("input", [])}]
         if missing:
-            raise TritonError(f"model {self.model_name!r} at {self.url} lacks output(s) {', '.join(missing)}; "
-                              "serve a repository built by `bulk-classify repo build`")
+            raise TritonError(f"model {self.model_name!r} at {self.url} lacks {', '.join(missing)} (answers "
+                              "cannot be checked); serve a repository built by `bulk-classify repo build`")
         self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
         self.has_error_output = tn.OUTPUT_ERROR in outputs
         params = config.get("parameters", {})
@@ -329,6 +374,7 @@ class TritonEngine:
         if self._lease is not None:
             self._lease.publish(self.server)
         self._generation += 1
+        self._count(EVENT_RESTARTS)
         LOG.warning("tritonserver restarted (restart #%d); now at %s", self.server.restarts, self.url)
 
     def _isolating(self, indices: list[int], images: Sequence[bytes]) -> list[tuple[int, Result]]:
@@ -341,6 +387,8 @@ class TritonEngine:
             if len(indices) == 1:
                 return [(indices[0], Result.failed(_error_text(reason)))]
             LOG.info("request of %d images failed (%s); splitting it to isolate the input", len(indices), reason[:200])
+        except _NoAnswer as err:
+            return [(i, Result.failed(str(ImageError("engine_error", str(err))))) for i in indices]
         except _ServerDown as err:
             if self._in_quarantine() and len(indices) == 1:
                 return [(indices[0], Result.failed(str(ImageError("engine_error", str(err)))))]
@@ -374,37 +422,55 @@ class TritonEngine:
             local.stub_key = (self._generation, self.url)
         return local.model_infer
 
-    def _request(self, blobs: list[bytes]) -> bytes:
-        return encode_request(self.model_name, blobs, self._wanted, self.limits)
+    def _request(self, blobs: list[bytes], tags) -> bytes:
+        return encode_request(self.model_name, blobs, self._wanted, self.limits, tags)
 
     def _infer(self, blobs: list[bytes]) -> list[Result]:
-        """One request; restarts a dead server and retries. Raises InferenceServerException for a bad request."""
+        """One request, its answer checked; restarts a dead server and retries, sends a timed-out or mismatched
+        request again. Raises InferenceServerException for a bad request, _NoAnswer when retries ran out."""
         import grpc  # noqa: PLC0415
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
-        request = self._request(blobs)
         retries = list(EXTERNAL_RETRY_S)
-        restarts = 0
+        restarts = failovers = mismatches = timeouts = 0
         while True:
             with self._quarantine:  # wait while another thread isolates a crashing input
                 generation, url = self._generation, self.url
+            tags = tn.tags(next(self._request_ids), len(blobs))  # a new id per try: no answer to an older one fits
+            self._count(EVENT_REQUESTS)
             try:
                 try:
-                    response = self._model_infer()(request, timeout=self.request_timeout_s)
+                    response = self._model_infer()(self._request(blobs, tags), timeout=self.request_timeout_s)
                 except grpc.RpcError as rpc:
                     raise InferenceServerException(msg=rpc.details(), status=str(rpc.code())) from None
-                return self._results(response, len(blobs))
+                return self._checked(response, tags)
+            except AnswerMismatch as err:
+                mismatches += 1
+                self._count(EVENT_MISMATCHES)
+                LOG.warning("tritonserver %s answered a request of %d images for other images (%s); sending it "
+                            "again", url, len(blobs), err)
+                if mismatches > MAX_MISMATCH_RETRIES:
+                    raise _NoAnswer(f"tritonserver answered {mismatches} times for other images ({err})") from None
             except InferenceServerException as err:
+                if TIMEOUT_CODE in str(err.status() or ""):
+                    timeouts += 1
+                    self._count(EVENT_TIMEOUTS)
+                    if timeouts > len(EXTERNAL_RETRY_S):
+                        raise _NoAnswer(f"no answer within request_timeout_s={self.request_timeout_s:g} s, "
+                                        f"{timeouts} times; raise request_timeout_s or lower request_batch") from None
+                    continue  # the server is slow, not gone: the request has waited its timeout already
                 stub_dead = STUB_DEAD_MARKER in (err.message() or str(err))
                 if not (stub_dead or self._server_down(err)):
                     raise
                 if self.server is None:
                     if stub_dead and self._lease is None:
                         raise  # not ours to restart: each input of the request becomes an error row
-                    if not retries and self._lease is not None and restarts < MAX_RESTARTS_PER_REQUEST + 1:
+                    if not retries and self._lease is not None and failovers < MAX_RESTARTS_PER_REQUEST + 1:
                         self._take_lease_again(url)
-                        retries, restarts = list(EXTERNAL_RETRY_S), restarts + 1
+                        retries, failovers = list(EXTERNAL_RETRY_S), failovers + 1
                         continue
+                    if not retries and self._lease is not None:
+                        raise _NoAnswer(f"the shared tritonserver at {self.url} stopped answering ({err})") from None
                     if not retries:
                         raise EngineError(f"tritonserver at {self.url} stopped answering ({err}); check that it "
                                           "is running, or let the engine start its own (no url)") from None
@@ -417,10 +483,24 @@ class TritonEngine:
                             self._after_restart()
                         elif self.server.ensure_running():
                             self._after_restart()
+                    moved = self._generation != generation
+                if not moved:  # alive and answering its health check: this request failed in passing
+                    if not retries:
+                        raise _NoAnswer(f"tritonserver is up but failed this request {len(EXTERNAL_RETRY_S) + 1} "
+                                        f"times (last: {(err.message() or str(err))[:200]})") from None
+                    time.sleep(retries.pop(0))
+                    continue
                 if restarts >= MAX_RESTARTS_PER_REQUEST:
                     raise _ServerDown(f"tritonserver failed {restarts + 1} times serving this input "
                                       f"(last: {(err.message() or str(err))[:200]})") from None
                 restarts += 1
+
+    def _checked(self, response, tags) -> list[Result]:
+        """The request's results, once every row's ECHO is its own image's TAG; else AnswerMismatch."""
+        check_answer(response, tags)
+        results = self._results(response, len(tags))
+        self._count(EVENT_CHECKED, len(tags))
+        return results
 
     def _server_down(self, err) -> bool:
         """Is this failure the server's (restart/retry) rather than the request's (split)?"""
@@ -435,7 +515,7 @@ class TritonEngine:
         if not any(code in status for code in SERVER_DOWN_CODES):
             return False
         try:  # a model's own INTERNAL error on one input comes from a server that is still ready
-            return not self._client().is_server_ready()
+            return not self._client().is_server_ready(client_timeout=HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - no answer at all: down
             return True
 

@@ -57,13 +57,14 @@ RAW_INPUT_TAG = bytes([7 << 3 | 2])
 
 
 def request_header(model_name: str, n: int, longest: int, outputs: Sequence[str], limits: DecodeLimits):
-    """A ModelInferRequest without its raw contents: IMAGE [n, longest] + LENGTH [n, 1], the outputs wanted, the
-    caps as parameters."""
+    """A ModelInferRequest without its raw contents: IMAGE [n, longest] + LENGTH [n, 1] + TAG [n, 1], the outputs
+    wanted, the caps as parameters."""
     from tritonclient.grpc import service_pb2  # noqa: PLC0415
 
     request = service_pb2.ModelInferRequest(model_name=model_name)
     request.inputs.add(name=tn.INPUT_IMAGE, datatype=tn.INPUTS[tn.INPUT_IMAGE], shape=[n, longest])
     request.inputs.add(name=tn.INPUT_LENGTH, datatype=tn.INPUTS[tn.INPUT_LENGTH], shape=[n, 1])
+    request.inputs.add(name=tn.INPUT_TAG, datatype=tn.INPUTS[tn.INPUT_TAG], shape=[n, 1])
     for name in outputs:
         request.outputs.add(name=name)
     request.parameters["max_bytes"].int64_param = limits.max_bytes
@@ -71,23 +72,36 @@ def request_header(model_name: str, n: int, longest: int, outputs: Sequence[str]
     return request
 
 
-def build_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits):
+def build_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits,
+                  tags: np.ndarray):
     """The same request as a protobuf message (three copies of the files): ``encode_request``'s reference."""
     raw, longest = pack(blobs)
     request = request_header(model_name, len(blobs), longest, outputs, limits)
     request.raw_input_contents.append(raw)
     request.raw_input_contents.append(_lengths(blobs))
+    request.raw_input_contents.append(_tag_bytes(tags, len(blobs)))
     return request
 
 
-def encode_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits) -> bytes:
-    """One ModelInferRequest, serialized: protobuf's bytes for the small fields, then the two raw input fields,
-    the files copied once (rows zero-padded to the longest file). Parses to ``build_request``'s message."""
+def encode_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits,
+                   tags: np.ndarray) -> bytes:
+    """One ModelInferRequest, serialized: protobuf's bytes for the small fields, then the three raw input fields,
+    the files copied once (rows zero-padded to the longest file). Parses to ``build_request``'s message.
+
+    ``tags``: the request's TAG column (``pipeline.triton.contract.tags``), echoed back in ``ECHO``."""
     longest = max(1, max(len(b) for b in blobs))
     lengths = _lengths(blobs)
+    tag_bytes = _tag_bytes(tags, len(blobs))
     return b"".join([request_header(model_name, len(blobs), longest, outputs, limits).SerializeToString(),
                      RAW_INPUT_TAG, _varint(len(blobs) * longest), *_padded(blobs, longest),
-                     RAW_INPUT_TAG, _varint(len(lengths)), lengths])
+                     RAW_INPUT_TAG, _varint(len(lengths)), lengths,
+                     RAW_INPUT_TAG, _varint(len(tag_bytes)), tag_bytes])
+
+
+def _tag_bytes(tags: np.ndarray, n: int) -> bytes:
+    if tags.size != n:
+        raise ValueError(f"{n} images but {tags.size} tags")
+    return np.ascontiguousarray(tags, dtype=np.int64).tobytes()
 
 
 def _lengths(blobs: Sequence[bytes]) -> bytes:
@@ -104,10 +118,40 @@ def _varint(value: int) -> bytes:
 
 
 def parse_response(response, n: int, has_error: bool):
-    """(class ids [n, K], scores [n, K], widths [n], heights [n], error texts) of a ModelInferResponse."""
+    """(class ids [n, K], scores [n, K], widths [n], heights [n], error texts) of a ModelInferResponse.
+
+    Raises:
+        AnswerMismatch: the response's outputs do not hold ``n`` rows (it cannot be this request's answer).
+    """
     from tritonclient.utils import deserialize_bytes_tensor  # noqa: PLC0415
 
     raw = {out.name: response.raw_output_contents[i] for i, out in enumerate(response.outputs)}
+    try:
+        return _parsed(raw, n, has_error, deserialize_bytes_tensor)
+    except (KeyError, ValueError) as err:
+        shapes = {out.name: list(out.shape) for out in response.outputs}
+        raise AnswerMismatch(f"a response of {n} images has outputs {shapes} ({type(err).__name__}: {err})") from None
+
+
+def check_answer(response, tags: np.ndarray) -> None:
+    """Raises AnswerMismatch unless the response's ECHO column is exactly the request's ``tags``, row by row."""
+    n = len(tags)
+    echo = next((np.frombuffer(response.raw_output_contents[i], dtype=np.int64)
+                 for i, out in enumerate(response.outputs) if out.name == tn.OUTPUT_ECHO), None)
+    if echo is None or echo.size != n:
+        raise AnswerMismatch(f"no {tn.OUTPUT_ECHO} of {n} rows in the response")
+    wrong = (echo != tags.reshape(-1)).nonzero()[0]
+    if wrong.size:
+        first = int(wrong[0])
+        raise AnswerMismatch(f"{wrong.size} of {n} rows answer other tags; row {first} answers {int(echo[first]):#x}, "
+                             f"sent {int(tags[first, 0]):#x}")
+
+
+class AnswerMismatch(Exception):
+    """A response that is not the answer to the request it came back for (its ECHO or its shape is wrong)."""
+
+
+def _parsed(raw: dict, n: int, has_error: bool, deserialize_bytes_tensor):
     ids = np.frombuffer(raw[tn.OUTPUT_CLASS_IDS], dtype=np.int32).reshape(n, -1)
     scores = np.frombuffer(raw[tn.OUTPUT_SCORES], dtype=np.float32).reshape(n, -1)
     widths = np.frombuffer(raw[tn.OUTPUT_WIDTH], dtype=np.int32).reshape(n)

@@ -54,7 +54,7 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
     for name, dtype in tn.INPUTS.items():
         _tensor(config.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
     dims = {tn.OUTPUT_CLASS_IDS: [k], tn.OUTPUT_SCORES: [k], tn.OUTPUT_WIDTH: [1], tn.OUTPUT_HEIGHT: [1],
-            tn.OUTPUT_ERROR: [1]}
+            tn.OUTPUT_ECHO: [1], tn.OUTPUT_ERROR: [1]}
     for name, dtype in tn.OUTPUTS.items():
         if name == tn.OUTPUT_ERROR and not with_error:
             continue
@@ -104,6 +104,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
     _tensor(pre.output, tn.PREPROCESSED, "FP32", spec.input_shape)
     _tensor(pre.output, tn.OUTPUT_WIDTH, "INT32", [1])
     _tensor(pre.output, tn.OUTPUT_HEIGHT, "INT32", [1])
+    _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])  # the DALI graph passes TAG through
     pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=1)
     pre.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
     pre.parameters["num_threads"].string_value = str(DALI_THREADS)
@@ -127,7 +128,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
     step = ens.ensemble_scheduling.step.add(model_name=tn.PREPROCESS_MODEL, model_version=-1)
     for name in tn.INPUTS:
         step.input_map[name] = name
-    for name in (tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT):
+    for name in (tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.OUTPUT_ECHO):
         step.output_map[name] = name
     step = ens.ensemble_scheduling.step.add(model_name=tn.CLASSIFIER_TRT_MODEL, model_version=-1)
     step.input_map[onnx_input] = tn.PREPROCESSED
@@ -281,6 +282,7 @@ def gpu_ensemble_configs(
     _tensor(pre.output, tn.PREPROCESSED, dtype, shape)
     for name in (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.STATUS):
         _tensor(pre.output, name, "INT32", [1])
+    _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
     pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=pre_count)
@@ -300,8 +302,10 @@ def gpu_ensemble_configs(
     net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
     _tensor(net.input, tn.PREPROCESSED, dtype, shape)
     _tensor(net.input, tn.STATUS, "INT32", [1])
+    _tensor(net.input, tn.INPUT_TAG, tn.INPUTS[tn.INPUT_TAG], [1])
     _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
     _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
+    _tensor(net.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
     net.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=network_instances)
     net.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     _set_parameters(net, {
@@ -323,10 +327,12 @@ def gpu_ensemble_configs(
     passed = (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT) + ((tn.OUTPUT_ERROR,) if error_output else ())
     for name in (tn.PREPROCESSED, tn.STATUS) + passed:
         step.output_map[name] = name
+    step.output_map[tn.OUTPUT_ECHO] = tn.PREPROCESSED_TAG
     step = ens.ensemble_scheduling.step.add(model_name=tn.NETWORK_MODEL, model_version=-1)
     for name in (tn.PREPROCESSED, tn.STATUS):
         step.input_map[name] = name
-    for name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES):
+    step.input_map[tn.INPUT_TAG] = tn.PREPROCESSED_TAG
+    for name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES, tn.OUTPUT_ECHO):
         step.output_map[name] = name
     configs[tn.MODEL_NAME] = _text(ens)
     return configs

@@ -8,12 +8,15 @@ below are per image, without the batch dimension.
 Inputs:
     IMAGE   UINT8 [-1]  the encoded file as it is (JPEG/PNG/...), zero-padded to the longest in the request.
     LENGTH  INT32 [1]   the number of real bytes in IMAGE; the padding after it is ignored.
+    TAG     INT64 [1]   the client's name for this image: its request's id and its index in the request (``tags``).
 
 Outputs:
     CLASS_IDS  INT32 [K]  top-K class indices, best first (K is fixed when the repository is built).
     SCORES     FP32  [K]  their softmax probabilities, descending.
     WIDTH      INT32 [1]  decoded width in pixels, EXIF orientation applied (0 when the image failed).
     HEIGHT     INT32 [1]  decoded height in pixels, EXIF orientation applied (0 when the image failed).
+    ECHO       INT64 [1]  the TAG of the image this row answers, carried with the image through the model, so the
+                          client can check that every answer is its own image's (a mismatch is retried).
     ERROR      BYTES [1]  "" when the image was classified, else "kind: detail" (kinds in pipeline.errors).
                           Optional: a profile that cannot report per image (DALI fails a whole batch) omits
                           it, and the engine isolates a bad input by splitting the failed request.
@@ -29,12 +32,14 @@ MODEL_NAME = "classifier"
 
 INPUT_IMAGE = "IMAGE"
 INPUT_LENGTH = "LENGTH"
+INPUT_TAG = "TAG"
 
 OUTPUT_CLASS_IDS = "CLASS_IDS"
 OUTPUT_SCORES = "SCORES"
 OUTPUT_WIDTH = "WIDTH"
 OUTPUT_HEIGHT = "HEIGHT"
 OUTPUT_ERROR = "ERROR"
+OUTPUT_ECHO = "ECHO"
 
 # Internal tensors of the production ensemble (preprocess -> classifier_trt -> postprocess inside the plan).
 PREPROCESS_MODEL = "preprocess"
@@ -44,18 +49,23 @@ PREPROCESSED = "PREPROCESSED"  # FP32 [3, H, W] (NCHW per the model's Preprocess
 # tensors between them; PREPROCESSED is FP16 there (FP32 when built with half "false").
 NETWORK_MODEL = "network"
 STATUS = "STATUS"  # INT32 [1], preprocess -> network: 0 prepared, 1 failed (the network gives it no class)
+# INT64 [1], preprocess's ECHO -> network's TAG in the gpu ensemble: each image's TAG travels with its tensor.
+PREPROCESSED_TAG = "PREPROCESSED_TAG"
 GPU_SHAPES = ("single", "ensemble")  # one python model doing everything, or preprocess + network + ensemble
 
 # Triton dtype strings (config.pbtxt uses TYPE_<dtype>; the client uses the bare name).
-INPUTS = {INPUT_IMAGE: "UINT8", INPUT_LENGTH: "INT32"}
+INPUTS = {INPUT_IMAGE: "UINT8", INPUT_LENGTH: "INT32", INPUT_TAG: "INT64"}
 OUTPUTS = {
     OUTPUT_CLASS_IDS: "INT32",
     OUTPUT_SCORES: "FP32",
     OUTPUT_WIDTH: "INT32",
     OUTPUT_HEIGHT: "INT32",
+    OUTPUT_ECHO: "INT64",
     OUTPUT_ERROR: "BYTES",
 }
-REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT)
+REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT, OUTPUT_ECHO)
+# A TAG is (request id << TAG_INDEX_BITS) | the image's index in its request; requests hold fewer images than this.
+TAG_INDEX_BITS = 24
 
 DEFAULT_TOP_K = 5
 
@@ -93,3 +103,12 @@ def failure_message(errors: list[str], n: int) -> str:
     """The error of a request that fails because some of its ``n`` images did (a model without the ``ERROR``
     output): the one image's error, or how many failed and the first; the client then isolates the bad files."""
     return errors[0] if n == 1 else f"{len(errors)} of {n} images failed; first: {errors[0]}"
+
+
+def tags(request_id: int, n: int):
+    """The TAG column (INT64 [n, 1]) of request ``request_id``'s ``n`` images."""
+    import numpy as np  # noqa: PLC0415 - this module is imported by configs that need no numpy
+
+    if not 0 < n <= 1 << TAG_INDEX_BITS:
+        raise ValueError(f"a request holds 1 to {1 << TAG_INDEX_BITS} images, not {n}")
+    return ((np.int64(request_id) << TAG_INDEX_BITS) + np.arange(n, dtype=np.int64)).reshape(n, 1)

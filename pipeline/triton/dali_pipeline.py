@@ -32,9 +32,10 @@ DEFAULT_THREADS = 4
 _INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
 
 
-def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
+def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed", with_tag: bool = False):
     """The graph, to be called inside a ``pipeline_def``: external inputs IMAGE (UINT8, padded) and LENGTH (INT32),
-    outputs (PREPROCESSED, WIDTH, HEIGHT) in that order. ``device`` is "mixed" (GPU decode) or "cpu"."""
+    outputs (PREPROCESSED, WIDTH, HEIGHT) in that order. ``device`` is "mixed" (GPU decode) or "cpu". ``with_tag``
+    (the production model): a third input TAG (INT64), passed through as a fourth output, ECHO, sample by sample."""
     import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
     import nvidia.dali.types as types  # noqa: PLC0415
 
@@ -43,7 +44,11 @@ def pipeline_graph(spec: PreprocessSpec, *, device: str = "mixed"):
     # Requests are zero-padded to their longest image; LENGTH gives each file its own bytes back.
     encoded = fn.slice(raw, np.array([0], dtype=np.int32), length, axes=[0],
                        normalized_anchor=False, normalized_shape=False)
-    return preprocess_graph(encoded, spec, device=device)
+    outputs = preprocess_graph(encoded, spec, device=device)
+    if not with_tag:
+        return outputs
+    tag = fn.external_source(name=tn.INPUT_TAG, dtype=types.INT64, ndim=1, device="cpu")
+    return (*outputs, tag.gpu() if device == "mixed" else tag)
 
 
 def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw_decoder_load: float | None = None,

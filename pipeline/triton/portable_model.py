@@ -87,8 +87,10 @@ class Classifier:
         except Exception as err:  # noqa: BLE001 - one input's surprise must stay that input's row
             return None, 0, 0, f"decode_error: {type(err).__name__}: {err}"
 
-    def classify(self, images: np.ndarray, lengths: np.ndarray, limits: DecodeLimits | None = None) -> dict:
-        """images: UINT8 [n, L] padded; lengths: INT32 [n, 1]. Returns the output tensors by name."""
+    def classify(self, images: np.ndarray, lengths: np.ndarray, limits: DecodeLimits | None = None,
+                 tags: np.ndarray | None = None) -> dict:
+        """images: UINT8 [n, L] padded; lengths: INT32 [n, 1]; tags: INT64 [n, 1], echoed as ECHO (zeros when
+        None). Returns the output tensors by name."""
         limits = limits or self.limits
         n = images.shape[0]
         blobs = [images[i, : int(lengths[i].reshape(-1)[0])].tobytes() for i in range(n)]
@@ -98,6 +100,8 @@ class Classifier:
             tn.OUTPUT_WIDTH: np.array([[d[1]] for d in decoded], dtype=np.int32).reshape(n, 1),
             tn.OUTPUT_HEIGHT: np.array([[d[2]] for d in decoded], dtype=np.int32).reshape(n, 1),
             tn.OUTPUT_ERROR: np.array([[d[3].encode("utf-8")] for d in decoded], dtype=np.object_).reshape(n, 1),
+            tn.OUTPUT_ECHO: (np.zeros((n, 1), np.int64) if tags is None
+                             else np.ascontiguousarray(tags, dtype=np.int64).reshape(n, 1)),
         }
         scores = np.zeros((n, self.k), dtype=np.float32)
         ids = np.full((n, self.k), -1, dtype=np.int32)
@@ -157,9 +161,11 @@ class TritonPythonModel:
             try:
                 images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
                 lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH))
-                if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
-                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
-                outputs = self.classifier.classify(images, lengths, self._request_limits(request))
+                tags = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG))
+                if images.ndim != 2 or lengths.shape[0] != images.shape[0] or tags.shape[0] != images.shape[0]:
+                    raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes], {tn.INPUT_LENGTH} and {tn.INPUT_TAG} "
+                                     "[n, 1]")
+                outputs = self.classifier.classify(images, lengths, self._request_limits(request), tags)
                 if not self.has_error:
                     errors = [e.decode("utf-8") for e in outputs.pop(tn.OUTPUT_ERROR).reshape(-1) if e]
                     if errors:

@@ -4,7 +4,8 @@ TensorRT plans load only on the GPU architecture (compute capability) and Tensor
 them, so the image ships no plan. At start each GPU worker:
 
 1. keeps the repository already at ``$BULK_CLASSIFY_REPOSITORY`` when its stamp names the same model,
-   top-k, batch size and plan key (a restart on a node with a persistent volume);
+   top-k, batch size and plan key and it serves this version's contract (a restart on a node with a persistent
+   volume);
 2. else fetches ``<plan cache>/<model>-<onnx sha>-k<top_k>-b<batch>/sm<cc>-trt<version>.tar.gz`` from
    ``$BULK_CLASSIFY_PLAN_CACHE`` (any fsspec URL, e.g. ``s3://bucket/trt-plans``) when it is there;
 3. else builds it with ``pipeline.triton.repository.build_repository("production", ...)`` (a few minutes on the GPU)
@@ -67,6 +68,16 @@ def unpack(data: bytes, folder: Path) -> None:
         tar.extractall(folder)
 
 
+def _serves_the_contract(folder: Path) -> bool:
+    """Does this repository serve the engine's contract (a kept or cached one may predate TAG/ECHO)?"""
+    try:
+        check_repository(folder)
+    except ModelError as err:
+        LOG.warning("repository %s does not serve this version's contract (%s); rebuilding it", folder, err)
+        return False
+    return True
+
+
 def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = 5,
             max_batch_size: int = 64, key: Any = None,
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
@@ -86,7 +97,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
     stamp_path = dest / STAMP
     if stamp_path.is_file():
         stamp = json.loads(stamp_path.read_text())
-        if stamp.get("cache_name") == name:
+        if stamp.get("cache_name") == name and _serves_the_contract(dest):
             find_plan(dest / tn.CLASSIFIER_TRT_MODEL, key)
             LOG.info("repository %s already holds %s", dest, name)
             return {**stamp, "action": "kept"}
@@ -109,6 +120,10 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
                 unpack(data, work)
                 action = "fetched"
                 LOG.info("fetched %s from %s", name, plan_cache)
+                if not _serves_the_contract(work):  # cached before the contract's last change: rebuilt, re-cached
+                    shutil.rmtree(work)
+                    work.mkdir()
+                    action = "built"
         if action == "built":
             t0 = time.monotonic()
             LOG.info("building %s (TensorRT %s, sm%s); this takes minutes", name, key.tensorrt,

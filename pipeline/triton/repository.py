@@ -102,7 +102,7 @@ SPEC = PreprocessSpec.from_json((Path(__file__).parent / "{spec_file}").read_tex
 @autoserialize
 @pipeline_def(batch_size={batch_size}, num_threads={threads}, device_id=0)
 def preprocess():
-    return pipeline_graph(SPEC, device="mixed")
+    return pipeline_graph(SPEC, device="mixed", with_tag=True)
 '''
 
 

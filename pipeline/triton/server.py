@@ -55,8 +55,11 @@ def _die_with_parent() -> None:
 
 
 SHM_PREFIX = "bulkcls_"
-# How long a running server may take to answer a health check before it counts as hung (see ensure_running).
+# How long one health check waits for an answer (a loaded host can keep a healthy server from answering in seconds).
 HEALTH_TIMEOUT_S = 15.0
+# How long a live server may go without answering its health checks before it counts as hung and is restarted
+# (ensure_running): minutes, so a slow server is waited for, never replaced.
+HUNG_AFTER_S = 300.0
 
 
 def sweep_stale_shared_memory() -> list[str]:
@@ -323,14 +326,14 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def ensure_running(self) -> bool:
+    def ensure_running(self, hung_after_s: float = HUNG_AFTER_S) -> bool:
         """Health check between batches: restart a crashed or hung server. True if it was restarted.
 
-        A live server gets HEALTH_TIMEOUT_S to answer: on a host whose CPUs are saturated (decode threads, other
-        actors) a healthy server can take seconds, and killing it then would turn its requests into error rows.
+        A live server is given ``hung_after_s`` to answer: on a saturated host a healthy server can take many seconds,
+        and killing it would turn its requests into error rows and send the engines sharing it to servers of their own.
         """
         with self._lock:
-            if self.is_ready(HEALTH_TIMEOUT_S):
+            if self._answers_within(hung_after_s):
                 return False
             LOG.warning(
                 "tritonserver (pid %s) is %s; restarting it. Log tail:\n%s",
@@ -342,6 +345,21 @@ class TritonServer:
             self.restarts += 1
             self.start()
             return True
+
+    def _answers_within(self, deadline_s: float) -> bool:
+        """True when the server answers its readiness endpoint before ``deadline_s``; False once it is dead."""
+        deadline, warned = time.monotonic() + deadline_s, False
+        while self.is_alive():
+            if self.is_ready(max(0.1, min(HEALTH_TIMEOUT_S, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if not warned:
+                LOG.warning("tritonserver (pid %s) is alive but not answering; waiting up to %.0f s before counting "
+                            "it hung", self.pid, deadline_s)
+            warned = True
+            time.sleep(1.0)
+        return False
 
     def restart(self) -> None:
         """Stop and start again (new ports, new shared memory): for a server that is up but cannot serve, e.g.

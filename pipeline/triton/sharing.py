@@ -5,7 +5,9 @@ sending files spreads over several cores, while one server - one CUDA context, o
 The first engine on a node to ask for a (repository, GPU, arguments) key starts the server and records it in a
 small JSON file under the node's temp folder, holding an exclusive ``flock`` while it does; the others find it
 there and connect. An engine whose shared server stopped answering takes the lease again: the server is found
-restarted by its owner, or this engine starts a new one and becomes the owner.
+restarted by its owner, or this engine starts a new one and becomes the owner. A server whose process lives is
+never replaced (it is slow, and its owner restarts it if it hangs); one whose process is gone is replaced by its
+owner, whom the others wait for while the owner's process lives.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Sequence
@@ -23,6 +26,7 @@ from typing import Callable, Sequence
 LOG = logging.getLogger(__name__)
 
 LEASE_DIR_NAME = "bulk-classify-shared-servers"
+POLL_S = 0.5  # how often an engine waiting for the owner's restarted server reads the record
 
 
 def lease_key(repository: str, server_args: Sequence[str], model_name: str) -> str:
@@ -61,24 +65,42 @@ class ServerLease:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def read(self) -> dict | None:
-        """The live server's record, or None when there is none or its process is gone."""
+    def _record_text(self) -> dict | None:
         try:
-            info = json.loads(self.record.read_text())
+            return json.loads(self.record.read_text())
         except (OSError, ValueError):
             return None
-        return info if _alive(int(info.get("pid", 0))) else None
 
-    def acquire(self, start: Callable[[], object], exclude_url: str | None = None):
+    def read(self) -> dict | None:
+        """The live server's record, or None when there is none or its process is gone."""
+        info = self._record_text()
+        return info if info is not None and _alive(int(info.get("pid", 0))) else None
+
+    def acquire(self, start: Callable[[], object], exclude_url: str | None = None, wait_s: float = 0.0):
         """(url, server): a running shared server's url and None, or a server ``start()`` just started (we own it).
 
-        ``exclude_url``: a url that just failed; a record still naming it (its process alive but not answering)
-        is not trusted and a new server is started.
+        ``exclude_url``: a url that just failed. While the recorded server's process lives it is only slow: its
+        url comes back (the caller keeps waiting on it). When that process is gone and the record's owner lives,
+        the owner's restarted server is waited for, up to ``wait_s``; a new server is started only after that, or
+        when the owner is gone too.
         """
         with self._locked():
             info = self.read()
-            if info is not None and info.get("url") != exclude_url:
-                LOG.info("sharing tritonserver %s (pid %s)", info["url"], info["pid"])
+            if info is not None:
+                if info.get("url") != exclude_url:
+                    LOG.info("sharing tritonserver %s (pid %s)", info["url"], info["pid"])
+                return info["url"], None
+            owner = int((self._record_text() or {}).get("owner", 0))
+        deadline = time.monotonic() + wait_s
+        while exclude_url is not None and owner and _alive(owner) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            info = self.read()
+            if info is not None:
+                LOG.info("sharing tritonserver %s (pid %s), restarted by its owner", info["url"], info["pid"])
+                return info["url"], None
+        with self._locked():
+            info = self.read()
+            if info is not None:
                 return info["url"], None
             server = start()
             self.publish(server)

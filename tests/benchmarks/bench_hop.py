@@ -46,8 +46,8 @@ class Labels:
 class MessageWireEngine(TritonEngine):
     """The engine with its requests built as protobuf messages (three copies of the files)."""
 
-    def _request(self, blobs):
-        return build_request(self.model_name, blobs, self._wanted, self.limits)
+    def _request(self, blobs, tags):
+        return build_request(self.model_name, blobs, self._wanted, self.limits, tags)
 
 
 def engine(wire: str, url: str, model: str, request_batch: int, concurrency: int) -> TritonEngine:

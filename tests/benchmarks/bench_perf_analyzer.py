@@ -68,8 +68,9 @@ def input_data(images: list[bytes], path: Path) -> Path:
         {
             tn.INPUT_IMAGE: {"b64": base64.b64encode(b.ljust(longest, b"\0")).decode(), "shape": [longest]},
             tn.INPUT_LENGTH: {"content": [len(b)], "shape": [1]},
+            tn.INPUT_TAG: {"content": [i], "shape": [1]},
         }
-        for b in images
+        for i, b in enumerate(images)
     ]
     path.write_text(json.dumps({"data": entries}))
     return path

@@ -12,6 +12,9 @@ LONG_MODULES = {
     "pipeline.engines.gpu.classifier",
     # The quality counters, their merge over shards and the drift comparison: one concern (#13), one module.
     "pipeline.quality",
+    # The Triton client's request path: isolating bad inputs, restarts, shared-server failover and the answer checks
+    # retry the same request, so they share its loop.
+    "pipeline.engines.triton",
 }
 
 

@@ -72,6 +72,7 @@ class _Item:
     info: JpegInfo | None  # None: not for DALI (the reference, Pillow, decodes it)
     width: int = 0  # upright, after EXIF
     height: int = 0
+    tag: int = 0  # the client's TAG of this image (pipeline.triton.contract), travelling with it to its answer
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RawResults:
     width: np.ndarray  # int32 [N]
     height: np.ndarray  # int32 [N]
     errors: list[str]  # "" when the image was classified
+    echo: np.ndarray | None = None  # int64 [N]: each answer's image TAG (the Triton stream's; None elsewhere)
 
 
 @dataclass

@@ -6,7 +6,9 @@ calls, and network batches are full whatever the requests' sizes.
 queues them; the stream's thread cuts the queue into network batches (``batch_size`` images, or fewer when the GPU
 would otherwise wait longer than ``max_delay_s``), runs them through the classifier's pipeline, and calls
 ``respond(sender, RawResults, n)`` for a request as soon as its last image is done. A batch that fails as a whole
-(a CUDA error, say) fails its images with an ``engine_error`` and the stream goes on.
+(a CUDA error, say) fails its images with an ``engine_error`` and the stream goes on. Each image's TAG travels on
+its item through the pipeline and lands in ``RawResults.echo`` beside its answer, so the client checks the stream's
+bookkeeping of every image.
 
 With ``max_backlog`` set, ``submit`` waits while that many batches' worth of images are already in the stream, so a
 Triton model instance with enough work stays busy in ``execute()`` and the server gives the next requests to another
@@ -46,17 +48,20 @@ class _Request:
     width: np.ndarray
     height: np.ndarray
     errors: list[str]
+    tags: np.ndarray  # int64 [n], the request's TAG input
+    echo: np.ndarray  # int64 [n], the TAG of the image each answer was made for
     remaining: int = 0  # images still in the stream
     counted: int = 0  # images this request adds to the stream's backlog
     done: bool = False
 
     @classmethod
-    def new(cls, sender, n: int, top_k: int) -> "_Request":
+    def new(cls, sender, n: int, top_k: int, tags: np.ndarray | None = None) -> "_Request":
+        tags = np.zeros(n, np.int64) if tags is None else np.asarray(tags, np.int64).reshape(n)
         return cls(sender, n, np.zeros((n, top_k), np.int32), np.zeros((n, top_k), np.float32),
-                   np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n)
+                   np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, tags, np.zeros(n, np.int64))
 
     def results(self) -> RawResults:
-        return RawResults(self.ids, self.scores, self.width, self.height, self.errors)
+        return RawResults(self.ids, self.scores, self.width, self.height, self.errors, self.echo)
 
 
 @dataclass
@@ -105,9 +110,10 @@ class RequestStream:
 
     # ---- the caller's side (Triton's execute thread) ----------------------------------------------------------
 
-    def submit(self, sender, blobs: list[bytes], limits: DecodeLimits) -> None:
-        """Queues one request's images; its response comes through ``respond`` (at once if nothing is left)."""
-        request = _Request.new(sender, len(blobs), self.top_k)
+    def submit(self, sender, blobs: list[bytes], limits: DecodeLimits, tags: np.ndarray | None = None) -> None:
+        """Queues one request's images (``tags``: their TAGs, zeros when None); its response comes through
+        ``respond`` (at once if nothing is left)."""
+        request = _Request.new(sender, len(blobs), self.top_k, tags)
         items = []
         with self._submit_lock:
             serial = self._serial
@@ -118,7 +124,9 @@ class RequestStream:
                 item = triage(serial + pos, data, limits)
             except ImageError as err:
                 request.errors[pos] = str(err)
+                request.echo[pos] = request.tags[pos]
                 continue
+            item.tag = int(request.tags[pos])
             items.append((item, pos))
         request.remaining = len(items)
         if not items:
@@ -165,6 +173,7 @@ class RequestStream:
                 for request, _ in list(self._owners.values()):
                     if not request.done:
                         request.errors = [e or "engine_error: the gpu pipeline failed" for e in request.errors]
+                        request.echo[:] = request.tags  # answered as a whole: every row an error
                         self._finish(request)
                 self._owners.clear()
                 if self._closing:
@@ -230,7 +239,8 @@ class RequestStream:
                 request.width[pos] = item.width
                 request.height[pos] = item.height
         for item in chunk.items:
-            request, _ = self._owners.pop(item.index)
+            request, pos = self._owners.pop(item.index)
+            request.echo[pos] = item.tag
             request.remaining -= 1
             if request.remaining == 0:
                 self._finish(request)

@@ -9,6 +9,9 @@ tensor through DLPack; ``network`` reads it on the GPU (``FORCE_CPU_ONLY_INPUT_T
 and the ensemble passes it on; without it (numpy 2: BYTES cannot be sent) the request fails with the first error and
 the client isolates the bad file, as with the single model.
 
+Each image's ``TAG`` goes with its tensor: the preprocess model sends it on (``PREPROCESSED_TAG``) and the network
+model echoes it in ``ECHO`` beside its classes, so the client checks both models' batching of every image.
+
 ``network: "none"`` is the hop alone, torch- and DALI-free: preprocess triages and writes a number derived from each
 file's bytes into its tensor (``echo_ids``); the network model turns it into that image's classes.
 """
@@ -33,6 +36,7 @@ from pipeline.engines.gpu.triton_model import (
     output_tensor,
     request_images,
     request_limits,
+    request_tags,
 )
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
@@ -68,21 +72,24 @@ class PreprocessModel:
 
     def execute(self, requests):
         pb = self.pb
-        blobs, limits, spans, failed = [], [], [], {}
+        blobs, tags, limits, spans, failed = [], [], [], [], {}
         for r, request in enumerate(requests):
             try:
                 images = request_images(pb, request)
+                tags.append(request_tags(pb, request, len(images)))
             except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
                 failed[r] = pb.TritonError(str(err))
                 images = []
             spans.append((len(blobs), len(blobs) + len(images)))
             blobs += images
             limits.append(request_limits(request, self.limits))
+        all_tags = np.concatenate(tags) if tags else np.zeros(0, np.int64)
         if len(set(limits)) <= 1:  # the usual case: one pass over every request's images
             prepared = [self._prepare(blobs, limits[0] if limits else self.limits)]
-            parts = [(prepared[0], start, end) for start, end in spans]
+            parts = [(prepared[0], all_tags, start, end) for start, end in spans]
         else:
-            parts = [(self._prepare(blobs[s:e], lim), 0, e - s) for (s, e), lim in zip(spans, limits)]
+            parts = [(self._prepare(blobs[s:e], lim), all_tags[s:e], 0, e - s)
+                     for (s, e), lim in zip(spans, limits)]
         return [pb.InferenceResponse(output_tensors=[], error=failed[r]) if r in failed else self._response(*part)
                 for r, part in enumerate(parts)]
 
@@ -107,7 +114,7 @@ class PreprocessModel:
             x[ok, 0, 0, 0] = echo_ids([blobs[i] for i in ok], 1)[:, 0]
         return Preprocessed(x, width, height, errors)
 
-    def _response(self, prep: Preprocessed, start: int, end: int):
+    def _response(self, prep: Preprocessed, tags: np.ndarray, start: int, end: int):
         pb = self.pb
         errors = prep.errors[start:end]
         failed = [e for e in errors if e]
@@ -120,6 +127,7 @@ class PreprocessModel:
             output_tensor(pb, tn.OUTPUT_WIDTH, prep.width[start:end, None]),
             output_tensor(pb, tn.OUTPUT_HEIGHT, prep.height[start:end, None]),
             output_tensor(pb, tn.STATUS, status),
+            output_tensor(pb, tn.OUTPUT_ECHO, tags[start:end, None]),
         ]
         if self.has_error:
             out.append(pb.Tensor(tn.OUTPUT_ERROR, np.array([[e.encode("utf-8")] for e in errors], dtype=np.object_)))
@@ -167,6 +175,8 @@ class NetworkModel:
         pb = self.pb
         inputs = [pb.get_input_tensor_by_name(r, tn.PREPROCESSED) for r in requests]
         status = [pb.get_input_tensor_by_name(r, tn.STATUS) for r in requests]
+        tags = np.concatenate([_as_numpy(pb.get_input_tensor_by_name(r, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
+                               for r in requests])
         if self.network is None:
             ids, scores, failed, sizes = self._hop(inputs, status)
         else:
@@ -178,6 +188,7 @@ class NetworkModel:
             responses.append(pb.InferenceResponse(output_tensors=[
                 output_tensor(pb, tn.OUTPUT_CLASS_IDS, ids[start:end]),
                 output_tensor(pb, tn.OUTPUT_SCORES, scores[start:end]),
+                output_tensor(pb, tn.OUTPUT_ECHO, tags[start:end, None]),
             ]))
             start = end
         return responses

@@ -72,6 +72,18 @@ def request_images(pb, request) -> list[bytes]:
     return [images[i, : int(lengths[i])].tobytes() for i in range(images.shape[0])]
 
 
+def request_tags(pb, request, n: int) -> np.ndarray:
+    """A request's ``TAG`` column (int64 [n]), echoed in ``ECHO``.
+
+    Raises:
+        ValueError: not one tag per image.
+    """
+    tags = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
+    if tags.shape[0] != n:
+        raise ValueError(f"{tn.INPUT_TAG} must be [n, 1] for the {n} images of {tn.INPUT_IMAGE}")
+    return tags
+
+
 def request_limits(request, default: DecodeLimits) -> DecodeLimits:
     """The caps of one request: its parameters' max_bytes/max_pixels, else ``default``."""
     try:
@@ -195,11 +207,12 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 blobs = request_images(pb, request)
+                tags = request_tags(pb, request, len(blobs))
                 limits = request_limits(request, self.limits)
             except Exception as err:  # noqa: BLE001 - a malformed request fails alone, with the reason
                 self._send(sender, pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
                 continue
-            self.stream.submit(sender, blobs, limits)
+            self.stream.submit(sender, blobs, limits, tags)
         return None
 
     def _respond(self, sender, raw, n: int) -> None:
@@ -228,6 +241,7 @@ class TritonPythonModel:
             out_tensor(tn.OUTPUT_SCORES, raw.scores[start:end]),
             out_tensor(tn.OUTPUT_WIDTH, raw.width[start:end, None]),
             out_tensor(tn.OUTPUT_HEIGHT, raw.height[start:end, None]),
+            out_tensor(tn.OUTPUT_ECHO, raw.echo[start:end, None]),
         ]
         if self.has_error:
             errors = np.array([[e.encode("utf-8")] for e in raw.errors[start:end]], dtype=np.object_)

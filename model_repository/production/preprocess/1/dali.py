@@ -23,4 +23,4 @@ SPEC = PreprocessSpec.from_json((Path(__file__).parent / "preprocess.json").read
 @autoserialize
 @pipeline_def(batch_size=64, num_threads=4, device_id=0)
 def preprocess():
-    return pipeline_graph(SPEC, device="mixed")
+    return pipeline_graph(SPEC, device="mixed", with_tag=True)
