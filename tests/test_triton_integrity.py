@@ -491,3 +491,33 @@ def test_repo_prepare_rebuilds_a_kept_repository_built_before_the_echo(tmp_path)
     config.write_text(config.read_text().replace(f'name: "{tn.INPUT_TAG}"', 'name: "OLD_TAG"'))
     again = prep.prepare(str(dest), None, key=key, build=build)
     assert again["action"] == "built" and f'name: "{tn.INPUT_TAG}"' in config.read_text()
+
+
+@pytest.mark.slow
+def test_an_owner_that_is_done_keeps_its_server_until_the_other_users_leave(bundle, tmp_path, monkeypatch):
+    """The end of a job: Ray Data releases the idle owner while another actor still has calls. The owner's close()
+    waits for that user, so it finishes on the same server: no failover, no second server."""
+    import threading
+
+    lease = _lease_dir_for_processes(tmp_path, monkeypatch)
+    repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
+    owner = make_engine("triton", bundle, top_k=TOP_K, repository=repo, share_server=True, request_batch=4)
+    other = _client(repo, lease, 0, 6, hold=True)
+    try:
+        assert owner.server is not None and json.loads(other.stdout.readline()) == {"ready": False}
+        closed = threading.Event()
+        closing = threading.Thread(target=lambda: (owner.close(), closed.set()), daemon=True)
+        closing.start()
+        time.sleep(2 * sharing.POLL_S)
+        assert not closed.is_set()  # the other engine still uses the server
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        answer = json.loads(other.stdout.readline())
+        assert [row[0] for row in answer["rows"]] == ["ok"] * 6
+        assert answer["events"][triton_engine.EVENT_FAILOVERS] == 0 and answer["events"][triton_engine.EVENT_STARTS] == 0
+        other.wait(60)
+        assert closed.wait(30)  # ...and once it has left, the owner stops the server
+        assert owner.server is None and not list(owner._lease._users.glob("*"))
+    finally:
+        other.kill()
+        owner.close()

@@ -236,6 +236,7 @@ class TritonEngine:
         self._lease = ServerLease(lease_key(repository, server_args, self.model_name))
         self._start = start
         self.url, self.server = self._lease.acquire(start)
+        self._lease.join()
         if self.server is None:
             self._wait_external(startup_timeout_s)
         else:
@@ -527,15 +528,18 @@ class TritonEngine:
     # ---- close ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops the server this engine started and removes its temporary repository."""
+        """Stops the server this engine started (a shared one once its other users have left) and its MPS daemon."""
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        lease = getattr(self, "_lease", None)
         if self.server is not None:
-            if self._lease is not None:
-                self._lease.release(self.server)
+            if lease is not None:
+                lease.release(self.server)
             self.server.stop()
             self.server = None
+        elif lease is not None:
+            lease.leave()
         self._stop_mps()
 
     def __enter__(self) -> "TritonEngine":

@@ -27,6 +27,9 @@ LOG = logging.getLogger(__name__)
 
 LEASE_DIR_NAME = "bulk-classify-shared-servers"
 POLL_S = 0.5  # how often an engine waiting for the owner's restarted server reads the record
+# How long an owner that is done keeps its server for the engines still using it: at the end of a job Ray Data
+# releases whichever actor goes idle first, often the owner, while the others finish their last calls.
+LINGER_S = 120.0
 
 
 def lease_key(repository: str, server_args: Sequence[str], model_name: str) -> str:
@@ -55,6 +58,7 @@ class ServerLease:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.record = self.folder / f"{key}.json"
         self._lock_path = self.folder / f"{key}.lock"
+        self._users = self.folder / f"{key}.users"  # one empty file per engine process using the server, named by pid
 
     @contextmanager
     def _locked(self):
@@ -75,6 +79,31 @@ class ServerLease:
         """The live server's record, or None when there is none or its process is gone."""
         info = self._record_text()
         return info if info is not None and _alive(int(info.get("pid", 0))) else None
+
+    def join(self) -> None:
+        """Records this process as a user of the server (the owner waits for its users before stopping it)."""
+        self._users.mkdir(parents=True, exist_ok=True)
+        (self._users / str(os.getpid())).touch()
+
+    def leave(self) -> None:
+        """This process no longer uses the server."""
+        (self._users / str(os.getpid())).unlink(missing_ok=True)
+
+    def other_users(self) -> list[int]:
+        """The live processes other than this one that use the server (the files of dead ones are removed)."""
+        users = []
+        for entry in self._users.glob("*") if self._users.is_dir() else ():
+            try:
+                pid = int(entry.name)
+            except ValueError:
+                continue
+            if pid == os.getpid():
+                continue
+            if _alive(pid):
+                users.append(pid)
+            else:
+                entry.unlink(missing_ok=True)
+        return users
 
     def acquire(self, start: Callable[[], object], exclude_url: str | None = None, wait_s: float = 0.0):
         """(url, server): a running shared server's url and None, or a server ``start()`` just started (we own it).
@@ -113,8 +142,19 @@ class ServerLease:
         tmp.write_text(json.dumps({"url": server.grpc_url, "pid": server.pid, "owner": os.getpid()}))
         tmp.replace(self.record)
 
-    def release(self, server) -> None:
-        """The owner stops sharing (before stopping the server): the record goes if it is still ours."""
+    def release(self, server, linger_s: float = LINGER_S) -> None:
+        """The owner stops sharing (before stopping the server): it waits up to ``linger_s`` for the other users
+        to leave, then the record goes if it is still ours."""
+        self.leave()
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            users = self.other_users()
+            if not users:
+                break
+            time.sleep(POLL_S)
+        else:
+            LOG.warning("stopping the shared tritonserver %s with %d engine(s) still using it", server.grpc_url,
+                        len(self.other_users()))
         with self._locked():
             info = self.read()
             if info is None or info.get("pid") == server.pid:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ import numpy as np
 from pipeline.engines.gpu.stream import NullClassifier, RequestStream
 from pipeline.triton import contract as tn
 from pipeline.imaging import DecodeLimits, PreprocessSpec
+
+_IMPORTED = time.perf_counter()  # the stub imports this module first: instance start times count from here
 
 LOG = logging.getLogger(__name__)
 # The stub's pybind11 reads numpy-1 arrays right; under numpy 2 tensors go through DLPack (see the module doc).
@@ -172,6 +175,7 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - exists only inside the stub
 
         self.pb = pb_utils
+        started = time.perf_counter()
         config, folder, spec = model_setup(args)
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
@@ -185,7 +189,12 @@ class TritonPythonModel:
             self.classifier = NullClassifier(batch_size=batch_size, top_k=self.top_k)
         else:
             self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
+        built = time.perf_counter()
         self.classifier.warmup()
+        # Each instance's start, in the server's log: where a job's start goes (docs/performance.md).
+        pb_utils.Logger.log_info(f"gpu model {self.instance}: classifier built in {built - started:.1f} s, warmed up "
+                                 f"in {time.perf_counter() - built:.1f} s, {time.perf_counter() - _IMPORTED:.1f} s "
+                                 "after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
                                     max_delay_s=float(_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
                                     max_backlog=float(_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))

@@ -22,7 +22,7 @@ from pipeline.triton.profiles import PROFILES  # noqa: E402
 from pipeline.triton.repository import cached_repository  # noqa: E402
 from pipeline.triton.server import TritonServer  # noqa: E402
 
-KEEP = re.compile(r"ModelInstanceInitialize|successfully loaded|loading: |Started GRPC|ready on|stub|warm", re.I)
+KEEP = re.compile(r"ModelInstanceInitialize|successfully loaded|loading: |Started GRPC|gpu model|stub", re.I)
 for n in [int(a) for a in sys.argv[1:]] or [6]:
     gpu = PROFILES["gpu"]
     t0 = time.perf_counter()
