@@ -521,3 +521,41 @@ def test_an_owner_that_is_done_keeps_its_server_until_the_other_users_leave(bund
     finally:
         other.kill()
         owner.close()
+
+
+# An owner as a Ray actor ends: its engine is closed by an atexit handler, after interpreter shutdown has joined
+# the executor threads.
+EXITING_OWNER = '''
+import atexit, json, sys
+sys.path[:0] = [sys.argv[1]]
+from pipeline.engines.base import make_engine
+from pipeline.model import load_model
+engine = make_engine("triton", load_model(None), top_k=5, repository=sys.argv[2], share_server=True, request_batch=2)
+atexit.register(engine.close)
+print(json.dumps({"ready": engine.server is not None}), flush=True)
+sys.stdin.readline()
+'''
+
+
+@pytest.mark.slow
+def test_an_owner_process_that_exits_serves_its_other_users_until_they_leave(bundle, tmp_path, monkeypatch):
+    lease = _lease_dir_for_processes(tmp_path, monkeypatch)
+    repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
+    owner = subprocess.Popen([sys.executable, "-c", EXITING_OWNER, str(TESTS), repo], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(lease.parent)})
+    try:
+        assert json.loads(owner.stdout.readline()) == {"ready": True}
+        other = make_engine("triton", bundle, top_k=TOP_K, repository=repo, share_server=True, request_batch=4)
+        try:
+            owner.stdin.write("\n")
+            owner.stdin.flush()  # the owner's interpreter exits and its atexit handler closes its engine
+            time.sleep(3 * sharing.POLL_S)
+            assert owner.poll() is None  # ...which keeps the server while this engine uses it
+            rows = other.classify(_images(0, 8))
+            assert [r.status for r in rows] == ["ok"] * 8 and _own(rows, 0) == []
+            assert other.events[triton_engine.EVENT_FAILOVERS] == 0 and other.server is None
+        finally:
+            other.close()
+        assert owner.wait(60) == 0  # the last user left: the owner stopped its server and exited
+    finally:
+        owner.kill()

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import queue
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Sequence
 
@@ -42,10 +43,39 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 STUB_PATH_ENV = "BULK_CLASSIFY_PYTHONPATH"
 
 
-# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Engines restart servers
-# from short-lived request threads (and Ray may run actor methods in pool threads), so every server is forked
-# from this one thread, which lives as long as the process.
-_LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tritonserver-launcher")
+class _Launcher:
+    """Forks every server from one daemon thread.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Engines restart servers
+    from short-lived request threads (and Ray may run actor methods in pool threads), so every server is forked from
+    this one thread. It is a daemon thread, not an executor's: interpreter shutdown joins executor threads before
+    the atexit handlers run, which killed a server before its engine's close() could keep it for its other users.
+    """
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="tritonserver-launcher", daemon=True)
+                self._thread.start()
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                future.set_exception(err)
+
+
+_LAUNCHER = _Launcher()
 
 
 def _die_with_parent() -> None:

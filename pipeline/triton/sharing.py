@@ -119,7 +119,9 @@ class ServerLease:
                 if info.get("url") != exclude_url:
                     LOG.info("sharing tritonserver %s (pid %s)", info["url"], info["pid"])
                 return info["url"], None
-            owner = int((self._record_text() or {}).get("owner", 0))
+            record = self._record_text() or {}
+            # An owner that is closing restarts nothing: waiting for it would only stall its users.
+            owner = 0 if record.get("closing") else int(record.get("owner", 0))
         deadline = time.monotonic() + wait_s
         while exclude_url is not None and owner and _alive(owner) and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -138,14 +140,21 @@ class ServerLease:
 
     def publish(self, server) -> None:
         """Records (again, after a restart) the server this process owns."""
+        self._write({"url": server.grpc_url, "pid": server.pid, "owner": os.getpid()})
+
+    def _write(self, info: dict) -> None:
         tmp = self.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": server.grpc_url, "pid": server.pid, "owner": os.getpid()}))
+        tmp.write_text(json.dumps(info))
         tmp.replace(self.record)
 
     def release(self, server, linger_s: float = LINGER_S) -> None:
         """The owner stops sharing (before stopping the server): it waits up to ``linger_s`` for the other users
         to leave, then the record goes if it is still ours."""
         self.leave()
+        with self._locked():
+            info = self._record_text()
+            if info is not None and info.get("pid") == server.pid:
+                self._write({**info, "closing": True})
         deadline = time.monotonic() + linger_s
         while time.monotonic() < deadline:
             users = self.other_users()

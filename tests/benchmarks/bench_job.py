@@ -115,7 +115,7 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
         wall, tree, log = run_timed(cmd, env, opts.timeout_s)
     t_end = t0 + wall
     (opts.out / f"log-{name}.txt").write_text(log)
-    table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "classified_at", "status"])
+    table = pads.dataset(str(out), format="parquet").to_table(columns=["uri", "classified_at", "status", "error"])
     uris = table.column("uri").to_pylist()
     starts = [t.timestamp() for t in table.column("classified_at").to_pylist() if t is not None]
     rate, lo, hi = steady_rate(starts)
@@ -129,6 +129,7 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
         "variant": name, "args": args_text, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
         "every_row_once": len(uris) == len(set(uris)) == total,
         "ok": table.column("status").to_pylist().count("ok"),
+        "errors": collections.Counter(e[:160] for e in table.column("error").to_pylist() if e).most_common(3),
         "wall_s": round(wall, 1), "start_s": round(commits[0] - t0, 1) if commits else None,
         "first_call_s": round(min(starts) - t0, 1) if starts else None,
         "tail_s": round(t_end - commits[-1], 1) if commits else None,
@@ -158,6 +159,9 @@ def print_table(rows: list[dict]) -> None:
               f"{str(r['steady_img_s']):>12} {ratio:>7} {r['steady_window_s']:>8} {gpu:>6} {r['wall_s']:>7} "
               f"{str(r['start_s']):>7} {str(r['tail_s']):>6} {r['servers_at_once']:>3}/{r['servers_seen']:<3} "
               f"{len(r['failover_lines']):>9}")
+    for r in rows:
+        if r["errors"]:
+            print(f"errors {r['variant']}: {r['rows'] - r['ok']} rows, most common: {r['errors']}")
     for r in rows:
         cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_s_by_process"].items())
         print(f"CPU s {r['variant']}: total {r['cpu_s_total']} over {r['wall_s']} s wall: {cpu}")
@@ -242,8 +246,9 @@ def check_oddities(name: str, args_text: str, opts) -> None:
         kind = (row["error"] or "").split(":", 1)[0] or None
         got.setdefault(odd, []).append((row["status"], kind))
     bad = {k: (v, got.get(k)) for k, v in expected.items() if got.get(k) != [v]}
+    texts = {Path(row["uri"]).stem: (row["error"] or "")[:160] for row in rows if Path(row["uri"]).stem in bad}
     print(f"oddities {name}: {len(expected) - len(bad)}/{len(expected)} as expected, {len(rows)} rows"
-          + ("" if not bad else f"; differ: {bad}"))
+          + ("" if not bad else f"; differ: {bad}; their errors: {texts}"))
 
 
 if __name__ == "__main__":
