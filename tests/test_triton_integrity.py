@@ -559,3 +559,42 @@ def test_an_owner_process_that_exits_serves_its_other_users_until_they_leave(bun
         assert owner.wait(60) == 0  # the last user left: the owner stopped its server and exited
     finally:
         owner.kill()
+
+
+# A portable model whose unload takes a while: after SIGINT its server has closed its endpoints but still lives.
+SLOW_UNLOAD_MODEL = '''
+import os, sys, time
+sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+from pipeline.triton.portable_model import TritonPythonModel as Portable
+
+class TritonPythonModel(Portable):
+    def finalize(self):
+        time.sleep(20)
+'''
+
+
+@pytest.mark.slow
+def test_a_shared_server_that_is_shutting_down_is_replaced_not_waited_for(bundle, tmp_path, monkeypatch):
+    """A live server process that refuses connections is going away (its owner stopped it): the other engine
+    starts its own server at once and every image still gets its own answer."""
+    lease = _lease_dir_for_processes(tmp_path, monkeypatch)
+    repo = build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K)
+    (repo / tn.MODEL_NAME / "1" / "model.py").write_text(SLOW_UNLOAD_MODEL)
+    owner = _client(str(repo), lease, 0, 4, hold=True)
+    try:
+        assert json.loads(owner.stdout.readline()) == {"ready": True}
+        other = make_engine("triton", bundle, top_k=TOP_K, repository=str(repo), share_server=True, request_batch=4)
+        try:
+            record = json.loads(next(lease.glob("*.json")).read_text())
+            os.kill(record["pid"], signal.SIGINT)  # the owner's stop(): endpoints close, the unload takes 20 s
+            time.sleep(2)
+            assert sharing._alive(record["pid"]) and not sharing._accepts(record["url"])
+            started = time.monotonic()
+            rows = other.classify(_images(0, 8))
+            assert [r.status for r in rows] == ["ok"] * 8 and _own(rows, 0) == []
+            assert other.server is not None and other.events[triton_engine.EVENT_FAILOVERS] == 1
+            assert time.monotonic() - started < 60  # not the owner's whole unload, nor a request timeout
+        finally:
+            other.close()
+    finally:
+        owner.kill()

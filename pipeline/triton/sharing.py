@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -37,6 +38,16 @@ def lease_key(repository: str, server_args: Sequence[str], model_name: str) -> s
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     text = json.dumps([str(Path(repository).resolve()), list(server_args), model_name, gpus])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _accepts(url: str, timeout_s: float = 2.0) -> bool:
+    """Does anything accept a TCP connection at ``url`` (host:port)? A server that is only slow still does."""
+    host, _, port = url.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -115,6 +126,13 @@ class ServerLease:
         """
         with self._locked():
             info = self.read()
+            if info is not None and info.get("url") == exclude_url and (info.get("closing")
+                                                                       or not _accepts(exclude_url)):
+                # Its process lives but it refuses connections: it is shutting down (its owner is done), not slow.
+                LOG.info("shared tritonserver %s is shutting down; starting another", exclude_url)
+                server = start()
+                self.publish(server)
+                return server.grpc_url, server
             if info is not None:
                 if info.get("url") != exclude_url:
                     LOG.info("sharing tritonserver %s (pid %s)", info["url"], info["pid"])
