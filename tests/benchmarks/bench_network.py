@@ -323,20 +323,19 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
     by_name = {r["network"]: r for r in results}
     base = by_name.get(REFERENCE_LITE0_LAYOUT, {}).get("img_s", {})
     timm = by_name.get(f"timm {TIMM_MODELS[0]}", {}).get("img_s", {})
-    precision = "FP16" if half else "FP32"
-    print(f"\nbench_network: {gpu}, torch {torch_version}, {precision} TopKNetwork (channels-last, CUDA graph, "
-          f"softmax + top-{TOP_K}), windows >= {seconds:g} s; parity: {count} images vs ONNX Runtime CPU on "
-          f"{onnx_source}\n")
+    how = "FP16, CUDA graph" if half else "FP32, no CUDA graph"
+    print(f"\nbench_network: {gpu}, torch {torch_version}, TopKNetwork ({how}, channels-last, softmax + "
+          f"top-{TOP_K}), windows >= {seconds:g} s; parity: {count} images vs ONNX Runtime CPU on {onnx_source}\n")
     cols = " | ".join(f"img/s b{b}" for b in batches)
     print(f"| network | {cols} | vs explicit (b{batches[-1]}) | vs timm (b{batches[-1]}) | CPU FP32 max dlogit vs "
-          f"explicit | GPU FP32 max dlogit vs explicit / vs ORT | top-1 vs ORT | disagreements: ORT margins |")
+          f"explicit | device FP32 max dlogit vs explicit / vs ORT | top-1 vs ORT | disagreements: ORT margins |")
     print("|---|" + "---|" * len(batches) + "---|---|---|---|---|---|")
     for r in results:
         name = r["network"] + (" (default)" if r["network"] == DEFAULT_LITE0_LAYOUT else "")
         if r["error"] and not r["img_s"]:
             print(f"| {name} | " + " | ".join("-" for _ in batches) + f" | - | - | - | - | - | {r['error']} |")
             continue
-        rates = " | ".join(f"{r['img_s'][b]:,.0f}" if b in r["img_s"] else "-" for b in batches)
+        rates = " | ".join(_rate(r["img_s"].get(b)) for b in batches)
         last = r["img_s"].get(batches[-1])
         vs_base = f"{last / base[batches[-1]]:.3f}x" if last and base.get(batches[-1]) else "-"
         vs_timm = f"{last / timm[batches[-1]]:.3f}x" if last and timm.get(batches[-1]) else "-"
@@ -358,23 +357,27 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
         if timed:
             best = max(timed, key=lambda r: r["img_s"][b])
             t = f", {best['img_s'][b] / timm[b]:.3f}x timm" if timm.get(b) else ""
-            print(f"fastest exact layout at batch {b}: {best['network']} {best['img_s'][b]:,.0f} img/s{t}")
+            print(f"fastest exact layout at batch {b}: {best['network']} {_rate(best['img_s'][b])} img/s{t}")
     default = by_name.get(DEFAULT_LITE0_LAYOUT)
     if default and default["img_s"] and default.get("parity"):
         best_rate = max(default["img_s"].values())
         par = default["parity"]
         near = all(m < NEAR_TIE for m in par["margins"])
-        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {best_rate:,.0f} img/s (goal {GOAL_IMG_S:,}: "
+        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {_rate(best_rate)} img/s (goal {GOAL_IMG_S:,}: "
               f"{'met' if best_rate >= GOAL_IMG_S else 'NOT met'}), top-1 {par['agree'] * 100:.2f}% (goal "
               f"{GOAL_TOP1 * 100:.0f}%: {'met' if par['agree'] >= GOAL_TOP1 else 'NOT met'}), disagreements "
               f"{par['disagreements']}, all near-ties (< {NEAR_TIE}): {'yes' if near else 'NO'}")
     else:
         print(f"default layout {DEFAULT_LITE0_LAYOUT}: no result (see its row)")
     for name, (first, again) in drift.items():
-        print(f"re-timed at the end, batch {batches[-1]}: {name} {again:,.0f} img/s (first {first:,.0f}, "
+        print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
     print(f"to make another layout the default: DEFAULT_LITE0_LAYOUT in pipeline/engines/gpu/networks.py; "
           f"wall {wall_s:.0f} s")
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
 
 if __name__ == "__main__":
