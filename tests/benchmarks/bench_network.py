@@ -178,24 +178,25 @@ def parity(logits: np.ndarray, ref_logits: np.ndarray) -> dict:
 
 
 def build_rows(torch, args, weights) -> list[tuple[str, object]]:
-    """(name, torch module) per row: the layouts first (reference, default, the rest), then timm's."""
-    order = [REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT] + [n for n in LITE0_LAYOUTS
-                                                              if n not in (REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT)]
-    names = [n for n in args.layouts.split(",") if n] if args.layouts else order
+    """(name, torch module, or the exception that stopped it) per row, most needed first, so that a run cut short by
+    the budget still has them: the reference layout, the default, timm's efficientnet_lite0, the other layouts,
+    timm's tf_efficientnet_lite0."""
+    names = [n for n in args.layouts.split(",") if n] if args.layouts else list(LITE0_LAYOUTS)
+    first = [n for n in (REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT) if n in names]
+    order = first + ([] if args.no_timm else [f"timm {TIMM_MODELS[0]}"])
+    order += [n for n in names if n not in first] + ([] if args.no_timm else [f"timm {m}" for m in TIMM_MODELS[1:]])
     rows: list[tuple[str, object]] = []
-    for name in names:
+    for name in order:
         try:
-            rows.append((name, efficientnet_lite0(weights, name)))
-        except Exception as e:  # noqa: BLE001 - a broken layout is a row with its error
-            rows.append((name, e))
-    for name in TIMM_MODELS if not args.no_timm else ():
-        try:
-            import timm
+            if name.startswith("timm "):
+                import timm
 
-            torch.manual_seed(0)
-            rows.append((f"timm {name}", timm.create_model(name, pretrained=False).eval()))
-        except Exception as e:  # noqa: BLE001 - timm missing or renamed: say so and go on
-            rows.append((f"timm {name}", e))
+                torch.manual_seed(0)
+                rows.append((name, timm.create_model(name.removeprefix("timm "), pretrained=False).eval()))
+            else:
+                rows.append((name, efficientnet_lite0(weights, name)))
+        except Exception as e:  # noqa: BLE001 - a broken layout, or timm missing: a row with its error
+            rows.append((name, e))
     return rows
 
 
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-timm", action="store_true", help="leave out timm's rows")
     p.add_argument("--onnx", type=Path, default=None, help="the default model's ONNX file (default: load_model)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip rows not started this many seconds after the start (default 165; --quick: none)")
+                   help="skip rows not started this many seconds after the start (default 150; --quick: none)")
     p.add_argument("--out", type=Path, default=None, help="folder for bench_network.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds if args.seconds is not None else (0.2 if args.quick else 2.0)
     count = args.count if args.count is not None else (8 if args.quick else 520)
     cpu_count = args.cpu_check if args.cpu_check is not None else (2 if args.quick else 16)
-    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.quick else 165.0)
+    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.quick else 150.0)
     replays = 1 if args.quick else args.replays
     t_start = time.perf_counter()
 
@@ -368,7 +369,7 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
               f"{GOAL_TOP1 * 100:.0f}%: {'met' if par['agree'] >= GOAL_TOP1 else 'NOT met'}), disagreements "
               f"{par['disagreements']}, all near-ties (< {NEAR_TIE}): {'yes' if near else 'NO'}")
     else:
-        print(f"default layout {DEFAULT_LITE0_LAYOUT}: no result (see its row)")
+        print(f"default layout {DEFAULT_LITE0_LAYOUT}: " + ("no result (see its row)" if default else "not in this run"))
     for name, (first, again) in drift.items():
         print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
