@@ -283,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["device_fp32_max_diff"] = float(np.abs(logits32 - ref_dev).max())
                 row["device_fp32_vs_onnx_max_diff"] = (float(np.abs(logits32 - ref_logits).max())
                                                        if ref_logits is not None else float("nan"))
+            parity_batch = PARITY_BATCH if PARITY_BATCH in batches else batches[0]
             for b in batches:
                 r, tk = throughput(torch, net, device, batch=b, half=half, seconds=seconds, replays=replays)
                 row["img_s"][b] = r
-                if layout and ref_logits is not None and (b == PARITY_BATCH or (b == batches[0] and PARITY_BATCH not in batches)):
+                if layout and ref_logits is not None and b == parity_batch:
                     logits16 = device_logits(torch, tk, device, x, half=half, batch=b)
                     row["parity"] = parity(logits16, ref_logits)
                 del tk
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, torch_version: str, count: int, half: bool,
-           seconds: float, onnx_source: str, wall_s: float) -> None:
+def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, torch_version: str, count: int,
+           half: bool, seconds: float, onnx_source: str, wall_s: float) -> None:
     """The table, then one line per answer the issue asks for."""
     by_name = {r["network"]: r for r in results}
     base = by_name.get(REFERENCE_LITE0_LAYOUT, {}).get("img_s", {})
@@ -369,7 +370,8 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
               f"{GOAL_TOP1 * 100:.0f}%: {'met' if par['agree'] >= GOAL_TOP1 else 'NOT met'}), disagreements "
               f"{par['disagreements']}, all near-ties (< {NEAR_TIE}): {'yes' if near else 'NO'}")
     else:
-        print(f"default layout {DEFAULT_LITE0_LAYOUT}: " + ("no result (see its row)" if default else "not in this run"))
+        missing = "no result (see its row)" if default else "not in this run"
+        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {missing}")
     for name, (first, again) in drift.items():
         print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
