@@ -3,6 +3,7 @@ convs computes what the explicit pads compute, on real photos and the parity inp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,27 @@ def test_an_unknown_layout_names_the_known_ones(weights):
 
     with pytest.raises(EngineError, match="unknown EfficientNet-Lite0 layout 'fast'; use one of explicit, "):
         efficientnet_lite0(weights, "fast")
+
+
+@pytest.mark.slow
+def test_bench_network_runs_on_the_cpu(monkeypatch, capsys, tmp_path):
+    """tests/benchmarks/bench_network.py --device cpu --quick, cut down: its table and answer lines, checked here so
+    that the one device call is not spent finding its bugs; an unknown layout is its own error row."""
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "benchmarks"))
+    import bench_network
+
+    assert bench_network.main(["--device", "cpu", "--quick", "--no-timm", "--batches", "2", "--count", "4",
+                               "--layouts", f"{REFERENCE_LITE0_LAYOUT},{DEFAULT_LITE0_LAYOUT},nope",
+                               "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(table) >= {REFERENCE_LITE0_LAYOUT, f"{DEFAULT_LITE0_LAYOUT} (default)", "nope"}
+    assert "EngineError: unknown EfficientNet-Lite0 layout 'nope'" in table["nope"]
+    assert f"default layout {DEFAULT_LITE0_LAYOUT}: " in out and "top-1 100.00% (goal 99%: met)" in out
+    rows = {r["network"]: r for r in json.loads((tmp_path / "bench_network.json").read_text())["rows"]}
+    default = rows[DEFAULT_LITE0_LAYOUT]
+    assert not default["error"] and default["img_s"]["2"] > 0
+    assert default["cpu_fp32_max_diff"] < MAX_LOGIT_DIFF and default["device_fp32_max_diff"] < MAX_LOGIT_DIFF
+    assert default["device_fp32_vs_onnx_max_diff"] < 1e-3
+    assert default["parity"]["agree"] == 1.0 and default["parity"]["margins"] == []

@@ -178,24 +178,25 @@ def parity(logits: np.ndarray, ref_logits: np.ndarray) -> dict:
 
 
 def build_rows(torch, args, weights) -> list[tuple[str, object]]:
-    """(name, torch module) per row: the layouts first (reference, default, the rest), then timm's."""
-    order = [REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT] + [n for n in LITE0_LAYOUTS
-                                                              if n not in (REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT)]
-    names = [n for n in args.layouts.split(",") if n] if args.layouts else order
+    """(name, torch module, or the exception that stopped it) per row, most needed first, so that a run cut short by
+    the budget still has them: the reference layout, the default, timm's efficientnet_lite0, the other layouts,
+    timm's tf_efficientnet_lite0."""
+    names = [n for n in args.layouts.split(",") if n] if args.layouts else list(LITE0_LAYOUTS)
+    first = [n for n in (REFERENCE_LITE0_LAYOUT, DEFAULT_LITE0_LAYOUT) if n in names]
+    order = first + ([] if args.no_timm else [f"timm {TIMM_MODELS[0]}"])
+    order += [n for n in names if n not in first] + ([] if args.no_timm else [f"timm {m}" for m in TIMM_MODELS[1:]])
     rows: list[tuple[str, object]] = []
-    for name in names:
+    for name in order:
         try:
-            rows.append((name, efficientnet_lite0(weights, name)))
-        except Exception as e:  # noqa: BLE001 - a broken layout is a row with its error
-            rows.append((name, e))
-    for name in TIMM_MODELS if not args.no_timm else ():
-        try:
-            import timm
+            if name.startswith("timm "):
+                import timm
 
-            torch.manual_seed(0)
-            rows.append((f"timm {name}", timm.create_model(name, pretrained=False).eval()))
-        except Exception as e:  # noqa: BLE001 - timm missing or renamed: say so and go on
-            rows.append((f"timm {name}", e))
+                torch.manual_seed(0)
+                rows.append((name, timm.create_model(name.removeprefix("timm "), pretrained=False).eval()))
+            else:
+                rows.append((name, efficientnet_lite0(weights, name)))
+        except Exception as e:  # noqa: BLE001 - a broken layout, or timm missing: a row with its error
+            rows.append((name, e))
     return rows
 
 
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-timm", action="store_true", help="leave out timm's rows")
     p.add_argument("--onnx", type=Path, default=None, help="the default model's ONNX file (default: load_model)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip rows not started this many seconds after the start (default 165; --quick: none)")
+                   help="skip rows not started this many seconds after the start (default 150; --quick: none)")
     p.add_argument("--out", type=Path, default=None, help="folder for bench_network.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds if args.seconds is not None else (0.2 if args.quick else 2.0)
     count = args.count if args.count is not None else (8 if args.quick else 520)
     cpu_count = args.cpu_check if args.cpu_check is not None else (2 if args.quick else 16)
-    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.quick else 165.0)
+    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.quick else 150.0)
     replays = 1 if args.quick else args.replays
     t_start = time.perf_counter()
 
@@ -282,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["device_fp32_max_diff"] = float(np.abs(logits32 - ref_dev).max())
                 row["device_fp32_vs_onnx_max_diff"] = (float(np.abs(logits32 - ref_logits).max())
                                                        if ref_logits is not None else float("nan"))
+            parity_batch = PARITY_BATCH if PARITY_BATCH in batches else batches[0]
             for b in batches:
                 r, tk = throughput(torch, net, device, batch=b, half=half, seconds=seconds, replays=replays)
                 row["img_s"][b] = r
-                if layout and ref_logits is not None and (b == PARITY_BATCH or (b == batches[0] and PARITY_BATCH not in batches)):
+                if layout and ref_logits is not None and b == parity_batch:
                     logits16 = device_logits(torch, tk, device, x, half=half, batch=b)
                     row["parity"] = parity(logits16, ref_logits)
                 del tk
@@ -317,26 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, torch_version: str, count: int, half: bool,
-           seconds: float, onnx_source: str, wall_s: float) -> None:
+def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, torch_version: str, count: int,
+           half: bool, seconds: float, onnx_source: str, wall_s: float) -> None:
     """The table, then one line per answer the issue asks for."""
     by_name = {r["network"]: r for r in results}
     base = by_name.get(REFERENCE_LITE0_LAYOUT, {}).get("img_s", {})
     timm = by_name.get(f"timm {TIMM_MODELS[0]}", {}).get("img_s", {})
-    precision = "FP16" if half else "FP32"
-    print(f"\nbench_network: {gpu}, torch {torch_version}, {precision} TopKNetwork (channels-last, CUDA graph, "
-          f"softmax + top-{TOP_K}), windows >= {seconds:g} s; parity: {count} images vs ONNX Runtime CPU on "
-          f"{onnx_source}\n")
+    how = "FP16, CUDA graph" if half else "FP32, no CUDA graph"
+    print(f"\nbench_network: {gpu}, torch {torch_version}, TopKNetwork ({how}, channels-last, softmax + "
+          f"top-{TOP_K}), windows >= {seconds:g} s; parity: {count} images vs ONNX Runtime CPU on {onnx_source}\n")
     cols = " | ".join(f"img/s b{b}" for b in batches)
     print(f"| network | {cols} | vs explicit (b{batches[-1]}) | vs timm (b{batches[-1]}) | CPU FP32 max dlogit vs "
-          f"explicit | GPU FP32 max dlogit vs explicit / vs ORT | top-1 vs ORT | disagreements: ORT margins |")
+          f"explicit | device FP32 max dlogit vs explicit / vs ORT | top-1 vs ORT | disagreements: ORT margins |")
     print("|---|" + "---|" * len(batches) + "---|---|---|---|---|---|")
     for r in results:
         name = r["network"] + (" (default)" if r["network"] == DEFAULT_LITE0_LAYOUT else "")
         if r["error"] and not r["img_s"]:
             print(f"| {name} | " + " | ".join("-" for _ in batches) + f" | - | - | - | - | - | {r['error']} |")
             continue
-        rates = " | ".join(f"{r['img_s'][b]:,.0f}" if b in r["img_s"] else "-" for b in batches)
+        rates = " | ".join(_rate(r["img_s"].get(b)) for b in batches)
         last = r["img_s"].get(batches[-1])
         vs_base = f"{last / base[batches[-1]]:.3f}x" if last and base.get(batches[-1]) else "-"
         vs_timm = f"{last / timm[batches[-1]]:.3f}x" if last and timm.get(batches[-1]) else "-"
@@ -358,23 +359,28 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
         if timed:
             best = max(timed, key=lambda r: r["img_s"][b])
             t = f", {best['img_s'][b] / timm[b]:.3f}x timm" if timm.get(b) else ""
-            print(f"fastest exact layout at batch {b}: {best['network']} {best['img_s'][b]:,.0f} img/s{t}")
+            print(f"fastest exact layout at batch {b}: {best['network']} {_rate(best['img_s'][b])} img/s{t}")
     default = by_name.get(DEFAULT_LITE0_LAYOUT)
     if default and default["img_s"] and default.get("parity"):
         best_rate = max(default["img_s"].values())
         par = default["parity"]
         near = all(m < NEAR_TIE for m in par["margins"])
-        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {best_rate:,.0f} img/s (goal {GOAL_IMG_S:,}: "
+        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {_rate(best_rate)} img/s (goal {GOAL_IMG_S:,}: "
               f"{'met' if best_rate >= GOAL_IMG_S else 'NOT met'}), top-1 {par['agree'] * 100:.2f}% (goal "
               f"{GOAL_TOP1 * 100:.0f}%: {'met' if par['agree'] >= GOAL_TOP1 else 'NOT met'}), disagreements "
               f"{par['disagreements']}, all near-ties (< {NEAR_TIE}): {'yes' if near else 'NO'}")
     else:
-        print(f"default layout {DEFAULT_LITE0_LAYOUT}: no result (see its row)")
+        missing = "no result (see its row)" if default else "not in this run"
+        print(f"default layout {DEFAULT_LITE0_LAYOUT}: {missing}")
     for name, (first, again) in drift.items():
-        print(f"re-timed at the end, batch {batches[-1]}: {name} {again:,.0f} img/s (first {first:,.0f}, "
+        print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
     print(f"to make another layout the default: DEFAULT_LITE0_LAYOUT in pipeline/engines/gpu/networks.py; "
           f"wall {wall_s:.0f} s")
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
 
 if __name__ == "__main__":

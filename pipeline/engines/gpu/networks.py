@@ -3,6 +3,8 @@
 The default model is rebuilt here as a plain torch module from the same checkpoint arrays that
 ``pipeline.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
 GPU and the ONNX reference compute the same function; the ``efficientnet-lite-pytorch`` package's code is not used.
+Its layouts (``LITE0_LAYOUTS``) compute TF's padding inside the convs instead of as separate pad kernels, with the
+same logits; ``DEFAULT_LITE0_LAYOUT`` is the one both the gpu engine and the gpu profile's Triton models run.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ LITE0_LAYOUTS = {
     "conv_pads": Lite0Layout(symmetric="conv", asymmetric="pad", stem="pad", inplace=False),
     "slice": Lite0Layout(symmetric="conv", asymmetric="slice", stem="pad", inplace=False),
     "slice_kstem": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=False),
+    "slice_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="pad", inplace=True),
     "kernel": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=False),
     "slice_kstem_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=True),
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
