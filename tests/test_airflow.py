@@ -54,7 +54,7 @@ bag = DagBag({str(DAGS)!r})
 dag = bag.dags.get({DAG_ID!r})
 sys.path.insert(0, {str(DAGS)!r})
 import bulk_classify_nightly as m
-cfg = m.scan_config({{"source": "s3://in/x", "output_root": "s3://out/y/"}}, {{"args": ["--engine", "triton"]}})
+cfg = m.scan_config({{"source": "s3://in/x", "output_root": "s3://out/y/"}}, {{"args": ["--no-previous"]}})
 local = m.scan_config({{"source": "s3://in/x", "output_root": "s3://o", "working_dir": "."}}, {{"source": "s3://in/z"}})
 print(json.dumps({{
     "errors": {{k: str(v) for k, v in bag.import_errors.items()}},
@@ -82,7 +82,7 @@ print(json.dumps({{
     assert got["ids"] == ["bulk-classify-nightly-2026-11-29", "bulk-classify-nightly-2026-11-29-attempt-3"]
     # no working_dir: the copy in the worker image; params override the Variable
     assert got["entrypoint"] == ("python /opt/bulk-classify/jobs/nightly_scan.py --source s3://in/x "
-                                 "--output-root s3://out/y/ --date 2026-11-29 --engine triton")
+                                 "--output-root s3://out/y/ --date 2026-11-29 --no-previous")
     assert got["local"] == "python jobs/nightly_scan.py --source s3://in/z --output-root s3://o --date 2026-11-29"
 
 

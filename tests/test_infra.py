@@ -53,6 +53,7 @@ def test_image_installs_ray_and_the_package_and_copies_only_what_exists():
     instr = dockerfile_instructions()
     runs = " ".join(rest for w, rest in instr if w == "RUN")
     assert 'pip install ".[gpu]"' in runs
+    assert "torch.version.cuda" in runs  # the build fails on a torch without CUDA 12
     assert "tensorrt-cu12==${TRT_VERSION}" in runs and "libnvinfer10" in runs
     assert "wget" in runs  # KubeRay's probes
     for word, rest in instr:
@@ -92,17 +93,48 @@ def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the behaviour of a node without a GPU")
-def test_entrypoint_without_gpu_skips_preparation_and_runs_the_command_or_kuberays_ray_start():
+def test_entrypoint_prepares_only_when_asked_and_runs_the_command_or_kuberays_ray_start():
     assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
     assert os.access(ENTRYPOINT, os.X_OK)
+    # by default nothing is prepared, on any node: the engine builds its own repository
     proc = run_entrypoint("echo", "worker started")
-    assert proc.returncode == 0 and proc.stdout.strip() == "worker started"
-    assert "no GPU visible; skipping" in proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == "worker started" and proc.stderr == ""
     proc = run_entrypoint(KUBERAY_GEN_RAY_START_CMD="echo 'ray start --block'", BULK_CLASSIFY_PREPARE="0")
     assert proc.returncode == 0 and proc.stdout.strip() == "ray start --block" and proc.stderr == ""
     proc = run_entrypoint("echo", "never", BULK_CLASSIFY_PREPARE="1")
     assert proc.returncode == 1 and "never" not in proc.stdout
-    assert "BULK_CLASSIFY_PREPARE=1 but no GPU is visible" in proc.stderr
+    assert proc.stderr.strip() == ("entrypoint: BULK_CLASSIFY_PREPARE=1 but no GPU is visible (nvidia-smi -L failed); "
+                                   "set it on GPU nodes only")
+    proc = run_entrypoint("echo", "never", BULK_CLASSIFY_PREPARE="yes")
+    assert proc.returncode == 2 and "never" not in proc.stdout
+    assert proc.stderr.strip() == "entrypoint: BULK_CLASSIFY_PREPARE must be 0 or 1, got 'yes'"
+
+
+def gpu_extra() -> dict[str, str]:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {Requirement(r).name: str(Requirement(r).specifier) for r in extras["gpu"]}
+
+
+def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_12_builds():
+    """The image runs the gpu profile with `pip install ".[gpu]"` alone: DALI, PyTorch with CUDA and nvImageCodec's
+    TIFF/JPEG 2000 libraries, every one a CUDA 12 build (the container's CUDA, and each other's)."""
+    from packaging.specifiers import SpecifierSet
+
+    from pipeline.engines.auto import GPU_STACK
+
+    extra = gpu_extra()
+    providers = {"torch": "torch", "nvidia.dali": "nvidia-dali-cuda120"}
+    assert set(GPU_STACK) <= set(providers) and {providers[m] for m in GPU_STACK} <= set(extra)
+    assert {"nvidia-nvtiff-cu12", "nvidia-nvjpeg2k-cu12"} <= set(extra)
+    assert all(name == "torch" or re.search(r"-cu(da)?12", name) for name in extra), extra  # no CUDA 13 package
+    assert not any(name.startswith("tensorrt") for name in extra)  # not installable from the package index
+    torch = SpecifierSet(extra["torch"])
+    assert "2.10.0" in torch and "2.11.0" not in torch  # PyPI's torch is a CUDA 13 build from 2.11 on
+    assert all(extra[name] for name in extra), "pin every package of the gpu extra"
 
 
 # --- RayJob ------------------------------------------------------------------------------------------------
@@ -119,9 +151,8 @@ def test_rayjob_runs_the_nightly_script_and_cleans_up(rayjob):
     spec = rayjob["spec"]
     argv = spec["entrypoint"].split()
     assert argv[:2] == ["python", "/opt/bulk-classify/jobs/nightly_scan.py"]
-    for flag in ("--source", "--output-root", "--engine"):
+    for flag in ("--source", "--output-root"):
         assert flag in argv
-    assert argv[argv.index("--engine") + 1] == "triton"
     assert spec["shutdownAfterJobFinishes"] is True and spec["activeDeadlineSeconds"] > 0
     from packaging.version import Version
 
@@ -130,6 +161,35 @@ def test_rayjob_runs_the_nightly_script_and_cleans_up(rayjob):
     assert Version(low) <= Version(spec["rayClusterSpec"]["rayVersion"]) < Version(high)
     # the script the entrypoint names is where the image copies jobs/
     assert (REPO / "jobs" / "nightly_scan.py").is_file()
+
+
+def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
+    """The entrypoint as the nightly parses it: no engine or shape option, so auto picks triton (the gpu profile,
+    three actors per GPU, 2,048 images a call) on the GPU workers, and onnx on a cluster without GPUs."""
+    from pipeline import cli
+    from pipeline.config import RunConfig
+    from pipeline.job.stages import actor_plan
+    from pipeline.nightly import NIGHTLY_KEYS
+
+    argv = rayjob["spec"]["entrypoint"].split()[2:]
+    for flag in ("--engine", "--engine-option", "--num-gpus-per-actor", "--batch-size", "--num-actors"):
+        assert flag not in argv, f"{flag}: the entrypoint follows the default engine and its shape"
+    params = dict(cli.nightly.make_context("nightly_scan.py", argv).params)
+    params.pop("quiet")
+    opts = cli.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
+    run = {k: v for k, v in opts.items() if k not in NIGHTLY_KEYS}
+    config = RunConfig.build({**run, "source": opts["source"], "output": "s3://x/date=2026-12-01"}, env={})
+    assert config.engine == "auto" and config.batch_size is None and config.num_gpus_per_actor is None
+
+    worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    gpus = worker["replicas"] * int(worker["rayStartParams"]["num-gpus"])
+    cpus = worker["replicas"] * int(containers(worker)[0]["resources"]["limits"]["cpu"])
+    on_gpus = config.resolved(gpus=gpus, where="the Ray cluster")
+    assert (on_gpus.engine, on_gpus.batch_size) == ("triton", 2048)
+    actors, actor_cpus, gpus_per_actor = actor_plan(on_gpus, cpus, gpus)
+    assert actors == 3 * gpus and gpus_per_actor == pytest.approx(1 / 3)
+    assert actors * actor_cpus < cpus  # CPUs left for fetch, writes and the servers' DALI threads
+    assert config.resolved(gpus=0, where="the Ray cluster").engine == "onnx"
 
 
 def containers(group: dict) -> list[dict]:
@@ -151,12 +211,11 @@ def test_head_is_cpu_only_and_workers_have_exactly_one_gpu(rayjob):
     (c,) = containers(worker)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
-    env = {e["name"]: e["value"] for e in c["env"]}
-    entry_repo = re.search(r"repository=(\S+)", rayjob["spec"]["entrypoint"]).group(1)
-    assert env["BULK_CLASSIFY_REPOSITORY"] == entry_repo  # the engine serves what the entrypoint prepared
-    assert env["BULK_CLASSIFY_PREPARE"] == "1"
     for group in (head, worker):
         for cont in containers(group):
+            # no TensorRT build at start: the default engine serves its own gpu profile
+            env = {e["name"]: e.get("value") for e in cont.get("env", [])}
+            assert env.get("BULK_CLASSIFY_PREPARE", "0") == "0"
             assert cont["command"] == ["/bin/bash", "-lc", "--"]
             assert "infra/docker/entrypoint.sh" in cont["args"][0] and "ulimit -n" in cont["args"][0]
 

@@ -106,7 +106,10 @@ def test_example_config_is_valid():
     assert opts["source"].startswith("s3://") and opts["output_root"].startswith("s3://")
     run_opts = {k: v for k, v in opts.items() if k not in ns.NIGHTLY_KEYS}
     config = RunConfig.build({**run_opts, "source": opts["source"], "output": "s3://x/date=2026-11-29"}, env={})
-    assert config.engine == "triton" and config.num_gpus_per_actor == 1
+    # the default engine: triton (its gpu shape) on a cluster with GPUs, onnx without
+    assert config.engine == "auto" and config.batch_size is None and config.num_gpus_per_actor is None
+    assert config.resolved(gpus=4, where="the Ray cluster").engine == "triton"
+    assert config.resolved(gpus=0).engine == "onnx"
 
 
 # --- real `ray job submit` against a real local Ray cluster and moto S3 ---------------------------------

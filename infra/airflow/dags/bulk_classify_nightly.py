@@ -13,13 +13,16 @@ Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/a
 * Variable ``bulk_classify_nightly`` (JSON), overridable per run by the DAG params / ``dag_run.conf``::
 
       {"source": "s3://photos/incoming", "output_root": "s3://labels/nightly",
-       "args": ["--engine", "triton", "--batch-size", "64"],   # more nightly_scan.py options
+       "args": ["--shard-size", "2000"],                      # more nightly_scan.py options
        "working_dir": null,                                   # a checkout to upload; null: the image's copy
        "script": null,                                        # default: jobs/nightly_scan.py in working_dir,
                                                               #   else /opt/bulk-classify/jobs/... (image)
        "env_vars": {"AWS_REGION": "eu-west-1"},               # the job's environment (runtime_env)
        "gate_args": ["--psi-max", "0.25"],                    # more `bulk-classify report` options
        "poll_s": 30}
+
+The job runs the default engine (``auto``): the triton engine's gpu profile where the Ray cluster has GPUs,
+onnx elsewhere, so ``args`` needs no engine option for the GPU path.
 
 Why no operator from a provider: Airflow ships no maintained Ray provider (Astronomer's astro-provider-ray
 is deprecated), so the task calls Ray's own ``JobSubmissionClient``, the API ``ray job submit`` uses.
@@ -262,7 +265,7 @@ def _status_name(status: Any) -> str:
     params={
         "source": Param(None, type=["null", "string"], description="overrides the Variable's source"),
         "output_root": Param(None, type=["null", "string"], description="overrides the Variable's output_root"),
-        "args": Param([], type="array", description="extra nightly_scan.py options, e.g. ['--engine', 'triton']"),
+        "args": Param([], type="array", description="extra nightly_scan.py options, e.g. ['--no-previous']"),
     },
     doc_md=__doc__,
 )
