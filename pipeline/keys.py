@@ -78,3 +78,13 @@ def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | 
     else:
         key = f"{uri}\0m\0{size}\0{mtime_us}"
     return uri_hash(key)
+
+
+def done_mask(done: np.ndarray, uris: list[str]) -> np.ndarray:
+    """Which ``uris`` have a committed row in ``done`` (sorted uri hashes), under their URI or under the raw form
+    that outputs held before URIs were percent-encoded (so those outputs resume without doubling a row)."""
+    hit = member(done, uri_hashes(uris))
+    old = [(i, legacy) for i, u in enumerate(uris) if "%" in u and (legacy := legacy_uri(u)) is not None]
+    if old:
+        hit[[i for i, _ in old]] |= member(done, uri_hashes([legacy for _, legacy in old]))
+    return hit

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, EmptySourceError, SourceError
-from pipeline.keys import identity_hashes, legacy_uri, member, object_uri, uri_hashes
+from pipeline.keys import done_mask, identity_hashes, member, object_uri
 from pipeline.source_local import Entry, is_error, local_files, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
@@ -37,8 +37,7 @@ LISTING_SCHEMA = pa.schema(
         ("etag", pa.string()),
         ("mtime", pa.timestamp("us", tz="UTC")),
         ("carried", pa.bool_()),
-        ("status", pa.string()),  # set only where the listing itself failed (a list_error row)
-        ("error", pa.string()),
+        ("status", pa.string()), ("error", pa.string()),  # set only on a list_error row
     ]
 )
 
@@ -76,41 +75,34 @@ def storage_failure(url: str, err: BaseException) -> str:
 def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
                  *, follow_symlinks: bool = False) -> None:
     """Fail before any work when the source is missing, not a folder, cannot be listed, or the storage can't be
-    reached; with ``extensions``, also when it holds nothing to list (``EmptySourceError``)."""
+    reached; with ``extensions``, also when its listing would give nothing (``EmptySourceError``)."""
     try:
         exists = fs.exists(root)
         kind = fs.info(root).get("type") if exists else None
-        if exists and kind == "directory" and is_local(fs):
+        if kind == "directory" and is_local(fs):
             os.scandir(root).close()  # a folder that stat can see but not list (mode 000)
+        empty = kind == "directory" and extensions is not None and not _holds_any(fs, root, extensions,
+                                                                                  follow_symlinks)
     except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
         raise SourceError(storage_failure(url, err)) from None
     if not exists:
         raise SourceError(f"source {url!r} does not exist; check the path or bucket prefix")
     if kind != "directory":
         raise SourceError(f"source {url!r} is a {kind}, not a folder or prefix; give the folder that holds the images")
-    if extensions is not None and not _holds_any(fs, root, extensions, follow_symlinks):
+    if empty:
         raise EmptySourceError(f"source {url!r} holds no file with extension {','.join(extensions)}: nothing to "
                                "classify; check SOURCE and --extensions")
 
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
-    """Whether the listing of ``root`` gives at least one entry (a file to classify or a list_error row); stops
-    at the first."""
-    try:
-        if _is_s3(fs):
-            bucket, prefix = _s3_split(root)
-            token = None
-            while True:
-                page = _list_page(fs, bucket, prefix, token=token)
-                if any(matches(item["Key"], extensions) for item in page.get("Contents") or []):
-                    return True
-                token = page.get("NextContinuationToken")
-                if not page.get("IsTruncated") or not token:
-                    return False
+    """Whether the listing of ``root`` gives an entry (a file or a list_error row); it stops at the first."""
+    if _is_s3(fs):
+        bucket, prefix = _s3_split(root)
+        first = (_list_page(fs, bucket, prefix, max_keys=1).get("Contents") or [None])[0]
+        unit = ("s3_range", bucket, prefix, first, None) if first else None
+    else:
         unit = ("local_dir", root, root, follow) if is_local(fs) else ("fs_dir", root)
-        return next(iter(list_unit(fs, unit, extensions, stat=False)), None) is not None
-    except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
-        raise SourceError(storage_failure(root, err)) from None
+    return unit is not None and next(iter(list_unit(fs, unit, extensions, stat=False)), None) is not None
 
 
 def mtime_us(value: Any) -> int | None:
@@ -354,25 +346,13 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str,
 
 def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:
     """Listing rows of ``entries`` and, after them, the error rows of ``errors`` (``list_error`` entries)."""
-    uris, sizes, etags, mtimes = zip(*entries) if entries else ((), (), (), ())
-    uris, sizes, etags, mtimes = (list(c) + [e[i] for e in errors] for i, c in enumerate((uris, sizes, etags, mtimes)))
-    n = len(uris)
-    status = [None] * len(entries) + ["error"] * len(errors)
+    rows = [e[:4] + (None, None) for e in entries] + [e[:4] + ("error", e[4]) for e in errors]
+    uris, sizes, etags, mtimes, status, error = zip(*rows) if rows else ((),) * 6
     return pa.Table.from_arrays(
         [pa.array(uris, pa.string()), pa.array(sizes, pa.int64()), pa.array(etags, pa.string()),
-         pa.array(mtimes, pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([False] * n),
-         pa.array(status, pa.string()), pa.array([None] * len(entries) + [e[4] for e in errors], pa.string())],
+         pa.array(mtimes, pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([False] * len(uris)),
+         pa.array(status, pa.string()), pa.array(error, pa.string())],
         schema=LISTING_SCHEMA)
-
-
-def done_mask(done: np.ndarray, uris: list[str]) -> np.ndarray:
-    """Which ``uris`` have a committed row in ``done`` (sorted uri hashes), under their URI or under the raw form
-    that outputs held before URIs were percent-encoded (so those outputs resume without doubling a row)."""
-    hit = member(done, uri_hashes(uris))
-    old = [(i, legacy) for i, u in enumerate(uris) if "%" in u and (legacy := legacy_uri(u)) is not None]
-    if old:
-        hit[[i for i, _ in old]] |= member(done, uri_hashes([legacy for _, legacy in old]))
-    return hit
 
 
 def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple[str, ...], *, done: np.ndarray,
@@ -403,8 +383,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
             if skipped:
                 block = [e for e, k in zip(block, keep) if k]
         errors = [e for e in block if is_error(e)]
-        if errors:
-            block = [e for e in block if not is_error(e)]
+        block = [e for e in block if not is_error(e)] if errors else block
         block = stat_local(block)
         n_carried = 0
         if previous.size and block:
