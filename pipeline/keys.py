@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from urllib.parse import quote_from_bytes, unquote, unquote_to_bytes
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 # Characters a uri's path keeps as they are; every other byte is percent-encoded, as pathlib's ``as_uri()`` does,
 # so that urllib.parse, fsspec and pyarrow.fs read the URI back as the same object (``#``, ``?``, ``%``, spaces).
 URI_SAFE = "/"
+_PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its own encoding (the common case)
 
 
 def object_uri(scheme: str, path: str | bytes) -> str:
@@ -18,6 +20,8 @@ def object_uri(scheme: str, path: str | bytes) -> str:
 
     A local path with bytes that are not UTF-8 (a ``str`` from ``os.fsdecode``) keeps those bytes, encoded.
     """
+    if isinstance(path, str) and _PLAIN.fullmatch(path):
+        return f"{scheme}://{path}"
     raw = path if isinstance(path, bytes) else os.fsencode(path) if scheme == "file" else path.encode()
     return f"{scheme}://{quote_from_bytes(raw, URI_SAFE)}"
 

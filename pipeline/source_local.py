@@ -124,6 +124,7 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
     """Every listed file under ``folder`` (``root``: the source, for telling links in from links out; ``real``:
     the folder's real path when it was reached through a followed link)."""
     links = links or _Links(root, follow, _suffixes(extensions))
+    suffixes = links.suffixes
     stack: list[tuple[str, str | None]] = [(folder, real)]
     while stack:
         current, current_real = stack.pop()
@@ -138,6 +139,15 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
             continue
         subdirs = []
         for entry in entries:
+            if current_real is None and not entry.is_symlink():  # the common case, kept short: one call a file
+                name = entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append((entry.path, None))
+                elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file(follow_symlinks=False):
+                    found = _file_entry(entry.path, stat)
+                    if found is not None:
+                        yield found
+                continue
             sorted_as = links.sort(entry, current_real)
             if not sorted_as:
                 continue
