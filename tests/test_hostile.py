@@ -335,3 +335,17 @@ def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_s
                         storage_options={}, threads=4, max_bytes=1 << 20, retries=0)
     fetched = dict(zip(batch.column("uri").to_pylist(), batch.column(DATA).to_pylist()))
     assert {urllib.parse.unquote(u[len("s3://hostile-keys/"):]): data for u, data in fetched.items()} == bodies
+
+
+def test_s3_prefix_without_images_is_refused_before_any_work(s3, s3_server):
+    from pipeline.errors import EmptySourceError
+    from pipeline.source import check_source, open_fs
+
+    s3.create_bucket(Bucket="hostile-empty")
+    s3.put_object(Bucket="hostile-empty", Key="p/notes.txt", Body=b"no")
+    s3.put_object(Bucket="hostile-empty", Key="q/deep/x.jpg", Body=b"x")
+    fs, root = open_fs("s3://hostile-empty/p")
+    with pytest.raises(EmptySourceError, match=r"^source 's3://hostile-empty/p' holds no file with extension jpg"):
+        check_source(fs, root, "s3://hostile-empty/p", ("jpg",))
+    fs, root = open_fs("s3://hostile-empty/q")
+    check_source(fs, root, "s3://hostile-empty/q", ("jpg",))  # one image, deeper down: not empty
