@@ -219,7 +219,7 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
     if result.status == "already_complete":
         rec = result.success or {}
         _echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
-                   f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
+              f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
         return
     from pipeline.report import format_run_report
 
@@ -233,7 +233,7 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
     if result.drift:
         d = result.drift
         _echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
-                   + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
+              + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
     counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
     _echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
 
@@ -252,10 +252,10 @@ def nightly_options(config_file: str | None, no_previous: bool, options: dict[st
 def engines_command() -> None:
     """The registered engines, what each needs, and their --engine-option names."""
     for spec in REGISTRY.values():
-        _echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
+        click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
         for option in spec.options:
             kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
-            _echo(f"  {option.name}={kind}  {option.help}")
+            click.echo(f"  {option.name}={kind}  {option.help}")
 
 
 def _nightly_progress(every_s: float = NIGHTLY_PROGRESS_EVERY_S) -> Callable[[int, "int | None", int], None]:
@@ -266,7 +266,7 @@ def _nightly_progress(every_s: float = NIGHTLY_PROGRESS_EVERY_S) -> Callable[[in
         now = time.monotonic()
         if now - last[0] >= every_s:
             last[0] = now
-            _echo(f"progress: {done}/{total if total is not None else '?'} rows, {errors} errors")
+            click.echo(f"progress: {done}/{total if total is not None else '?'} rows, {errors} errors")
 
     return show
 
@@ -294,8 +294,8 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
         path = build_repository(profile, model, output, top_k=top_k, instances=instances,
                                 max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
     except BulkClassifyError as err:
-        raise Failure(str(err)) from None
-    _echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))
+        raise click.ClickException(str(err)) from None
+    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))
 
 
 @repo.command("check")
@@ -307,8 +307,8 @@ def repo_check(path: str | None) -> None:
     try:
         models = check_repository(path)
     except BulkClassifyError as err:
-        raise Failure(str(err)) from None
-    _echo(f"ok: {len(models)} models checked ({', '.join(models)})")
+        raise click.ClickException(str(err)) from None
+    click.echo(f"ok: {len(models)} models checked ({', '.join(models)})")
 
 
 @repo.command("prepare")
@@ -326,8 +326,8 @@ def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top
         done = prepare(repository, model or None, plan_cache=plan_cache or None, top_k=top_k,
                        max_batch_size=max_batch_size)
     except Exception as err:  # noqa: BLE001 - one line for the pod log (fsspec and TensorRT raise their own types)
-        raise Failure(f"{type(err).__name__}: {err}") from None
-    _echo(f"repo prepare: {done['action']} {done['cache_name']}")
+        raise click.ClickException(f"{type(err).__name__}: {err}") from None
+    click.echo(f"repo prepare: {done['action']} {done['cache_name']}")
 
 
 @main.command()
@@ -396,8 +396,8 @@ def size(curve: str, target_rate: float, utilization: float, spare: int) -> None
     try:
         result = size_fleet(curve, target_rate, utilization=utilization, spare=spare)
     except BulkClassifyError as err:
-        raise Failure(str(err)) from None
-    _echo(format_sizing(result))
+        raise click.ClickException(str(err)) from None
+    click.echo(format_sizing(result))
 
 
 if __name__ == "__main__":  # pragma: no cover
