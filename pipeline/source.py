@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, EmptySourceError, SourceError
 from pipeline.keys import done_mask, identity_hashes, member, object_uri
-from pipeline.source_local import Entry, is_error, local_files, stat_local, walk_local
+from pipeline.source_local import Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -74,15 +74,13 @@ def storage_failure(url: str, err: BaseException) -> str:
 
 def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
                  *, follow_symlinks: bool = False) -> None:
-    """Fail before any work when the source is missing, not a folder, cannot be listed, or the storage can't be
-    reached; with ``extensions``, also when its listing would give nothing (``EmptySourceError``)."""
+    """Fail before any work when the source is missing, unlistable or unreachable, or (``extensions``) empty."""
     try:
         exists = fs.exists(root)
         kind = fs.info(root).get("type") if exists else None
         if kind == "directory" and is_local(fs):
             os.scandir(root).close()  # a folder that stat can see but not list (mode 000)
-        empty = kind == "directory" and extensions is not None and not _holds_any(fs, root, extensions,
-                                                                                  follow_symlinks)
+        empty = kind == "directory" and extensions and not _holds_any(fs, root, extensions, follow_symlinks)
     except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
         raise SourceError(storage_failure(url, err)) from None
     if not exists:
@@ -96,12 +94,11 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions:
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
     """Whether the listing of ``root`` gives an entry (a file or a list_error row); it stops at the first."""
+    unit: tuple | None = ("local_dir", root, root, follow) if is_local(fs) else ("fs_dir", root)
     if _is_s3(fs):
         bucket, prefix = _s3_split(root)
         first = (_list_page(fs, bucket, prefix, max_keys=1).get("Contents") or [None])[0]
         unit = ("s3_range", bucket, prefix, first, None) if first else None
-    else:
-        unit = ("local_dir", root, root, follow) if is_local(fs) else ("fs_dir", root)
     return unit is not None and next(iter(list_unit(fs, unit, extensions, stat=False)), None) is not None
 
 
@@ -141,9 +138,8 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
                  follow_symlinks: bool = False) -> list[list]:
     """Split the listing of ``root`` into up to ``tasks`` groups of units; each unit lists a disjoint part.
 
-    Local folders: sub-folders are spread over the tasks; the files directly in a large folder are split by a
-    hash of their names (links among them too: ``follow_symlinks`` says whether those out of the source are
-    walked, see ``pipeline.source_local``). S3: the key space of the prefix is split at real keys found by probing the characters
+    Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
+    by a hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
     after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
     """
     tasks = max(1, tasks)
@@ -292,8 +288,8 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
 
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
     etag = item.get("ETag")
-    return (object_uri("s3", f"{bucket}/{item['Key']}"), int(item.get("Size") or 0), str(etag).strip('"') if etag else None,
-            mtime_us(item.get("LastModified")))
+    return (object_uri("s3", f"{bucket}/{item['Key']}"), int(item.get("Size") or 0),
+            str(etag).strip('"') if etag else None, mtime_us(item.get("LastModified")))
 
 
 def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
@@ -333,15 +329,31 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str,
     elif kind == "s3_range":
         yield from _s3_range(fs, unit[1], unit[2], unit[3], unit[4], extensions)
     elif kind == "fs_dir":
-        for _dirpath, _dirs, files in fs.walk(unit[1], detail=True):
-            for name in sorted(files):
-                info = files[name]
-                if info.get("type", "file") == "file" and matches(info["name"], extensions):
-                    yield fsspec_entry(fs, info)
+        yield from _walk_fsspec(fs, unit[1], extensions)
     elif kind == "fs_files":
         yield from (fsspec_entry(fs, info) for info in unit[1])
     else:  # pragma: no cover - units come from plan_listing
         raise ValueError(f"unknown listing unit {kind!r}")
+
+
+def _walk_fsspec(fs: fsspec.AbstractFileSystem, folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
+    """The files under ``folder`` of a store that is neither local nor S3, by ``ls``; a folder that cannot be listed
+    is a list_error entry (``fs.walk`` leaves such a sub-folder out, silently, whatever its ``on_error``)."""
+    stack = [folder]
+    while stack:
+        current = stack.pop()
+        try:
+            listing = sorted(fs.ls(current, detail=True), key=lambda e: e["name"])
+        except FileNotFoundError:
+            continue  # removed since its parent was listed
+        except OSError as err:
+            scheme, _, path = fs.unstrip_protocol(current).partition("://")
+            yield list_error(object_uri(scheme, path.rstrip("/") + "/"), f"cannot list: {os_error_text(err)}")
+            continue
+        dirs = [e["name"] for e in listing if e.get("type") == "directory" and e["name"].rstrip("/") != current]
+        yield from (fsspec_entry(fs, e) for e in listing if e.get("type", "file") == "file" and
+                    matches(e["name"], extensions))
+        stack.extend(reversed(dirs))
 
 
 def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:

@@ -43,7 +43,7 @@ def _suffixes(extensions: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("." + e.lower() for e in extensions)
 
 
-def _short(err: OSError) -> str:
+def os_error_text(err: OSError) -> str:
     return f"{type(err).__name__}: [Errno {err.errno}] {err.strerror}" if err.errno else f"{type(err).__name__}: {err}"
 
 
@@ -77,9 +77,9 @@ class _Links:
             is_dir = os.path.isdir(target)
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return ("error", object_uri("file", entry.path), f"symbolic link loop ({_short(err)})")
+                return ("error", object_uri("file", entry.path), f"symbolic link loop ({os_error_text(err)})")
             if self.listed_name(name):
-                return ("error", object_uri("file", entry.path), f"broken symbolic link ({_short(err)})")
+                return ("error", object_uri("file", entry.path), f"broken symbolic link ({os_error_text(err)})")
             return ()
         if self.inside(target):
             # Its target is listed under its own path; a file link is listed only when its target's name is not.
@@ -100,7 +100,7 @@ class _Links:
         try:
             st = os.stat(real)
         except OSError as err:
-            return ("error", folder_uri(path), f"cannot list this folder: {_short(err)}")
+            return ("error", folder_uri(path), f"cannot list this folder: {os_error_text(err)}")
         key = (st.st_dev, st.st_ino)
         if key in self.seen:
             return ()
@@ -134,7 +134,7 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
         except FileNotFoundError:
             continue  # removed since its parent was listed
         except OSError as err:
-            yield list_error(folder_uri(current), f"cannot list this folder: {_short(err)}; its files get rows "
+            yield list_error(folder_uri(current), f"cannot list this folder: {os_error_text(err)}; its files get rows "
                                                   "on the run after its permissions are fixed")
             continue
         subdirs = []

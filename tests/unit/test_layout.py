@@ -12,6 +12,8 @@ LONG_MODULES = {
     "pipeline.engines.gpu.classifier",
     # The quality counters, their merge over shards and the drift comparison: one concern (#13), one module.
     "pipeline.quality",
+    # Planning and listing local folders, S3 key ranges and other fsspec stores, with the rows of what cannot be read.
+    "pipeline.source",
 }
 
 
