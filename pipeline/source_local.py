@@ -50,13 +50,13 @@ def os_error_text(err: OSError) -> str:
 class _Links:
     """Sorts a folder's entries into folders to walk, files to list, error entries and entries to skip."""
 
-    def __init__(self, root: str | None, follow: bool, suffixes: tuple[str, ...]):
-        self.root = os.path.realpath(root) if root else None
+    def __init__(self, root: str, follow: bool, suffixes: tuple[str, ...]):
+        self.root = os.path.realpath(root)
         self.follow, self.suffixes = follow, suffixes
         self.seen: set[tuple[int, int]] = set()  # folders walked through followed links: a loop out there ends
 
     def inside(self, real: str) -> bool:
-        return self.root is None or real == self.root or real.startswith(self.root.rstrip(os.sep) + os.sep)
+        return real == self.root or real.startswith(self.root.rstrip(os.sep) + os.sep)
 
     def listed_name(self, name: str) -> bool:
         return name.lower().endswith(self.suffixes) and name[0] != "."
@@ -123,7 +123,7 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
                follow: bool = False, real: str | None = None, links: _Links | None = None) -> Iterator[Entry]:
     """Every listed file under ``folder`` (``root``: the source, for telling links in from links out; ``real``:
     the folder's real path when it was reached through a followed link)."""
-    links = links or _Links(root, follow, _suffixes(extensions))
+    links = links or _Links(root or folder, follow, _suffixes(extensions))
     suffixes = links.suffixes
     stack: list[tuple[str, str | None]] = [(folder, real)]
     while stack:
