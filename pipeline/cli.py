@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -13,10 +14,39 @@ import click
 from pipeline import __version__
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.engines.base import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
-from pipeline.errors import BulkClassifyError
+from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.triton.contract import PROFILES
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
+EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
+# What reaches the terminal from names, labels and errors: C0 controls but tab and newline, DEL, C1 controls and the
+# bidirectional overrides, shown escaped so that a hostile label cannot retitle, recolour or reorder the terminal.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters written as Python escapes (``\\x1b``, ``\\u202e``)."""
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _echo(text: str = "", **kwargs: Any) -> None:
+    click.echo(escape_controls(text), **kwargs)
+
+
+class Failure(click.ClickException):
+    """A library error in one line on stderr, with its control characters escaped."""
+
+    def format_message(self) -> str:
+        return escape_controls(self.message)
+
+
+class EmptySource(Failure):
+    """``run`` on a source that holds nothing to classify: a warning and ``EMPTY_SOURCE_EXIT``."""
+
+    exit_code = EMPTY_SOURCE_EXIT
+
+    def show(self, file: Any = None) -> None:
+        _echo(f"warning: {self.format_message()}", err=True)
 
 
 def _options(items: tuple[str, ...], flag: str = "--storage-option", example: str = "anon=true") -> dict[str, Any]:
@@ -80,6 +110,7 @@ RUN_OPTIONS = (
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
     click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 64 MiB per CPU classify actor, 256 MiB per GPU actor)."),
     click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8)."),
+    click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
 
@@ -109,13 +140,17 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
 @click.option("--previous", default=None, help="An earlier run's output: unchanged objects are carried over, not reclassified.")
 @run_options
 def run(source: str, quiet: bool, **options: Any) -> None:
-    """Classify every image under SOURCE into Parquet under --output (resumes where it stopped)."""
+    """Classify every image under SOURCE into Parquet under --output (resumes where it stopped).
+
+    \b
+    Exit status: 0 done, 1 an error (the message says the fix), 4 SOURCE holds nothing to classify.
+    """
     explicit = dict(_run_fields(options), source=source)
     try:
         config = RunConfig.build(explicit).resolved()
         config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
     except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+        raise Failure(str(err)) from None
     from pipeline.job import run_job
     from pipeline.report import format_run_report
 
@@ -123,20 +158,22 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     try:
         with _ray_output_to_stderr():
             summary = run_job(config, progress=progress)
+    except EmptySourceError as err:
+        raise EmptySource(str(err)) from None
     except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+        raise Failure(str(err)) from None
     finally:
         progress.close()
     if not quiet:
-        click.echo(format_run_report(summary.report))
-        click.echo(
+        _echo(format_run_report(summary.report))
+        _echo(
             f"{summary.total} rows in {summary.output}: {summary.counts.get('ok', 0)} ok, "
             f"{summary.counts.get('error', 0)} error; this run classified {summary.classified}, "
             f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
         )
 
 
-class NightlyError(click.ClickException):
+class NightlyError(Failure):
     """A bad option, storage or model in the nightly scan: exit status 2 (1 is a crash)."""
 
     exit_code = 2
@@ -181,24 +218,24 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
         raise NightlyError(str(err)) from None
     if result.status == "already_complete":
         rec = result.success or {}
-        click.echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
-                   f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
+        _echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
+              f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
         return
     from pipeline.report import format_run_report
 
     summary = result.summary
     if result.resumed_shards:
-        click.echo(f"resumed an interrupted scan: {result.resumed_shards} shard(s) were already committed")
+        _echo(f"resumed an interrupted scan: {result.resumed_shards} shard(s) were already committed")
     if result.previous:
-        click.echo(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
+        _echo(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
     if not quiet:
-        click.echo(format_run_report(summary.report))
+        _echo(format_run_report(summary.report))
     if result.drift:
         d = result.drift
-        click.echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
-                   + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
+        _echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
+              + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
     counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
-    click.echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
+    _echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
 
 
 def nightly_options(config_file: str | None, no_previous: bool, options: dict[str, Any]) -> dict[str, Any]:
@@ -329,8 +366,8 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
         try:
             summary = summarize_output(dest, options)
         except BulkClassifyError as err:
-            raise click.ClickException(str(err)) from None
-        click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+            raise Failure(str(err)) from None
+        _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
         return
 
     from pipeline.quality import DRIFT_EXIT_CODE, DriftThresholds, compare_outputs, format_comparison
@@ -346,10 +383,10 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
 
             write_html(result, html_file)
     except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
-    click.echo(json.dumps(result, indent=2) if as_json else format_comparison(result))
+        raise Failure(str(err)) from None
+    _echo(json.dumps(result, indent=2) if as_json else format_comparison(result))
     if html_file and not as_json:
-        click.echo(f"page: {html_file}")
+        _echo(f"page: {html_file}")
     if not result["passed"]:
         sys.exit(DRIFT_EXIT_CODE)
 

@@ -76,6 +76,8 @@ class RunConfig:
             None: FETCH_AHEAD_PER_ACTOR per classify actor on a GPU, FETCH_AHEAD_PER_CPU_ACTOR per actor on CPUs,
             and at least FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
+        follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
+            followed: their targets are listed under their own paths).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
             (2 for triton: one batch is sent while the previous one's last requests finish; 3 for gpu: calls feed
             one pipeline; 1 otherwise).
@@ -104,6 +106,7 @@ class RunConfig:
     metrics_port: int | None = None
     fetch_ahead_bytes: int | None = None
     list_tasks: int = DEFAULT_LIST_TASKS
+    follow_symlinks: bool = False
 
     def __post_init__(self) -> None:
         if not self.source:

@@ -17,6 +17,10 @@ class SourceError(BulkClassifyError):
     """The source cannot be listed (missing, unreachable, no permission)."""
 
 
+class EmptySourceError(SourceError):
+    """The source holds no file the listing would classify."""
+
+
 class OutputError(BulkClassifyError):
     """The destination cannot be written, or holds output of an incompatible run."""
 
@@ -43,6 +47,8 @@ class ImageError(BulkClassifyError):
         super().__init__(f"{kind}: {detail}")
 
 
+# The error kind of a folder or link the listing could not read: `_SUCCESS` and `report` count these rows apart.
+LIST_ERROR = "list_error"
 # Stable error codes: the first word of the `error` column, so users can group by them.
 ERROR_KINDS = (
     "empty",  # zero bytes
@@ -54,4 +60,5 @@ ERROR_KINDS = (
     "not_found",  # the object vanished between listing and fetch
     "permission_denied",  # storage refused access to the object
     "engine_error",  # the engine failed on this input alone (isolated by splitting)
+    LIST_ERROR,  # the listing could not read this folder or link (permissions, a loop, a link out of the source)
 )

@@ -13,6 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ImageError
 from pipeline.engines.base import STATUS_ERROR
+from pipeline.keys import uri_path
 from pipeline.schema import DATA, FETCH_S
 from pipeline.source import open_fs
 
@@ -55,7 +56,7 @@ def read_with_retries(fs: Any, path: str, retries: int, sleep=time.sleep) -> byt
             if attempt >= retries:
                 raise ImageError("fetch_error", f"gave up after {retries + 1} attempts: {_short(err)}") from None
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random() / 2)
-            LOG.warning("transient error reading %s (attempt %d): %s; retrying in %.1fs", path, attempt + 1,
+            LOG.warning("transient error reading %r (attempt %d): %s; retrying in %.1fs", path, attempt + 1,
                         _short(err), delay)
             sleep(delay)
             attempt += 1
@@ -103,13 +104,13 @@ def fetch_batch(
     data: list[bytes | None] = [None] * len(uris)
 
     def one(i: int) -> None:
-        if carried[i]:
+        if carried[i] or status[i] is not None:  # carried, or an error row from the listing
             return
         if sizes[i] is not None and sizes[i] > max_bytes:
             status[i], error[i] = STATUS_ERROR, f"too_large: {sizes[i]} bytes > max_bytes={max_bytes}; raise --max-bytes"
             return
         try:
-            data[i] = read_with_retries(fs, fs._strip_protocol(uris[i]), retries)
+            data[i] = read_with_retries(fs, fs._strip_protocol(uri_path(uris[i])), retries)
         except ImageError as err:
             status[i], error[i] = STATUS_ERROR, str(err)
 

@@ -42,6 +42,13 @@ _FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
+def follow_pixel_cap(max_pixels: int) -> None:
+    """Raise Pillow's own bomb limit (``Image.MAX_IMAGE_PIXELS``, a process global) to ``max_pixels`` where it is
+    lower, so that our cap, not Pillow's, decides which images are too large."""
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+
+
 @dataclass(frozen=True, kw_only=True)
 class PreprocessSpec:
     """How a model wants its input tensor made from a decoded RGB image.
@@ -168,6 +175,7 @@ def decode_image(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
         raise ImageError(
             "too_large", f"{len(data)} bytes is over max_bytes={limits.max_bytes}; raise the limit to accept it"
         )
+    follow_pixel_cap(limits.max_pixels)
     try:
         img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:

@@ -1,10 +1,50 @@
-"""The 64-bit keys of objects: URI and version (identity) hashes, and membership in sorted key arrays."""
+"""Object URIs and their 64-bit keys: percent-encoded URIs, URI and version (identity) hashes, set membership."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+from urllib.parse import quote_from_bytes, unquote, unquote_to_bytes
 
 import numpy as np
+
+# Characters a uri's path keeps as they are; every other byte is percent-encoded, as pathlib's ``as_uri()`` does,
+# so that urllib.parse, fsspec and pyarrow.fs read the URI back as the same object (``#``, ``?``, ``%``, spaces).
+URI_SAFE = "/"
+_PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its own encoding (the common case)
+
+
+def object_uri(scheme: str, path: str | bytes) -> str:
+    """The URI of an object: ``scheme://`` and its path (local, or bucket/key) percent-encoded.
+
+    A local path with bytes that are not UTF-8 (a ``str`` from ``os.fsdecode``) keeps those bytes, encoded.
+    """
+    if isinstance(path, str) and _PLAIN.fullmatch(path):
+        return f"{scheme}://{path}"
+    raw = path if isinstance(path, bytes) else os.fsencode(path) if scheme == "file" else path.encode()
+    return f"{scheme}://{quote_from_bytes(raw, URI_SAFE)}"
+
+
+def uri_path(uri: str) -> str:
+    """The path (local) or ``bucket/key`` that ``object_uri`` encoded; a local name's raw bytes come back as
+    ``os.fsdecode`` gives them."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    return os.fsdecode(unquote_to_bytes(rest)) if scheme == "file" else unquote(rest, errors="strict")
+
+
+def legacy_uri(uri: str) -> str | None:
+    """The URI of the same object in the form outputs held before URIs were percent-encoded (``scheme://`` + the
+    raw path), or None where both forms are the same or the old form could not exist (a name not UTF-8)."""
+    if "%" not in uri:
+        return None
+    scheme, _, rest = uri.partition("://")
+    try:
+        return f"{scheme}://{unquote_to_bytes(rest).decode()}"
+    except UnicodeDecodeError:
+        return None
 
 
 def uri_hash(uri: str) -> int:
@@ -42,3 +82,13 @@ def identity_hash(uri: str, etag: str | None, size: int | None, mtime_us: int | 
     else:
         key = f"{uri}\0m\0{size}\0{mtime_us}"
     return uri_hash(key)
+
+
+def done_mask(done: np.ndarray, uris: list[str]) -> np.ndarray:
+    """Which ``uris`` have a committed row in ``done`` (sorted uri hashes), under their URI or under the raw form
+    that outputs held before URIs were percent-encoded (so those outputs resume without doubling a row)."""
+    hit = member(done, uri_hashes(uris))
+    old = [(i, legacy) for i, u in enumerate(uris) if "%" in u and (legacy := legacy_uri(u)) is not None]
+    if old:
+        hit[[i for i, _ in old]] |= member(done, uri_hashes([legacy for _, legacy in old]))
+    return hit

@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from typing import Any, Mapping
 
-from pipeline.errors import ConfigError, OutputError
+from pipeline.errors import LIST_ERROR, ConfigError, OutputError
 from pipeline.stats import value_counts
 from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
 from pipeline.writer import committed_parts, read_json
@@ -162,6 +162,7 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         "rows": rows,
         "counts": dict(sorted(status.items())),
         "error_kinds": dict(kinds.most_common()),
+        "list_errors": kinds.get(LIST_ERROR, 0),  # folders and links the listing could not read: rows of their own
         "top_labels": [{"label": k, "count": v, "share": round(v / rows, 4) if rows else 0.0}
                        for k, v in labels.most_common(TOP_LABELS)],
         "models": dict(models.most_common()),
@@ -189,6 +190,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                           f"classified {_n(last.get('classified') or 0)}  carried {_n(last.get('carried') or 0)}"))
         if last.get("engine_events"):
             lines.append(_events_row(last["engine_events"]))
+    if summary.get("list_errors"):
+        lines.append(_row("not listed", summary["list_errors"],
+                          f"folders or links the listing could not read (their {LIST_ERROR} rows say why)"))
     kinds = summary.get("error_kinds") or {}
     if kinds:
         lines.append(f"{'error kind':<20}{'rows':>10}")

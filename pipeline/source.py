@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.errors import ConfigError, SourceError
-from pipeline.keys import identity_hashes, member, uri_hashes
-from pipeline.source_local import Entry, local_files, stat_local, walk_local
+from pipeline.errors import ConfigError, EmptySourceError, SourceError
+from pipeline.keys import done_mask, identity_hashes, member, object_uri
+from pipeline.source_local import Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -37,6 +37,7 @@ LISTING_SCHEMA = pa.schema(
         ("etag", pa.string()),
         ("mtime", pa.timestamp("us", tz="UTC")),
         ("carried", pa.bool_()),
+        ("status", pa.string()), ("error", pa.string()),  # set only on a list_error row
     ]
 )
 
@@ -71,17 +72,34 @@ def storage_failure(url: str, err: BaseException) -> str:
     return f"cannot read {url!r}: {text[:300]}; {hint}"
 
 
-def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
-    """Fail before any work when the source is missing, not a folder, or the storage can't be reached."""
+def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
+                 *, follow_symlinks: bool = False) -> None:
+    """Fail before any work when the source is missing, unlistable or unreachable, or (``extensions``) empty."""
     try:
         exists = fs.exists(root)
         kind = fs.info(root).get("type") if exists else None
+        if kind == "directory" and is_local(fs):
+            os.scandir(root).close()  # a folder that stat can see but not list (mode 000)
+        empty = kind == "directory" and extensions and not _holds_any(fs, root, extensions, follow_symlinks)
     except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
         raise SourceError(storage_failure(url, err)) from None
     if not exists:
         raise SourceError(f"source {url!r} does not exist; check the path or bucket prefix")
     if kind != "directory":
         raise SourceError(f"source {url!r} is a {kind}, not a folder or prefix; give the folder that holds the images")
+    if empty:
+        raise EmptySourceError(f"source {url!r} holds no file with extension {','.join(extensions)}: nothing to "
+                               "classify; check SOURCE and --extensions")
+
+
+def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
+    """Whether the listing of ``root`` gives an entry (a file or a list_error row); it stops at the first."""
+    unit: tuple | None = ("local_dir", root, root, follow) if is_local(fs) else ("fs_dir", root)
+    if _is_s3(fs):
+        bucket, prefix = _s3_split(root)
+        first = (_list_page(fs, bucket, prefix, max_keys=1).get("Contents") or [None])[0]
+        unit = ("s3_range", bucket, prefix, first, None) if first else None
+    return unit is not None and next(iter(list_unit(fs, unit, extensions, stat=False)), None) is not None
 
 
 def mtime_us(value: Any) -> int | None:
@@ -110,22 +128,23 @@ def matches(name: str, extensions: tuple[str, ...]) -> bool:
 def fsspec_entry(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> Entry:
     etag = info.get("ETag") or info.get("etag")
     stamp = mtime_us(info.get("LastModified") or info.get("mtime") or info.get("last_modified"))
-    return (fs.unstrip_protocol(info["name"]), int(info.get("size") or 0), str(etag).strip('"') if etag else None,
-            stamp)
+    scheme, _, path = fs.unstrip_protocol(info["name"]).partition("://")
+    return (object_uri(scheme, path), int(info.get("size") or 0), str(etag).strip('"') if etag else None, stamp)
 
 
 # ---- planning: which key ranges each listing task takes (runs where Ray Data plans the read) ----
 
-def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], tasks: int) -> list[list]:
+def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], tasks: int, *,
+                 follow_symlinks: bool = False) -> list[list]:
     """Split the listing of ``root`` into up to ``tasks`` groups of units; each unit lists a disjoint part.
 
-    Local folders: sub-folders are spread over the tasks; the files directly in a large folder are split by a
-    hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
+    Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
+    by a hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
     after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
     """
     tasks = max(1, tasks)
     if is_local(fs):
-        units = _plan_local(root, tasks)
+        units = _plan_local(root, tasks, follow_symlinks)
     elif _is_s3(fs):
         units = _plan_s3(fs, root, tasks)
     else:
@@ -136,17 +155,17 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
     return groups
 
 
-def _plan_local(root: str, tasks: int) -> list:
+def _plan_local(root: str, tasks: int, follow: bool) -> list:
     dirs, files = [], 0
     with os.scandir(root) as it:
         for entry in it:
-            if entry.is_dir():
+            if entry.is_dir(follow_symlinks=False):  # a link to a folder is the local_files units' to judge
                 dirs.append(entry.path)
             else:
                 files += 1
-    units: list = [("local_dir", d) for d in sorted(dirs)]
+    units: list = [("local_dir", d, root, follow) for d in sorted(dirs)]
     split = max(1, min(tasks, -(-files // LOCAL_SPLIT_FILES)))
-    units += [("local_files", root, i, split) for i in range(split)] if files else []
+    units += [("local_files", root, i, split, follow) for i in range(split)] if files else []
     return units
 
 
@@ -269,8 +288,8 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
 
 def _s3_entry(bucket: str, item: Mapping[str, Any]) -> Entry:
     etag = item.get("ETag")
-    return (f"s3://{bucket}/{item['Key']}", int(item.get("Size") or 0), str(etag).strip('"') if etag else None,
-            mtime_us(item.get("LastModified")))
+    return (object_uri("s3", f"{bucket}/{item['Key']}"), int(item.get("Size") or 0),
+            str(etag).strip('"') if etag else None, mtime_us(item.get("LastModified")))
 
 
 def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
@@ -302,30 +321,49 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str,
     """
     kind = unit[0]
     if kind == "local_dir":
-        yield from walk_local(unit[1], extensions, stat)
+        yield from walk_local(unit[1], extensions, stat, root=unit[2], follow=unit[3])
     elif kind == "local_files":
-        yield from local_files(unit[1], unit[2], unit[3], extensions, stat)
+        yield from local_files(unit[1], unit[2], unit[3], extensions, stat, follow=unit[4])
     elif kind == "s3_keys":
         yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
     elif kind == "s3_range":
         yield from _s3_range(fs, unit[1], unit[2], unit[3], unit[4], extensions)
     elif kind == "fs_dir":
-        for _dirpath, _dirs, files in fs.walk(unit[1], detail=True):
-            for name in sorted(files):
-                info = files[name]
-                if info.get("type", "file") == "file" and matches(info["name"], extensions):
-                    yield fsspec_entry(fs, info)
+        yield from _walk_fsspec(fs, unit[1], extensions)
     elif kind == "fs_files":
         yield from (fsspec_entry(fs, info) for info in unit[1])
     else:  # pragma: no cover - units come from plan_listing
         raise ValueError(f"unknown listing unit {kind!r}")
 
 
-def entries_table(entries: list[Entry]) -> pa.Table:
-    uris, sizes, etags, mtimes = zip(*entries) if entries else ((), (), (), ())
+def _walk_fsspec(fs: fsspec.AbstractFileSystem, folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
+    """The files under ``folder`` of a store that is neither local nor S3, by ``ls``; a folder that cannot be listed
+    is a list_error entry (``fs.walk`` leaves such a sub-folder out, silently, whatever its ``on_error``)."""
+    stack = [folder]
+    while stack:
+        current = stack.pop()
+        try:
+            listing = sorted(fs.ls(current, detail=True), key=lambda e: e["name"])
+        except FileNotFoundError:
+            continue  # removed since its parent was listed
+        except OSError as err:
+            scheme, _, path = fs.unstrip_protocol(current).partition("://")
+            yield list_error(object_uri(scheme, path.rstrip("/") + "/"), f"cannot list: {os_error_text(err)}")
+            continue
+        dirs = [e["name"] for e in listing if e.get("type") == "directory" and e["name"].rstrip("/") != current]
+        yield from (fsspec_entry(fs, e) for e in listing if e.get("type", "file") == "file" and
+                    matches(e["name"], extensions))
+        stack.extend(reversed(dirs))
+
+
+def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:
+    """Listing rows of ``entries`` and, after them, the error rows of ``errors`` (``list_error`` entries)."""
+    rows = [e[:4] + (None, None) for e in entries] + [e[:4] + ("error", e[4]) for e in errors]
+    uris, sizes, etags, mtimes, status, error = zip(*rows) if rows else ((),) * 6
     return pa.Table.from_arrays(
         [pa.array(uris, pa.string()), pa.array(sizes, pa.int64()), pa.array(etags, pa.string()),
-         pa.array(mtimes, pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([False] * len(uris))],
+         pa.array(mtimes, pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([False] * len(uris)),
+         pa.array(status, pa.string()), pa.array(error, pa.string())],
         schema=LISTING_SCHEMA)
 
 
@@ -352,10 +390,12 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         block, pending = pending, []
         skipped = 0
         if done.size and block:
-            keep = ~member(done, uri_hashes([e[0] for e in block]))
+            keep = ~done_mask(done, [e[0] for e in block])
             skipped = len(block) - int(keep.sum())
             if skipped:
                 block = [e for e, k in zip(block, keep) if k]
+        errors = [e for e in block if is_error(e)]
+        block = [e for e in block if not is_error(e)] if errors else block
         block = stat_local(block)
         n_carried = 0
         if previous.size and block:
@@ -370,9 +410,9 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         if carried and (final or sum(c.size for c in carried) >= CARRY_FLUSH):
             send, carried = np.concatenate(carried), []
         if report is not None:
-            report(len(block) + n_carried, skipped, time.perf_counter() - clock[0], send)
-        if block:
-            fresh.append(entries_table(block))
+            report(len(block) + n_carried + len(errors), skipped, time.perf_counter() - clock[0], send)
+        if block or errors:
+            fresh.append(entries_table(block, errors))
         held = sum(b.num_rows for b in fresh)
         if held and (final or held >= FRESH_BLOCK_ROWS or time.monotonic() - fresh_since[0] >= FRESH_WAIT_S):
             out, fresh = pa.concat_tables(fresh), []

@@ -1,63 +1,202 @@
-"""Listing a local folder: the files of one planned unit, by os.scandir, with or without a stat each."""
+"""Listing a local folder: the files of one planned unit, by os.scandir, with or without a stat each.
+
+Symbolic links: one whose target is inside the source is not followed (its target is listed under its own path, so
+nothing is listed twice and a link back up the tree is never walked); one that leads out of the source is followed
+only with ``follow`` (``--follow-symlinks``), else it gets a ``list_error`` row. A folder that cannot be listed and
+a link that cannot be resolved (a loop) get a ``list_error`` row too: the listing is never silently partial.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 from typing import Iterator
 
-Entry = tuple  # (uri, size_bytes, etag, mtime_us)
+from pipeline.errors import LIST_ERROR, ImageError
+from pipeline.keys import object_uri, uri_path
+
+# (uri, size_bytes, etag, mtime_us); an entry the listing could not read is (uri, None, None, None, error).
+Entry = tuple
+FOLLOW_HINT = "pass --follow-symlinks to list it"
 
 
 def local_entry(path: str, st: os.stat_result) -> Entry:
-    return ("file://" + path, int(st.st_size), None, int(st.st_mtime * 1_000_000))
+    return (object_uri("file", path), int(st.st_size), None, int(st.st_mtime * 1_000_000))
+
+
+def list_error(uri: str, detail: str) -> Entry:
+    """The entry of something the listing could not read: it becomes an error row of kind ``list_error``."""
+    return (uri, None, None, None, str(ImageError(LIST_ERROR, detail)))
+
+
+def is_error(entry: Entry) -> bool:
+    return len(entry) > 4
+
+
+def folder_uri(path: str) -> str:
+    """A folder's URI ends with ``/``, so it never names a file of the same name."""
+    return object_uri("file", path.rstrip("/") + "/")
 
 
 def _suffixes(extensions: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("." + e.lower() for e in extensions)
 
 
-def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
-    stack = [folder]
+def os_error_text(err: OSError) -> str:
+    return f"{type(err).__name__}: [Errno {err.errno}] {err.strerror}" if err.errno else f"{type(err).__name__}: {err}"
+
+
+class _Links:
+    """Sorts a folder's entries into folders to walk, files to list, error entries and entries to skip."""
+
+    def __init__(self, root: str, follow: bool, suffixes: tuple[str, ...]):
+        self.root = os.path.realpath(root)
+        self.follow, self.suffixes = follow, suffixes
+        self.seen: set[tuple[int, int]] = set()  # folders walked through followed links: a loop out there ends
+
+    def inside(self, real: str) -> bool:
+        return real == self.root or real.startswith(self.root.rstrip(os.sep) + os.sep)
+
+    def listed_name(self, name: str) -> bool:
+        return name.lower().endswith(self.suffixes) and name[0] != "."
+
+    def sort(self, entry: os.DirEntry, real_parent: str | None) -> tuple:
+        """("dir", path, real path or None) / ("file", path) / ("error", uri, detail) / () to skip."""
+        name = entry.name
+        if not entry.is_symlink():
+            if entry.is_dir(follow_symlinks=False):
+                if real_parent is None:
+                    return ("dir", entry.path, None)
+                real = os.path.join(real_parent, name)
+                # a folder of the source reached from outside it is listed under its own path, not again
+                return () if self.inside(real) else self._walk_once(entry.path, real)
+            return ("file", entry.path) if self.listed_name(name) and entry.is_file(follow_symlinks=False) else ()
+        try:
+            target = os.path.realpath(entry.path, strict=True)
+            is_dir = os.path.isdir(target)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return ("error", object_uri("file", entry.path), f"symbolic link loop ({os_error_text(err)})")
+            if self.listed_name(name):
+                return ("error", object_uri("file", entry.path), f"broken symbolic link ({os_error_text(err)})")
+            return ()
+        if self.inside(target):
+            # Its target is listed under its own path; a file link is listed only when its target's name is not.
+            listed_anyway = is_dir or self.listed_name(os.path.basename(target))
+            return () if listed_anyway or not self.listed_name(name) else ("file", entry.path)
+        if not self.follow:
+            if is_dir:
+                return ("error", folder_uri(entry.path), f"symbolic link to a folder out of the source; {FOLLOW_HINT}")
+            if self.listed_name(name):
+                return ("error", object_uri("file", entry.path),
+                        f"symbolic link to a file out of the source; {FOLLOW_HINT}")
+            return ()
+        if is_dir:
+            return self._walk_once(entry.path, target)
+        return ("file", entry.path) if self.listed_name(name) else ()
+
+    def _walk_once(self, path: str, real: str) -> tuple:
+        try:
+            st = os.stat(real)
+        except OSError as err:
+            return ("error", folder_uri(path), f"cannot list this folder: {os_error_text(err)}")
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            return ()
+        self.seen.add(key)
+        return ("dir", path, real)
+
+
+def _file_entry(path: str, stat: bool) -> Entry | None:
+    if not stat:
+        return (object_uri("file", path), None, None, None)
+    try:
+        return local_entry(path, os.stat(path))
+    except FileNotFoundError:
+        return None
+    except OSError:  # unreadable metadata: the fetch gives the row its precise error
+        return (object_uri("file", path), None, None, None)
+
+
+def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, root: str | None = None,
+               follow: bool = False, real: str | None = None, links: _Links | None = None) -> Iterator[Entry]:
+    """Every listed file under ``folder`` (``root``: the source, for telling links in from links out; ``real``:
+    the folder's real path when it was reached through a followed link)."""
+    links = links or _Links(root or folder, follow, _suffixes(extensions))
+    suffixes = links.suffixes
+    stack: list[tuple[str, str | None]] = [(folder, real)]
     while stack:
-        current = stack.pop()
+        current, current_real = stack.pop()
         try:
             with os.scandir(current) as it:
                 entries = sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
+        except FileNotFoundError:
+            continue  # removed since its parent was listed
+        except OSError as err:
+            yield list_error(folder_uri(current), f"cannot list this folder: {os_error_text(err)}; its files get rows "
+                                                  "on the run after its permissions are fixed")
             continue
         subdirs = []
         for entry in entries:
-            name = entry.name
-            if entry.is_dir():
-                subdirs.append(entry.path)
-            elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
+            if current_real is None and not entry.is_symlink():  # the common case, kept short: one call a file
+                name = entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append((entry.path, None))
+                elif name.lower().endswith(suffixes) and name[0] != "." and entry.is_file(follow_symlinks=False):
+                    found = _file_entry(entry.path, stat)
+                    if found is not None:
+                        yield found
+                continue
+            sorted_as = links.sort(entry, current_real)
+            if not sorted_as:
+                continue
+            if sorted_as[0] == "dir":
+                subdirs.append(sorted_as[1:])
+            elif sorted_as[0] == "error":
+                yield list_error(sorted_as[1], sorted_as[2])
+            else:
+                found = _file_entry(sorted_as[1], stat)
+                if found is not None:
+                    yield found
         stack.extend(reversed(subdirs))
 
 
-def local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True
-                 ) -> Iterator[Entry]:
-    suffixes = _suffixes(extensions)
+def local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True, *,
+                follow: bool = False) -> Iterator[Entry]:
+    """The entries directly in the source ``folder`` that are not folders of its own (files and links), split
+    into ``parts`` by a hash of their names."""
+    links = _Links(folder, follow, _suffixes(extensions))
     with os.scandir(folder) as it:
         for entry in it:
-            name = entry.name
-            if parts > 1 and zlib.crc32(name.encode()) % parts != part:
+            if parts > 1 and zlib.crc32(os.fsencode(entry.name)) % parts != part:
                 continue
-            if name.lower().endswith(suffixes) and name[0] != "." and entry.is_file():
-                yield local_entry(entry.path, entry.stat()) if stat else ("file://" + entry.path, None, None, None)
+            if entry.is_dir(follow_symlinks=False):
+                continue  # the planner gave it a unit of its own
+            sorted_as = links.sort(entry, None)
+            if not sorted_as:
+                continue
+            if sorted_as[0] == "dir":
+                yield from walk_local(sorted_as[1], extensions, stat, real=sorted_as[2], links=links)
+            elif sorted_as[0] == "error":
+                yield list_error(sorted_as[1], sorted_as[2])
+            else:
+                found = _file_entry(sorted_as[1], stat)
+                if found is not None:
+                    yield found
 
 
 def stat_local(entries: list[Entry]) -> list[Entry]:
     """Size and mtime of local entries listed without them; a file removed since listing is dropped."""
     out = []
     for entry in entries:
-        if entry[1] is not None:
+        if entry[1] is not None or is_error(entry):
             out.append(entry)
             continue
         try:
-            out.append(local_entry(entry[0][7:], os.stat(entry[0][7:])))
+            out.append(local_entry(uri_path(entry[0]), os.stat(uri_path(entry[0]))))
         except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError:  # unreadable metadata: the fetch gives the row its precise error
+            out.append(entry)
     return out

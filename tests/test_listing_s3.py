@@ -8,6 +8,7 @@ import pytest
 
 import pipeline.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
+from pipeline.keys import object_uri, uri_path
 from pipeline.source import list_unit, open_fs, plan_listing
 
 EXT = DEFAULT_EXTENSIONS
@@ -42,15 +43,15 @@ def test_s3_flat_prefix_is_split_at_probed_keys_and_lists_every_key_once(s3_serv
     # Leaves are split one level deeper only until there are enough ranges: every probe is a LIST call.
     assert len(prefixes) <= 55, len(prefixes)  # 73 when every leaf was split a level at a time
     prefixes.clear()
-    uris = [e[0] for g in groups for unit in g for e in list_unit(fs, unit, EXT)]
+    uris = [uri_path(e[0]) for g in groups for unit in g for e in list_unit(fs, unit, EXT)]  # bucket/key
     # A range lists under the common prefix of its first key and the next range's first key: narrower LISTs.
     assert sum(p.startswith("flat/img000") for p in prefixes) >= 8, prefixes
     ranges = [u for g in groups for u in g]
     assert len(groups) == 8 and len(ranges) >= 16 and all(u[0] == "s3_range" for u in ranges)
-    assert sorted(uris) == [f"s3://flat-listing/{k}" for k in flat_bucket]
+    assert sorted(uris) == [f"flat-listing/{k}" for k in flat_bucket]
     assert len(uris) == len(set(uris))
     one, uris_one = listed(fs, root, 1)  # one task: no probing, one range from the first key to the end
-    assert [u[0] for g in one for u in g] == ["s3_range"] and uris_one == sorted(uris)
+    assert [u[0] for g in one for u in g] == ["s3_range"] and [uri_path(u) for u in uris_one] == sorted(uris)
 
 
 def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
@@ -77,7 +78,7 @@ def test_s3_keys_that_are_prefixes_of_each_other_are_listed_once(s3_server, s3, 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: s3.put_object(Bucket="prefix-listing", Key=k, Body=b"x"), sorted(keys)))
     fs, root = open_fs("s3://prefix-listing/p")
-    want = sorted(f"s3://prefix-listing/{k}" for k in keys if source.matches(k, EXT))
+    want = sorted(object_uri("s3", f"prefix-listing/{k}") for k in keys if source.matches(k, EXT))
     for tasks in (3, 8):
         groups, uris = listed(fs, root, tasks)
         assert len(groups) == tasks and sum(len(g) for g in groups) > tasks

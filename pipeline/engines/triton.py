@@ -27,7 +27,7 @@ from typing import Sequence
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
-from pipeline.imaging import DecodeLimits, decode_image
+from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
 from pipeline.triton.server import HEALTH_TIMEOUT_S
 
@@ -81,6 +81,7 @@ def _check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
         return
     from PIL import Image  # noqa: PLC0415
 
+    follow_pixel_cap(limits.max_pixels)
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size

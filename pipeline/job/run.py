@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
+from pipeline.errors import LIST_ERROR
 from pipeline.job.output import (
     OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
 )
@@ -47,7 +48,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     src_fs, src_root = open_fs(config.source, config.storage_options)
-    check_source(src_fs, src_root, config.source)
+    check_source(src_fs, src_root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
     dst_fs, dst_root = open_fs(config.output, config.storage_options)
     prepare_output(dst_fs, dst_root, config)
 
@@ -83,6 +84,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     write_json(dst_fs, dst_root, SUCCESS, {
         "counts": all_counts,
         "rows": sum(all_counts.values()),
+        "list_errors": report["quality"]["error_kinds"].get(LIST_ERROR, 0),  # folders or links not listed
         "this_run": {"images": totals.rows, "classified": totals.classified, "carried": totals.carried,
                      "already_done": skipped},
         "model": bundle.name,

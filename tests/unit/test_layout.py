@@ -15,6 +15,8 @@ LONG_MODULES = {
     # The Triton client's request path: isolating bad inputs, restarts, shared-server failover and the answer checks
     # retry the same request, so they share its loop.
     "pipeline.engines.triton",
+    # Planning and listing local folders, S3 key ranges and other fsspec stores, with the rows of what cannot be read.
+    "pipeline.source",
 }
 
 
