@@ -91,7 +91,7 @@ def main(verbose: bool) -> None:
 # The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
 RUN_OPTIONS = (
     click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0."),
-    click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=None, help=f"{AUTO_ENGINE} (default): triton where the Ray cluster has GPUs, else onnx; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
+    click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=None, help=f"{AUTO_ENGINE} (default): gpu where the Ray cluster has GPUs, else onnx; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
     click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
     click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5)."),
     click.option("--batch-size", type=int, default=None, help="Images per engine call (default: 2048 where the actors take GPUs, else 64)."),

@@ -1,4 +1,5 @@
-"""``--engine auto``, the default: the triton engine (gpu profile) where the Ray cluster has GPUs, onnx elsewhere.
+"""``--engine auto``, the default: DALI + the CUDA-graph network on the GPUs where the Ray cluster has them, onnx
+elsewhere.
 
 The choice is made once in the driver, before anything is written, from the GPUs Ray will schedule on: this
 machine's (as Ray counts them) for a local Ray, the cluster's resources with ``RAY_ADDRESS``.
@@ -16,7 +17,9 @@ from pipeline.triton.profiles import node_gpus
 LOG = logging.getLogger(__name__)
 
 AUTO_ENGINE = "auto"
-GPU_CHOICE = "triton"  # one local Triton per GPU serving DALI + the network: the product's GPU path
+# The in-process gpu engine, not yet triton's gpu profile: on the H200 it ran the whole job with every row ok in
+# about half triton's wall time, while a shared server's end of job still failed rows (docs/performance.md).
+GPU_CHOICE = "gpu"
 CPU_CHOICE = "onnx"
 GPU_STACK = ("torch", "nvidia.dali")  # what the gpu profile's model imports inside the server
 GPU_EXTRA_HINT = "pip install 'bulk-classify[gpu]' and PyTorch with CUDA"
@@ -57,8 +60,8 @@ def cluster_gpus() -> tuple[int, str]:
 
 
 def choose(gpus: int | None = None, where: str = "this machine") -> Choice:
-    """The engine ``auto`` runs: triton on a cluster with GPUs (whose driver has the GPU stack, when the cluster
-    is this machine), onnx elsewhere."""
+    """The engine ``auto`` runs: GPU_CHOICE on a cluster with GPUs (whose driver has the GPU stack, when the
+    cluster is this machine), onnx elsewhere."""
     if gpus is None:
         gpus, where = cluster_gpus()
     if gpus <= 0:
@@ -70,4 +73,5 @@ def choose(gpus: int | None = None, where: str = "this machine") -> Choice:
                         " or ".join(missing), GPU_EXTRA_HINT)
             return Choice(CPU_CHOICE, gpus, f"{where} has {gpus} GPU(s) but no {' or '.join(missing)} "
                                             f"({GPU_EXTRA_HINT})")
-    return Choice(GPU_CHOICE, gpus, f"{where} has {gpus} GPU(s): one local Triton per GPU, gpu profile")
+    return Choice(GPU_CHOICE, gpus, f"{where} has {gpus} GPU(s): DALI and the network on each GPU (--engine triton "
+                                    "serves the same through a local Triton per GPU)")

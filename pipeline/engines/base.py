@@ -318,7 +318,7 @@ REGISTRY: dict[str, EngineSpec] = {
     )
 }
 ENGINE_NAMES = tuple(REGISTRY)
-AUTO_ENGINE = "auto"  # pipeline.engines.auto: triton where the cluster has GPUs, onnx elsewhere
+AUTO_ENGINE = "auto"  # pipeline.engines.auto: the GPU path where the cluster has GPUs, onnx elsewhere
 ENGINE_CHOICES = (AUTO_ENGINE, *ENGINE_NAMES)
 DEFAULT_ENGINE = AUTO_ENGINE
 

@@ -23,7 +23,8 @@ CLI = [sys.executable, "-m", "pipeline.cli"]
 LIMIT_S = 3.0
 
 MUST_SHOW = [
-    (["--engine-option", "bogus=1"], "engine 'onnx' has no option bogus; its options are decode_threads"),
+    (["--engine", "onnx", "--engine-option", "bogus=1"], "engine 'onnx' has no option bogus; its options are decode_threads"),
+    (["--engine-option", "max_batch=8"], "--engine-option needs an engine: add --engine onnx or --engine triton"),
     (["--engine", "gpu"], "--engine gpu needs PyTorch with CUDA"),
     (["--engine", "triton", "--engine-option", "repository=/nonexistent"],
      "--engine-option repository=/nonexistent does not exist; build one with 'bulk-classify repo build"),
@@ -107,7 +108,7 @@ def test_other_bad_inputs_fail_in_one_line_and_write_nothing(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--engine-option", "bogus=1"], "engine 'onnx' has no option bogus"),
+    (["--engine", "onnx", "--engine-option", "bogus=1"], "engine 'onnx' has no option bogus"),
     (["--date", "2026-02-30"], "--date '2026-02-30' is not a calendar date"),
     (["--engine", "triton", "--engine-option", "repository=/nonexistent"], "repository=/nonexistent does not exist"),
 ])
