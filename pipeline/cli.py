@@ -147,8 +147,10 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     """
     explicit = dict(_run_fields(options), source=source)
     try:
-        config = RunConfig.build(explicit).resolved()
+        config = RunConfig.build(explicit)
         config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
+        config = config.resolved()  # auto's engine and the batch size, by the cluster's GPUs
+        config.check_requirements()
     except BulkClassifyError as err:
         raise Failure(str(err)) from None
     from pipeline.job import run_job

@@ -134,7 +134,9 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     previous_opt = options.pop("previous", None) or PREVIOUS_AUTO
     storage_options = dict(options.get("storage_options") or {})
     # Every option and the engine's requirements are checked before any storage is read or Ray starts.
-    config = RunConfig.build({**options, "output": dest}, env=env).resolved()
+    config = RunConfig.build({**options, "output": dest}, env=env)
+    config.check_requirements()
+    config = config.resolved()
     config.check_requirements()
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good

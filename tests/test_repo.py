@@ -159,7 +159,7 @@ def test_the_engine_builds_each_profile_once_into_the_cache(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline.triton.profiles import PROFILES
-    from pipeline.triton.repository import cached_repository
+    from pipeline.triton.repository_cache import cached_repository
 
     bundle = load_model(None)
     portable, gpu = PROFILES["portable"], PROFILES["gpu"]

@@ -209,7 +209,7 @@ class TritonEngine:
 
     def _start_own(self, bundle, repository, instances, startup_timeout_s, server_args) -> None:
         from pipeline.triton.checks import preflight  # noqa: PLC0415
-        from pipeline.triton.repository import cached_repository  # noqa: PLC0415
+        from pipeline.triton.repository_cache import cached_repository  # noqa: PLC0415
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:

@@ -331,7 +331,6 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     return out
 
 
-
 def build_gpu_repository(model: str | None, output: str, *, shape: str = "single", **options: Any):
     """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
 
@@ -400,57 +399,3 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
     (version / GPU_SHIM_FILE).write_text(_GPU_SHIM_TEXT.replace("{env}", STUB_PATH_ENV), encoding="utf-8")
     (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
     return out
-
-
-# ---- cache -------------------------------------------------------------------------------------------------
-
-REPOSITORY_CACHE = "repositories"
-BUILD_LOCK_TIMEOUT_S = 600.0
-
-
-def cached_repository(profile, bundle, *, top_k: int, instances: int | None = None,
-                      cache_dir: Path | None = None) -> Path:
-    """The repository of ``profile`` (a ``pipeline.triton.profiles.ServingProfile``) for ``bundle``, built once
-    into the model cache and reused by every engine and run that asks for the same one.
-
-    The key covers the profile, the model file, top-k, the instance count and this package's generating code, so
-    a changed model or release builds afresh. Concurrent builders wait on a file lock; the folder appears by an
-    atomic rename, so a server never sees half a repository.
-    """
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
-    from filelock import FileLock  # noqa: PLC0415
-
-    from pipeline.model import default_cache_dir, ensure_default_model  # noqa: PLC0415
-
-    default_dir = ensure_default_model().resolve()
-    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / "model.onnx").resolve()
-    model_dir = onnx_path.parent
-    is_default = model_dir == default_dir
-    instances = instances or profile.instances
-    stat = onnx_path.stat()
-    code = b"".join(Path(m).read_bytes() for m in (__file__, Path(__file__).with_name("configs.py")))
-    key = json.dumps([profile.name, str(onnx_path), stat.st_size, stat.st_mtime_ns, top_k, instances,
-                      profile.max_backlog, hashlib.sha256(code).hexdigest()])
-    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / REPOSITORY_CACHE
-    folder = root / f"{profile.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if folder.is_dir():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock", timeout=BUILD_LOCK_TIMEOUT_S):
-        if folder.is_dir():
-            return folder
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-        try:
-            if profile.needs_gpu:
-                build_gpu_repository(None if is_default else str(model_dir), str(tmp), top_k=top_k,
-                                     instances=instances, max_backlog=profile.max_backlog)
-            else:
-                build_repository(profile.name, str(model_dir), str(tmp), top_k=top_k, instances=instances)
-            os.replace(tmp, folder)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    LOG.info("built the %s repository into %s", profile.name, folder)
-    return folder

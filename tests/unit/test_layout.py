@@ -17,6 +17,8 @@ LONG_MODULES = {
     "pipeline.engines.triton",
     # Planning and listing local folders, S3 key ranges and other fsspec stores, with the rows of what cannot be read.
     "pipeline.source",
+    # One class owns the Triton process (STYLE.md 6): locating the binary, spawning, readiness, health, restart, stop.
+    "pipeline.triton.server",
 }
 
 

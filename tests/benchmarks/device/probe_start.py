@@ -19,7 +19,7 @@ for module in ("torch", "nvidia.dali", "tritonclient.grpc", "ray", "ray.data", "
 from pipeline.model import load_model  # noqa: E402
 from pipeline.triton.mps import MpsDaemon  # noqa: E402
 from pipeline.triton.profiles import PROFILES  # noqa: E402
-from pipeline.triton.repository import cached_repository  # noqa: E402
+from pipeline.triton.repository_cache import cached_repository  # noqa: E402
 from pipeline.triton.server import TritonServer  # noqa: E402
 
 KEEP = re.compile(r"ModelInstanceInitialize|successfully loaded|loading: |Started GRPC|gpu model|stub", re.I)

@@ -1,0 +1,65 @@
+"""The triton engine's repositories, built once into the model cache: one folder per profile, model, top-k and shape,
+reused by every actor and run that asks for the same one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pipeline.triton.repository import build_gpu_repository, build_repository
+
+LOG = logging.getLogger(__name__)
+
+
+REPOSITORY_CACHE = "repositories"
+BUILD_LOCK_TIMEOUT_S = 600.0
+
+
+def cached_repository(profile, bundle, *, top_k: int, instances: int | None = None,
+                      cache_dir: Path | None = None) -> Path:
+    """The repository of ``profile`` (a ``pipeline.triton.profiles.ServingProfile``) for ``bundle``, built once
+    into the model cache and reused by every engine and run that asks for the same one.
+
+    The key covers the profile, the model file, top-k, the instance count and this package's generating code, so
+    a changed model or release builds afresh. Concurrent builders wait on a file lock; the folder appears by an
+    atomic rename, so a server never sees half a repository.
+    """
+    from filelock import FileLock  # noqa: PLC0415
+
+    from pipeline.model import default_cache_dir, ensure_default_model  # noqa: PLC0415
+
+    default_dir = ensure_default_model().resolve()
+    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / "model.onnx").resolve()
+    model_dir = onnx_path.parent
+    is_default = model_dir == default_dir
+    instances = instances or profile.instances
+    stat = onnx_path.stat()
+    code = b"".join(Path(__file__).with_name(m).read_bytes() for m in ("repository.py", "configs.py", "repository_cache.py"))
+    key = json.dumps([profile.name, str(onnx_path), stat.st_size, stat.st_mtime_ns, top_k, instances,
+                      profile.max_backlog, hashlib.sha256(code).hexdigest()])
+    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / REPOSITORY_CACHE
+    folder = root / f"{profile.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if folder.is_dir():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock", timeout=BUILD_LOCK_TIMEOUT_S):
+        if folder.is_dir():
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+        try:
+            if profile.needs_gpu:
+                build_gpu_repository(None if is_default else str(model_dir), str(tmp), top_k=top_k,
+                                     instances=instances, max_backlog=profile.max_backlog)
+            else:
+                build_repository(profile.name, str(model_dir), str(tmp), top_k=top_k, instances=instances)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    LOG.info("built the %s repository into %s", profile.name, folder)
+    return folder
