@@ -1,6 +1,5 @@
-"""Triton model repositories: generate the profiles' configs from the shared tensor names, fill their artifacts
-(ONNX with softmax + top-k, DALI pipeline source, TensorRT plans keyed by GPU architecture and TensorRT version),
-for every profile; configs come from ``configs``, checks from ``checks``."""
+"""Triton model repositories: every profile's configs (``configs``) and artifacts (ONNX with softmax + top-k, DALI
+pipeline source, TensorRT plans keyed by GPU architecture and TensorRT version); checks live in ``checks``."""
 
 from __future__ import annotations
 
