@@ -41,8 +41,12 @@ def snapshot(folder: Path) -> dict[str, bytes | None]:
     """Every entry under ``folder`` with its bytes (None for folders): DEST or SOURCE byte for byte."""
     if not folder.exists():
         return {}
-    return {str(p.relative_to(folder)): (None if p.is_dir() and not p.is_symlink() else p.read_bytes())
-            for p in sorted(folder.rglob("*"))}
+    def content(p: Path) -> bytes | None:
+        if p.is_symlink():
+            return b"-> " + os.readlink(p).encode()
+        return None if p.is_dir() else p.read_bytes()
+
+    return {str(p.relative_to(folder)): content(p) for p in sorted(folder.rglob("*"))}
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:

@@ -133,7 +133,7 @@ def check_output_location(config: RunConfig) -> None:
     src = resolve_location(config.source, config.storage_options)
     if src == out or src.startswith(out.rstrip("/") + "/"):
         what = "is SOURCE" if src == out else "holds SOURCE"
-        raise OutputError(f"--output {config.output!r} {what} {config.source!r} (both resolve under {out}); "
+        raise OutputError(f"--output {config.output!r} {what} {config.source!r} (they resolve to {out} and {src}); "
                           "choose an --output outside the source folder")
 
 
