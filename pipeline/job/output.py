@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -29,6 +30,7 @@ from pipeline.writer import (
 )
 
 LOG = logging.getLogger(__name__)
+ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
 # What to do about a write to DEST that storage refused, by errno.
 FIXES = {
     errno.ENOSPC: "free space there or choose another --output, then rerun (it resumes)",
@@ -317,9 +319,22 @@ def _storage_cause(err: BaseException, root: str) -> OSError | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and type(e).__module__ in ("builtins", "botocore.exceptions", "s3fs.errors"):
-            name = str(getattr(e, "filename", None) or "")
-            if not name or root.rstrip("/") in name or e.errno in FIXES:
-                return e
+        found = e if isinstance(e, OSError) and type(e).__module__ == "builtins" else _reported_oserror(e)
+        if found is not None:
+            name = str(found.filename or "")
+            if (name and root.rstrip("/") in name) or (not name and found.errno in FIXES):
+                return found
         stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     return None
+
+
+def _reported_oserror(err: BaseException) -> OSError | None:
+    """The OSError a Ray task raised, rebuilt from the worker's traceback in ``err``'s text (Ray passes the
+    exception's message and traceback to the driver, not the OSError itself)."""
+    if not type(err).__module__.startswith("ray"):
+        return None
+    found = ERRNO_RE.findall(str(err))
+    if not found:
+        return None
+    code, text, name = found[-1]
+    return OSError(int(code), text.strip(), name or None)
