@@ -207,7 +207,7 @@ def _held_message(url: str, path: str, record: dict[str, Any]) -> str:
     age = time.time() - float(record.get("renewed_at") or 0)
     return (f"--output {url!r} is in use by another run: pid {record.get('pid')} on {record.get('host')}, started "
             f"{record.get('started_at')}, lease renewed {age:.0f} s ago; wait for it to end, or if it is gone "
-            f"delete {path} (it is taken over by itself {float(record.get('ttl_s') or LEASE_TTL_S):.0f} s after "
+            f"delete {path} (a later run takes it over {float(record.get('ttl_s') or LEASE_TTL_S):.0f} s after "
             "its last renewal)")
 
 
