@@ -29,13 +29,15 @@ OUTPUT_SCHEMA = pa.schema(
 SUCCESS = "_SUCCESS"  # JSON: counts, options, times; written last, only when a run completes
 REPORT = "_REPORT.json"  # the last run's report
 RUN_INFO = "_RUN.json"  # model and top-k of the rows in DEST
+LEASE = "_LEASE.json"  # the run writing DEST now: host, pid, start time, last renewal (pipeline.job.lease)
 PART_PREFIX = "part-"  # committed shards: part-<content hash>.parquet
 PART_SUFFIX = ".parquet"
 # Shards live in DEST/<group>/, the group being the first GROUP_CHARS hex digits of the shard's content hash:
 # 256 folders, so 100 M rows in 1,000-row shards put ~400 files in a folder (10,000 at 2.5 G rows).
 GROUP_CHARS = 2
-# This tool's files in DEST (what --overwrite may delete); group folders are removed when they end up empty.
-OWNED_PREFIXES = (PART_PREFIX, "." + PART_PREFIX, SUCCESS, REPORT, RUN_INFO)
+# This tool's JSON files in DEST; --overwrite deletes one only if it reads as ours (a JSON object with these keys).
+BOOKKEEPING = (SUCCESS, REPORT, RUN_INFO)
+BOOKKEEPING_KEYS = ("model", "started_at")
 # Each shard's Parquet footer carries its commit record (counts, model, sorted int64 URI hashes and the
 # identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
 RECORD_KEY = b"bulk_classify.record"

@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.schema import (
-    CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY,
-    SHARD_META_KEY, conform,
+    BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, OUTPUT_SCHEMA, PART_PREFIX,
+    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform,
 )
 from pipeline.keys import identity_hashes, uri_hashes
 from pipeline.source import is_local, open_fs
@@ -31,13 +31,18 @@ from pipeline.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
 GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")
+SHARD_ID_BYTES = 12
+# Temporary names this tool writes before a rename: "." + the final name + "." + 32 hex digits + ".tmp".
+TEMP_RE = re.compile(r"^\.(?:{}|{})\.[0-9a-f]{{32}}\.tmp$".format(
+    re.escape(PART_PREFIX) + f"[0-9a-f]{{{2 * SHARD_ID_BYTES}}}" + re.escape(PART_SUFFIX),
+    "|".join(re.escape(name) for name in (*BOOKKEEPING, LEASE))))
 RECORD_VERSION = 2  # 2: the hash arrays are in row order (1: sorted), so a carry task can reuse them per row
 FOOTER_READERS = 16  # concurrent footer reads on object stores
 
 
 def shard_id(uris: list[str]) -> str:
     """Deterministic id of a shard: the same rows give the same name, so a retried write replaces, never adds."""
-    h = hashlib.blake2b(digest_size=12)
+    h = hashlib.blake2b(digest_size=SHARD_ID_BYTES)
     for u in sorted(uris):
         h.update(u.encode())
         h.update(b"\0")
@@ -127,13 +132,26 @@ def commit_table(fs: Any, dest: str, name: str, table: pa.Table, metadata: Mappi
         folder, base = final.rsplit("/", 1)
         os.makedirs(folder, exist_ok=True)
         tmp = f"{folder}/.{base}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        _write_then_rename(tmp, final, payload, sync=True)
     else:
         fs.pipe_file(final, payload)
+
+
+def _write_then_rename(tmp: str, final: str, payload: bytes, *, sync: bool) -> None:
+    """Write ``tmp`` and rename it to ``final``; a failed write (a full disk) removes ``tmp`` again."""
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass  # the next run reclaims it (pipeline.job.output.reclaim_temporary)
+        raise
 
 
 def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any],
@@ -217,6 +235,20 @@ def _is_part(base: str) -> bool:
     return base.startswith(PART_PREFIX) and base.endswith(PART_SUFFIX)
 
 
+def is_committed_shard(fs: Any, path: str) -> bool:
+    """Whether ``path`` is a shard this tool committed: a Parquet file whose footer holds our commit record and our
+    shard id, the one its name carries."""
+    base = path.rsplit("/", 1)[-1]
+    if not _is_part(base):
+        return False
+    try:
+        footer = read_footer(fs, path)
+    except Exception:  # noqa: BLE001 - not Parquet, or unreadable: not ours to delete
+        return False
+    shard = footer.get(SHARD_META_KEY, b"").decode(errors="replace")
+    return RECORD_KEY in footer and base == f"{PART_PREFIX}{shard}{PART_SUFFIX}"
+
+
 def read_footer(fs: Any, path: str) -> dict[bytes, bytes]:
     """The key-value metadata of a shard's Parquet footer (one ranged read on object stores)."""
     if is_local(fs):
@@ -284,10 +316,7 @@ def write_json(fs: Any, dest: str, name: str, payload: Mapping[str, Any]) -> Non
     data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
     path = f"{dest.rstrip('/')}/{name}"
     if is_local(fs):
-        tmp = f"{dest.rstrip('/')}/.{name}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        _write_then_rename(f"{dest.rstrip('/')}/.{name}.{uuid.uuid4().hex}.tmp", path, data, sync=False)
     else:
         fs.pipe_file(path, data)
 

@@ -6,21 +6,39 @@ object at most (sorted int64 hash arrays), never by rows or strings.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import numpy as np
+import pyarrow as pa
 
 from pipeline.config import RunConfig
-from pipeline.errors import OutputError
-from pipeline.schema import OWNED_PREFIXES, RUN_INFO, SUCCESS
-from pipeline.source import open_fs, storage_failure
-from pipeline.writer import GROUP_RE, committed_parts, iter_records, read_json, read_record
+from pipeline.errors import BulkClassifyError, OutputError
+from pipeline.keys import member, uri_hashes
+from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
+from pipeline.source import is_local, open_fs, storage_failure
+from pipeline.writer import (
+    GROUP_RE, TEMP_RE, committed_parts, is_committed_shard, iter_records, part_name, read_json, read_record,
+    read_shard, shard_id, write_json, write_shard,
+)
 
 LOG = logging.getLogger(__name__)
+ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
+# What to do about a write to DEST that storage refused, by errno.
+FIXES = {
+    errno.ENOSPC: "free space there or choose another --output, then rerun (it resumes)",
+    errno.EDQUOT: "raise the quota or free space there, then rerun (it resumes)",
+    errno.EROFS: "it is read-only; choose another --output",
+    errno.EACCES: "check its permissions, or choose another --output",
+    errno.EPERM: "check its permissions, or choose another --output",
+}
 
 
 @dataclass
@@ -101,43 +119,165 @@ def read_previous(config: RunConfig, model_name: str) -> OutputIndex:
     return index
 
 
-def prepare_output(fs: Any, root: str, config: RunConfig) -> None:
-    """Check DEST is a writable folder; --overwrite removes this tool's files; a stale _SUCCESS goes."""
+def resolve_location(url: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """Where ``url`` points, whatever its spelling: ``file://`` + the real path locally (links, ``.``, ``..``
+    resolved), else the store's protocol and the path without empty segments at its ends."""
+    fs, path = open_fs(url, storage_options)
+    if is_local(fs):
+        return "file://" + os.path.realpath(path)
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return f"{protocols[0]}://{path.strip('/')}"
+
+
+def check_output_location(config: RunConfig) -> None:
+    """Refuse an output that is the source or holds it; an output inside the source is allowed (never listed)."""
+    out = resolve_location(config.output, config.storage_options)
+    src = resolve_location(config.source, config.storage_options)
+    if src == out or src.startswith(out.rstrip("/") + "/"):
+        what = "is SOURCE" if src == out else "holds SOURCE"
+        raise OutputError(f"--output {config.output!r} {what} {config.source!r} (they resolve to {out} and {src}); "
+                          "choose an --output outside the source folder")
+
+
+def excluded_prefix(config: RunConfig, src_root: str) -> str | None:
+    """The listing path (under ``src_root``) of an output inside a local source, so the listing skips it."""
+    fs, _root = open_fs(config.source, config.storage_options)
+    out, src = resolve_location(config.output, config.storage_options), resolve_location(config.source,
+                                                                                        config.storage_options)
+    if not is_local(fs) or not out.startswith(src.rstrip("/") + "/"):
+        return None
+    return src_root.rstrip("/") + "/" + os.path.relpath(out[7:], src[7:])
+
+
+def without_folder(groups: list[list], folder: str | None) -> list[list]:
+    """The listing plan without the local folder units at or under ``folder`` (an output inside the source)."""
+    if folder is None:
+        return groups
+    inside = folder.rstrip("/") + "/"
+    kept = [[u for u in g if not (u[0] == "local_dir" and (u[1].rstrip("/") + "/").startswith(inside))]
+            for g in groups]
+    return [g for g in kept if g] or [[]]
+
+
+def check_output(fs: Any, root: str, config: RunConfig) -> None:
+    """Read-only checks of DEST before anything is changed: not a file, and on object stores a bucket that exists
+    (a missing bucket is never created)."""
     try:
         if fs.exists(root) and fs.info(root).get("type") == "file":
             raise OutputError(f"--output {config.output!r} is a file; give a folder or prefix")
-        fs.makedirs(root, exist_ok=True)
-        if config.overwrite:
-            remove_owned(fs, root)
-        probe = f"{root.rstrip('/')}/_probe.{os.getpid()}"
-        fs.pipe_file(probe, b"")
-        fs.rm_file(probe)
-        # A run in progress is not a completed run: _SUCCESS comes back when this one completes.
-        success = f"{root.rstrip('/')}/{SUCCESS}"
-        if fs.exists(success):
-            fs.rm_file(success)
+        if not is_local(fs):
+            bucket = root.strip("/").split("/", 1)[0]
+            if not fs.exists(bucket):
+                raise OutputError(f"--output {config.output!r}: bucket {bucket!r} does not exist; create it first "
+                                  "or fix the URL (this tool never creates buckets)")
     except OutputError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise OutputError(storage_failure(config.output, err).replace("cannot read", "cannot write")) from None
+        raise OutputError(storage_failure(config.output, err)) from None
+
+
+def begin_output(fs: Any, root: str, config: RunConfig, run_info: Mapping[str, Any]) -> None:
+    """The first changes to DEST, under the run's lease: --overwrite removes this tool's files, temporary files of
+    an interrupted run are reclaimed, ``_RUN.json`` is written, and then a stale ``_SUCCESS`` goes."""
+    if config.overwrite:
+        remove_owned(fs, root)
+    reclaim_temporary(fs, root)
+    write_json(fs, root, RUN_INFO, run_info)
+    # A run in progress is not a completed run: _SUCCESS comes back when this one completes.
+    success = f"{root.rstrip('/')}/{SUCCESS}"
+    if fs.exists(success):
+        fs.rm_file(success)
+
+
+def _folders(fs: Any, root: str) -> Iterator[tuple[str, list[dict]]]:
+    """DEST and its shard group folders, with their entries."""
+    top = fs.ls(root, detail=True) if fs.exists(root) else []
+    yield root, top
+    for info in top:
+        if info.get("type") == "directory" and GROUP_RE.match(info["name"].rstrip("/").rsplit("/", 1)[-1]):
+            yield info["name"], fs.ls(info["name"], detail=True)
+
+
+def reclaim_temporary(fs: Any, root: str) -> None:
+    """Remove temporary files an interrupted or failed run left (only this tool's names; the lease is held)."""
+    for _folder, entries in _folders(fs, root):
+        for info in entries:
+            if info.get("type") != "directory" and TEMP_RE.match(info["name"].rsplit("/", 1)[-1]):
+                fs.rm_file(info["name"])
 
 
 def remove_owned(fs: Any, root: str) -> None:
-    """--overwrite: delete this tool's files in DEST and its shard group folders, never anything else."""
-    for info in fs.ls(root, detail=True):
-        path = info["name"].rstrip("/")
-        base = path.rsplit("/", 1)[-1]
-        if info.get("type") == "directory" and GROUP_RE.match(base):
-            for inner in fs.ls(path, detail=False):
-                if inner.rsplit("/", 1)[-1].startswith(OWNED_PREFIXES):
-                    fs.rm_file(inner)
+    """--overwrite: delete the shards this tool committed (their footer holds our commit record under their own
+    name), its bookkeeping files and temporary files in DEST and its group folders; never another file."""
+    for folder, entries in _folders(fs, root):
+        for info in entries:
+            path, base = info["name"].rstrip("/"), info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info.get("type") == "directory":
+                continue
+            if (TEMP_RE.match(base) or is_committed_shard(fs, path)
+                    or (folder == root and base in BOOKKEEPING and _is_bookkeeping(fs, path))):
+                fs.rm_file(path)
+        if folder != root:
             try:
-                if not fs.ls(path, detail=False):
-                    fs.rmdir(path)
+                if not fs.ls(folder, detail=False):
+                    fs.rmdir(folder)
             except (OSError, FileNotFoundError):
                 pass  # object stores have no folders to remove
-        elif base.startswith(OWNED_PREFIXES):
-            fs.rm_file(path)
+
+
+def _is_bookkeeping(fs: Any, path: str) -> bool:
+    try:
+        payload = json.loads(fs.cat_file(path))
+    except (ValueError, OSError):
+        return False
+    return isinstance(payload, dict) and all(k in payload for k in BOOKKEEPING_KEYS)
+
+
+def dedupe_output(config: RunConfig, fs: Any, root: str) -> int:
+    """Drop rows whose URI an earlier shard (by path) holds too, rewriting the later shards without them; the rows
+    dropped. Two runs that wrote DEST at once (the lease missed) end with one row per input all the same."""
+    parts = committed_parts(fs, root)
+    keys, owners = [], []
+    for i, (_path, rec) in enumerate(iter_records(fs, parts)):
+        keys.append(rec.uri_hashes)
+        owners.append(np.full(rec.uri_hashes.size, i, np.int32))
+    if not keys:
+        return 0
+    key, owner = np.concatenate(keys), np.concatenate(owners)
+    order = np.lexsort((owner, key))
+    key, owner = key[order], owner[order]
+    again = np.zeros(key.size, bool)
+    again[1:] = key[1:] == key[:-1]
+    if not again.any():
+        return 0
+    dropped, written = 0, set()
+    for i in np.unique(owner[again]):
+        if parts[i] in written:  # holds the rows just committed under this name: those stay
+            continue
+        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[again & (owner == i)]))
+        dropped += n
+        written.add(new_path)
+        fs.rm_file(parts[i])
+    LOG.warning("%s held %d rows of URIs another shard holds too (two runs wrote it at once); removed them",
+                config.output, dropped)
+    return dropped
+
+
+def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray) -> tuple[int, str | None]:
+    """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard; the
+    rows left out and the new shard's path (None: none left)."""
+    from pipeline.quality import quality_footer
+
+    table, record = read_shard(fs, path)
+    hashes = record.uri_hashes if record is not None and record.uri_hashes.size == table.num_rows else None
+    hashes = hashes if hashes is not None else uri_hashes(table.column("uri").to_pylist())
+    keep = ~member(uri_keys, hashes)
+    if not keep.any():
+        return table.num_rows, None
+    rows = table.filter(pa.array(keep))
+    write_shard(rows, output=config.output, storage_options=config.storage_options, footer=quality_footer)
+    root = open_fs(config.output, config.storage_options)[1].rstrip("/")
+    return int((~keep).sum()), f"{root}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
 
 
 def check_compatible(fs: Any, root: str, config: RunConfig, model_name: str) -> None:
@@ -150,3 +290,51 @@ def check_compatible(fs: Any, root: str, config: RunConfig, model_name: str) -> 
             f"--output {config.output!r} holds rows of model {info.get('model')!r} top-k {info.get('top_k')}, "
             f"not {model_name!r} top-k {config.top_k}; pass --overwrite to start over or choose another --output"
         )
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, root: str) -> Iterator[None]:
+    """Turn a failed write to DEST (a full disk, a refused write), also one raised in a Ray task, into one
+    ``OutputError`` line naming DEST and the cause."""
+    try:
+        yield
+    except BulkClassifyError:
+        raise
+    except Exception as err:  # noqa: BLE001 - only storage causes are translated, the rest is re-raised
+        cause = _storage_cause(err, root)
+        if cause is None:
+            raise
+        detail = f"[Errno {cause.errno}] {cause.strerror}" if cause.errno and cause.strerror else str(cause)
+        where = f" ({cause.filename})" if getattr(cause, "filename", None) else ""
+        fix = FIXES.get(cause.errno or 0, "check that storage and its permissions, then rerun (it resumes)")
+        raise OutputError(f"cannot write --output {url!r}: {detail}{where}; {fix}".replace("\n", " ")) from None
+
+
+def _storage_cause(err: BaseException, root: str) -> OSError | None:
+    """The OSError at the root of ``err`` (through Ray's wrappers) if it concerns DEST, else None."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found = e if isinstance(e, OSError) and type(e).__module__ == "builtins" else _reported_oserror(e)
+        if found is not None:
+            name = str(found.filename or "")
+            if (name and root.rstrip("/") in name) or (not name and found.errno in FIXES):
+                return found
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return None
+
+
+def _reported_oserror(err: BaseException) -> OSError | None:
+    """The OSError a Ray task raised, rebuilt from the worker's traceback in ``err``'s text (Ray passes the
+    exception's message and traceback to the driver, not the OSError itself)."""
+    if not type(err).__module__.startswith("ray"):
+        return None
+    found = ERRNO_RE.findall(str(err))
+    if not found:
+        return None
+    code, text, name = found[-1]
+    return OSError(int(code), text.strip(), name or None)

@@ -10,10 +10,12 @@ from typing import Any, Callable
 
 from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
+from pipeline.job.lease import Lease
 from pipeline.job.output import (
-    OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
+    OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
+    excluded_prefix, index_output, read_previous, storage_errors, without_folder,
 )
-from pipeline.schema import REPORT, RUN_INFO, SUCCESS
+from pipeline.schema import REPORT, SUCCESS
 from pipeline.source import check_source, open_fs
 from pipeline.stats import ShardStats
 from pipeline.writer import write_json
@@ -43,42 +45,60 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
-    config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
+    check_output_location(config)  # an output that is the source or holds it: refused before anything else
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
+    config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
+    config.check_requirements()
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     src_fs, src_root = open_fs(config.source, config.storage_options)
     check_source(src_fs, src_root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
     dst_fs, dst_root = open_fs(config.output, config.storage_options)
-    prepare_output(dst_fs, dst_root, config)
+    check_output(dst_fs, dst_root, config)
 
     from pipeline.model import load_model
 
+    # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
     check_compatible(dst_fs, dst_root, config, bundle.name)
-    write_json(dst_fs, dst_root, RUN_INFO, {"model": bundle.name, "top_k": config.top_k, "engine": config.engine,
-                                            "started_at": started_at.isoformat()})
-
     t_index = time.perf_counter()
-    done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
     previous = read_previous(config, bundle.name) if config.previous else None
-    index_s = time.perf_counter() - t_index
-
-    run = _Run(config, progress)
+    with storage_errors(config.output, dst_root):
+        lease = Lease(dst_fs, dst_root, config.output).acquire()
     try:
-        totals, listed, skipped, list_s = run.classify_and_carry(done, previous)
+        with storage_errors(config.output, dst_root):
+            begin_output(dst_fs, dst_root, config, {"model": bundle.name, "top_k": config.top_k,
+                                                    "engine": config.engine, "started_at": started_at.isoformat()})
+            done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
+        index_s = time.perf_counter() - t_index
+        run = _Run(config, progress)
+        try:
+            with storage_errors(config.output, dst_root):
+                totals, listed, skipped, list_s = run.classify_and_carry(done, previous,
+                                                                         excluded_prefix(config, src_root))
+        finally:
+            run.close()
+        with storage_errors(config.output, dst_root):
+            return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle.name, started_at,
+                           t0, index_s + list_s)
     finally:
-        run.close()
+        lease.release()
 
+
+def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
+            model: str, started_at: datetime, t0: float, list_s: float) -> RunSummary:
+    """Make every URI's row unique, count the committed rows, and write ``_REPORT.json`` and then ``_SUCCESS``."""
+    dedupe_output(config, dst_fs, dst_root)
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    report = assemble_report(config, totals, model=bundle.name, already_done=skipped, list_s=index_s + list_s,
+    report = assemble_report(config, totals, model=model, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at)
     from pipeline.quality import committed_quality
 
     counter = RecordCounter(dst_fs)
     # every committed row, shard by shard; the final counts come from the same footers, read once
     report["quality"] = committed_quality(dst_fs, dst_root, on_footer=counter)
+    lease.check()
     write_json(dst_fs, dst_root, REPORT, report)
     all_counts = counter.counts
     write_json(dst_fs, dst_root, SUCCESS, {
@@ -87,7 +107,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
         "list_errors": report["quality"]["error_kinds"].get(LIST_ERROR, 0),  # folders or links not listed
         "this_run": {"images": totals.rows, "classified": totals.classified, "carried": totals.carried,
                      "already_done": skipped},
-        "model": bundle.name,
+        "model": model,
         "options": config.public_dict(),
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
@@ -129,8 +149,8 @@ class _Run:
         self.totals = ShardStats()
         self.listed, self.asked = 0, 0.0
 
-    def classify_and_carry(self, done: OutputIndex, previous: OutputIndex | None) -> tuple[ShardStats, int, int,
-                                                                                           float]:
+    def classify_and_carry(self, done: OutputIndex, previous: OutputIndex | None, excluded: str | None = None
+                           ) -> tuple[ShardStats, int, int, float]:
         """Classify what is new or changed while the listing streams; copy the unchanged from the end of the listing.
 
         The carry tasks wait only for the listing (the identities it matched), not for the classification: they
@@ -141,7 +161,7 @@ class _Run:
         from pipeline.job.stages import carry_tasks, classify_dataset, listing_groups
         from pipeline.listing_counter import ListingCounter
 
-        groups = listing_groups(self.config)
+        groups = without_folder(listing_groups(self.config), excluded)
         self.counter = ray.remote(num_cpus=0)(ListingCounter).remote(len(groups))
         # The key sets go to the object store once; listing and carry tasks map them without copying.
         done_ref = ray.put(done.uri_hashes)
@@ -152,7 +172,7 @@ class _Run:
         start = time.perf_counter()
         if previous_ref is not None:
             self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote())
-        self._drain(classify_dataset(self.config, groups, done_ref, previous_ref, self.counter))
+        self._drain(classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded))
         listed, skipped, list_s = ray.get(self.counter.get.remote())
         LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
                  self.totals.classified, time.perf_counter() - start)

@@ -155,7 +155,8 @@ def listing_task_cpus(cpus: int, tasks: int) -> float:
     return max(0.01, min(IO_TASK_CPUS, math.floor(share / max(1, tasks) * 100) / 100))  # Ray counts 1/10,000ths
 
 
-def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any):
+def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any,
+                     excluded: str | None = None):
     """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards."""
     import ray
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
@@ -167,7 +168,7 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     actors, actor_cpus, num_gpus = actor_plan(config, cpus, gpus)
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
-                                previous=previous, counter=counter)
+                                previous=previous, counter=counter, excluded=excluded)
     ds = ray.data.read_datasource(listing, override_num_blocks=len(groups),
                                   num_cpus=listing_task_cpus(cpus, len(groups)))
     ds = ds.map_batches(
@@ -265,12 +266,14 @@ class ListingDatasource(Datasource):
     ``done`` and ``previous`` are Ray object refs of sorted int64 key arrays: read tasks map them from the object
     store without copying, so their memory counts once per node, not once per task. Carried identities and the
     counts go to the ``counter`` actor; each task tells it when it has finished (``ListingCounter.finish``).
+    Objects under ``excluded`` (an output inside the source) are never listed as input.
     """
 
     def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], groups: list[list], *,
-                 done: Any = None, previous: Any = None, counter: Any = None):
+                 done: Any = None, previous: Any = None, counter: Any = None, excluded: str | None = None):
         self.url, self.storage_options, self.extensions = url, dict(storage_options), extensions
         self.groups, self.done, self.previous, self.counter = groups, done, previous, counter
+        self.excluded = None if excluded is None else "file://" + excluded.rstrip("/") + "/"
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -291,6 +294,8 @@ class ListingDatasource(Datasource):
         calls = _CounterCalls(self.counter)
         for block in listing_blocks(fs, group, self.extensions, done=resolve_keys(self.done),
                                     previous=resolve_keys(self.previous), report=calls.report):
+            if self.excluded is not None:
+                block = block.filter(pc.invert(pc.starts_with(block.column("uri"), self.excluded)))
             yield conform(block, WORK_SCHEMA)
         calls.finish(index)
 

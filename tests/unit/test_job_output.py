@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import pytest
 
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
-from pipeline.job.output import RecordCounter, count_output, index_output, prepare_output, read_previous
+from pipeline.job.output import (
+    RecordCounter, begin_output, check_output, count_output, index_output, read_previous,
+)
 from pipeline.quality import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.keys import uri_hash
@@ -47,20 +50,24 @@ def test_previous_without_shards_says_how_to_fix(tmp_path):
         read_previous(config, "m")
 
 
-def test_prepare_output_overwrite_removes_only_this_tools_files(tmp_path):
+def test_begin_output_overwrite_removes_only_this_tools_files(tmp_path):
     out = tmp_path / "out"
     write_shard(rows(4), output=str(out), storage_options={})
-    (out / "_SUCCESS").write_text("{}")
-    (out / "_RUN.json").write_text("{}")
+    info = {"model": "m", "top_k": 2, "started_at": "2026-12-01T00:00:00+00:00"}
+    (out / "_SUCCESS").write_text(json.dumps(info))
     (out / "mine.txt").write_text("keep")
     (out / "ab").mkdir(exist_ok=True)
     (out / "ab" / "notes.md").write_text("keep")
+    (out / ".part-0123456789abcdef01234567.parquet.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"PAR1")
     fs, root = open_fs(str(out))
-    prepare_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out)))
+    config = RunConfig(source=str(tmp_path / "src"), output=str(out))
+    check_output(fs, root, config)
+    begin_output(fs, root, config, info)
     assert not (out / "_SUCCESS").exists() and committed_parts(fs, root)  # a stale _SUCCESS goes, shards stay
-    prepare_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out), overwrite=True))
+    assert not list(out.glob(".*.tmp"))  # an interrupted run's temporary file is reclaimed
+    begin_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out), overwrite=True), info)
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    assert left == ["ab", "ab/notes.md", "mine.txt"]
+    assert left == ["_RUN.json", "ab", "ab/notes.md", "mine.txt"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="is a file; give a folder or prefix"):
-        prepare_output(*open_fs(str(tmp_path / "file")), RunConfig(source=str(tmp_path), output=str(tmp_path / "file")))
+        check_output(*open_fs(str(tmp_path / "file")), RunConfig(source=str(tmp_path), output=str(tmp_path / "file")))
