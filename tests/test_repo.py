@@ -167,7 +167,7 @@ def test_the_engine_builds_each_profile_once_into_the_cache(tmp_path):
         built = set(pool.map(lambda _: cached_repository(portable, bundle, top_k=5, cache_dir=tmp_path), range(4)))
     assert len(built) == 1
     folder = built.pop()
-    assert check_repository(str(folder)) == [] and repository_top_k(str(folder)) == 5
+    assert check_repository(str(folder)) == ["classifier"] and repository_top_k(str(folder)) == 5
     assert cached_repository(portable, bundle, top_k=5, cache_dir=tmp_path) == folder
     assert cached_repository(portable, bundle, top_k=7, cache_dir=tmp_path) != folder
     assert not list((tmp_path / "repositories").glob(".build-*"))  # no half-built folder left

@@ -73,3 +73,17 @@ def test_profiles_carry_their_serving_shape():
     assert REGISTRY["triton"].gpu_batch_size >= gpu.request_batch * gpu.concurrency
     with pytest.raises(ConfigError, match=r"profile='cpu' is unknown; use auto, portable, gpu"):
         profiles.choose_profile("cpu")
+
+
+@pytest.mark.parametrize("gpus, cpus", [(1, 16), (2, 32), (8, 128)])
+def test_the_gpu_shape_scales_with_the_gpus_of_a_node(gpus, cpus):
+    """auto on a node of ``gpus`` H200-like GPUs: three actors per GPU at a third of one each, a core each, cores
+    left for the fetch, write and listing tasks, and the fetch-ahead budget growing with the actors."""
+    from pipeline.job.stages import actor_plan, fetch_budget
+
+    resolved = config().resolved(gpus=gpus, where="the Ray cluster at x")
+    actors, actor_cpus, gpus_each = actor_plan(resolved, cpus, gpus)
+    assert (actors, actor_cpus) == (3 * gpus, 1.0) and gpus_each == pytest.approx(1 / 3)
+    assert cpus - actors * actor_cpus >= 13 * gpus  # the other tasks' share of a 16-core GPU's node
+    budget = fetch_budget(actors, resolved.batch_size, on_gpu=True)
+    assert budget == actors * fetch_budget(1, resolved.batch_size, on_gpu=True)
