@@ -12,7 +12,6 @@ import io
 import logging
 import re
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, T
 from pipeline.imaging import DecodeLimits, decode_image
 from pipeline.triton import contract as tn
 from pipeline.triton.server import HEALTH_TIMEOUT_S
+from pipeline.triton.workdirs import REPOSITORY_PREFIX, owned_temp_folder, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ class TritonEngine:
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:
-            self._tmp_repository = Path(tempfile.mkdtemp(prefix="bulk-classify-repo-"))
+            sweep_dead_owner_folders(REPOSITORY_PREFIX)
+            self._tmp_repository = owned_temp_folder(REPOSITORY_PREFIX)
             model_dir = None if getattr(bundle, "onnx_path", None) is None else str(Path(bundle.onnx_path).parent)
             repository = build_repository("portable", model_dir, str(self._tmp_repository),
                                           top_k=max(self.top_k, tn.DEFAULT_TOP_K), instances=instances or 1)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
+from pipeline.job.local_ray import local_ray_env
 from pipeline.job.output import (
     OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
 )
@@ -42,6 +44,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
+    if not os.environ.get("RAY_ADDRESS"):
+        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()
