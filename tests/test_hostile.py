@@ -238,3 +238,62 @@ def test_num_actors_8_on_2_cpus_answers_instead_of_hanging(ray_local, tmp_path, 
     warned = [r.getMessage() for r in caplog.records if "--num-actors 8" in r.getMessage()]
     assert warned == ["--num-actors 8: this Ray cluster (2 CPUs, 0 GPUs) holds at most 5 classify actors beside the "
                       "listing, fetch and write tasks; running 5"]
+
+
+def _raylet_children(node) -> list:
+    """The processes under a ``ray.cluster_utils`` node's raylet (its workers and agents)."""
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    return tree(raylet.pid)[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_worker_node_lost_mid_run_leaves_every_input_exactly_once(tmp_path):
+    """A lost node (spot preemption): a local cluster of a head and two worker raylets (``ray.cluster_utils``); the
+    worker running a classify actor is killed once shards are committed. The run finishes, or fails and a rerun
+    resumes; at the end every input has exactly one row."""
+    from ray.cluster_utils import Cluster
+
+    n = 240
+    src = tmp_path / "src"
+    names = sorted(p.name for p in write_images(src, n))
+    out = tmp_path / "out"
+    loopback = {"node_ip_address": "127.0.0.1", "object_store_memory": 150 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **loopback})
+    try:
+        workers = [cluster.add_node(num_cpus=2, **loopback) for _ in range(2)]
+        # The driver joins the cluster as a client; Ray's loopback switch makes it find its raylet on 127.0.0.1.
+        env = dict(cli_env(), RAY_ADDRESS=cluster.address, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        cmd = [*CLI, "run", str(src), "--output", str(out), "-q", "--num-actors", "2", "--batch-size", "8",
+               "--shard-size", "16"]
+        first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 900
+        victim = None
+        while first.poll() is None and time.time() < deadline:
+            if list(out.glob("*/part-*.parquet")):
+                victim = next((w for w in workers if any("ClassifyActor" in " ".join(p.cmdline())
+                                                         for p in _raylet_children(w))), None)
+                if victim is not None:
+                    break
+            time.sleep(0.5)
+        assert first.poll() is None and victim is not None, "the run ended before a node could be lost"
+        committed_before = len(list(out.glob("*/part-*.parquet")))
+        cluster.remove_node(victim, allow_graceful=False)
+        _out, err = first.communicate(timeout=900)
+        outcomes = [first.returncode]
+        while outcomes[-1] != 0 and len(outcomes) < 3:  # failed: resume, as a user (or the nightly) would
+            again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            outcomes.append(again.returncode)
+            err = again.stderr
+        assert outcomes[-1] == 0, f"runs exited {outcomes}; last stderr: {err[-2000:]}"
+        print(f"lost a node after {committed_before} shard(s); the runs exited {outcomes}")  # shown with -s
+        got = rows(out)
+        uris = [r["uri"] for r in got]
+        assert len(uris) == len(set(uris)) == n, f"{len(uris)} rows, {len(set(uris))} distinct, after runs {outcomes}"
+        assert sorted(u.rsplit("/", 1)[-1] for u in uris) == names
+        assert {r["status"] for r in got} == {"ok"}
+        assert committed_before >= 1
+    finally:
+        cluster.shutdown()
