@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,32 @@ def owned_folders(pids) -> list[Path]:
             for p in tmp.glob(f"{prefix}{pid}-*")]
 
 
+def test_only_temp_folders_of_dead_owners_are_swept(tmp_path):
+    """The sweep removes this user's ``<prefix><pid>-*`` folders whose pid is gone, and nothing else: not a live
+    owner's, not a name without a pid, not a file."""
+    from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, sweep_dead_owner_folders
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = Path(tempfile.gettempdir())
+    dead = tmp / f"{WORKDIR_PREFIX}{gone.pid}-hostile"
+    (dead / "backends").mkdir(parents=True)
+    (dead / "tritonserver.log").write_text("left by a SIGKILLed actor")
+    live = owned_temp_folder(WORKDIR_PREFIX)
+    unnamed = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}x"))
+    stray_file = tmp / f"{WORKDIR_PREFIX}{gone.pid}-file"
+    stray_file.write_text("not a folder")
+    try:
+        removed = sweep_dead_owner_folders(WORKDIR_PREFIX)
+        assert dead.name in removed and not dead.exists()
+        assert live.exists() and unnamed.exists() and stray_file.exists()
+        assert live.name not in removed
+    finally:
+        for path in (dead, live, unnamed):
+            shutil.rmtree(path, ignore_errors=True)
+        stray_file.unlink(missing_ok=True)
+
+
 def test_a_default_run_listens_on_loopback_only(tmp_path):
     """Reproduction 6: every listening socket of the job's process tree (driver, GCS, raylet, agents, workers,
     autoscaler and dashboard metrics) is on 127.0.0.1 or ::1, sampled while the run lives."""
@@ -206,8 +233,6 @@ def test_after_kill_9_of_the_driver_the_next_run_starts_clean(tmp_path, ray_clus
         if victim.poll() is None:
             victim.kill()
         doomed.stop()
-        import shutil
-
         shutil.rmtree(live_folder, ignore_errors=True)
 
 

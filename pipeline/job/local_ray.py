@@ -69,7 +69,7 @@ def _dead_owner(session_dir: str) -> bool:
 def sweep_dead_sessions() -> list[int]:
     """SIGKILL the processes of local Rays that a bulk-classify driver started and that outlived it; their pids.
 
-    A driver killed with SIGKILL leaves its Ray's agents (DashboardAgent, RuntimeEnvAgent) listening for a while.
+    A driver killed with SIGKILL can leave its Ray's agents (DashboardAgent, RuntimeEnvAgent) listening for a while.
     Only sessions carrying our owner mark, of owners that are gone, and processes of this user are touched: those
     that name the session folder and their children (Ray's workers rename themselves ``ray::…``).
     """
@@ -106,7 +106,7 @@ def sweep_dead_sessions() -> list[int]:
 
 
 def sweep_before_start() -> None:
-    """What a run killed with SIGKILL on this machine left: its Ray's processes and its Triton temp folders."""
+    """Clean up what runs killed with SIGKILL on this machine left: their Ray's processes, their Triton temp folders."""
     from pipeline.triton.workdirs import sweep_stale_temp_folders
 
     sweep_dead_sessions()
