@@ -160,6 +160,10 @@ class RunConfig:
         if gpus is None and self.engine != AUTO_ENGINE and not engine_spec(self.engine).needs_gpu:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
+            if not os.environ.get("RAY_ADDRESS"):
+                from pipeline.job.local_ray import local_ray_env  # noqa: PLC0415
+
+                local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
             gpus, where = cluster_gpus()
         engine = choose(gpus, where).engine if self.engine == AUTO_ENGINE else self.engine
         spec = engine_spec(engine)

@@ -30,6 +30,7 @@ from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, T
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
 from pipeline.triton.server import HEALTH_TIMEOUT_S
+from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class TritonEngine:
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:
+            sweep_dead_owner_folders(REPOSITORY_PREFIX)
             repository = str(cached_repository(self.profile, bundle, top_k=max(self.top_k, tn.DEFAULT_TOP_K),
                                                instances=instances))
         preflight(repository)

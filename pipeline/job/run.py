@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -11,6 +12,7 @@ from typing import Any, Callable
 from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
 from pipeline.job.lease import Lease
+from pipeline.job.local_ray import local_ray_env
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
@@ -45,6 +47,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
+    if not os.environ.get("RAY_ADDRESS"):
+        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
     check_output_location(config)  # an output that is the source or holds it: refused before anything else
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs

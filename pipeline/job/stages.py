@@ -16,29 +16,20 @@ from ray.data import Datasource
 from pipeline.config import RunConfig
 from pipeline.engines.base import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
+from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
 from pipeline.keys import member, uri_hashes
 from pipeline.source import is_local, listing_blocks, open_fs, plan_listing, resolve_keys
+from pipeline.triton.server import LOOPBACK
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
 IO_TASK_CPUS = 0.25  # listing, fetch and write tasks wait on storage, not on a core
+MIN_ACTOR_CPUS = 0.25  # the smallest CPU share a classify actor is given when actors outnumber CPUs
 CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after another
 FETCH_AHEAD_BLOCKS = 16  # blocks of fetched images the fetch-ahead budget holds at least
 FETCH_BLOCK_MIN = 1024 * 1024
 PIPELINE_OPERATORS = 4  # listing, fetch, classify, write: Ray Data splits its CPU reservation among them
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
-# Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
-# worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
-# TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
-# Ray we start ourselves has no dashboard to read those metrics, so it runs without them;
-# set either variable yourself to override. A cluster given by RAY_ADDRESS is left as is.
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0"}
-
-
-def local_ray_env() -> None:
-    """Set the environment a local Ray we start needs (workers inherit it)."""
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 def init_ray(config: RunConfig) -> None:
@@ -53,11 +44,19 @@ def init_ray(config: RunConfig) -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict[str, Any] = {"address": address, "log_to_driver": True, "logging_level": logging.ERROR}
+        kwargs: dict[str, Any] = {"address": address or LOCAL_ADDRESS, "log_to_driver": True,
+                                  "logging_level": logging.ERROR}
         if address is None:
             local_ray_env()
+            sweep_before_start()
             kwargs.update(include_dashboard=False, configure_logging=True)
-        ray.init(**kwargs)
+        context = ray.init(**kwargs)
+        if address is None:
+            mark_session(context.address_info["session_dir"])
+            if context.address_info.get("node_ip_address") != LOOPBACK:
+                LOG.warning("the local Ray listens on %s, not only on %s: set %s before ray is imported "
+                            "(pipeline.job.local_ray_env())", context.address_info.get("node_ip_address"), LOOPBACK,
+                            " ".join(f"{k}={v}" for k, v in LOCAL_RAY_ENV.items()))
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -121,14 +120,22 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
     default_gpus = 1.0 / engine_spec(config.engine).actors_per_gpu if gpu_engine else 0.0
     num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else default_gpus
     if config.num_actors is not None:
-        actors = config.num_actors
+        actors = min(config.num_actors, placeable_actors(cpus, gpus, num_gpus))
     elif num_gpus:
         actors = max(1, int(gpus / num_gpus))
     else:
         actors = max(1, cpus // 4)
     # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
-    actor_cpus = 1.0 if actors < cpus else max(0.25, (cpus - 3 * IO_TASK_CPUS) / actors)
+    actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
     return actors, actor_cpus, num_gpus
+
+
+def placeable_actors(cpus: int, gpus: int, num_gpus: float) -> int:
+    """The most classify actors ``cpus`` CPUs and ``gpus`` GPUs hold at once beside the listing, fetch and write
+    tasks (at least one): an actor pool larger than that waits forever for its last actors, and the job hangs."""
+    by_cpu = int((cpus - 3 * IO_TASK_CPUS) / MIN_ACTOR_CPUS + 1e-9)
+    by_gpu = int(gpus / num_gpus + 1e-9) if num_gpus else by_cpu
+    return max(1, min(by_cpu, by_gpu))
 
 
 def listing_groups(config: RunConfig) -> list[list]:
@@ -166,6 +173,9 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
 
     cpus, gpus = _cluster()
     actors, actor_cpus, num_gpus = actor_plan(config, cpus, gpus)
+    if config.num_actors is not None and actors < config.num_actors:
+        LOG.warning("--num-actors %d: this Ray cluster (%d CPUs, %d GPUs) holds at most %d classify actors beside "
+                    "the listing, fetch and write tasks; running %d", config.num_actors, cpus, gpus, actors, actors)
     calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
                                 previous=previous, counter=counter, excluded=excluded)

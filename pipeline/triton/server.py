@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import queue
 import threading
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.errors import TritonError
+from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
 
@@ -304,7 +304,8 @@ class TritonServer:
 
     def _spawn(self) -> None:
         sweep_stale_shared_memory()
-        self._workdir = Path(tempfile.mkdtemp(prefix="bulk-classify-triton-"))
+        sweep_dead_owner_folders(WORKDIR_PREFIX)
+        self._workdir = owned_temp_folder(WORKDIR_PREFIX)
         backend_dir = self._prepare_backends(self._workdir)
         self.http_port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         # Unique per server, so two servers (two actors) never share python-backend shared memory.

@@ -1,0 +1,113 @@
+"""The local Ray a run starts itself: its environment (loopback only, no metrics), its owner mark, and the sweep of
+what an earlier run killed with SIGKILL left running or on disk."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+from pathlib import Path
+
+LOG = logging.getLogger(__name__)
+
+# Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
+# worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
+# TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
+# Ray we start ourselves has no dashboard to read those metrics, so it runs without them.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's single-machine switch: the node IP becomes
+# 127.0.0.1, so GCS, raylet, workers, agents and the autoscaler/dashboard metrics all
+# listen on loopback only (Ray reads it when ray is imported). Set any of them yourself
+# to override; a cluster given by RAY_ADDRESS is left as is.
+LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
+                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOCAL_ADDRESS = "local"  # ray.init's address for "start a new local Ray", never a `ray start` cluster found on disk
+OWNER_FILE = "bulk_classify_owner.json"  # in the session folder of a local Ray we started: the driver's pid
+# Ray names a session folder session_<date>_<time>_<microseconds>_<pid>; every process of a session names it.
+SESSION_DIR = re.compile(r"/[^\s=:,]*/session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
+
+
+def local_ray_env() -> None:
+    """Set the environment a local Ray we start needs (workers inherit it); call before ``import ray``."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def owner_alive(pid: int, started: float | None = None) -> bool:
+    """Whether process ``pid`` still runs (and, given its start time, is the same process, not a reused pid)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return started is None or abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def mark_session(session_dir: str) -> None:
+    """Record this process as the owner of the local Ray whose session folder is ``session_dir``."""
+    import psutil
+
+    record = {"pid": os.getpid(), "started": psutil.Process().create_time()}
+    try:
+        (Path(session_dir) / OWNER_FILE).write_text(json.dumps(record))
+    except OSError as err:  # without the mark a later run only leaves this session's processes alone
+        LOG.warning("cannot mark the local Ray session %s as ours: %s", session_dir, err)
+
+
+def _dead_owner(session_dir: str) -> bool:
+    try:
+        record = json.loads((Path(session_dir) / OWNER_FILE).read_text())
+        return not owner_alive(int(record["pid"]), float(record["started"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not a session we started, or not readable: never ours to end
+
+
+def sweep_dead_sessions() -> list[int]:
+    """SIGKILL the processes of local Rays that a bulk-classify driver started and that outlived it; their pids.
+
+    A driver killed with SIGKILL can leave its Ray's agents (DashboardAgent, RuntimeEnvAgent) listening for a while.
+    Only sessions carrying our owner mark, of owners that are gone, and processes of this user are touched: those
+    that name the session folder and their children (Ray's workers rename themselves ``ray::…``).
+    """
+    import psutil
+
+    verdict: dict[str, bool] = {}
+    doomed: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["pid", "uids", "cmdline"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+                continue
+            found = SESSION_DIR.search(" ".join(proc.info["cmdline"] or []))
+            if found is None:
+                continue
+            session = found.group(0)
+            if session not in verdict:
+                verdict[session] = _dead_owner(session)
+            if verdict[session]:
+                doomed[proc.pid] = proc
+                doomed.update({child.pid: child for child in proc.children(recursive=True)})
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    doomed.pop(os.getpid(), None)
+    for proc in doomed.values():
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    if doomed:
+        psutil.wait_procs(list(doomed.values()), timeout=5)
+        LOG.warning("ended %d process(es) of a local Ray whose bulk-classify driver had died: pids %s",
+                    len(doomed), ", ".join(map(str, sorted(doomed)[:10])))
+    return sorted(doomed)
+
+
+def sweep_before_start() -> None:
+    """Clean up what runs killed with SIGKILL on this machine left: their Ray's processes, their Triton temp folders."""
+    from pipeline.triton.workdirs import sweep_stale_temp_folders
+
+    sweep_dead_sessions()
+    sweep_stale_temp_folders()
