@@ -51,13 +51,15 @@ def _accepts(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Is ``pid`` a running process? A zombie (exited, not yet reaped by its parent) is not."""
+    import psutil  # noqa: PLC0415
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    return True
 
 
 class ServerLease:
