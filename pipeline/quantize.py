@@ -1,0 +1,548 @@
+"""INT8 models: a calibration sample from a source, ONNX Runtime's static QDQ quantization, and the gate against FP32.
+
+``quantize_model`` lists SOURCE like a run does, samples up to ``samples`` images by a seeded hash of their URIs,
+splits them into a calibration part and a held-out part (never used for calibration), quantizes the model with
+``onnxruntime.quantization.quantize_static`` fed by the calibration part, then compares INT8 with FP32 on the
+held-out part (``gate``). A model that passes is written as a model folder ``--model DIR`` loads; one that fails is
+not written unless forced, and its report goes to a side file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, NoReturn, Sequence
+
+import numpy as np
+
+from pipeline.errors import ConfigError, ImageError, ModelError
+
+LOG = logging.getLogger(__name__)
+
+GATE_REPORT_FILE = "int8_gate.json"  # in the model folder; beside it as <output>.int8_gate.json when refused
+SIDE_SUFFIX = ".int8_gate.json"
+REPORT_FORMAT = "bulk-classify-int8-gate/1"
+DEFAULT_SAMPLES = 1000
+DEFAULT_CALIBRATION_IMAGES = 200
+DEFAULT_SEED = 0
+DEFAULT_METHOD = "percentile"
+DEFAULT_PERCENTILE = 99.999
+DEFAULT_EXCLUDE = ("classifier",)
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+QUANT_FORMATS = ("qdq", "qoperator")
+# Activation and weight integer types. u8s8 runs VPMADDUBSW on AVX2 CPUs without VNNI, whose int16 sums saturate;
+# s8s8 and u8u8 do not (ONNX Runtime's quantization guide).
+QUANT_TYPES = {"s8s8": ("QInt8", "QInt8"), "u8s8": ("QUInt8", "QInt8"), "u8u8": ("QUInt8", "QUInt8")}
+DEFAULT_TYPES = "s8s8"
+EXCLUDE_KEYWORDS = ("stem", "classifier")  # the first conv on the input, the last node producing the logits
+EVAL_BATCH = 16
+DECODE_THREADS = 4
+WORST_CLASSES = 5
+MIN_CALIBRATION_IMAGES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateThresholds:
+    """What the held-out images must show for an INT8 model to be written.
+
+    Attributes:
+        decisive_margin: an image is decisive when FP32's top-1 probability leads its second by at least this.
+        min_decisive_agreement: share of decisive images whose INT8 top-1 is FP32's.
+        min_top1_agreement: share of all held-out images whose INT8 top-1 is FP32's.
+        min_top5_overlap: mean share of FP32's top-5 classes that INT8's top-5 holds.
+        min_class_images: a FP32 top-1 class with at least this many held-out images is gated on its own.
+        min_class_agreement: top-1 agreement every such class must reach.
+        min_held_out: fewest held-out images that can say anything.
+        min_decisive_images: fewest decisive held-out images.
+        max_class_share: largest share of the held-out images one FP32 top-1 class may take (a sample of one
+            kind of image cannot show how the model does on the others).
+    """
+
+    decisive_margin: float = 0.1
+    min_decisive_agreement: float = 0.99
+    min_top1_agreement: float = 0.90
+    min_top5_overlap: float = 0.85
+    min_class_images: int = 20
+    min_class_agreement: float = 0.95
+    min_held_out: int = 100
+    min_decisive_images: int = 50
+    max_class_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("decisive_margin", "min_decisive_agreement", "min_top1_agreement", "min_top5_overlap",
+                     "min_class_agreement", "max_class_share"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r} must be a fraction in [0, 1], e.g. 0.95")
+        for name in ("min_class_images", "min_held_out", "min_decisive_images"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r} must be a positive integer, e.g. 20")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizeOptions:
+    """How the model is quantized (each choice measured: docs/int8.md).
+
+    Attributes:
+        method: the calibration method, one of CALIBRATION_METHODS.
+        percentile: the percentile method's cut, e.g. 99.999.
+        per_channel: one weight scale per output channel instead of one per tensor.
+        exclude: nodes left in float: ONNX node names, or "stem" / "classifier" (EXCLUDE_KEYWORDS).
+        quant_format: "qdq" (QuantizeLinear/DequantizeLinear pairs) or "qoperator" (QLinearConv and friends).
+        types: activation and weight integer types, a key of QUANT_TYPES.
+        reduce_range: 7-bit weights (ONNX Runtime's remedy for VPMADDUBSW saturation on AVX2).
+        calibration_images: images of the sample used for calibration; the rest are held out.
+    """
+
+    method: str = DEFAULT_METHOD
+    percentile: float = DEFAULT_PERCENTILE
+    per_channel: bool = True
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    quant_format: str = "qdq"
+    types: str = DEFAULT_TYPES
+    reduce_range: bool = False
+    calibration_images: int = DEFAULT_CALIBRATION_IMAGES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exclude", tuple(e for e in (x.strip() for x in self.exclude) if e))
+        if self.method not in CALIBRATION_METHODS:
+            raise ConfigError(f"--method {self.method!r} is not one of {', '.join(CALIBRATION_METHODS)}")
+        if self.quant_format not in QUANT_FORMATS:
+            raise ConfigError(f"--format {self.quant_format!r} is not one of {', '.join(QUANT_FORMATS)}")
+        if self.types not in QUANT_TYPES:
+            raise ConfigError(f"--types {self.types!r} is not one of {', '.join(QUANT_TYPES)}")
+        if not 90 < self.percentile < 100:
+            raise ConfigError(f"--percentile {self.percentile!r} must be within (90, 100), e.g. 99.999")
+        if not isinstance(self.calibration_images, int) or self.calibration_images < MIN_CALIBRATION_IMAGES:
+            raise ConfigError(f"--calibration-images {self.calibration_images!r} must be at least "
+                              f"{MIN_CALIBRATION_IMAGES}; about 200 images calibrate well")
+
+
+# ---- the gate's maths (pure numpy) ----------------------------------------------------------------------------
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (N, C) logits, in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def held_out_figures(fp32_logits: np.ndarray, thresholds: GateThresholds = GateThresholds(),
+                     labels: Sequence[str] | None = None) -> dict[str, Any]:
+    """What FP32 alone says of the held-out images: how many, how many decisive, how spread over classes."""
+    p32 = softmax(fp32_logits)
+    n, classes = p32.shape
+    top1 = p32.argmax(axis=1)
+    ordered = np.sort(p32, axis=1)
+    margin = ordered[:, -1] - (ordered[:, -2] if classes > 1 else 0.0)
+    ids, counts = np.unique(top1, return_counts=True)
+    return {
+        "images": int(n),
+        "decisive_images": int((margin >= thresholds.decisive_margin).sum()),
+        "distinct_classes": int(len(ids)),
+        "largest_class_share": int(counts.max()) / n if n else 0.0,
+        "largest_class": _label(labels, int(ids[counts.argmax()])) if n else None,
+    }
+
+
+def gate(fp32_logits: np.ndarray, int8_logits: np.ndarray, thresholds: GateThresholds = GateThresholds(),
+         labels: Sequence[str] | None = None) -> dict[str, Any]:
+    """Compare INT8 with FP32 on the same held-out images; the figures, and the failures as one-line texts.
+
+    Returns:
+        ``{"passed", "failures", "figures"}``: ``figures`` holds ``held_out_figures``' and ``top1_agreement``,
+        ``decisive_agreement``, ``top5_overlap``, ``classes`` (one entry per FP32 top-1 class with at least
+        ``min_class_images`` images: id, label, images, agreement; worst first) and ``worst_classes`` (the first
+        WORST_CLASSES of those).
+    """
+    fp32, int8 = np.asarray(fp32_logits), np.asarray(int8_logits)
+    if fp32.shape != int8.shape or fp32.ndim != 2 or not len(fp32):
+        raise ValueError(f"logits must be two (N, C) arrays of one shape, N > 0, got {fp32.shape} and {int8.shape}")
+    t = thresholds
+    classes = fp32.shape[1]
+    p32, p8 = softmax(fp32), softmax(int8)
+    top1_32, top1_8 = p32.argmax(axis=1), p8.argmax(axis=1)
+    agree = top1_32 == top1_8
+    k = min(5, classes)
+    ordered = np.sort(p32, axis=1)
+    margin = ordered[:, -1] - (ordered[:, -2] if classes > 1 else 0.0)
+    decisive = margin >= t.decisive_margin
+    top5_32 = np.argsort(-p32, axis=1, kind="stable")[:, :k]
+    top5_8 = np.argsort(-p8, axis=1, kind="stable")[:, :k]
+    overlap = np.array([len(set(a) & set(b)) / k for a, b in zip(top5_32, top5_8)])
+    ids, counts = np.unique(top1_32, return_counts=True)
+    per_class = []
+    for cid, count in zip(ids, counts):
+        if count >= t.min_class_images:
+            per_class.append({"class_id": int(cid), "label": _label(labels, int(cid)), "images": int(count),
+                              "agreement": float(agree[top1_32 == cid].mean())})
+    per_class.sort(key=lambda c: (c["agreement"], -c["images"], c["class_id"]))
+    figures = {
+        **held_out_figures(fp32, t, labels),
+        "top1_agreement": float(agree.mean()),
+        "decisive_agreement": float(agree[decisive].mean()) if decisive.any() else 0.0,
+        "top5_overlap": float(overlap.mean()),
+        "classes_gated": len(per_class),
+        "classes": per_class,
+        "worst_classes": per_class[:WORST_CLASSES],
+    }
+    failures = sample_failures(figures, t) + accuracy_failures(figures, t)
+    return {"passed": not failures, "failures": failures, "figures": figures}
+
+
+def sample_failures(figures: Mapping[str, Any], t: GateThresholds) -> list[str]:
+    """What makes the held-out sample too small or too narrow to judge by (one line each)."""
+    out = []
+    if figures["images"] < t.min_held_out:
+        out.append(f"only {figures['images']} held-out images (at least {t.min_held_out}): give more images or "
+                   "raise --samples")
+    if figures["decisive_images"] < t.min_decisive_images:
+        out.append(f"only {figures['decisive_images']} decisive held-out images (at least {t.min_decisive_images}): "
+                   "give more, and more ordinary, photos")
+    if figures["images"] and figures["largest_class_share"] > t.max_class_share:
+        out.append(f"{figures['largest_class_share']:.0%} of the held-out images are one class "
+                   f"({figures['largest_class']}; at most {t.max_class_share:.0%}): the sample must cover the "
+                   "kinds of image the job will see")
+    return out
+
+
+def accuracy_failures(figures: Mapping[str, Any], t: GateThresholds) -> list[str]:
+    """Where INT8 falls below a threshold against FP32 (one line each)."""
+    out = []
+    if figures["decisive_images"] and figures["decisive_agreement"] < t.min_decisive_agreement:
+        out.append(f"decisive-image agreement {figures['decisive_agreement']:.2%} < {t.min_decisive_agreement:.0%}")
+    if figures["images"] and figures["top1_agreement"] < t.min_top1_agreement:
+        out.append(f"top-1 agreement {figures['top1_agreement']:.2%} < {t.min_top1_agreement:.0%}")
+    if figures["images"] and figures["top5_overlap"] < t.min_top5_overlap:
+        out.append(f"top-5 overlap {figures['top5_overlap']:.2%} < {t.min_top5_overlap:.0%}")
+    low = [c for c in figures["classes"] if c["agreement"] < t.min_class_agreement]
+    if low:
+        listed = ", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}" for c in low[:WORST_CLASSES])
+        out.append(f"{len(low)} class(es) below {t.min_class_agreement:.0%} agreement: {listed}")
+    return out
+
+
+def _label(labels: Sequence[str] | None, cid: int) -> str:
+    return labels[cid] if labels is not None and 0 <= cid < len(labels) else str(cid)
+
+
+# ---- the sample ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """The sampled images: URIs with their listing identity, split into calibration and held-out parts."""
+
+    source: str
+    listed: int
+    calibration: list[tuple[str, int | None, str | None]] = field(default_factory=list)
+    held_out: list[tuple[str, int | None, str | None]] = field(default_factory=list)
+
+    def identity(self, seed: int, requested: int) -> dict[str, Any]:
+        """What the report records to name this sample again: counts, seed, and a digest of each part."""
+        return {"source": self.source, "listed": self.listed, "requested": requested, "seed": seed,
+                "calibration_images": len(self.calibration), "held_out_images": len(self.held_out),
+                "calibration_sha256": _digest(self.calibration), "held_out_sha256": _digest(self.held_out),
+                "rule": "images ranked by sha256(seed:uri); the first N of the ranking are the sample, its first "
+                        "calibration_images the calibration part"}
+
+
+def _digest(entries: Sequence[tuple[str, int | None, str | None]]) -> str:
+    h = hashlib.sha256()
+    for uri, size, version in sorted(entries):
+        h.update(f"{uri}\t{size}\t{version}\n".encode())
+    return h.hexdigest()
+
+
+def draw_sample(source: str, storage_options: Mapping[str, Any], *, samples: int, calibration_images: int,
+                seed: int, extensions: tuple[str, ...]) -> Sample:
+    """List ``source`` and draw the sample: the first ``samples`` images ranked by sha256(seed:uri).
+
+    Raises:
+        SourceError: the source cannot be listed. ConfigError: it has too few images for a calibration part and
+        a held-out part.
+    """
+    from pipeline.source import check_source, list_unit, open_fs, plan_listing
+
+    fs, root = open_fs(source, storage_options)
+    check_source(fs, root, source)
+    entries = []
+    for group in plan_listing(fs, root, extensions, 1):
+        for unit in group:
+            for uri, size, etag, mtime in list_unit(fs, unit, extensions):
+                entries.append((uri, size, etag or (None if mtime is None else str(mtime))))
+    ranked = sorted(entries, key=lambda e: hashlib.sha256(f"{seed}:{e[0]}".encode()).digest())[:samples]
+    if len(ranked) <= calibration_images:
+        raise ConfigError(f"{source} has {len(entries)} images ({len(ranked)} sampled), not more than "
+                          f"--calibration-images {calibration_images}: a held-out part is needed too; give a folder "
+                          f"of at least {calibration_images + 100} ordinary photos")
+    return Sample(source=source, listed=len(entries), calibration=ranked[:calibration_images],
+                  held_out=ranked[calibration_images:])
+
+
+def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: Any, *, retries: int = 3
+                 ) -> tuple[np.ndarray, list[str], dict[str, str]]:
+    """The model inputs of ``uris`` (read and preprocessed like the onnx engine does), the URIs kept, and the
+    error of each image that could not be used (``{uri: "kind: detail"}``)."""
+    from pipeline.fetch import read_with_retries
+    from pipeline.imaging import load_and_preprocess
+    from pipeline.source import open_fs
+
+    if not uris:
+        return np.zeros((0, *spec.input_shape), np.float32), [], {}
+    fs, _root = open_fs(uris[0], storage_options)
+
+    def one(uri: str) -> np.ndarray | str:
+        try:
+            return load_and_preprocess(read_with_retries(fs, fs._strip_protocol(uri), retries), spec)[0]
+        except ImageError as err:
+            return str(err)
+
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        done = list(pool.map(one, uris))
+    kept = [u for u, d in zip(uris, done) if not isinstance(d, str)]
+    errors = {u: d for u, d in zip(uris, done) if isinstance(d, str)}
+    arrays = [d for d in done if not isinstance(d, str)]
+    return (np.stack(arrays) if arrays else np.zeros((0, *spec.input_shape), np.float32)), kept, errors
+
+
+# ---- quantization --------------------------------------------------------------------------------------------
+
+
+def resolve_exclusions(model_path: Path, exclude: Sequence[str]) -> list[str]:
+    """Node names to leave in float: names as given, ``stem`` and ``classifier`` looked up in the graph."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    names = {n.name for n in graph.node}
+    inputs = {i.name for i in graph.input} - {i.name for i in graph.initializer}
+    out: list[str] = []
+    for item in exclude:
+        if item == "stem":
+            found = next((n.name for n in graph.node if n.op_type == "Conv" and set(n.input) & inputs), None)
+        elif item == "classifier":
+            outputs = {o.name for o in graph.output}
+            found = next((n.name for n in reversed(graph.node)
+                          if n.op_type in ("Gemm", "MatMul", "Conv") and set(n.output) & outputs), None)
+            if found is None:  # logits behind a reshape or an add: the last weighted node
+                found = next((n.name for n in reversed(graph.node) if n.op_type in ("Gemm", "MatMul", "Conv")), None)
+        else:
+            found = item if item in names else None
+            if found is None:
+                raise ConfigError(f"--exclude {item!r} is not a node of {model_path}; give node names or "
+                                  f"{' / '.join(EXCLUDE_KEYWORDS)}")
+        if found is None:
+            raise ConfigError(f"--exclude {item}: {model_path} has no such node; drop it from --exclude")
+        if not found:
+            raise ConfigError(f"--exclude {item}: that node of {model_path} has no name; name it, or drop it")
+        out.append(found)
+    return sorted(set(out))
+
+
+class _Reader:
+    """A CalibrationDataReader over preprocessed images, EVAL_BATCH at a time."""
+
+    def __init__(self, input_name: str, tensors: np.ndarray):
+        self.input_name, self.tensors, self.at = input_name, tensors, 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.at >= len(self.tensors):
+            return None
+        batch = self.tensors[self.at:self.at + EVAL_BATCH]
+        self.at += EVAL_BATCH
+        return {self.input_name: batch}
+
+    def rewind(self) -> None:
+        self.at = 0
+
+
+def quantize_onnx(model_path: Path, output_path: Path, input_name: str, calibration: np.ndarray,
+                  options: QuantizeOptions) -> dict[str, Any]:
+    """Quantize ``model_path`` into ``output_path`` with ONNX Runtime's tooling; the method as the report keeps it."""
+    import onnxruntime
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
+    from onnxruntime.quantization import quantize_static
+
+    reader = type("CalibrationReader", (_Reader, CalibrationDataReader), {})(input_name, calibration)
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[options.method]
+    nodes = resolve_exclusions(model_path, options.exclude)
+    activation, weight = QUANT_TYPES[options.types]
+    extra: dict[str, Any] = {}
+    if options.method == "percentile":
+        extra["CalibPercentile"] = options.percentile
+    quantize_static(
+        str(model_path), str(output_path), reader,
+        quant_format=QuantFormat.QDQ if options.quant_format == "qdq" else QuantFormat.QOperator,
+        per_channel=options.per_channel,
+        activation_type=getattr(QuantType, activation),
+        weight_type=getattr(QuantType, weight),
+        reduce_range=options.reduce_range,
+        calibrate_method=method,
+        nodes_to_exclude=nodes,
+        extra_options=extra,
+        calibration_providers=["CPUExecutionProvider"],
+    )
+    return {"tool": "onnxruntime.quantization.quantize_static", "onnxruntime": onnxruntime.__version__,
+            "format": options.quant_format.upper(), "calibrate_method": options.method,
+            "percentile": options.percentile if options.method == "percentile" else None,
+            "per_channel": options.per_channel, "types": options.types, "activation_type": activation,
+            "weight_type": weight, "reduce_range": options.reduce_range,
+            "nodes_to_exclude": nodes, "exclude": list(options.exclude), "extra_options": extra}
+
+
+def run_logits(model_path: Path, input_name: str, output_name: str, tensors: np.ndarray, *,
+               threads: int | None = None) -> np.ndarray:
+    """Logits of ``tensors`` through ONNX Runtime on the CPU, EVAL_BATCH at a time."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_path), sess_options=options, providers=["CPUExecutionProvider"])
+    out = [session.run([output_name], {input_name: tensors[i:i + EVAL_BATCH]})[0]
+           for i in range(0, len(tensors), EVAL_BATCH)]
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize_model`` did: whether the gate passed, where the model and the report went."""
+
+    passed: bool
+    written: bool
+    report: dict[str, Any]
+    report_path: Path
+    model_dir: Path | None
+
+
+class GateFailed(ModelError):
+    """The INT8 model fell below the gate (or the sample cannot judge it); no model was written."""
+
+    def __init__(self, message: str, result: QuantizeResult):
+        super().__init__(message)
+        self.result = result
+
+
+def side_report_path(output: str | os.PathLike) -> Path:
+    """Where a refused model's report goes: beside the output folder, never inside it."""
+    out = Path(output).expanduser()
+    return out.with_name(out.name + SIDE_SUFFIX)
+
+
+def check_output(output: str | os.PathLike) -> Path:
+    """The output folder, refused before any work when it would overwrite something."""
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--output {output} already exists and is not an empty folder; remove it or choose "
+                          "another folder")
+    if not out.parent.exists():
+        raise ConfigError(f"--output {output}: its parent folder {out.parent} does not exist; create it first")
+    return out
+
+
+def quantize_model(source: str, output: str, *, model: str | None = None, samples: int = DEFAULT_SAMPLES,
+                   seed: int = DEFAULT_SEED, options: QuantizeOptions = QuantizeOptions(),
+                   thresholds: GateThresholds = GateThresholds(), force: bool = False,
+                   storage_options: Mapping[str, Any] | None = None, extensions: tuple[str, ...] | None = None,
+                   report_path: str | os.PathLike | None = None) -> QuantizeResult:
+    """Quantize ``model`` calibrated on ``source``, gate it on the held-out images, and write it if it passes.
+
+    Raises:
+        ConfigError / SourceError / ModelError: bad arguments, storage or model, before anything is written.
+        GateFailed: the gate failed and ``force`` is off; the full report is at ``.result.report_path``.
+    """
+    from pipeline.config import DEFAULT_EXTENSIONS
+    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, file_sha256, load_model
+
+    if not isinstance(samples, int) or samples < 1:
+        raise ConfigError(f"--samples {samples!r} must be a positive number of images, e.g. {DEFAULT_SAMPLES}")
+    out = check_output(output)
+    side = Path(report_path).expanduser() if report_path else side_report_path(out)
+    bundle = load_model(model)
+    storage_options = dict(storage_options or {})
+    started = time.perf_counter()
+    sample = draw_sample(source, storage_options, samples=samples, calibration_images=options.calibration_images,
+                         seed=seed, extensions=extensions or DEFAULT_EXTENSIONS)
+    cal_x, cal_kept, cal_errors = load_tensors([e[0] for e in sample.calibration], storage_options, bundle.spec)
+    held_x, held_kept, held_errors = load_tensors([e[0] for e in sample.held_out], storage_options, bundle.spec)
+    if len(cal_x) < MIN_CALIBRATION_IMAGES:
+        raise ConfigError(f"only {len(cal_x)} of the {len(sample.calibration)} calibration images could be read "
+                          f"(at least {MIN_CALIBRATION_IMAGES}); first error: {next(iter(cal_errors.values()), '-')}")
+    read_s = time.perf_counter() - started
+
+    report: dict[str, Any] = {
+        "format": REPORT_FORMAT,
+        "fp32_model": {"name": bundle.name, "sha256": file_sha256(bundle.onnx_path)},
+        "sample": {**sample.identity(seed, samples), "calibration_used": len(cal_kept),
+                   "held_out_used": len(held_kept), "unreadable": {**cal_errors, **held_errors}},
+        "thresholds": asdict(thresholds),
+    }
+    t0 = time.perf_counter()
+    fp32 = run_logits(bundle.onnx_path, bundle.input_name, bundle.output_name, held_x)
+    narrow = sample_failures(held_out_figures(fp32, thresholds, bundle.labels), thresholds) if len(held_x) else [
+        f"none of the {len(sample.held_out)} held-out images could be read"]
+    if narrow and not force:  # the sample cannot judge any model: refuse before spending the quantization
+        report.update(passed=False, forced=False, failures=narrow,
+                      figures=held_out_figures(fp32, thresholds, bundle.labels) if len(held_x) else {})
+        return _refuse(report, side)
+    with tempfile.TemporaryDirectory(prefix=".quantize-", dir=out.parent) as tmp:
+        tmp_dir = Path(tmp) / "model"
+        tmp_dir.mkdir()
+        t1 = time.perf_counter()
+        report["method"] = quantize_onnx(bundle.onnx_path, tmp_dir / MODEL_FILE, bundle.input_name, cal_x, options)
+        quantize_s = time.perf_counter() - t1
+        int8 = run_logits(tmp_dir / MODEL_FILE, bundle.input_name, bundle.output_name, held_x)
+        verdict = gate(fp32, int8, thresholds, bundle.labels)
+        report.update(passed=verdict["passed"], forced=bool(force and not verdict["passed"]),
+                      failures=verdict["failures"], figures=verdict["figures"],
+                      seconds={"read": round(read_s, 2), "quantize": round(quantize_s, 2),
+                               "evaluate": round(time.perf_counter() - t0 - quantize_s, 2)})
+        if not (verdict["passed"] or force):
+            return _refuse(report, side)
+        report["int8_sha256"] = file_sha256(tmp_dir / MODEL_FILE)
+        (tmp_dir / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
+        (tmp_dir / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
+        (tmp_dir / GATE_REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            out.rmdir()  # empty (check_output): the finished folder takes its place in one rename
+        os.replace(tmp_dir, out)
+    return QuantizeResult(passed=verdict["passed"], written=True, report=report, report_path=out / GATE_REPORT_FILE,
+                          model_dir=out)
+
+
+def _refuse(report: dict[str, Any], side: Path) -> NoReturn:
+    side.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    result = QuantizeResult(passed=False, written=False, report=report, report_path=side, model_dir=None)
+    raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])} (report: {side})", result)
+
+
+def format_gate(report: Mapping[str, Any]) -> str:
+    """A few lines of the report's figures for the terminal."""
+    f = report.get("figures") or {}
+    if not f:
+        return "no figures"
+    m = report["method"]
+    lines = [
+        f"held-out images {f['images']} (calibration {report['sample']['calibration_used']}), "
+        f"method {m['calibrate_method']} {m['format']} per-channel {m['per_channel']}, float nodes "
+        f"{', '.join(m['nodes_to_exclude']) or '-'}",
+        f"top-1 agreement {f['top1_agreement']:.2%}; decisive (margin >= {report['thresholds']['decisive_margin']}) "
+        f"{f['decisive_agreement']:.2%} of {f['decisive_images']}; top-5 overlap {f['top5_overlap']:.2%}",
+        f"classes with >= {report['thresholds']['min_class_images']} images: {f['classes_gated']}; worst: "
+        + (", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}" for c in f["worst_classes"]) or "-"),
+    ]
+    return "\n".join(lines)
