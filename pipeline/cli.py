@@ -14,8 +14,9 @@ from pipeline import __version__
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.engines.base import ENGINE_NAMES, REGISTRY
 from pipeline.errors import BulkClassifyError
+from pipeline.gate import GateThresholds
 from pipeline.quantize import (
-    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, QUANT_FORMATS, QUANT_TYPES, GateThresholds, QuantizeOptions,
+    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
 )
 from pipeline.triton.contract import PROFILES
 
@@ -74,7 +75,7 @@ RUN_OPTIONS = (
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
     click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3 for gpu, 1 for triton; else 0)."),
-    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: 3 for gpu, 2 for triton, else 1)."),
+    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: " + ", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()) + ")."),
     click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
     click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
     click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB)."),
@@ -219,6 +220,7 @@ def engines_command() -> None:
     """The registered engines, what each needs, and their --engine-option names."""
     for spec in REGISTRY.values():
         click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
+        click.echo(f"  {spec.int8}")
         for option in spec.options:
             kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
             click.echo(f"  {option.name}={kind}  {option.help}")
@@ -314,7 +316,7 @@ _Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
 @click.option("--method", type=click.Choice(CALIBRATION_METHODS), default=_Q.method, show_default=True, help="Calibration method.")
 @click.option("--percentile", type=float, default=_Q.percentile, show_default=True, help="The percentile method's cut.")
 @click.option("--per-channel/--per-tensor", default=_Q.per_channel, show_default=True, help="Weight scales per output channel or per tensor.")
-@click.option("--exclude", default=",".join(_Q.exclude), show_default=True, help="Comma-separated nodes left in float: node names, 'stem' or 'classifier'; '' for none.")
+@click.option("--exclude", default=",".join(_Q.exclude), show_default=True, help=f"Comma-separated nodes left in float: node names, or {', '.join(EXCLUDE_KEYWORDS)}; '' for none.")
 @click.option("--format", "quant_format", type=click.Choice(QUANT_FORMATS), default=_Q.quant_format, show_default=True, help="QDQ (QuantizeLinear/DequantizeLinear pairs) or QOperator (QLinearConv...).")
 @click.option("--types", type=click.Choice(tuple(QUANT_TYPES)), default=_Q.types, show_default=True, help="Activation and weight integer types.")
 @click.option("--min-decisive-agreement", type=float, default=_G.min_decisive_agreement, show_default=True, help="Top-1 agreement with FP32 on held-out images whose FP32 margin is at least 0.1.")

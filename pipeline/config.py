@@ -75,8 +75,8 @@ class RunConfig:
             and at least FETCH_AHEAD_BATCHES actor batches of FETCH_AHEAD_IMAGE_BYTES per image per actor.
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
-            (2 for triton: one batch is sent while the previous one's last requests finish; 3 for gpu: calls feed
-            one pipeline; 1 otherwise).
+            (2 for onnx: one call decodes while the other runs the network; 2 for triton: one batch is sent while
+            the previous one's last requests finish; 3 for gpu: calls feed one pipeline).
     """
 
     source: str

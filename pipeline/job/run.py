@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
+from pipeline.engines.base import engine_spec
 from pipeline.job.output import (
     OutputIndex, RecordCounter, check_compatible, index_output, prepare_output, read_previous,
 )
@@ -53,6 +54,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     from pipeline.model import load_model
 
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
+    engine_spec(config.engine).check_model(bundle)  # an INT8 model on an engine without INT8
     check_compatible(dst_fs, dst_root, config, bundle.name)
     write_json(dst_fs, dst_root, RUN_INFO, {"model": bundle.name, "top_k": config.top_k, "engine": config.engine,
                                             "started_at": started_at.isoformat()})

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.quantize import GateThresholds, QuantizeOptions, gate, held_out_figures, side_report_path, softmax
+from pipeline.gate import GateThresholds, gate, held_out_figures, softmax
+from pipeline.quantize import QuantizeOptions, side_report_path
 
 CLASSES = 10
 LOOSE = GateThresholds(min_held_out=1, min_decisive_images=1, max_class_share=1.0)
