@@ -45,8 +45,11 @@ DEFAULT_TYPES = "s8s8"
 # The first conv on the input, the global pooling before the classifier, the last weighted node (the logits).
 EXCLUDE_KEYWORDS = ("stem", "pool", "classifier")
 EVAL_BATCH = 16
+# Images per calibration batch. Every batch must have this many: ONNX Runtime's histogram calibrators (entropy,
+# percentile) stack the batches' outputs and fail on a shorter last one, so the calibration part is cut to a multiple.
+CALIBRATION_BATCH = 16
 DECODE_THREADS = 4
-MIN_CALIBRATION_IMAGES = 16
+MIN_CALIBRATION_IMAGES = CALIBRATION_BATCH
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +208,7 @@ def resolve_exclusions(model_path: Path, exclude: Sequence[str]) -> list[str]:
 
 
 class _Reader:
-    """A CalibrationDataReader over preprocessed images, EVAL_BATCH at a time."""
+    """A CalibrationDataReader over preprocessed images, CALIBRATION_BATCH at a time."""
 
     def __init__(self, input_name: str, tensors: np.ndarray):
         self.input_name, self.tensors, self.at = input_name, tensors, 0
@@ -213,8 +216,8 @@ class _Reader:
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self.at >= len(self.tensors):
             return None
-        batch = self.tensors[self.at:self.at + EVAL_BATCH]
-        self.at += EVAL_BATCH
+        batch = self.tensors[self.at:self.at + CALIBRATION_BATCH]
+        self.at += CALIBRATION_BATCH
         return {self.input_name: batch}
 
     def rewind(self) -> None:
@@ -321,7 +324,8 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
         GateFailed: the gate failed and ``force`` is off; the full report is at ``.result.report_path``.
     """
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, file_sha256, load_model
+    from pipeline.default_model import file_sha256
+    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
 
     if not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"--samples {samples!r} must be a positive number of images, e.g. {DEFAULT_SAMPLES}")
@@ -337,6 +341,8 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
     if len(cal_x) < MIN_CALIBRATION_IMAGES:
         raise ConfigError(f"only {len(cal_x)} of the {len(sample.calibration)} calibration images could be read "
                           f"(at least {MIN_CALIBRATION_IMAGES}); first error: {next(iter(cal_errors.values()), '-')}")
+    whole = len(cal_x) // CALIBRATION_BATCH * CALIBRATION_BATCH
+    cal_x, cal_kept = cal_x[:whole], cal_kept[:whole]
     read_s = time.perf_counter() - started
 
     report: dict[str, Any] = {
