@@ -31,9 +31,11 @@ GATE_REPORT_FILE = "int8_gate.json"  # in the model folder; beside it as <output
 SIDE_SUFFIX = ".int8_gate.json"
 REPORT_FORMAT = "bulk-classify-int8-gate/1"
 DEFAULT_SAMPLES = 1000
-DEFAULT_CALIBRATION_IMAGES = 200
+DEFAULT_CALIBRATION_IMAGES = 192  # twelve calibration batches
 DEFAULT_SEED = 0
-DEFAULT_METHOD = "percentile"
+# Min-max: the same agreement as percentile 99.999 on held-out photos (56.4 % against 56.6 %), calibrated 7x faster
+# (docs/int8.md).
+DEFAULT_METHOD = "minmax"
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_EXCLUDE = ("classifier",)
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")

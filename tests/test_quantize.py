@@ -93,8 +93,8 @@ def test_ten_images_are_refused_before_any_work(tmp_path, cli_env):
                                 env=cli_env)
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        f"Error: {src} has 10 images (10 sampled), not more than --calibration-images 200: a held-out part is "
-        "needed too; give a folder of at least 300 ordinary photos"]
+        f"Error: {src} has 10 images (10 sampled), not more than --calibration-images 192: a held-out part is "
+        "needed too; give a folder of at least 292 ordinary photos"]
     assert not out.exists() and not (tmp_path / "int8.int8_gate.json").exists()
 
 

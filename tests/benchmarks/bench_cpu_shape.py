@@ -6,7 +6,9 @@ Usage:
 
 One run prints the whole table: the naive Ray Data pipeline (bench_vs_naive.py's), our job (``bulk-classify run``)
 in each candidate shape with the FP32 model, and, with ``--int8 DIR`` (a folder from ``bulk-classify model
-quantize``), our job in the default shape with that model. Every side is a fresh subprocess with its own local
+quantize``), our job in the default shape with that model; with ``--quantize`` instead, that folder is first
+built here from the benchmark's own images (``bulk-classify model quantize --force``, default options) and its gate
+lines are printed, so the gate is measured on this machine's CPU. Every side is a fresh subprocess with its own local
 Ray on all CPUs, run in turn within each round (naive, the shapes, INT8, then again), on the same JPEGs made by
 bench_vs_naive.make_images. Columns: median job seconds (_REPORT.json's elapsed_s; naive: ray.init to the end of
 write_parquet), img/s, naive time / this time, and top-1 agreement with the naive output.
@@ -24,6 +26,7 @@ import os
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_streaming import ray_env  # noqa: E402
+from bench_streaming import cli_path, ray_env  # noqa: E402
 from bench_vs_naive import make_images, parse_sizes, run_side, top1  # noqa: E402
 
 NAIVE = "naive"
@@ -74,6 +77,7 @@ def main() -> None:
     parser.add_argument("--size", default="500x375", help="landscape WxH of the JPEGs (default 500x375)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every side (default 2)")
     parser.add_argument("--int8", type=Path, default=None, help="an INT8 model folder for the INT8 row")
+    parser.add_argument("--quantize", action="store_true", help="build the INT8 row's model here from the images")
     parser.add_argument("--shape", action="append", default=[], metavar="NAME='OPTIONS'",
                         help="a candidate shape (repeatable; replaces the defaults)")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -84,14 +88,20 @@ def main() -> None:
     (size, images), = parse_sizes(args.size, args.images)
     cpus = os.cpu_count() or 1
     shapes = parse_shapes(args.shape) if args.shape else default_shapes(cpus)
-    sides = {NAIVE: None, **{f"FP32 {name}": opts for name, opts in shapes.items()}}
-    if args.int8:
-        sides["INT8 default"] = f"--model {shlex.quote(str(args.int8.resolve()))}"
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-cpu-shape-"))
     ray_tmp = Path(tempfile.mkdtemp(prefix="bcs", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
     env = ray_env(ray_tmp)
     src = workdir / f"src-{size[0]}x{size[1]}-{images}"
     make_images(src, images, size)
+    if args.quantize and not args.int8:
+        args.int8 = workdir / "int8"
+        shutil.rmtree(args.int8, ignore_errors=True)
+        done = subprocess.run([cli_path(), "model", "quantize", "--calibration", str(src), "--output",
+                               str(args.int8), "--force"], env=env, capture_output=True, text=True)
+        print(f"model quantize on {src} (exit {done.returncode}):\n{done.stdout}{done.stderr[-2000:]}", flush=True)
+    sides = {NAIVE: None, **{f"FP32 {name}": opts for name, opts in shapes.items()}}
+    if args.int8:
+        sides["INT8 default"] = f"--model {shlex.quote(str(args.int8.resolve()))}"
     print(f"{images} JPEGs of {size[0]}x{size[1]} in {src}; {cpus} CPUs; load average {os.getloadavg()[0]:.1f}; "
           f"sides: {', '.join(sides)}", flush=True)
     seconds: dict[str, list[float]] = {side: [] for side in sides}
