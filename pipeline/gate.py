@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from pipeline.errors import ConfigError
 
@@ -53,6 +56,8 @@ class GateThresholds:
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax of (N, C) logits, in float64."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
     x = np.asarray(logits, dtype=np.float64)
     x = x - x.max(axis=1, keepdims=True)
     e = np.exp(x)
@@ -62,6 +67,8 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 def held_out_figures(fp32_logits: np.ndarray, thresholds: GateThresholds = GateThresholds(),
                      labels: Sequence[str] | None = None) -> dict[str, Any]:
     """What FP32 alone says of the held-out images: how many, how many decisive, how spread over classes."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
     p32 = softmax(fp32_logits)
     n, classes = p32.shape
     top1 = p32.argmax(axis=1)
@@ -87,6 +94,8 @@ def gate(fp32_logits: np.ndarray, int8_logits: np.ndarray, thresholds: GateThres
         ``min_class_images`` images: id, label, images, agreement; worst first) and ``worst_classes`` (the first
         WORST_CLASSES of those).
     """
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
     fp32, int8 = np.asarray(fp32_logits), np.asarray(int8_logits)
     if fp32.shape != int8.shape or fp32.ndim != 2 or not len(fp32):
         raise ValueError(f"logits must be two (N, C) arrays of one shape, N > 0, got {fp32.shape} and {int8.shape}")

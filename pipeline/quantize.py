@@ -20,7 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
 from pipeline.gate import GateThresholds, gate, held_out_figures, sample_failures
@@ -151,6 +154,8 @@ def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: 
                  ) -> tuple[np.ndarray, list[str], dict[str, str]]:
     """The model inputs of ``uris`` (read and preprocessed like the onnx engine does), the URIs kept, and the
     error of each image that could not be used (``{uri: "kind: detail"}``)."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
     from pipeline.fetch import read_with_retries
     from pipeline.imaging import load_and_preprocess
     from pipeline.source import open_fs
@@ -264,6 +269,8 @@ def quantize_onnx(model_path: Path, output_path: Path, input_name: str, calibrat
 def run_logits(model_path: Path, input_name: str, output_name: str, tensors: np.ndarray, *,
                threads: int | None = None) -> np.ndarray:
     """Logits of ``tensors`` through ONNX Runtime on the CPU, EVAL_BATCH at a time."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
     import onnxruntime as ort
 
     options = ort.SessionOptions()
