@@ -342,6 +342,7 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
     out = check_output(output)
     side = Path(report_path).expanduser() if report_path else side_report_path(out)
     bundle = load_model(model)
+    resolve_exclusions(bundle.onnx_path, options.exclude)  # a bad --exclude fails before the sample is read
     storage_options = dict(storage_options or {})
     started = time.perf_counter()
     sample = draw_sample(source, storage_options, samples=samples, calibration_images=options.calibration_images,
