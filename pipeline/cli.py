@@ -15,6 +15,10 @@ from pipeline import __version__
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.engines.base import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
+from pipeline.gate import GateThresholds
+from pipeline.quantize import (
+    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
+)
 from pipeline.triton.contract import PROFILES
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
@@ -101,7 +105,7 @@ RUN_OPTIONS = (
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
     click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3, three actors per GPU; else 0)."),
-    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: 3 for gpu, 2 for triton, else 1)."),
+    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: " + ", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()) + ")."),
     click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
     click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
     click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB)."),
@@ -262,6 +266,7 @@ def engines_command() -> None:
         click.echo(f"{AUTO_ENGINE} (the default): could not count the cluster's GPUs ({err})")
     for spec in REGISTRY.values():
         click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
+        click.echo(f"  {spec.int8}")
         for option in spec.options:
             kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
             click.echo(f"  {option.name}={kind}  {option.help}")
@@ -337,6 +342,68 @@ def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top
     except Exception as err:  # noqa: BLE001 - one line for the pod log (fsspec and TensorRT raise their own types)
         raise click.ClickException(f"{type(err).__name__}: {err}") from None
     click.echo(f"repo prepare: {done['action']} {done['cache_name']}")
+
+
+@main.group("model")
+def model_group() -> None:
+    """Build model folders that --model loads."""
+
+
+_Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
+
+
+@model_group.command("quantize")
+@click.option("--calibration", "source", required=True, metavar="SOURCE", help="Folder or URL (s3://bucket/prefix) of images like the job's; sampled up to --samples.")
+@click.option("--output", required=True, metavar="DIR", help="The INT8 model folder to write (new or empty).")
+@click.option("--model", default=None, help="The FP32 model folder; default: built-in EfficientNet-Lite0.")
+@click.option("--samples", type=int, default=DEFAULT_SAMPLES, show_default=True, help="Images sampled from SOURCE (calibration + held-out).")
+@click.option("--calibration-images", type=int, default=_Q.calibration_images, show_default=True, help="Images of the sample that calibrate; the rest are held out for the gate.")
+@click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="Seed of the sampling (the report records it).")
+@click.option("--method", type=click.Choice(CALIBRATION_METHODS), default=_Q.method, show_default=True, help="Calibration method.")
+@click.option("--percentile", type=float, default=_Q.percentile, show_default=True, help="The percentile method's cut.")
+@click.option("--per-channel/--per-tensor", default=_Q.per_channel, show_default=True, help="Weight scales per output channel or per tensor.")
+@click.option("--exclude", default=",".join(_Q.exclude), show_default=True, help=f"Comma-separated nodes left in float: node names, or {', '.join(EXCLUDE_KEYWORDS)}; '' for none.")
+@click.option("--format", "quant_format", type=click.Choice(QUANT_FORMATS), default=_Q.quant_format, show_default=True, help="QDQ (QuantizeLinear/DequantizeLinear pairs) or QOperator (QLinearConv...).")
+@click.option("--types", type=click.Choice(tuple(QUANT_TYPES)), default=_Q.types, show_default=True, help="Activation and weight integer types.")
+@click.option("--min-decisive-agreement", type=float, default=_G.min_decisive_agreement, show_default=True, help="Top-1 agreement with FP32 on held-out images whose FP32 margin is at least 0.1.")
+@click.option("--min-class-agreement", type=float, default=_G.min_class_agreement, show_default=True, help="Top-1 agreement every FP32 top-1 class with --min-class-images images must reach.")
+@click.option("--min-class-images", type=int, default=_G.min_class_images, show_default=True, help="Held-out images a class needs to be gated on its own.")
+@click.option("--min-top1-agreement", type=float, default=_G.min_top1_agreement, show_default=True, help="Top-1 agreement with FP32 over all held-out images.")
+@click.option("--min-top5-overlap", type=float, default=_G.min_top5_overlap, show_default=True, help="Mean share of FP32's top-5 that INT8's top-5 holds.")
+@click.option("--force", is_flag=True, help="Write the model even when the gate fails, marked failed in its report.")
+@click.option("--report", "report_path", default=None, metavar="FILE", help="Where a refused model's report goes (default: DIR.int8_gate.json beside DIR).")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE; repeatable.")
+def model_quantize(source: str, output: str, model: str | None, samples: int, calibration_images: int, seed: int,
+                   method: str, percentile: float, per_channel: bool, exclude: str, quant_format: str, types: str,
+                   force: bool, report_path: str | None, storage_options: tuple[str, ...], **gate: Any) -> None:
+    """INT8 (QDQ) model calibrated on SOURCE, written only if it passes the gate against FP32 on held-out images.
+
+    \b
+    Exit status: 0 written, 3 the gate failed (no model written; the report goes to a side file), 1 an error.
+    """
+    from pipeline.quantize import GateFailed, format_gate, quantize_model
+
+    try:
+        options = QuantizeOptions(method=method, percentile=percentile, per_channel=per_channel,
+                                  exclude=tuple(exclude.split(",")), quant_format=quant_format, types=types,
+                                  calibration_images=calibration_images)
+        thresholds = GateThresholds(**gate)
+        result = quantize_model(source, output, model=model, samples=samples, seed=seed, options=options,
+                                thresholds=thresholds, force=force, storage_options=_options(storage_options),
+                                report_path=report_path)
+    except GateFailed as err:
+        raise GateExit(str(err)) from None
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(format_gate(result.report))
+    state = "passed" if result.passed else "FAILED (written with --force, marked failed)"
+    click.echo(f"INT8 model {state}: {result.model_dir} (report {result.report_path.name})")
+
+
+class GateExit(click.ClickException):
+    """The INT8 gate failed: exit status 3 (1 is an error)."""
+
+    exit_code = 3
 
 
 @main.command()

@@ -79,8 +79,8 @@ class RunConfig:
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
-            (2 for triton: one batch is sent while the previous one's last requests finish; 3 for gpu: calls feed
-            one pipeline; 1 otherwise).
+            (2 for onnx: one call decodes while the other runs the network; 2 for triton: one batch is sent while
+            the previous one's last requests finish; 3 for gpu: calls feed one pipeline).
     """
 
     source: str

@@ -27,6 +27,10 @@ LABELS_FILE = "labels.txt"
 SPEC_FILE = "preprocess.json"
 TORCHSCRIPT_FILE = "model.torchscript"  # optional: the same network for the gpu engine (PyTorch runs no ONNX)
 DEFAULT_REFS = (None, "", "default")
+PRECISION_FP32, PRECISION_INT8 = "fp32", "int8"  # ModelBundle.precision
+# Any of these in the graph makes it an INT8 model (QDQ pairs, or QOperator's integer kernels).
+QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
+                           "MatMulInteger"})
 CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
 APP_NAME = "bulk-classify"
 BUILD_LOCK_TIMEOUT_S = 600
@@ -46,6 +50,7 @@ class ModelBundle:
     spec: PreprocessSpec
     input_name: str = ONNX_INPUT
     output_name: str = ONNX_OUTPUT
+    precision: str = PRECISION_FP32
 
     @property
     def num_classes(self) -> int:
@@ -97,7 +102,7 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"cannot read {folder / SPEC_FILE}: {e}") from None
     labels = read_labels(folder / LABELS_FILE)
-    input_name, output_name, width = _inspect_onnx(folder / MODEL_FILE, spec)
+    input_name, output_name, width, precision = _inspect_onnx(folder / MODEL_FILE, spec)
     if width is not None and width != len(labels):
         raise ModelError(
             f"{folder / LABELS_FILE} has {len(labels)} labels but the model outputs {width} classes; "
@@ -110,6 +115,7 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
         spec=spec,
         input_name=input_name,
         output_name=output_name,
+        precision=precision,
     )
 
 
@@ -130,8 +136,9 @@ def read_labels(path: Path) -> tuple[str, ...]:
     return tuple(line.strip() for line in lines)
 
 
-def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None]:
-    """Checks the ONNX graph's one input against the spec; returns (input name, output name, output width)."""
+def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None, str]:
+    """Checks the ONNX graph's one input against the spec; returns (input name, output name, output width,
+    precision)."""
     import onnx
 
     try:
@@ -162,7 +169,8 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
     out_dims = [d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim]
     if len(out_dims) != 2:
         raise ModelError(f"{path}: output {out.name!r} has shape {_fmt_dims(out_dims)}; expected [batch, classes]")
-    return inp.name, out.name, out_dims[1]
+    precision = PRECISION_INT8 if any(n.op_type in QUANTIZED_OPS for n in graph.node) else PRECISION_FP32
+    return inp.name, out.name, out_dims[1], precision
 
 
 def _fmt_dims(dims: list[int | None]) -> str:

@@ -231,7 +231,8 @@ def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle)
         psutil.Process(engine.server.pid).wait(10)
         assert engine.classify(photos[:2])[0].status == "ok"
         assert engine.server.restarts >= 2
-        # close() after restarts: no server, stub, shared memory or temporary repository left behind.
+        # close() after restarts: no server, stub, shared memory or temporary folder left behind; the repository
+        # is the profile's cached one, kept for the next engine.
         server: TritonServer = engine.server
         tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         assert len(tree) >= 2 and list(SHM_DIR.glob(server.shm_prefix + "*"))
@@ -241,11 +242,11 @@ def test_killing_the_server_mid_run_restarts_it_and_every_row_comes_back(bundle)
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive
     assert not list(SHM_DIR.glob(prefix + "*"))
-    assert not repository.exists()
+    assert repository.is_dir() and repository.parent.name == "repositories"
 
 
 def test_unknown_option_is_a_config_error_naming_the_valid_ones(bundle):
-    with pytest.raises(ConfigError, match=r"engine 'triton' has no option max_batch; its options are repository"):
+    with pytest.raises(ConfigError, match=r"engine 'triton' has no option max_batch; its options are profile, repository"):
         make_engine("triton", bundle, max_batch=3)
 
 

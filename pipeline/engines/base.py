@@ -150,6 +150,8 @@ class EngineSpec:
         actors_per_gpu: classify actors sharing one GPU by default (``--num-gpus-per-actor`` is 1 / this).
         gpu_batch_size: images per actor call by default where the actors take GPUs (``--batch-size``); None:
             the CPU default, DEFAULT_BATCH_SIZE.
+        runs_int8: runs INT8 (QDQ) model folders, as written by ``bulk-classify model quantize``.
+        int8: one line for ``bulk-classify engines``: where INT8 models run with this engine.
     """
 
     name: str
@@ -162,6 +164,8 @@ class EngineSpec:
     calls_per_actor: int = 1
     actors_per_gpu: int = 1
     gpu_batch_size: int | None = None
+    runs_int8: bool = True
+    int8: str = "INT8 models: yes (ONNX Runtime's integer kernels)"
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -177,6 +181,14 @@ class EngineSpec:
         """Runs the engine's preflight (requirements on this machine) on parsed options."""
         if self.preflight:
             _load(self.preflight)(options)
+
+    def check_model(self, bundle: Any) -> None:
+        """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8."""
+        from pipeline.model import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
+
+        if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
+            raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
+                              f"{tn.INT8_FIX}")
 
     def build(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
         """The engine itself (heavy: loads the runtime, may start a server)."""
@@ -251,6 +263,9 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
             ),
             decode_threads_option="decode_threads",
+            # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the
+            # other's runs the network, so the stages overlap instead of taking turns (docs/int8.md, shape table).
+            calls_per_actor=2,
         ),
         EngineSpec(
             name="triton",
@@ -282,6 +297,7 @@ REGISTRY: dict[str, EngineSpec] = {
             calls_per_actor=2,
             actors_per_gpu=3,
             gpu_batch_size=2048,
+            int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
         ),
         EngineSpec(
             name="gpu",
@@ -314,6 +330,8 @@ REGISTRY: dict[str, EngineSpec] = {
             calls_per_actor=3,
             actors_per_gpu=3,
             gpu_batch_size=2048,
+            runs_int8=False,
+            int8=f"INT8 models: none ({tn.NO_INT8}); {tn.INT8_FIX}",
         ),
     )
 }

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # made 204 img/CPU-s at batch 4, 168 at 8, 145 at 64 (2-core x86 VM, tests/benchmarks/bench_engine.py).
 DEFAULT_MAX_BATCH = 8
 MAX_DECODE_THREADS = 8
+# ONNX Runtime threads per run by default: one, because the actor runs several calls at once (the onnx engine's
+# calls_per_actor), and their single-threaded runs overlap decoding better than one run on every core.
+DEFAULT_INTRA_OP_THREADS = 1
 
 
 def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +70,7 @@ class OnnxEngine:
         top_k: classes per result.
         limits: caps on encoded bytes and header pixels.
         decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default min(8, CPUs).
-        intra_op_threads: ONNX Runtime's threads per run; default ORT's choice (one per physical core).
+        intra_op_threads: ONNX Runtime's threads per run; default DEFAULT_INTRA_OP_THREADS.
         max_batch: images per ORT run; larger inputs to ``classify`` are split.
     """
 
@@ -80,7 +83,7 @@ class OnnxEngine:
         top_k: int = DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
         decode_threads: int | None = None,
-        intra_op_threads: int | None = None,
+        intra_op_threads: int | None = DEFAULT_INTRA_OP_THREADS,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
         import onnxruntime as ort

@@ -13,6 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import local_ray_env
+from pipeline.engines.base import engine_spec
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
@@ -64,6 +65,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
+    engine_spec(config.engine).check_model(bundle)  # an INT8 model on an engine without INT8
     check_compatible(dst_fs, dst_root, config, bundle.name)
     t_index = time.perf_counter()
     previous = read_previous(config, bundle.name) if config.previous else None

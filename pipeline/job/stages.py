@@ -38,10 +38,10 @@ def init_ray(config: RunConfig) -> None:
     from ray.data import DataContext
 
     if not LOG.isEnabledFor(logging.INFO):
-        # Ray's start-up chatter (token auth, progress-bar notices) is noise to
-        # our users unless they asked for -v; real failures still surface as exceptions.
+        # Ray's chatter (token auth, progress-bar notices, a failed task's traceback logged before it is raised) is
+        # noise to our users unless they asked for -v: failures surface as exceptions, which the CLI prints in one line.
         for name in ("ray", "ray.data"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = {"address": address or LOCAL_ADDRESS, "log_to_driver": True,

@@ -27,6 +27,10 @@ format for every profile keeps the engine profile-agnostic.
 
 # The repository profiles `bulk-classify repo build` fills; each serves this contract.
 PROFILES = ("portable", "production", "gpu")
+# Where INT8 models run: ONNX Runtime's integer kernels (the onnx engine, the portable profile); the GPU paths run
+# torch networks in FP32/FP16 and would need TensorRT for INT8.
+NO_INT8 = "no INT8 on the GPU paths without TensorRT"
+INT8_FIX = "use --engine onnx, or --engine triton with the portable profile, or the FP32 model"
 
 MODEL_NAME = "classifier"
 

@@ -363,9 +363,12 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
     spec = DEFAULT_SPEC
     scripted = None
     if model not in (None, "", "default"):
-        from pipeline.model import load_model  # noqa: PLC0415
+        from pipeline.model import PRECISION_INT8, load_model  # noqa: PLC0415
 
         bundle = load_model(model)
+        if bundle.precision == PRECISION_INT8:
+            raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
+                             "portable for it, or pass the FP32 model")
         scripted = Path(model) / TORCHSCRIPT_FILE
         if not scripted.is_file():
             raise ModelError(
