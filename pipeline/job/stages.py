@@ -116,6 +116,7 @@ def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
 def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
     """(actors, CPUs per actor, GPUs per actor) on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's actors take
     1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
+    config = config.resolved(gpus=gpus, where="the Ray cluster")  # auto's engine, as the job would run it
     gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
     default_gpus = 1.0 / engine_spec(config.engine).actors_per_gpu if gpu_engine else 0.0
     num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else default_gpus
