@@ -900,10 +900,10 @@ def test_after_kill_9_of_the_driver_the_next_run_starts_clean(tmp_path, ray_clus
         while time.time() < deadline and victim.poll() is None:
             session = session or ray_session_of(victim.pid)
             folders = owned_folders([p.pid for p in tree(victim.pid)])
-            if session and len(folders) >= 2:  # the engine's repository and its server's work folder
+            if session and folders:  # its server's work folder (the repository is the cached one)
                 break
             time.sleep(1)
-        assert victim.poll() is None and session and len(folders) >= 2, "the run ended or never started Triton"
+        assert victim.poll() is None and session and folders, "the run ended or never started Triton"
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         try:
