@@ -129,7 +129,7 @@ def test_topk_softmax_matches_full_softmax():
 
 
 def test_make_engine(default_bundle):
-    with pytest.raises(ConfigError, match=r"--engine 'cuda' is unknown; choose one of onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match=r"--engine 'cuda' is unknown; choose one of auto, onnx, triton, gpu"):
         make_engine("cuda", default_bundle)
     with pytest.raises(ConfigError, match=r"engine 'onnx' has no option instances; its options are decode_threads, intra_op_threads, max_batch"):
         make_engine("onnx", default_bundle, instances=2)

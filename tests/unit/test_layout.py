@@ -19,6 +19,8 @@ LONG_MODULES = {
     "pipeline.source",
     # One class owns the Triton process (STYLE.md 6): locating the binary, spawning, readiness, health, restart, stop.
     "pipeline.triton.server",
+    # The one command line (STYLE.md 2, 17): every command's options, its progress and its one-line errors.
+    "pipeline.cli",
 }
 
 
