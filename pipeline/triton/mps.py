@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pipeline.triton.workdirs import pid_alive
+
 LOG = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -79,7 +81,7 @@ class MpsDaemon:
                 pid = int(folder.name[len(FOLDER_PREFIX):].split("-", 1)[0])
             except ValueError:
                 continue
-            if _alive(pid):
+            if pid_alive(pid):
                 continue
             env = {PIPE_ENV: str(folder / "pipe"), LOG_ENV: str(folder / "log")}
             try:
@@ -100,12 +102,3 @@ class MpsDaemon:
             self.folder = None
             self.env = {}
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

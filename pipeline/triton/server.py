@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.errors import TritonError
-from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, sweep_dead_owner_folders
+from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, pid_alive, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
 
@@ -100,14 +100,7 @@ def sweep_stale_shared_memory() -> list[str]:
     removed = []
     for path in SHM_DIR.glob(SHM_PREFIX + "*"):
         pid_text = path.name[len(SHM_PREFIX):].split("_")[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if not pid_text.isdigit() or pid_alive(int(pid_text)):
             continue
         path.unlink(missing_ok=True)
         removed.append(path.name)

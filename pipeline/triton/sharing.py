@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pipeline.triton.workdirs import pid_alive
+
 LOG = logging.getLogger(__name__)
 
 LEASE_DIR_NAME = "bulk-classify-shared-servers"
@@ -49,17 +51,6 @@ def _accepts(url: str, timeout_s: float = 2.0) -> bool:
     except (OSError, ValueError):
         return False
 
-
-def _alive(pid: int) -> bool:
-    """Is ``pid`` a running process? A zombie (exited, not yet reaped by its parent) is not."""
-    import psutil  # noqa: PLC0415
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 class ServerLease:
@@ -91,7 +82,7 @@ class ServerLease:
     def read(self) -> dict | None:
         """The live server's record, or None when there is none or its process is gone."""
         info = self._record_text()
-        return info if info is not None and _alive(int(info.get("pid", 0))) else None
+        return info if info is not None and pid_alive(int(info.get("pid", 0))) else None
 
     def join(self) -> None:
         """Records this process as a user of the server (the owner waits for its users before stopping it)."""
@@ -112,7 +103,7 @@ class ServerLease:
                 continue
             if pid == os.getpid():
                 continue
-            if _alive(pid):
+            if pid_alive(pid):
                 users.append(pid)
             else:
                 entry.unlink(missing_ok=True)
@@ -143,7 +134,7 @@ class ServerLease:
             # An owner that is closing restarts nothing: waiting for it would only stall its users.
             owner = 0 if record.get("closing") else int(record.get("owner", 0))
         deadline = time.monotonic() + wait_s
-        while exclude_url is not None and owner and _alive(owner) and time.monotonic() < deadline:
+        while exclude_url is not None and owner and pid_alive(owner) and time.monotonic() < deadline:
             time.sleep(POLL_S)
             info = self.read()
             if info is not None:

@@ -15,6 +15,18 @@ REPOSITORY_PREFIX = "bulk-classify-repo-"  # the portable repository a Triton en
 WORKDIR_PREFIX = "bulk-classify-triton-"  # a tritonserver's work folder: its log and backends
 
 
+def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a running process? A zombie (exited, not yet reaped) is not; one we may not inspect is."""
+    import psutil  # noqa: PLC0415
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def owned_temp_folder(prefix: str) -> Path:
     """A new folder under the temp folder named ``<prefix><pid>-…``, so a later process can tell when its owner died."""
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
@@ -29,11 +41,9 @@ def sweep_dead_owner_folders(prefix: str) -> list[str]:
         try:
             if not pid_text.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
                 continue
-            os.kill(int(pid_text), 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
         except OSError:
+            continue
+        if pid_alive(int(pid_text)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
