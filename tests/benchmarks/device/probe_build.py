@@ -1,0 +1,86 @@
+"""Where a GPU classifier's build goes, in 1 and in N processes at once (as N Triton model instances start).
+
+    python tests/benchmarks/device/probe_build.py [N]      (default 6; N processes share a private MPS daemon)
+
+Each process times: import torch, the CUDA context, the network (weights), the ``gpu`` engine's classifier
+(CUDA-graph capture, DALI pipelines), and prints one JSON line; the table gives each step's median and max.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+CHILD = r'''
+import json, logging, sys, time
+sys.path.insert(0, sys.argv[1])
+t = {"start": time.perf_counter()}
+marks = []
+class Mark(logging.Handler):
+    def emit(self, record):
+        marks.append((round(time.perf_counter() - t["start"], 2), record.getMessage()[:90]))
+logging.basicConfig(level=logging.INFO, handlers=[Mark()])
+import torch
+t["import torch"] = time.perf_counter()
+torch.zeros(1, device="cuda").sum().item()
+t["cuda context"] = time.perf_counter()
+from pipeline.model import load_model
+from pipeline.engines.gpu.networks import load_network
+bundle = load_model(None)
+network = load_network(bundle)
+t["network + weights"] = time.perf_counter()
+from pipeline.engines.base import make_engine
+engine = make_engine("gpu", bundle, top_k=5, network=network)
+t["classifier (graph, DALI)"] = time.perf_counter()
+engine.close()
+keys = list(t)
+out = {k: round(t[k] - t[p], 2) for p, k in zip(keys, keys[1:])}
+out["total"] = round(t[keys[-1]] - t["start"], 2)
+out["marks"] = marks
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def run(n: int, env: dict | None) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env) for _ in range(n)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return results
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from pipeline.triton.mps import MpsDaemon
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+    print(f"{'processes':>9} | " + " | ".join(f"{k:>24}" for k in
+          ("import torch", "cuda context", "network + weights", "classifier (graph, DALI)", "total")))
+    for count in (1, n):
+        daemon = MpsDaemon() if count > 1 else None
+        env = {**os.environ, **daemon.start()} if daemon else None
+        t0 = time.perf_counter()
+        try:
+            results = run(count, env)
+        finally:
+            if daemon:
+                daemon.stop()
+        wall = time.perf_counter() - t0
+        cells = []
+        for key in ("import torch", "cuda context", "network + weights", "classifier (graph, DALI)", "total"):
+            vals = [r[key] for r in results]
+            cells.append(f"{statistics.median(vals):>11.2f} (max {max(vals):>6.2f})" if vals else f"{'-':>24}")
+        print(f"{count:>9} | " + " | ".join(cells) + f"   wall {wall:.1f} s, {len(results)}/{count} ok")
+        if results:
+            for mark in results[0]["marks"]:
+                print(f"          {mark[0]:>7.2f} s  {mark[1]}")
+
+
+if __name__ == "__main__":
+    main()
