@@ -560,3 +560,62 @@ def test_an_owner_process_that_exits_serves_its_other_users_until_they_leave(bun
     finally:
         owner.kill()
 
+
+
+def _work_batch(start: int, n: int):
+    import pyarrow as pa
+
+    from pipeline.schema import DATA, WORK_SCHEMA
+
+    rows = [{"uri": f"file:///{start + i}.jpg", DATA: b} for i, b in enumerate(_images(start, n))]
+    columns = {f.name: [r.get(f.name) for r in rows] for f in WORK_SCHEMA}
+    columns["carried"] = [False] * n
+    return pa.table(columns, schema=WORK_SCHEMA)
+
+
+def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_local, tmp_path):
+    """The end of a job on a GPU: Ray Data drops the handle of the first idle actor, often the one whose process
+    started the shared server, and Ray ends that worker (by default with its child processes, before its atexit
+    handlers run) while another actor of the GPU still has calls. With the classify actors' options the job uses,
+    the other actor finishes on the same server: no failover, no second server."""
+    import psutil
+    import ray
+
+    from pipeline.actor import ClassifyActor
+    from pipeline.job.stages import classify_actor_options
+    from pipeline.schema import ENGINE_EVENTS
+    from pipeline.triton.workdirs import pid_alive
+
+    repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
+    remote = ray.remote(ClassifyActor).options(num_cpus=0, **classify_actor_options("triton"))
+    kwargs = dict(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
+                  engine_options={"repository": repo, "share_server": True, "request_batch": 4})
+
+    folder = sharing.ServerLease("probe").folder  # the workers' temp folder is this process's
+    before = set(folder.glob("*.json"))
+    owner = remote.remote(**kwargs)
+    first = ray.get(owner.__call__.remote(_work_batch(0, 4)))
+    other = remote.remote(**kwargs)
+    ray.get(other.__call__.remote(_work_batch(4, 4)))
+    (record_file,) = set(folder.glob("*.json")) - before
+    lease = sharing.ServerLease(record_file.stem)
+    record = lease.read()
+    assert record is not None
+    owner_pid, server = record["owner"], psutil.Process(record["pid"])
+    del owner  # as Ray Data releases an idle actor: its worker exits
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and lease._record_text().get("closing") is not True:
+        time.sleep(0.2)
+    time.sleep(1.0)  # Ray's exit of the owner's worker has run by now
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    out = ray.get(other.__call__.remote(_work_batch(8, 8)))
+    assert out.column("status").to_pylist() == ["ok"] * 8
+    events = [json.loads(e) for e in out.column(ENGINE_EVENTS).to_pylist() if e]
+    assert not any(e.get(triton_engine.EVENT_FAILOVERS) or e.get(triton_engine.EVENT_STARTS) for e in events)
+    assert first.column("status").to_pylist() == ["ok"] * 4
+    del other  # the last user leaves: the owner stops the server and its worker exits
+    server.wait(60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (lease._record_text() is not None or pid_alive(owner_pid)):
+        time.sleep(0.2)
+    assert lease._record_text() is None and not pid_alive(owner_pid)

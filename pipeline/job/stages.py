@@ -204,8 +204,15 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
         # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
         num_cpus=actor_cpus,
         num_gpus=num_gpus or None,
+        **classify_actor_options(config.engine),
     )
     return _write(ds, config, cpus)
+
+
+def classify_actor_options(engine: str) -> dict[str, Any]:
+    """Ray options of the classify actors that their engine asks for (its ``EngineSpec.actor_env``)."""
+    env = dict(engine_spec(engine).actor_env)
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> list[Any]:

@@ -33,8 +33,8 @@ from pipeline.engines.gpu.networks import load_network
 bundle = load_model(None)
 network = load_network(bundle)
 t["network + weights"] = time.perf_counter()
-from pipeline.engines.base import make_engine
-engine = make_engine("gpu", bundle, top_k=5, network=network)
+from pipeline.engines.gpu.engine import GpuEngine
+engine = GpuEngine(bundle, top_k=5, network=network)
 t["classifier (graph, DALI)"] = time.perf_counter()
 engine.close()
 keys = list(t)
@@ -47,11 +47,14 @@ print("RESULT " + json.dumps(out), flush=True)
 
 def run(n: int, env: dict | None) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=env) for _ in range(n)]
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(n)]
     results = []
     for p in procs:
-        out, _ = p.communicate(timeout=300)
-        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        out, err = p.communicate(timeout=300)
+        found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        if not found:
+            print(f"a build failed (rc {p.returncode}):", *err.splitlines()[-6:], sep="\n    ")
+        results += found
     return results
 
 
