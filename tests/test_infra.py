@@ -185,7 +185,7 @@ def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
     gpus = worker["replicas"] * int(worker["rayStartParams"]["num-gpus"])
     cpus = worker["replicas"] * int(containers(worker)[0]["resources"]["limits"]["cpu"])
     on_gpus = config.resolved(gpus=gpus, where="the Ray cluster")
-    assert (on_gpus.engine, on_gpus.batch_size) == ("gpu", 2048)
+    assert (on_gpus.engine, on_gpus.batch_size) == ("triton", 2048)
     actors, actor_cpus, gpus_per_actor = actor_plan(on_gpus, cpus, gpus)
     assert actors == 3 * gpus and gpus_per_actor == pytest.approx(1 / 3)
     assert actors * actor_cpus < cpus  # CPUs left for fetch, writes and the servers' DALI threads

@@ -1,5 +1,5 @@
-"""``--engine auto``, the default: DALI + the CUDA-graph network on the GPUs where the Ray cluster has them, onnx
-elsewhere.
+"""``--engine auto``, the default: a local Triton per GPU serving DALI + the CUDA-graph network (the triton engine's
+gpu profile) where the Ray cluster has GPUs, onnx elsewhere.
 
 The choice is made once in the driver, before anything is written, from the GPUs Ray will schedule on: this
 machine's (as Ray counts them) for a local Ray, the cluster's resources with ``RAY_ADDRESS``.
@@ -17,9 +17,9 @@ from pipeline.triton.profiles import node_gpus
 LOG = logging.getLogger(__name__)
 
 AUTO_ENGINE = "auto"
-# The in-process gpu engine, not yet triton's gpu profile: on the H200 it ran the whole job with every row ok in
-# about half triton's wall time, while a shared server's end of job still failed rows (docs/performance.md).
-GPU_CHOICE = "gpu"
+# The product's GPU path: the triton engine serves the gpu profile on a GPU actor (docs/performance.md compares it
+# with the in-process gpu engine).
+GPU_CHOICE = "triton"
 CPU_CHOICE = "onnx"
 GPU_STACK = ("torch", "nvidia.dali")  # what the gpu profile's model imports inside the server
 GPU_EXTRA_HINT = "pip install 'bulk-classify[gpu]' and PyTorch with CUDA"
@@ -73,5 +73,5 @@ def choose(gpus: int | None = None, where: str = "this machine") -> Choice:
                         " or ".join(missing), GPU_EXTRA_HINT)
             return Choice(CPU_CHOICE, gpus, f"{where} has {gpus} GPU(s) but no {' or '.join(missing)} "
                                             f"({GPU_EXTRA_HINT})")
-    return Choice(GPU_CHOICE, gpus, f"{where} has {gpus} GPU(s): DALI and the network on each GPU (--engine triton "
-                                    "serves the same through a local Triton per GPU)")
+    return Choice(GPU_CHOICE, gpus, f"{where} has {gpus} GPU(s): a local Triton per GPU serving DALI and the network "
+                                    "(the gpu profile; --engine gpu runs the same in the actor's process)")

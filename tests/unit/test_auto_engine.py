@@ -18,8 +18,8 @@ def config(**kw) -> RunConfig:
 def test_auto_is_onnx_without_gpus_and_the_gpu_path_with_them():
     assert auto.choose(0, "this machine") == auto.Choice("onnx", 0, "this machine has no GPU that Ray can use")
     choice = auto.choose(2, "the Ray cluster at ray://head:10001")
-    assert (choice.engine, choice.gpus) == ("gpu", 2) and REGISTRY[choice.engine].needs_gpu
-    assert choice.reason.startswith("the Ray cluster at ray://head:10001 has 2 GPU(s): DALI and the network")
+    assert (choice.engine, choice.gpus) == ("triton", 2) and REGISTRY[choice.engine].needs_gpu
+    assert choice.reason.startswith("the Ray cluster at ray://head:10001 has 2 GPU(s): a local Triton per GPU")
 
 
 def test_auto_on_a_gpu_machine_without_the_gpu_stack_stays_on_the_cpu(monkeypatch, caplog):
@@ -30,7 +30,7 @@ def test_auto_on_a_gpu_machine_without_the_gpu_stack_stays_on_the_cpu(monkeypatc
                              "PyTorch with CUDA)")
     assert "classifying on the CPU" in caplog.text
     # a remote cluster's nodes are not this driver: their packages are theirs
-    assert auto.choose(1, "the Ray cluster at x").engine == "gpu"
+    assert auto.choose(1, "the Ray cluster at x").engine == "triton"
 
 
 def test_this_machine_has_no_gpu_here():
@@ -42,7 +42,7 @@ def test_this_machine_has_no_gpu_here():
 def test_resolved_fills_the_engine_and_the_batch_size_by_the_gpus():
     assert (config().resolved(gpus=0).engine, config().resolved(gpus=0).batch_size) == ("onnx", DEFAULT_BATCH_SIZE)
     on_gpus = config().resolved(gpus=1, where="the Ray cluster at x")
-    assert (on_gpus.engine, on_gpus.batch_size) == ("gpu", REGISTRY["gpu"].gpu_batch_size)
+    assert (on_gpus.engine, on_gpus.batch_size) == (auto.GPU_CHOICE, REGISTRY[auto.GPU_CHOICE].gpu_batch_size)
     assert config(engine="triton").resolved(gpus=1, where="x").batch_size == REGISTRY["triton"].gpu_batch_size
     assert config(batch_size=8).resolved(gpus=1, where="the Ray cluster at x").batch_size == 8  # explicit wins
     assert config(engine="triton").resolved(gpus=0).batch_size == DEFAULT_BATCH_SIZE  # portable profile, CPU
