@@ -573,7 +573,7 @@ def _work_batch(start: int, n: int):
     return pa.table(columns, schema=WORK_SCHEMA)
 
 
-def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_local, tmp_path):
+def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_local, tmp_path, monkeypatch):
     """The end of a job on a GPU: Ray Data drops the handle of the first idle actor, often the one whose process
     started the shared server, and Ray ends that worker (by default with its child processes, before its atexit
     handlers run) while another actor of the GPU still has calls. With the classify actors' options the job uses,
@@ -582,11 +582,14 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     import ray
 
     from pipeline.actor import ClassifyActor
+    from pipeline.engines.base import engine_spec
     from pipeline.job.stages import classify_actor_options
     from pipeline.schema import ENGINE_EVENTS
     from pipeline.triton.workdirs import pid_alive
 
     repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
+    for key in engine_spec("triton").actor_env:  # this session's Ray was started without it: the options carry it
+        monkeypatch.delenv(key, raising=False)
     remote = ray.remote(ClassifyActor).options(num_cpus=0, **classify_actor_options("triton"))
     kwargs = dict(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                   engine_options={"repository": repo, "share_server": True, "request_batch": 4})

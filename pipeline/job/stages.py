@@ -48,6 +48,8 @@ def init_ray(config: RunConfig) -> None:
                                   "logging_level": logging.ERROR}
         if address is None:
             local_ray_env()
+            for key, value in engine_spec(config.engine).actor_env.items():  # a local Ray's workers inherit it
+                os.environ.setdefault(key, value)
             sweep_before_start()
             kwargs.update(include_dashboard=False, configure_logging=True)
         context = ray.init(**kwargs)
@@ -210,8 +212,11 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
 
 
 def classify_actor_options(engine: str) -> dict[str, Any]:
-    """Ray options of the classify actors that their engine asks for (its ``EngineSpec.actor_env``)."""
-    env = dict(engine_spec(engine).actor_env)
+    """Ray options of the classify actors that their engine asks for: its ``EngineSpec.actor_env``, as a
+    ``runtime_env`` where the workers do not inherit it already (a local Ray started with it in its environment;
+    a runtime_env costs each actor a worker process of its own)."""
+    local = not os.environ.get("RAY_ADDRESS")
+    env = {k: v for k, v in engine_spec(engine).actor_env.items() if not (local and os.environ.get(k) == v)}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 

@@ -117,3 +117,20 @@ def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
     assert plan("gpu", num_gpus_per_actor=0.5)[:1] == (4,)
     assert plan("gpu", num_actors=2)[0] == 2
     assert plan("gpu", gpus=0) == (4, 1.0, 0.0)  # no GPUs: the CPU plan (a core in four)
+
+
+def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatch):
+    """The shared server must outlive its owner's worker; a local Ray started with the variable passes it on by
+    inheritance, a cluster's workers get it in the actors' runtime_env."""
+    from pipeline.job.stages import classify_actor_options
+
+    env = {"RAY_kill_child_processes_on_worker_exit": "0"}
+    assert dict(REGISTRY["triton"].actor_env) == env and not REGISTRY["onnx"].actor_env
+    monkeypatch.delenv("RAY_kill_child_processes_on_worker_exit", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert classify_actor_options("triton") == {"runtime_env": {"env_vars": env}}
+    assert classify_actor_options("onnx") == {}
+    monkeypatch.setenv("RAY_kill_child_processes_on_worker_exit", "0")
+    assert classify_actor_options("triton") == {}
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert classify_actor_options("triton") == {"runtime_env": {"env_vars": env}}
