@@ -418,9 +418,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
             out, fresh = pa.concat_tables(fresh), []
             fresh_since[0] = time.monotonic()
             # One fetch task per block downstream: blocks of at most FRESH_BLOCK_ROWS rows keep a task's fetched
-            # bytes small, so many fetch tasks fit the fetch-ahead budget at once (with 1,000-row blocks of
-            # 100 KB images one task's output was 100 MB and the job ran one fetch task at a time: py-spy on the
-            # H200 machine, model_repository/GPU_NOTES.md).
+            # bytes small, so many fetch tasks fit the fetch-ahead budget at once.
             for start in range(0, out.num_rows, FRESH_BLOCK_ROWS):
                 yield out.slice(start, FRESH_BLOCK_ROWS)
         clock[0] = time.perf_counter()

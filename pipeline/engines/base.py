@@ -18,11 +18,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS  # stdlib only: names
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
+from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
 
 DEFAULT_BATCH_SIZE = 64
+# Threads decoding in an actor by default (--decode-threads): the CPU count, at most this; past it threads only wait.
+MAX_DECODE_THREADS = 8
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
-DEFAULT_TOP_K = 5
 STAGE_DECODE = "decode_preprocess"
 STAGE_INFER = "infer"
 
@@ -305,8 +307,7 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="DALI decode + resize and a PyTorch network on the actor's GPU",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "'auto' or 'dali', the same: DALI decodes and resizes (the hand-written "
-                       "nvimgcodec, torchvision and pil were removed)", choices=tn.GPU_DECODERS,
+                Option("decoder", str, "'auto' or 'dali', the same: DALI decodes and resizes", choices=tn.GPU_DECODERS,
                        removed=tn.GPU_REMOVED_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
@@ -317,16 +318,15 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
                 Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
-                Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
+                Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
                 Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
                        choices=tuple(SYNC_FLAGS)),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
             preflight="pipeline.engines.base:check_gpu",
-            # Calls share one pipeline (RequestStream): the next call decodes while the network runs this one. Three
-            # actors per GPU: the whole job went 5,968 -> 8,146 -> 10,587 img/s with 1, 2, 3 (GPU 33 / 59 / 93 %
-            # busy; 4: 10,435) on the H200 (model_repository/GPU_NOTES.md, session 3).
+            # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
+            # three actors keep one GPU busiest (docs/performance.md).
             calls_per_actor=3,
             actors_per_gpu=3,
             gpu_batch_size=2048,

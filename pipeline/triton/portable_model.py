@@ -37,7 +37,7 @@ def _parameter(config: dict, key: str, default: int) -> int:
 
 
 def _as_numpy(tensor) -> np.ndarray:
-    # DLPack works with numpy 1 and 2 in this backend; as_numpy() mis-reads tensors under numpy 2 (FACTS.md).
+    # DLPack works with numpy 1 and 2 in this backend; as_numpy() mis-reads tensors under numpy 2.
     try:
         return np.from_dlpack(tensor)
     except (AttributeError, TypeError, RuntimeError, BufferError):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import TORCHSCRIPT_FILE
+from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
     DALI_THREADS,
@@ -34,9 +34,6 @@ CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
 PORTABLE_SHIM = "model.py"
 DALI_SOURCE = "dali.py"
-HEAD_ONNX = "model.onnx"
-LABELS_FILE = "labels.txt"
-SPEC_FILE = tn.SPEC_FILE
 
 GPU_SHIM_FILE = "model.py"
 _GPU_SHIM_TEXT = '''"""Triton python-backend entry of the gpu profile; the model is pipeline.engines.gpu.triton_model (written by
@@ -302,7 +299,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
                             max_batch_size=max_batch_size, error_output=error_output), encoding="utf-8")
         (folder / VERSION / PORTABLE_SHIM).write_text(_PORTABLE_SHIM_TEXT, encoding="utf-8")
         if artifacts:
-            add_topk_head(bundle.onnx_path, folder / VERSION / HEAD_ONNX, k=top_k, output_name=bundle.output_name)
+            add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name)
             (folder / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
             (folder / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
     else:
@@ -316,7 +313,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
         (pre_dir / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
         plans = {}
         if artifacts:
-            head = add_topk_head(bundle.onnx_path, trt_dir / VERSION / HEAD_ONNX, k=top_k,
+            head = add_topk_head(bundle.onnx_path, trt_dir / VERSION / MODEL_FILE, k=top_k,
                                  output_name=bundle.output_name)
             (ens_dir / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
             key = build_trt_plan(head, trt_dir, bundle.spec, max_batch_size=max_batch_size)

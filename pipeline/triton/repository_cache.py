@@ -31,10 +31,10 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
     """
     from filelock import FileLock  # noqa: PLC0415
 
-    from pipeline.model import default_cache_dir, ensure_default_model  # noqa: PLC0415
+    from pipeline.model import MODEL_FILE, default_cache_dir, ensure_default_model  # noqa: PLC0415
 
     default_dir = ensure_default_model().resolve()
-    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / "model.onnx").resolve()
+    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / MODEL_FILE).resolve()
     model_dir = onnx_path.parent
     is_default = model_dir == default_dir
     instances = instances or profile.instances

@@ -65,17 +65,17 @@ LOG = logging.getLogger("bench_gpu")
 ENGINE_VARIANTS = {
     "dali": {"decoder": "dali", "prep_workers": 2},
     "dali_3workers": {"decoder": "dali", "prep_workers": 3},
-    "dali_h1": {"decoder": "dali", "prep_workers": 2, "hw_decode_load": 1.0},
-    "dali_h1_3workers": {"decoder": "dali", "prep_workers": 3, "hw_decode_load": 1.0},
+    "dali_h1": {"decoder": "dali", "prep_workers": 2, "hw_decoder_load": 1.0},
+    "dali_h1_3workers": {"decoder": "dali", "prep_workers": 3, "hw_decoder_load": 1.0},
     "dali_fp32": {"decoder": "dali", "prep_workers": 2, "half": False},
     # One pipeline with 2 / 3 batches scheduled at once (dali_depth), DALI threads 4 or 8.
     "dali_d2": {"decoder": "dali", "dali_depth": 2},
     "dali_d3": {"decoder": "dali", "dali_depth": 3},
-    "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decode_load": 1.0},
-    "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0},
-    "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "cuda_sync": "block"},
+    "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decoder_load": 1.0},
+    "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decoder_load": 1.0},
+    "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decoder_load": 1.0, "cuda_sync": "block"},
     "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
-    "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
+    "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decoder_load": 1.0, "dali_threads": 8},
 }
 DALI_LOADS = (0.65, 0.9, 1.0)  # the hardware JPEG engines' share of each batch (the issue's three)
 NOISE_SIGMA = 5.0

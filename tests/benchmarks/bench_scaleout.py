@@ -203,7 +203,7 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
         options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
         options.update({k: v for k, v in (("dali_depth", args.dali_depth), ("dali_threads", args.dali_threads),
-                                          ("hw_decode_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
+                                          ("hw_decoder_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
                         if v is not None})
         if args.half != "auto":
             options["half"] = args.half == "true"

@@ -1,7 +1,7 @@
 """The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows.
 
 Calls share one pipeline: every ``classify`` call queues its images into one ``RequestStream`` (the same one the gpu
-profile's Triton model runs), so with several calls at once (``--calls-per-actor``, default 2) the next call's
+profile's Triton model runs), so with several calls at once (``--calls-per-actor``; the engine's default in ``pipeline.engines.base.REGISTRY``) the next call's
 images are decoded while the network runs this one's, and network batches are full across calls.
 """
 
@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
+from pipeline.engines.base import DEFAULT_TOP_K, STAGE_INFER, Result, results_from_topk
 from pipeline.engines.gpu.classifier import RawResults
 from pipeline.imaging import DecodeLimits
 
@@ -28,12 +28,12 @@ class GpuEngine:
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
             ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
-            prep_workers, hw_decode_load, dali_threads, dali_depth (and decoder: "auto" or "dali").
+            prep_workers, hw_decoder_load, dali_threads, dali_depth (and decoder: "auto" or "dali").
     """
 
     name = "gpu"
 
-    def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
+    def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
         from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 

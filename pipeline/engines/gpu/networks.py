@@ -73,7 +73,7 @@ LITE0_LAYOUTS = {
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
 }
 REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
-# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are unmeasured).
+# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are untested).
 DEFAULT_LITE0_LAYOUT = "slice_kstem_inplace"
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
+from pipeline.triton import contract as tn
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class NullClassifier:
 
     decoder_name = "none"
 
-    def __init__(self, *, batch_size: int = 256, top_k: int = 5, in_flight: int = 4):
+    def __init__(self, *, batch_size: int = 256, top_k: int = tn.DEFAULT_TOP_K, in_flight: int = 4):
         self.batch_size = batch_size
         self.top_k = top_k
         self.in_flight = in_flight

@@ -123,8 +123,8 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
                      batch_size: int, half: bool | None = None):
     """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
 
-    ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where the FP16
-    network agrees with the reference as often as the FP32 one, 99.62 % top-1: GPU_NOTES.md; FP32 on the CPU).
+    ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
+    with the reference as often as FP32 (docs/performance.md); FP32 on the CPU).
     """
     from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
     from pipeline.engines.gpu.dali import (  # noqa: PLC0415
@@ -139,7 +139,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     return GpuClassifier(
         network,
         spec,
-        hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
+        hw_decoder_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
         top_k=top_k,
         limits=limits,
         decoder=_param(config, tn.GPU_PARAM_DECODER, "auto"),
