@@ -136,7 +136,7 @@ def test_built_gpu_repository_passes_the_repository_check(tmp_path):
     assert check_repository(out) == [tn.MODEL_NAME]
     version = out / tn.MODEL_NAME / "1"
     assert PreprocessSpec.from_json((version / "preprocess.json").read_text()) == DEFAULT_SPEC
-    assert "from pipeline.engines.gpu.triton_model import TritonPythonModel" in (version / "model.py").read_text()
+    assert "from pipeline.triton.serve.gpu_model import TritonPythonModel" in (version / "model.py").read_text()
 
 
 def test_committed_gpu_profile_passes_the_repository_check():

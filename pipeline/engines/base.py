@@ -1,21 +1,18 @@
 """The engine contract: ``Result``, the ``Engine`` protocol, top-k arrays to results, and the engine registry.
 
 Every engine is one module plus one ``EngineSpec`` in ``REGISTRY``: its name, the class that builds it (imported
-only when an actor builds one), its typed options, whether it wants a GPU, and a preflight that checks its
-requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
+only when an actor builds one), its typed options, whether it wants a GPU, and its module's preflight that checks
+its requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
 job read the registry; nothing else names an engine.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS  # stdlib only: names
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
 from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
@@ -205,53 +202,6 @@ def _positive_float(name: str, help: str) -> Option:
     return Option(name, float, help, minimum=0)
 
 
-def check_gpu(options: Mapping[str, Any]) -> None:
-    """The gpu engine's requirements: PyTorch and DALI importable here."""
-    if importlib.util.find_spec("torch") is None:
-        raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
-                          "or use --engine onnx or --engine triton")
-    if not _importable("nvidia.dali"):
-        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
-                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package (here ``nvidia``) is missing
-        return False
-
-
-def check_triton(options: Mapping[str, Any]) -> None:
-    """The triton engine's requirements: a repository that exists, and a tritonserver unless ``url`` is given."""
-    repository = options.get("repository")
-    if repository is not None:
-        path = Path(str(repository)).expanduser()
-        if not (path / "classifier" / "config.pbtxt").is_file():
-            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
-            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
-                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
-    if options.get("url"):
-        return
-    from pipeline.triton.profiles import AUTO, GPU, visible_gpus  # noqa: PLC0415
-
-    profile = options.get("profile", AUTO)
-    if repository is None and (profile == GPU or (profile == AUTO and visible_gpus())):
-        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
-
-        missing = missing_gpu_stack()
-        if missing:
-            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
-                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
-    from pipeline.errors import TritonError  # noqa: PLC0415
-    from pipeline.triton.server import find_tritonserver  # noqa: PLC0415 - light: stdlib only
-
-    try:
-        find_tritonserver()
-    except TritonError as err:
-        raise ConfigError(f"--engine triton: {err}") from None
-
-
 REGISTRY: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
@@ -292,7 +242,7 @@ REGISTRY: dict[str, EngineSpec] = {
                        "below 1): true or false"),
             ),
             needs_gpu=True,
-            preflight="pipeline.engines.base:check_triton",
+            preflight="pipeline.engines.triton:check_requirements",
             # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
             # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
             # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
@@ -320,11 +270,11 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
                 Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
                 Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
-                       choices=tuple(SYNC_FLAGS)),
+                       choices=tn.CUDA_SYNC_MODES),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
-            preflight="pipeline.engines.base:check_gpu",
+            preflight="pipeline.engines.gpu.engine:check_requirements",
             # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
             # three actors keep one GPU busiest (docs/performance.md).
             calls_per_actor=3,

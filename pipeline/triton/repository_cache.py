@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.triton.repository import build_gpu_repository, build_repository
+from pipeline.triton.repository import build_repository
 
 LOG = logging.getLogger(__name__)
 
@@ -52,11 +52,8 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
             return folder
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
         try:
-            if profile.needs_gpu:
-                build_gpu_repository(None if is_default else str(model_dir), str(tmp), top_k=top_k,
-                                     instances=instances, max_backlog=profile.max_backlog)
-            else:
-                build_repository(profile.name, str(model_dir), str(tmp), top_k=top_k, instances=instances)
+            build_repository(profile.name, None if is_default else str(model_dir), str(tmp), top_k=top_k,
+                             instances=instances, max_backlog=profile.max_backlog)
             os.replace(tmp, folder)
         finally:
             if tmp.exists():

@@ -17,10 +17,11 @@ import ctypes
 import logging
 
 from pipeline.errors import EngineError
+from pipeline.triton.contract import CUDA_SYNC_MODES
 
 log = logging.getLogger(__name__)
 
-SYNC_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "block": 4}  # CU_CTX_SCHED_*
+SYNC_FLAGS = dict(zip(CUDA_SYNC_MODES, (0, 1, 2, 4)))  # CU_CTX_SCHED_* of each mode
 _SCHED_MASK = 7
 
 

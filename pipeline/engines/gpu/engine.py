@@ -7,12 +7,15 @@ images are decoded while the network runs this one's, and network batches are fu
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pipeline.engines.base import DEFAULT_TOP_K, STAGE_INFER, Result, results_from_topk
+from pipeline.engines.auto import _importable
 from pipeline.engines.gpu.classifier import RawResults
+from pipeline.errors import ConfigError
 from pipeline.imaging import DecodeLimits
 
 
@@ -81,3 +84,13 @@ def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
     """Turns ``RawResults`` arrays into one ``Result`` per image."""
     sizes = [(int(w) or None, int(h) or None) for w, h in zip(raw.width, raw.height)]
     return results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)
+
+
+def check_requirements(options: Mapping[str, Any]) -> None:
+    """The gpu engine's preflight (its ``EngineSpec.preflight``): PyTorch and DALI importable here."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
+                          "or use --engine onnx or --engine triton")
+    if not _importable("nvidia.dali"):
+        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
+                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")

@@ -1,7 +1,7 @@
 """TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k.
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
-ensemble shape runs it alone in its ``network`` model (``pipeline.engines.gpu.triton_ensemble``).
+ensemble shape runs it alone in its ``network`` model (``pipeline.triton.serve.gpu_ensemble``).
 """
 
 from __future__ import annotations
