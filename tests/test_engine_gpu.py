@@ -194,11 +194,11 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     """What reaches the network: DALI's rows (JPEGs, one EXIF-rotated) and the reference's (a PNG), each in its
     caller's place, against ``pipeline.imaging``'s own preprocessing of the same file."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.classifier import _Chunk
+    from pipeline.engines.gpu.classifier import _Chunk, triage
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
     datas = _inputs()
-    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     assert [it.info is not None for it in chunk.items] == [True] * (len(datas) - 1) + [False]  # the PNG: Pillow
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors and clf.refused_batches == 0
@@ -319,11 +319,11 @@ def test_blocking_sync_is_in_force_and_classifies_the_same():
 def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     """DALI's "mixed" decode (hardware JPEG engines, nvJPEG) and resize against the reference, row by row."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.classifier import _Chunk
+    from pipeline.engines.gpu.classifier import _Chunk, triage
 
     clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, cuda_graph=False, half=False, pipeline=False)
     datas = _inputs()
-    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors
     for row, pos in enumerate(chunk.ok):

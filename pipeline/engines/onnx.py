@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.imaging import DecodeLimits, load_and_preprocess
 from pipeline.model import ModelBundle
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 # Images per ORT run: small batches are the most CPU-efficient for this depthwise-conv network
 # (tests/benchmarks/bench_engine.py measures them).
@@ -165,10 +165,10 @@ class OnnxEngine:
             raise
         except Exception as e:  # ORT's own error types; a run error may be one input's fault
             if len(batch) == 1:
-                log.warning("ONNX Runtime failed on one image: %s", e)
+                LOG.warning("ONNX Runtime failed on one image: %s", e)
                 return [Result.failed(f"engine_error: {e}", width=sizes[0][0], height=sizes[0][1])]
             # Split to find the input(s) to blame; the others still get their results.
-            log.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
+            LOG.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
             half = len(batch) // 2
             return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
         return results_from_logits(logits, self.bundle.labels, self.top_k, sizes)

@@ -37,7 +37,7 @@ from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
-LOG = logging.getLogger("bulk_classify.prepare")
+LOG = logging.getLogger(__name__)
 STAMP = ".bulk-classify-repository.json"
 DEFAULT_REPOSITORY = "/models/repository"
 

@@ -55,7 +55,7 @@ from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.topk_network import TopKNetwork
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
@@ -243,7 +243,7 @@ class GpuClassifier:
         self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1), "gpu-pil")
         self._lock = threading.Lock()
         self.times = StageTimes()
-        log.info(
+        LOG.info(
             "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
             hw_decoder_load,
@@ -351,7 +351,7 @@ class GpuClassifier:
             try:
                 future.result() if future is not None else self._prepare(chunk)
             except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
-                log.exception("preparing a batch of %d images failed", len(chunk.items))
+                LOG.exception("preparing a batch of %d images failed", len(chunk.items))
                 msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
                 chunk.errors = {item.index: msg for item in chunk.items}
                 chunk.inputs = None
@@ -414,7 +414,7 @@ class GpuClassifier:
                 pending.append((chunk, *self._infer(chunk)))
                 self.times.network_s += time.perf_counter() - t
             except Exception as err:  # noqa: BLE001 - this chunk fails; the stream goes on
-                log.exception("a batch of %d images failed", len(chunk.items))
+                LOG.exception("a batch of %d images failed", len(chunk.items))
                 sink(chunk, None, None, err)
             self.times.prepare_s += chunk.prepare_s
             if len(pending) > 1:
@@ -450,9 +450,6 @@ class GpuClassifier:
             except ImageError as e:
                 errors[i] = str(e)
         return items, errors
-
-    def _triage(self, index: int, data: bytes) -> _Item:
-        return triage(index, data, self.limits)
 
     def _thread_stream(self):
         local = self._local

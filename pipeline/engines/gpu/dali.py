@@ -35,7 +35,7 @@ from pipeline.triton import contract as tn
 from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
 from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 # Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs): all of it leaves the SMs
 # to the network.
@@ -183,7 +183,7 @@ class DaliPrep:
                 self.run([datas[i] for i in dali_pos], consume)
                 res.dali = dali_pos
             except DaliRefused as err:
-                log.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
+                LOG.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
                 res.refused = str(err)
                 ref_pos = sorted(ref_pos + dali_pos)
 

@@ -32,7 +32,7 @@ from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 _CLOSE = object()
 
@@ -169,7 +169,7 @@ class RequestStream:
                 self.classifier.run_stream(self._source, self._sink)
                 return
             except Exception:  # noqa: BLE001 - a bug in the pipeline must not leave requests waiting forever
-                log.exception("the gpu stream failed; failing its requests in flight and starting again")
+                LOG.exception("the gpu stream failed; failing its requests in flight and starting again")
                 for request, _ in list(self._owners.values()):
                     if not request.done:
                         request.errors = [e or "engine_error: the gpu pipeline failed" for e in request.errors]
@@ -255,4 +255,4 @@ class RequestStream:
         try:
             self.respond(request.sender, request.results(), request.n)
         except Exception:  # noqa: BLE001 - the client may be gone; the stream goes on
-            log.exception("sending a response failed")
+            LOG.exception("sending a response failed")

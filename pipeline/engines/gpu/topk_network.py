@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 
 class TopKNetwork:
@@ -94,5 +94,5 @@ class TopKNetwork:
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             static_out = self.module(static_in)
         self._graphs[size] = (g, static_in, static_out)
-        log.info("captured a CUDA graph for batch %d", size)
+        LOG.info("captured a CUDA graph for batch %d", size)
         return self._graphs[size]
