@@ -1,4 +1,4 @@
-"""The gpu engine: its CPU logic (JPEG header triage, the decoder choice, the Triton profile) always; the classifier
+"""The gpu engine: its CPU logic (JPEG header triage, the Triton profile) always; the classifier
 on the CPU (DALI's CPU backend, a torch CPU network) where torch and DALI are installed; the real thing on a GPU
 (``-m gpu``)."""
 
@@ -78,23 +78,6 @@ def test_header_rejects_non_jpeg_and_cut_headers():
         parse_jpeg_header(_jpeg(_photo())[:60])
     with pytest.raises(ImageError, match="^decode_error: corrupt JPEG header"):
         parse_jpeg_header(b"\xff\xd8\x00\x00\x00\x00")
-
-
-# ---- the decoder choice: DALI only ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("removed", tn.GPU_REMOVED_DECODERS)
-def test_a_removed_decoder_fails_at_once_saying_what_to_use(removed, tmp_path):
-    message = (f"^decoder '{removed}' was removed: the gpu engine decodes and resizes with DALI only "
-               r"\(faster everywhere it was measured\); use decoder 'auto' or 'dali'$")
-    with pytest.raises(ConfigError, match=message):
-        GpuClassifier(None, DEFAULT_SPEC, decoder=removed)  # refused before torch, DALI or the network
-    with pytest.raises(ConfigError, match=message):
-        build_gpu_repository(None, tmp_path / "repo", decoder=removed)
-    assert not (tmp_path / "repo").exists(), "refused before anything is written"
-    with pytest.raises(ConfigError, match="^decoder 'jpegturbo' is unknown; use decoder 'auto' or 'dali'$"):
-        gpu_config(decoder="jpegturbo")
-    assert '"dali"' in gpu_config(decoder="dali")
 
 
 def test_without_dali_the_classifier_names_the_extra_to_install(monkeypatch):
@@ -263,11 +246,11 @@ def test_concurrent_calls_share_one_stream_with_dali_at_depth_two(lite0):
     good = _inputs()[:6]
     calls = [[good[0], good[1], b"not an image"], [good[2], good[3][: len(good[3]) // 2], good[4]],
              [good[5], good[0], b""], good[1:5]]
-    alone = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", decoder="dali", batch_size=4, pipeline=False,
+    alone = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, pipeline=False,
                       dali_depth=1)
     want = [[(r.status, r.error and r.error.split(":")[0], r.class_ids) for r in alone.classify(c)] for c in calls]
     alone.close()
-    engine = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, dali_depth=2)  # decoder "auto"
+    engine = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, dali_depth=2)
     got: dict = {}
     threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, engine.classify(calls[k])))
                for k in range(len(calls))]

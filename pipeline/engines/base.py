@@ -103,7 +103,6 @@ class Option:
     help: str
     minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()  # values that were choices once: refused with the choices to use instead
 
     def parse(self, engine: str, value: Any) -> Any:
         """``value`` (from the CLI, the environment or a YAML file) as this option's type; ConfigError names the fix."""
@@ -125,8 +124,6 @@ class Option:
             raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
-        if parsed in self.removed:
-            raise ConfigError(f"{where} was removed; use {' or '.join(self.choices)}")
         if self.choices and parsed not in self.choices:
             raise ConfigError(f"{where} is not one of {', '.join(self.choices)}")
         return parsed
@@ -257,8 +254,6 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="DALI decode + resize and a PyTorch network on the actor's GPU",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "'auto' or 'dali', the same: DALI decodes and resizes", choices=tn.GPU_DECODERS,
-                       removed=tn.GPU_REMOVED_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),

@@ -135,28 +135,12 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
 
 
-def check_gpu_decoder(decoder: str) -> None:
-    """Refuses a gpu-profile ``decoder`` value other than ``tn.GPU_DECODERS``, saying what to use instead.
-
-    Raises:
-        ConfigError: an unknown value, or a retired decoder's name.
-    """
-    if decoder in tn.GPU_DECODERS:
-        return
-    choices = " or ".join(repr(d) for d in tn.GPU_DECODERS)
-    if decoder in tn.GPU_REMOVED_DECODERS:
-        raise ConfigError(f"decoder {decoder!r} was removed: the gpu engine decodes and resizes with DALI only "
-                          f"(faster everywhere it was measured); use decoder {choices}")
-    raise ConfigError(f"decoder {decoder!r} is unknown; use decoder {choices}")
-
-
 def gpu_config(
     *,
     top_k: int = tn.DEFAULT_TOP_K,
     instances: int = GPU_INSTANCES,
     max_batch_size: int = GPU_MAX_BATCH_SIZE,
     batch_size: int = GPU_TRITON_BATCH_SIZE,
-    decoder: str = "auto",
     network: str = "auto",
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
@@ -179,10 +163,8 @@ def gpu_config(
     so the server hands the next requests to the other instances (``pipeline.engines.gpu.stream``).
 
     Raises:
-        ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead), or a
-            negative ``max_backlog``.
+        ConfigError: a negative ``max_backlog``.
     """
-    check_gpu_decoder(decoder)
     if max_backlog < 0:
         raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
     mc = _mc()
@@ -198,7 +180,6 @@ def gpu_config(
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     _set_parameters(config, {
         tn.GPU_PARAM_NETWORK: network,
-        tn.GPU_PARAM_DECODER: decoder,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         tn.GPU_PARAM_PREP_WORKERS: prep_workers,
@@ -230,7 +211,6 @@ def gpu_ensemble_configs(
     network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES,
     max_batch_size: int = GPU_MAX_BATCH_SIZE,
     batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
-    decoder: str = "auto",
     network: str = "auto",
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
@@ -254,9 +234,8 @@ def gpu_ensemble_configs(
     its bytes, which the network model turns into its classes (``pipeline.engines.gpu.stream.echo_ids``).
 
     Raises:
-        ConfigError: an unknown ``decoder`` or ``half``, or instance counts below 1.
+        ConfigError: an unknown ``half``, or instance counts below 1.
     """
-    check_gpu_decoder(decoder)
     half = str(half).lower()
     if half not in ("auto", "true", "false"):
         raise ConfigError(f"half {half!r} is unknown; use auto, true or false")
@@ -285,7 +264,6 @@ def gpu_ensemble_configs(
     pre.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     _set_parameters(pre, {
         tn.GPU_PARAM_NETWORK: network,  # "none": no DALI either (the hop)
-        tn.GPU_PARAM_DECODER: decoder,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_PREP_WORKERS: prep_workers,
         tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,

@@ -76,7 +76,6 @@ DEFAULT_TOP_K = 5
 # The gpu profile's config.pbtxt `parameters` (string values, also accepted as request parameters), written by
 # pipeline.triton.configs and read by the gpu profile's models.
 GPU_PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-GPU_PARAM_DECODER = "decoder"  # one of GPU_DECODERS
 GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI: share of a batch for the hardware JPEG engines
 GPU_PARAM_BATCH_SIZE = "batch_size"
 GPU_PARAM_CUDA_GRAPH = "cuda_graph"
@@ -98,10 +97,6 @@ PARAM_MAX_PIXELS = "max_pixels"
 PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default
-# Values of GPU_PARAM_DECODER and of --engine gpu's decoder option: both mean DALI ("auto" is the default that
-# written configs carry); a retired decoder's name fails at once with what to use instead.
-GPU_DECODERS = ("auto", "dali")
-GPU_REMOVED_DECODERS = ("nvimgcodec", "torchvision", "pil")
 
 
 def failure_message(errors: list[str], n: int) -> str:

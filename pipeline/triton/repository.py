@@ -19,7 +19,6 @@ from pipeline.triton.configs import (
     DALI_THREADS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PORTABLE_INSTANCES,
-    check_gpu_decoder,
     gpu_config,
     gpu_ensemble_configs,
     portable_config,
@@ -350,19 +349,17 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
 
     The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
     ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.torchscript``.
-    ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, decoder, network, ...).
+    ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, network, ...).
 
     Returns:
         the repository folder.
 
     Raises:
-        ConfigError: a ``decoder`` that is not "auto" or "dali", an unknown ``shape``, or an option the shape does
-            not have (before anything is written).
+        ConfigError: an unknown ``shape``, or an option the shape does not have (before anything is written).
         ModelError: a user's model without ``model.torchscript``.
     """
     from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
 
-    check_gpu_decoder(options.get("decoder", "auto"))
     if shape not in tn.GPU_SHAPES:
         raise ConfigError(f"gpu shape {shape!r} is unknown; use {' or '.join(tn.GPU_SHAPES)}")
     extra = sorted(set(options) & set(_SINGLE_ONLY_OPTIONS) if shape == "ensemble" else

@@ -40,7 +40,6 @@ import numpy as np
 from pipeline.engines.base import MAX_DECODE_THREADS
 from pipeline.errors import EngineError, ImageError
 from pipeline.triton import contract as tn
-from pipeline.triton.configs import check_gpu_decoder
 from pipeline.imaging import DecodeLimits, PreprocessSpec
 from pipeline.engines.gpu.dali import (
     DALI_MISSING,
@@ -158,7 +157,6 @@ class GpuClassifier:
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         top_k: how many classes to return per image.
         limits: encoded-size and pixel caps, as for every engine.
-        decoder: "auto" or "dali" (the same: DALI decodes and resizes).
         batch_size: images per network call; also the CUDA graph's batch.
         device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests).
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
@@ -175,7 +173,6 @@ class GpuClassifier:
             (``pipeline.engines.gpu.cuda_sync``).
 
     Raises:
-        ConfigError: an unknown or removed ``decoder``.
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
     """
 
@@ -186,7 +183,6 @@ class GpuClassifier:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        decoder: str = "auto",
         batch_size: int = DEFAULT_BATCH_SIZE,
         device: str | None = None,
         cuda_graph: bool = True,
@@ -199,7 +195,6 @@ class GpuClassifier:
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
     ):
-        check_gpu_decoder(decoder)
         check_cuda_sync(cuda_sync)
         if not dali_available():
             raise EngineError(DALI_MISSING)

@@ -31,7 +31,7 @@ class GpuEngine:
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
             ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
-            prep_workers, hw_decoder_load, dali_threads, dali_depth (and decoder: "auto" or "dali").
+            prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync.
     """
 
     name = "gpu"

@@ -106,7 +106,6 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         hw_decoder_load=float(config_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
         top_k=top_k,
         limits=limits,
-        decoder=config_param(config, tn.GPU_PARAM_DECODER, "auto"),
         batch_size=batch_size,
         device=device,
         cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
