@@ -24,6 +24,7 @@ from pipeline.quantize import (
     CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
 )
 from pipeline.triton.contract import PROFILES
+from pipeline.triton.profiles import MIB
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
@@ -95,8 +96,6 @@ def main(verbose: bool) -> None:
     """Classify every image under a folder or bucket prefix into a Parquet table."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-
-MIB = 1024 * 1024
 
 
 def _default(name: str) -> Any:

@@ -39,7 +39,7 @@ SHAPES_MAX_LEVELS = 3
 SHAPES_MEAN_LEVELS = 0.02
 # Top-1 must agree unless the reference itself nearly ties (hubble_deep_field: two classes within 0.001).
 TIE_MARGIN = 0.01
-# Known, documented differences of the production path (model_repository/README.md).
+# Known, documented differences of the production path (docs/engines.md).
 ALPHA_INPUTS = {"rgba_png", "palette_png_transparent"}  # DALI drops alpha; the reference composites on white
 DALI_UNDECODABLE = {"gif"}  # DALI has no GIF decoder: an error row in production
 

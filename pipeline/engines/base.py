@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
 from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
@@ -281,7 +282,6 @@ REGISTRY: dict[str, EngineSpec] = {
     )
 }
 ENGINE_NAMES = tuple(REGISTRY)
-AUTO_ENGINE = "auto"  # pipeline.engines.auto: the GPU path where the cluster has GPUs, onnx elsewhere
 ENGINE_CHOICES = (AUTO_ENGINE, *ENGINE_NAMES)
 DEFAULT_ENGINE = AUTO_ENGINE
 

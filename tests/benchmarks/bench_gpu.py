@@ -188,7 +188,7 @@ def model_only(net, batch: int, min_s: float, variant: str = "plain") -> float:
     """The ceiling: the network alone on a ready FP16 channels-last batch, replayed as a CUDA graph.
 
     ``variant``: "plain" (as the gpu engine serves it) or "compile" (``torch.compile``d, in the same CUDA graph; it
-    had not finished compiling ResNet-50 after 110 s on the H200, GPU_NOTES.md session 6).
+    is slow to compile ResNet-50).
     """
     import copy
 

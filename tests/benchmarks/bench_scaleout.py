@@ -1,6 +1,6 @@
 """Scale-out benchmark: the same Ray job on 1, 2, ... GPUs (one classify actor and one local Triton per GPU).
 
-Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see model_repository/GPU_NOTES.md)::
+Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see docs/gpu.md)::
 
     python tests/benchmarks/bench_scaleout.py --gpus 1,2 --out results/
 
