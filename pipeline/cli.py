@@ -104,6 +104,7 @@ def _default(name: str) -> Any:
 
 
 _GPU_BATCH_SIZES = "/".join(sorted({str(s.gpu_batch_size) for s in REGISTRY.values() if s.gpu_batch_size}))
+_ACTORS_PER_GPU = "/".join(sorted({str(s.actors_per_gpu) for s in REGISTRY.values() if s.needs_gpu}))
 
 # The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
 RUN_OPTIONS = (
@@ -117,7 +118,7 @@ RUN_OPTIONS = (
     click.option("--overwrite", is_flag=True, default=None, help="Delete this tool's earlier files in the output and start over."),
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
-    click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3, three actors per GPU; else 0)."),
+    click.option("--num-gpus-per-actor", type=float, default=None, help=f"GPUs each classify actor takes (default on a cluster with GPUs: 1/{_ACTORS_PER_GPU}, {_ACTORS_PER_GPU} actors per GPU; else 0)."),
     click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: " + ", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()) + ")."),
     click.option("--fetch-threads", type=int, default=None, help=f"Concurrent reads per fetch task (default {_default('fetch_threads')})."),
     click.option("--decode-threads", type=int, default=None, help=f"Decode threads per actor, for engines that decode in the actor (default: the CPU count, at most {MAX_DECODE_THREADS})."),
