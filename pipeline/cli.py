@@ -12,14 +12,19 @@ from typing import Any, Callable
 import click
 
 from pipeline import __version__
-from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
-from pipeline.engines.base import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
+from pipeline.config import (
+    DEFAULT_EXTENSIONS, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
+)
+from pipeline.engines.base import (
+    AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, ENGINE_CHOICES, MAX_DECODE_THREADS, REGISTRY,
+)
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
 from pipeline.quantize import (
     CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
 )
 from pipeline.triton.contract import PROFILES
+from pipeline.triton.profiles import MIB
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
@@ -92,28 +97,37 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+
+def _default(name: str) -> Any:
+    """RunConfig's default of field ``name``, for the help texts."""
+    return RunConfig.__dataclass_fields__[name].default
+
+
+_GPU_BATCH_SIZES = "/".join(sorted({str(s.gpu_batch_size) for s in REGISTRY.values() if s.gpu_batch_size}))
+_ACTORS_PER_GPU = "/".join(sorted({str(s.actors_per_gpu) for s in REGISTRY.values() if s.needs_gpu}))
+
 # The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
 RUN_OPTIONS = (
     click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0."),
     click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=None, help=f"{AUTO_ENGINE} (default): gpu where the Ray cluster has GPUs, else onnx; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
     click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
-    click.option("--top-k", type=int, default=None, help="Labels kept per image (default 5)."),
-    click.option("--batch-size", type=int, default=None, help="Images per engine call (default: 2048 where the actors take GPUs, else 64)."),
-    click.option("--shard-size", type=int, default=None, help="Rows per committed Parquet shard (default 1000)."),
+    click.option("--top-k", type=int, default=None, help=f"Labels kept per image (default {DEFAULT_TOP_K})."),
+    click.option("--batch-size", type=int, default=None, help=f"Images per engine call (default: {_GPU_BATCH_SIZES} where the actors take GPUs, else {DEFAULT_BATCH_SIZE})."),
+    click.option("--shard-size", type=int, default=None, help=f"Rows per committed Parquet shard (default {_default('shard_size')})."),
     click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for the source, the output and the previous output, e.g. endpoint_url=http://127.0.0.1:9000; repeatable."),
     click.option("--overwrite", is_flag=True, default=None, help="Delete this tool's earlier files in the output and start over."),
     click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
     click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
-    click.option("--num-gpus-per-actor", type=float, default=None, help="GPUs each classify actor takes (default on a cluster with GPUs: 1/3, three actors per GPU; else 0)."),
+    click.option("--num-gpus-per-actor", type=float, default=None, help=f"GPUs each classify actor takes (default on a cluster with GPUs: 1/{_ACTORS_PER_GPU}, {_ACTORS_PER_GPU} actors per GPU; else 0)."),
     click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: " + ", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()) + ")."),
-    click.option("--fetch-threads", type=int, default=None, help="Concurrent reads per fetch task (default 16)."),
-    click.option("--decode-threads", type=int, default=None, help="Decode threads per actor, for engines that decode in the actor (default: CPU count)."),
-    click.option("--max-bytes", type=int, default=None, help="Largest encoded image accepted, in bytes (default 64 MiB)."),
-    click.option("--max-pixels", type=int, default=None, help="Largest width*height accepted, read from the header (default 100M)."),
-    click.option("--retries", type=int, default=None, help="Retries of a transient storage error per object (default 5)."),
+    click.option("--fetch-threads", type=int, default=None, help=f"Concurrent reads per fetch task (default {_default('fetch_threads')})."),
+    click.option("--decode-threads", type=int, default=None, help=f"Decode threads per actor, for engines that decode in the actor (default: the CPU count, at most {MAX_DECODE_THREADS})."),
+    click.option("--max-bytes", type=int, default=None, help=f"Largest encoded image accepted, in bytes (default {_default('max_bytes') // MIB} MiB)."),
+    click.option("--max-pixels", type=int, default=None, help=f"Largest width*height accepted, read from the header (default {_default('max_pixels') // 1_000_000}M)."),
+    click.option("--retries", type=int, default=None, help=f"Retries of a transient storage error per object (default {_default('retries')})."),
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
-    click.option("--fetch-ahead-bytes", type=int, default=None, help="Cap on bytes fetched but not yet classified (Ray object store; default 64 MiB per CPU classify actor, 256 MiB per GPU actor)."),
-    click.option("--list-tasks", type=int, default=None, help="Listing tasks at once, the bound on outstanding LIST calls (default 8)."),
+    click.option("--fetch-ahead-bytes", type=int, default=None, help=f"Cap on bytes fetched but not yet classified (Ray object store; default {FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor)."),
+    click.option("--list-tasks", type=int, default=None, help=f"Listing tasks at once, the bound on outstanding LIST calls (default {_default('list_tasks')})."),
     click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
@@ -294,11 +308,11 @@ def repo() -> None:
 @click.option("--profile", type=click.Choice(PROFILES), default="portable", show_default=True, help="Which repository profile to fill.")
 @click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
-@click.option("--top-k", type=int, default=5, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
+@click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
 @click.option("--instances", type=int, default=None, help="Model instances per server (default: the profile's).")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
 @click.option("--shape", default="single", show_default=True, help="gpu profile: 'single' (one python model) or 'ensemble' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
-@click.option("--max-backlog", type=float, default=None, help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never; default 6; 4 measured best with 6 instances under MPS).")
+@click.option("--max-backlog", type=float, default=None, help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never; default: the profile's, see docs/gpu.md).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
                max_batch_size: int | None, shape: str, max_backlog: float | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
@@ -329,7 +343,7 @@ def repo_check(path: str | None) -> None:
 @click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default="/models/repository", show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
 @click.option("--model", envvar="BULK_CLASSIFY_MODEL", default=None, help="Model folder; default: built-in EfficientNet-Lite0 ($BULK_CLASSIFY_MODEL).")
 @click.option("--plan-cache", envvar="BULK_CLASSIFY_PLAN_CACHE", default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans ($BULK_CLASSIFY_PLAN_CACHE).")
-@click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=5, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
+@click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
 @click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=64, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
 def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top_k: int, max_batch_size: int) -> None:
     """Put a production repository for this node's GPU and TensorRT in place: keep, fetch from the cache, or build."""

@@ -8,22 +8,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engines.base import AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_ENGINE, engine_spec
+from pipeline.engines.base import AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_ENGINE, DEFAULT_TOP_K, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_PIXELS = 100_000_000
 ENV_PREFIX = "BULK_CLASSIFY_"
 # Fetch-ahead: bytes fetched but not yet classified wait in Ray's object store. The default budget is sized per
-# classify actor by what it classifies in a while: 256 MiB holds ~1.3 s of a GPU actor at 2,000 img/s of 100 KB;
-# a CPU actor takes ~60 img/s, so 64 MiB is still ~25 s of its work at 40 KB an image (256 MiB held the store's
-# share of a 20,000-image run's peak at 4x a 1,000-image run's).
+# classify actor to hold some seconds of its work (docs/output.md#large-catalogs).
 FETCH_AHEAD_PER_ACTOR = 256 * 1024 * 1024
 FETCH_AHEAD_PER_CPU_ACTOR = 64 * 1024 * 1024
 # ...and never less than a few actor batches of typical images: with a budget below one actor batch Ray Data
-# feeds the actor a trickle (seen: a GPU actor with 3,072-image batches of ~100 KB at 122 img/s, GPU idle; a Ray
-# Data model of it ran 6.5x slower with the budget at 2/3 of one batch than at 6 batches).
+# feeds the actor a trickle.
 FETCH_AHEAD_BATCHES = 3
 FETCH_AHEAD_IMAGE_BYTES = 256 * 1024
 DEFAULT_LIST_TASKS = 8
@@ -78,16 +74,15 @@ class RunConfig:
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
-        calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's default
-            (2 for onnx: one call decodes while the other runs the network; 2 for triton: one batch is sent while
-            the previous one's last requests finish; 3 for gpu: calls feed one pipeline).
+        calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
+            ``calls_per_actor`` in ``pipeline.engines.base.REGISTRY``.
     """
 
     source: str
     output: str
     model: str | None = None
     engine: str = DEFAULT_ENGINE
-    top_k: int = 5
+    top_k: int = DEFAULT_TOP_K
     batch_size: int | None = None
     shard_size: int = 1000
     extensions: tuple[str, ...] = DEFAULT_EXTENSIONS

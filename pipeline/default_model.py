@@ -17,7 +17,7 @@ import numpy as np
 from pipeline.errors import ModelError
 from pipeline.imaging import PreprocessSpec
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 MODEL_NAME = "efficientnet-lite0"
 # Bump when the graph this module writes changes, so cached builds of older converters are not reused.

@@ -17,7 +17,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import ConfigError, ImageError, ModelError
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 100_000_000
@@ -215,7 +215,7 @@ def _upright(img: Image.Image) -> Image.Image:
         ImageOps.exif_transpose(img, in_place=True)
         return img
     except Exception as e:  # Pillow's EXIF parser raises assorted types on corrupt blocks
-        log.debug("ignoring unreadable EXIF: %s", e)
+        LOG.debug("ignoring unreadable EXIF: %s", e)
         return img
 
 

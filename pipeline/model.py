@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.errors import ModelError
 from pipeline.imaging import PreprocessSpec
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 ONNX_INPUT = "input"
 ONNX_OUTPUT = "logits"
@@ -165,7 +165,7 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
             f"{_fmt_dims(expected)} ({spec.layout}, crop {list(spec.crop)}); make them agree"
         )
     if dims[0] is not None and dims[0] != 1:
-        log.warning("%s: batch axis is fixed at %d; export with a dynamic batch axis for speed", path, dims[0])
+        LOG.warning("%s: batch axis is fixed at %d; export with a dynamic batch axis for speed", path, dims[0])
     out_dims = [d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim]
     if len(out_dims) != 2:
         raise ModelError(f"{path}: output {out.name!r} has shape {_fmt_dims(out_dims)}; expected [batch, classes]")
@@ -201,7 +201,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         with FileLock(str(folder) + ".lock", timeout=BUILD_LOCK_TIMEOUT_S):
             if folder.is_dir():  # another process built it while we waited
                 return folder
-            log.info("building the default model into %s", folder)
+            LOG.info("building the default model into %s", folder)
             tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
             try:
                 weights = default_model.load_checkpoint(checkpoint)

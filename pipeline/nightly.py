@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 from pipeline.config import RunConfig
 from pipeline.errors import ConfigError, OutputError
 
-LOG = logging.getLogger("bulk_classify.nightly")
+LOG = logging.getLogger(__name__)
 DATE_PREFIX = "date="
 DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 PREVIOUS_AUTO, PREVIOUS_NONE = "auto", "none"

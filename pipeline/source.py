@@ -1,10 +1,15 @@
-"""Listing the source: recursive, extension-filtered, split into key ranges that tasks list in parallel (no Ray here)."""
+"""Listing the source: recursive, extension-filtered, split into key ranges that tasks list in parallel.
+
+Plain functions the job's Ray tasks call; Ray itself is touched only to fetch the done/carried key sets those tasks
+are handed as object refs (``resolve_keys``).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Mapping
 
@@ -94,11 +99,11 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions:
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
     """Whether the listing of ``root`` gives an entry (a file or a list_error row); it stops at the first."""
-    unit: tuple | None = ("local_dir", root, root, follow) if is_local(fs) else ("fs_dir", root)
+    unit: Unit | None = LocalDir(root, root, follow) if is_local(fs) else FsDir(root)
     if _is_s3(fs):
         bucket, prefix = _s3_split(root)
         first = (_list_page(fs, bucket, prefix, max_keys=1).get("Contents") or [None])[0]
-        unit = ("s3_range", bucket, prefix, first, None) if first else None
+        unit = S3Range(bucket, prefix, first, None) if first else None
     return unit is not None and next(iter(list_unit(fs, unit, extensions, stat=False)), None) is not None
 
 
@@ -135,7 +140,7 @@ def fsspec_entry(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> Entr
 # ---- planning: which key ranges each listing task takes (runs where Ray Data plans the read) ----
 
 def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], tasks: int, *,
-                 follow_symlinks: bool = False) -> list[list]:
+                 follow_symlinks: bool = False) -> list[list[Unit]]:
     """Split the listing of ``root`` into up to ``tasks`` groups of units; each unit lists a disjoint part.
 
     Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
@@ -149,13 +154,13 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
         units = _plan_s3(fs, root, tasks)
     else:
         units = _plan_fsspec(fs, root, extensions)
-    groups: list[list] = [[] for _ in range(max(1, min(tasks, len(units))))]
+    groups: list[list[Unit]] = [[] for _ in range(max(1, min(tasks, len(units))))]
     for i, unit in enumerate(units):
         groups[i % len(groups)].append(unit)
     return groups
 
 
-def _plan_local(root: str, tasks: int, follow: bool) -> list:
+def _plan_local(root: str, tasks: int, follow: bool) -> list[Unit]:
     dirs, files = [], 0
     with os.scandir(root) as it:
         for entry in it:
@@ -163,17 +168,17 @@ def _plan_local(root: str, tasks: int, follow: bool) -> list:
                 dirs.append(entry.path)
             else:
                 files += 1
-    units: list = [("local_dir", d, root, follow) for d in sorted(dirs)]
+    units: list[Unit] = [LocalDir(d, root, follow) for d in sorted(dirs)]
     split = max(1, min(tasks, -(-files // LOCAL_SPLIT_FILES)))
-    units += [("local_files", root, i, split, follow) for i in range(split)] if files else []
+    units += [LocalFiles(root, i, split, follow) for i in range(split)] if files else []
     return units
 
 
-def _plan_fsspec(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...]) -> list:
+def _plan_fsspec(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...]) -> list[Unit]:
     entries = sorted(fs.ls(root, detail=True), key=lambda e: e["name"])
     files = [e for e in entries if e.get("type") == "file" and matches(e["name"], extensions)]
     dirs = [e["name"] for e in entries if e.get("type") == "directory" and e["name"].rstrip("/") != root.rstrip("/")]
-    return [("fs_dir", d) for d in dirs] + ([("fs_files", files)] if files else [])
+    return [FsDir(d) for d in dirs] + ([FsFiles(files)] if files else [])
 
 
 def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
@@ -247,14 +252,14 @@ class _Prober:
         return out  # out of probes, the keys left stay in the last child's range
 
 
-def _plan_s3(fs: Any, root: str, tasks: int) -> list:
+def _plan_s3(fs: Any, root: str, tasks: int) -> list[Unit]:
     bucket, prefix = _s3_split(root)
     page = _list_page(fs, bucket, prefix)
     contents = page.get("Contents") or []
     if not page.get("IsTruncated"):
-        return [("s3_keys", bucket, contents)] if contents else []
+        return [S3Keys(bucket, contents)] if contents else []
     if tasks == 1:  # one task lists it all in order: nothing to probe
-        return [("s3_range", bucket, prefix, contents[0], None)]
+        return [S3Range(bucket, prefix, contents[0], None)]
     prober = _Prober(fs, bucket)
     leaves: list[tuple[str, dict]] = [(prefix, contents[0])]
     target = tasks * S3_RANGES_PER_TASK
@@ -280,7 +285,7 @@ def _plan_s3(fs: Any, root: str, tasks: int) -> list:
         leaves = grown
     starts = sorted({first["Key"]: first for _q, first in leaves}.values(), key=lambda e: e["Key"])
     LOG.info("listing s3://%s/%s in %d key ranges (%d probe calls)", bucket, prefix, len(starts), prober.calls)
-    return [("s3_range", bucket, prefix, start, starts[i + 1]["Key"] if i + 1 < len(starts) else None)
+    return [S3Range(bucket, prefix, start, starts[i + 1]["Key"] if i + 1 < len(starts) else None)
             for i, start in enumerate(starts)]
 
 
@@ -312,28 +317,88 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
             return
 
 
-def list_unit(fs: fsspec.AbstractFileSystem, unit: tuple, extensions: tuple[str, ...], *, stat: bool = True
+# ---- listing units: what one planned part of the listing covers, and how it lists itself ----
+
+@dataclass(frozen=True)
+class LocalDir:
+    """A local sub-folder of the source (``root``), walked recursively."""
+
+    path: str
+    root: str
+    follow: bool
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return walk_local(self.path, extensions, stat, root=self.root, follow=self.follow)
+
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """Slice ``index`` of ``split`` (by a hash of their names) of the files directly in the local folder ``root``."""
+
+    root: str
+    index: int
+    split: int
+    follow: bool
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return local_files(self.root, self.index, self.split, extensions, stat, follow=self.follow)
+
+
+@dataclass(frozen=True)
+class S3Keys:
+    """The keys of a prefix that one LIST page held whole (``contents``: its items)."""
+
+    bucket: str
+    contents: list
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return (_s3_entry(self.bucket, item) for item in self.contents if matches(item["Key"], extensions))
+
+
+@dataclass(frozen=True)
+class S3Range:
+    """The keys under ``prefix`` from the item ``start`` up to the key ``stop`` (None: to the end)."""
+
+    bucket: str
+    prefix: str
+    start: dict
+    stop: str | None
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return _s3_range(fs, self.bucket, self.prefix, self.start, self.stop, extensions)
+
+
+@dataclass(frozen=True)
+class FsDir:
+    """A folder of a store that is neither local nor S3, walked by ``ls``."""
+
+    path: str
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return _walk_fsspec(fs, self.path, extensions)
+
+
+@dataclass(frozen=True)
+class FsFiles:
+    """Files of such a store already listed with their details (``infos``)."""
+
+    infos: list
+
+    def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
+        return (fsspec_entry(fs, info) for info in self.infos)
+
+
+Unit = LocalDir | LocalFiles | S3Keys | S3Range | FsDir | FsFiles
+
+
+def list_unit(fs: fsspec.AbstractFileSystem, unit: Unit, extensions: tuple[str, ...], *, stat: bool = True
               ) -> Iterator[Entry]:
     """The entries of one planned unit, in a stable order.
 
     ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
     needs them only for some (``listing_blocks`` stats the objects that are not done already).
     """
-    kind = unit[0]
-    if kind == "local_dir":
-        yield from walk_local(unit[1], extensions, stat, root=unit[2], follow=unit[3])
-    elif kind == "local_files":
-        yield from local_files(unit[1], unit[2], unit[3], extensions, stat, follow=unit[4])
-    elif kind == "s3_keys":
-        yield from (_s3_entry(unit[1], item) for item in unit[2] if matches(item["Key"], extensions))
-    elif kind == "s3_range":
-        yield from _s3_range(fs, unit[1], unit[2], unit[3], unit[4], extensions)
-    elif kind == "fs_dir":
-        yield from _walk_fsspec(fs, unit[1], extensions)
-    elif kind == "fs_files":
-        yield from (fsspec_entry(fs, info) for info in unit[1])
-    else:  # pragma: no cover - units come from plan_listing
-        raise ValueError(f"unknown listing unit {kind!r}")
+    yield from unit.entries(fs, extensions, stat)
 
 
 def _walk_fsspec(fs: fsspec.AbstractFileSystem, folder: str, extensions: tuple[str, ...]) -> Iterator[Entry]:
@@ -418,9 +483,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
             out, fresh = pa.concat_tables(fresh), []
             fresh_since[0] = time.monotonic()
             # One fetch task per block downstream: blocks of at most FRESH_BLOCK_ROWS rows keep a task's fetched
-            # bytes small, so many fetch tasks fit the fetch-ahead budget at once (with 1,000-row blocks of
-            # 100 KB images one task's output was 100 MB and the job ran one fetch task at a time: py-spy on the
-            # H200 machine, model_repository/GPU_NOTES.md).
+            # bytes small, so many fetch tasks fit the fetch-ahead budget at once.
             for start in range(0, out.num_rows, FRESH_BLOCK_ROWS):
                 yield out.slice(start, FRESH_BLOCK_ROWS)
         clock[0] = time.perf_counter()
@@ -444,7 +507,7 @@ def resolve_keys(ref: Any) -> np.ndarray:
         return ref
     key = ref.hex()
     if key not in _KEYS_CACHE:
-        import ray
+        import ray  # noqa: PLC0415 - only inside a listing task, which Ray runs
 
         if len(_KEYS_CACHE) > 4:
             _KEYS_CACHE.clear()

@@ -16,8 +16,9 @@ from typing import Iterator
 from pipeline.errors import LIST_ERROR, ImageError
 from pipeline.keys import object_uri, uri_path
 
-# (uri, size_bytes, etag, mtime_us); an entry the listing could not read is (uri, None, None, None, error).
-Entry = tuple
+# One listed object, kept a plain tuple because a listing holds millions: (uri, size_bytes, etag, mtime_us); an
+# entry the listing could not read is (uri, None, None, None, error), told apart by its length (``is_error``).
+Entry = tuple[str, int | None, str | None, int | None] | tuple[str, None, None, None, str]
 FOLLOW_HINT = "pass --follow-symlinks to list it"
 
 

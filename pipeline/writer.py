@@ -1,4 +1,6 @@
-"""Writing output: each shard's rows committed atomically under a name derived from its content, with its record."""
+"""Writing output and reading it back: each shard's rows committed atomically under a name derived from its content,
+with its record in the footer; and the readers of those shards, footers and records (``committed_parts``,
+``read_record``, ``read_shard``, ``iter_records``, ``read_columns``) and of the JSON bookkeeping files."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The import graph of ``pipeline/``: every ``pipeline.*`` import (top-level or inside a function), its cycles,
 and the layers that imports must respect. ``python tests/import_graph.py`` prints cycles, upward imports and
-module sizes; ``tests/unit/test_layout.py`` asserts there are none."""
+module sizes; ``tests/unit/test_layout.py`` asserts there are none. The python files of the committed repositories
+(``model_repository/*/*/1/*.py``, the shims tritonserver loads) are in the graph too, on the top floor."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
-# Lower floors never import higher ones (STYLE.md 16): the CLI on top, then the job (its stages, the Ray actor),
-# the engines, the Triton process/contract/repositories, and the model/imaging/errors at the bottom. Modules not
-# listed here (the job's own modules) sit on the job's floor.
+REPOSITORIES = PACKAGE.parent / "model_repository"
+# Lower floors never import higher ones (STYLE.md 16): the shims tritonserver loads and the CLI on top, then the job
+# (its stages, the Ray actor), the code Triton serves (which runs the gpu engine's parts), the engines, the Triton
+# process/contract/repositories, and the model/imaging/errors at the bottom. Modules not listed here (the job's own
+# modules) sit on the job's floor.
 FLOORS = {
+    "model_repository": 7,
     "pipeline.cli": 6,
     "pipeline.nightly": 6,
+    "pipeline.triton.serve": 4,
     "pipeline.engines": 3,
     "pipeline.triton": 2,
     "pipeline.model": 1,
@@ -28,6 +33,8 @@ MAX_LINES = 400
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    if parts[0] == REPOSITORIES.name:  # a shim: named by its folders (model_repository.gpu.classifier.1.model)
+        return ".".join(parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -50,6 +57,7 @@ def graph() -> dict[str, set[str]]:
     """module -> the pipeline modules it imports; packages' ``__init__`` only document, so they are not targets."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = {name for name, path in files.items() if path.name != "__init__.py"}
+    files.update({module_name(p): p for p in REPOSITORIES.glob("*/*/*/*.py")})
     return {name: imports(path, modules) - {name} for name, path in files.items()}
 
 

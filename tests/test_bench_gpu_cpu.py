@@ -39,7 +39,7 @@ def bench_gpu(monkeypatch):
 
 def test_triton_part_times_the_hop_and_reports_each_instance(bench_gpu, tmp_path, capsys):
     args = argparse.Namespace(
-        servers=["2:bl1"], triton_nets="hop", triton_batch=32, triton_max_batch=1024, decoder="auto",
+        servers=["2:bl1"], triton_nets="hop", triton_batch=32, triton_max_batch=1024,
         queue_delay_us=100, prep_workers=2, hw_decoder_load=None, half="auto", dali_depth=None, dali_threads=None,
         client=[(16, 4)], client_procs=[1], triton_images=256, seconds=0.5, py_spy=False, out=tmp_path,
         bad_inputs="between", network_instances=1)

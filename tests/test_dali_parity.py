@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -13,11 +15,12 @@ from oddities import EXPECTED_SIZES, oddities
 from PIL import Image
 
 from pipeline.errors import ImageError
+from pipeline.imaging import PreprocessSpec, load_and_preprocess
 from pipeline.model import load_model
-from pipeline.imaging import load_and_preprocess
+from pipeline.triton import contract as tn
 
 pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.triton.dali_pipeline import DaliPreprocessor  # noqa: E402
+from pipeline.triton.dali_pipeline import _first_line, pipeline_graph  # noqa: E402
 
 LOG = logging.getLogger(__name__)
 PHOTOS = Path(__file__).resolve().parent / "data" / "photos"
@@ -36,9 +39,96 @@ SHAPES_MAX_LEVELS = 3
 SHAPES_MEAN_LEVELS = 0.02
 # Top-1 must agree unless the reference itself nearly ties (hubble_deep_field: two classes within 0.001).
 TIE_MARGIN = 0.01
-# Known, documented differences of the production path (model_repository/README.md).
+# Known, documented differences of the production path (docs/engines.md).
 ALPHA_INPUTS = {"rgba_png", "palette_png_transparent"}  # DALI drops alpha; the reference composites on white
 DALI_UNDECODABLE = {"gif"}  # DALI has no GIF decoder: an error row in production
+
+
+# ---- the production graph on the CPU, fed batch by batch, bad inputs isolated by splitting ----------------------
+
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_THREADS = 4
+
+
+def build_pipeline(
+    spec: PreprocessSpec,
+    *,
+    device: str = "cpu",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    num_threads: int = DEFAULT_THREADS,
+    device_id: int | None = None,
+):
+    """A built DALI pipeline. ``device="cpu"`` needs no GPU (``device_id`` None); "mixed" needs ``device_id``."""
+    from nvidia.dali import pipeline_def  # noqa: PLC0415
+
+    if device not in ("cpu", "mixed"):
+        raise ValueError(f"device must be 'cpu' or 'mixed', got {device!r}")
+    if device == "mixed" and device_id is None:
+        device_id = 0
+
+    # Fed and run one batch at a time: no prefetching, so a failure belongs to the batch just fed.
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+    def preprocess():
+        return pipeline_graph(spec, device=device)
+
+    pipe = preprocess()
+    pipe.build()
+    return pipe
+
+
+@dataclass
+class DaliOutcome:
+    """One input's DALI outcome: the tensor and size, or the error that isolated it."""
+
+    array: np.ndarray | None
+    width: int
+    height: int
+    error: str = ""
+
+
+class DaliPreprocessor:
+    """Runs the pipeline over encoded images in chunks of its batch size, isolating bad inputs.
+
+    A batch that fails (one corrupt file fails them all, and leaves the DALI pipeline unusable) is split in
+    halves on a rebuilt pipeline until the bad input stands alone: the same isolation the production path does
+    by splitting Triton requests.
+    """
+
+    def __init__(self, spec: PreprocessSpec, *, device: str = "cpu", batch_size: int = DEFAULT_BATCH_SIZE,
+                 num_threads: int = DEFAULT_THREADS, device_id: int | None = None):
+        self.spec = spec
+        self._args = {"device": device, "batch_size": batch_size, "num_threads": num_threads, "device_id": device_id}
+        self.batch_size = batch_size
+        self._pipe = build_pipeline(spec, **self._args)
+
+    def run(self, blobs: Sequence[bytes]) -> list[DaliOutcome]:
+        out: list[DaliOutcome] = []
+        for start in range(0, len(blobs), self.batch_size):
+            out.extend(self._run_isolating(list(blobs[start : start + self.batch_size])))
+        return out
+
+    def _run_isolating(self, blobs: list[bytes]) -> list[DaliOutcome]:
+        try:
+            return self._run_batch(blobs)
+        except (RuntimeError, IndexError) as err:
+            self._pipe = build_pipeline(self.spec, **self._args)  # a failed run invalidates the pipeline
+            if len(blobs) == 1:
+                return [DaliOutcome(None, 0, 0, f"decode_error: DALI: {_first_line(err)}")]
+            half = len(blobs) // 2
+            return self._run_isolating(blobs[:half]) + self._run_isolating(blobs[half:])
+
+    def _run_batch(self, blobs: list[bytes]) -> list[DaliOutcome]:
+        longest = max(1, max(len(b) for b in blobs))
+        images = [np.frombuffer(b.ljust(longest, b"\0"), dtype=np.uint8) for b in blobs]
+        lengths = [np.array([len(b)], dtype=np.int32) for b in blobs]
+        self._pipe.feed_input(tn.INPUT_IMAGE, images)
+        self._pipe.feed_input(tn.INPUT_LENGTH, lengths)
+        tensors, widths, heights = self._pipe.run()
+        return [
+            DaliOutcome(np.array(tensors.at(i)), int(np.array(widths.at(i))[0]), int(np.array(heights.at(i))[0]))
+            for i in range(len(blobs))
+        ]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The gpu engine: its CPU logic (JPEG header triage, the decoder choice, the Triton profile) always; the classifier
+"""The gpu engine: its CPU logic (JPEG header triage, the Triton profile) always; the classifier
 on the CPU (DALI's CPU backend, a torch CPU network) where torch and DALI are installed; the real thing on a GPU
 (``-m gpu``)."""
 
@@ -80,23 +80,6 @@ def test_header_rejects_non_jpeg_and_cut_headers():
         parse_jpeg_header(b"\xff\xd8\x00\x00\x00\x00")
 
 
-# ---- the decoder choice: DALI only ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("removed", tn.GPU_REMOVED_DECODERS)
-def test_a_removed_decoder_fails_at_once_saying_what_to_use(removed, tmp_path):
-    message = (f"^decoder '{removed}' was removed: the gpu engine decodes and resizes with DALI only "
-               r"\(faster everywhere it was measured\); use decoder 'auto' or 'dali'$")
-    with pytest.raises(ConfigError, match=message):
-        GpuClassifier(None, DEFAULT_SPEC, decoder=removed)  # refused before torch, DALI or the network
-    with pytest.raises(ConfigError, match=message):
-        build_gpu_repository(None, tmp_path / "repo", decoder=removed)
-    assert not (tmp_path / "repo").exists(), "refused before anything is written"
-    with pytest.raises(ConfigError, match="^decoder 'jpegturbo' is unknown; use decoder 'auto' or 'dali'$"):
-        gpu_config(decoder="jpegturbo")
-    assert '"dali"' in gpu_config(decoder="dali")
-
-
 def test_without_dali_the_classifier_names_the_extra_to_install(monkeypatch):
     monkeypatch.setattr("pipeline.engines.gpu.classifier.dali_available", lambda: False)
     with pytest.raises(EngineError, match=r"^the gpu engine decodes and resizes with DALI, which is not installed "
@@ -136,7 +119,7 @@ def test_built_gpu_repository_passes_the_repository_check(tmp_path):
     assert check_repository(out) == [tn.MODEL_NAME]
     version = out / tn.MODEL_NAME / "1"
     assert PreprocessSpec.from_json((version / "preprocess.json").read_text()) == DEFAULT_SPEC
-    assert "from pipeline.engines.gpu.triton_model import TritonPythonModel" in (version / "model.py").read_text()
+    assert "from pipeline.triton.serve.gpu_model import TritonPythonModel" in (version / "model.py").read_text()
 
 
 def test_committed_gpu_profile_passes_the_repository_check():
@@ -194,11 +177,11 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     """What reaches the network: DALI's rows (JPEGs, one EXIF-rotated) and the reference's (a PNG), each in its
     caller's place, against ``pipeline.imaging``'s own preprocessing of the same file."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.classifier import _Chunk
+    from pipeline.engines.gpu.classifier import _Chunk, triage
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
     datas = _inputs()
-    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     assert [it.info is not None for it in chunk.items] == [True] * (len(datas) - 1) + [False]  # the PNG: Pillow
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors and clf.refused_batches == 0
@@ -263,11 +246,11 @@ def test_concurrent_calls_share_one_stream_with_dali_at_depth_two(lite0):
     good = _inputs()[:6]
     calls = [[good[0], good[1], b"not an image"], [good[2], good[3][: len(good[3]) // 2], good[4]],
              [good[5], good[0], b""], good[1:5]]
-    alone = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", decoder="dali", batch_size=4, pipeline=False,
+    alone = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, pipeline=False,
                       dali_depth=1)
     want = [[(r.status, r.error and r.error.split(":")[0], r.class_ids) for r in alone.classify(c)] for c in calls]
     alone.close()
-    engine = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, dali_depth=2)  # decoder "auto"
+    engine = GpuEngine(bundle, top_k=3, network=lite0, device="cpu", batch_size=4, dali_depth=2)
     got: dict = {}
     threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, engine.classify(calls[k])))
                for k in range(len(calls))]
@@ -319,11 +302,11 @@ def test_blocking_sync_is_in_force_and_classifies_the_same():
 def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     """DALI's "mixed" decode (hardware JPEG engines, nvJPEG) and resize against the reference, row by row."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.classifier import _Chunk
+    from pipeline.engines.gpu.classifier import _Chunk, triage
 
     clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, cuda_graph=False, half=False, pipeline=False)
     datas = _inputs()
-    chunk = _Chunk([clf._triage(i, d) for i, d in enumerate(datas)])
+    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors
     for row, pos in enumerate(chunk.ok):

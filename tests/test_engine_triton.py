@@ -164,7 +164,7 @@ import os, sys
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p]
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from pipeline.triton.portable_model import Classifier
+from pipeline.triton.serve.portable_model import Classifier
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -317,7 +317,7 @@ CRASHING_MODEL = '''
 import os, sys
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 import triton_python_backend_utils as pb_utils
-from pipeline.triton.portable_model import TritonPythonModel as Portable
+from pipeline.triton.serve.portable_model import TritonPythonModel as Portable
 
 class TritonPythonModel(Portable):
     def execute(self, requests):

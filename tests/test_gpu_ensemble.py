@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.engines.triton import TritonEngine
 from pipeline.errors import ConfigError
-from pipeline.model import load_model
+from pipeline.model import SPEC_FILE, load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer
@@ -43,7 +43,7 @@ def test_the_ensemble_shape_is_three_models_with_gpu_tensors_between_them(tmp_pa
     assert "TYPE_FP16" in preprocess and "KIND_GPU" in preprocess and "count: 3" in preprocess
     assert "allow_ragged_batch: true" in preprocess
     for name in (tn.PREPROCESS_MODEL, tn.NETWORK_MODEL):
-        assert (repo / name / "1" / "model.py").is_file() and (repo / name / "1" / tn.SPEC_FILE).is_file()
+        assert (repo / name / "1" / "model.py").is_file() and (repo / name / "1" / SPEC_FILE).is_file()
 
 
 @pytest.mark.parametrize("options, message", [

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pipeline.engines.gpu.stream import NullClassifier, RequestStream, echo_ids
+from pipeline.engines.gpu.stream import RequestStream
+from pipeline.triton.serve.hop import NullClassifier, echo_ids
 from pipeline.engines.triton import TritonEngine
 from pipeline.imaging import DecodeLimits
 from pipeline.model import load_model

@@ -9,7 +9,7 @@ import pytest
 import pipeline.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
 from pipeline.keys import object_uri, uri_path
-from pipeline.source import list_unit, open_fs, plan_listing
+from pipeline.source import S3Keys, S3Range, list_unit, open_fs, plan_listing
 
 EXT = DEFAULT_EXTENSIONS
 
@@ -47,11 +47,11 @@ def test_s3_flat_prefix_is_split_at_probed_keys_and_lists_every_key_once(s3_serv
     # A range lists under the common prefix of its first key and the next range's first key: narrower LISTs.
     assert sum(p.startswith("flat/img000") for p in prefixes) >= 8, prefixes
     ranges = [u for g in groups for u in g]
-    assert len(groups) == 8 and len(ranges) >= 16 and all(u[0] == "s3_range" for u in ranges)
+    assert len(groups) == 8 and len(ranges) >= 16 and all(isinstance(u, S3Range) for u in ranges)
     assert sorted(uris) == [f"flat-listing/{k}" for k in flat_bucket]
     assert len(uris) == len(set(uris))
     one, uris_one = listed(fs, root, 1)  # one task: no probing, one range from the first key to the end
-    assert [u[0] for g in one for u in g] == ["s3_range"] and [uri_path(u) for u in uris_one] == sorted(uris)
+    assert [type(u) for g in one for u in g] == [S3Range] and [uri_path(u) for u in uris_one] == sorted(uris)
 
 
 def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
@@ -60,7 +60,7 @@ def test_s3_small_prefix_is_one_page_without_probing(s3_server, s3):
         s3.put_object(Bucket="small-listing", Key=k, Body=b"x", )
     fs, root = open_fs("s3://small-listing/p")
     groups, uris = listed(fs, root, 8)
-    assert [u[0] for g in groups for u in g] == ["s3_keys"]
+    assert [type(u) for g in groups for u in g] == [S3Keys]
     assert sorted(uris) == ["s3://small-listing/p/a.jpg", "s3://small-listing/p/b/c.jpg"]
 
 

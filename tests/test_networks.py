@@ -178,7 +178,7 @@ def test_both_gpu_paths_load_the_default_layout(tmp_path):
     """The in-process engine (a ModelBundle) and the gpu profile's Triton models (a version folder) get one network."""
     pytest.importorskip("torch")
     from pipeline.engines.gpu.networks import load_network
-    from pipeline.engines.gpu.triton_model import _FolderBundle
+    from pipeline.triton.serve.gpu_model import _FolderBundle
     from pipeline.model import load_model
 
     assert load_network(load_model(None)).layout == LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]

@@ -69,7 +69,7 @@ MIXING_MODEL = '''
 import json, os, sys
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 import triton_python_backend_utils as pb_utils
-from pipeline.triton.portable_model import TritonPythonModel as Portable
+from pipeline.triton.serve.portable_model import TritonPythonModel as Portable
 
 class TritonPythonModel(Portable):
     def initialize(self, args):
@@ -339,7 +339,7 @@ SLOW_MODEL = '''
 import os, sys, time
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 import triton_python_backend_utils as pb_utils
-from pipeline.triton.portable_model import TritonPythonModel as Portable
+from pipeline.triton.serve.portable_model import TritonPythonModel as Portable
 
 class TritonPythonModel(Portable):
     def execute(self, requests):

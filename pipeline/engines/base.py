@@ -1,28 +1,28 @@
 """The engine contract: ``Result``, the ``Engine`` protocol, top-k arrays to results, and the engine registry.
 
 Every engine is one module plus one ``EngineSpec`` in ``REGISTRY``: its name, the class that builds it (imported
-only when an actor builds one), its typed options, whether it wants a GPU, and a preflight that checks its
-requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
+only when an actor builds one), its typed options, whether it wants a GPU, and its module's preflight that checks
+its requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
 job read the registry; nothing else names an engine.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS  # stdlib only: names
+from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
+from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
 
 DEFAULT_BATCH_SIZE = 64
+# Threads decoding in an actor by default (--decode-threads): the CPU count, at most this; past it threads only wait.
+MAX_DECODE_THREADS = 8
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
-DEFAULT_TOP_K = 5
 STAGE_DECODE = "decode_preprocess"
 STAGE_INFER = "infer"
 
@@ -104,7 +104,6 @@ class Option:
     help: str
     minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()  # values that were choices once: refused with the choices to use instead
 
     def parse(self, engine: str, value: Any) -> Any:
         """``value`` (from the CLI, the environment or a YAML file) as this option's type; ConfigError names the fix."""
@@ -126,8 +125,6 @@ class Option:
             raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
-        if parsed in self.removed:
-            raise ConfigError(f"{where} was removed; use {' or '.join(self.choices)}")
         if self.choices and parsed not in self.choices:
             raise ConfigError(f"{where} is not one of {', '.join(self.choices)}")
         return parsed
@@ -205,53 +202,6 @@ def _positive_float(name: str, help: str) -> Option:
     return Option(name, float, help, minimum=0)
 
 
-def check_gpu(options: Mapping[str, Any]) -> None:
-    """The gpu engine's requirements: PyTorch and DALI importable here."""
-    if importlib.util.find_spec("torch") is None:
-        raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
-                          "or use --engine onnx or --engine triton")
-    if not _importable("nvidia.dali"):
-        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
-                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package (here ``nvidia``) is missing
-        return False
-
-
-def check_triton(options: Mapping[str, Any]) -> None:
-    """The triton engine's requirements: a repository that exists, and a tritonserver unless ``url`` is given."""
-    repository = options.get("repository")
-    if repository is not None:
-        path = Path(str(repository)).expanduser()
-        if not (path / "classifier" / "config.pbtxt").is_file():
-            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
-            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
-                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
-    if options.get("url"):
-        return
-    from pipeline.triton.profiles import AUTO, GPU, visible_gpus  # noqa: PLC0415
-
-    profile = options.get("profile", AUTO)
-    if repository is None and (profile == GPU or (profile == AUTO and visible_gpus())):
-        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
-
-        missing = missing_gpu_stack()
-        if missing:
-            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
-                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
-    from pipeline.errors import TritonError  # noqa: PLC0415
-    from pipeline.triton.server import find_tritonserver  # noqa: PLC0415 - light: stdlib only
-
-    try:
-        find_tritonserver()
-    except TritonError as err:
-        raise ConfigError(f"--engine triton: {err}") from None
-
-
 REGISTRY: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
@@ -292,7 +242,7 @@ REGISTRY: dict[str, EngineSpec] = {
                        "below 1): true or false"),
             ),
             needs_gpu=True,
-            preflight="pipeline.engines.base:check_triton",
+            preflight="pipeline.engines.triton:check_requirements",
             # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
             # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
             # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
@@ -311,9 +261,6 @@ REGISTRY: dict[str, EngineSpec] = {
             summary="DALI decode + resize and a PyTorch network on the actor's GPU",
             options=(
                 Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                Option("decoder", str, "'auto' or 'dali', the same: DALI decodes and resizes (the hand-written "
-                       "nvimgcodec, torchvision and pil were removed)", choices=tn.GPU_DECODERS,
-                       removed=tn.GPU_REMOVED_DECODERS),
                 _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
                 _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
                 _positive_int("batch_size", "images per network call, e.g. 256"),
@@ -323,16 +270,15 @@ REGISTRY: dict[str, EngineSpec] = {
                 _positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
                 Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
                 _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
-                Option("hw_decode_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
+                Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
                 Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
-                       choices=tuple(SYNC_FLAGS)),
+                       choices=tn.CUDA_SYNC_MODES),
             ),
             needs_gpu=True,
             decode_threads_option="cpu_decode_threads",
-            preflight="pipeline.engines.base:check_gpu",
-            # Calls share one pipeline (RequestStream): the next call decodes while the network runs this one. Three
-            # actors per GPU: the whole job went 5,968 -> 8,146 -> 10,587 img/s with 1, 2, 3 (GPU 33 / 59 / 93 %
-            # busy; 4: 10,435) on the H200 (model_repository/GPU_NOTES.md, session 3).
+            preflight="pipeline.engines.gpu.engine:check_requirements",
+            # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
+            # three actors keep one GPU busiest (docs/performance.md).
             calls_per_actor=3,
             actors_per_gpu=3,
             gpu_batch_size=2048,
@@ -342,7 +288,6 @@ REGISTRY: dict[str, EngineSpec] = {
     )
 }
 ENGINE_NAMES = tuple(REGISTRY)
-AUTO_ENGINE = "auto"  # pipeline.engines.auto: the GPU path where the cluster has GPUs, onnx elsewhere
 ENGINE_CHOICES = (AUTO_ENGINE, *ENGINE_NAMES)
 DEFAULT_ENGINE = AUTO_ENGINE
 

@@ -11,17 +11,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK, Result, results_from_topk
+from pipeline.engines.base import DEFAULT_TOP_K, MAX_DECODE_THREADS, STAGE_DECODE, STAGE_INFER, STATUS_OK, Result, results_from_topk
 from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.imaging import DecodeLimits, load_and_preprocess
 from pipeline.model import ModelBundle
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
-# Images per ORT run. Small batches are the most CPU-efficient for this depthwise-conv network: one ORT thread
-# made 204 img/CPU-s at batch 4, 168 at 8, 145 at 64 (2-core x86 VM, tests/benchmarks/bench_engine.py).
+# Images per ORT run: small batches are the most CPU-efficient for this depthwise-conv network
+# (tests/benchmarks/bench_engine.py measures them).
 DEFAULT_MAX_BATCH = 8
-MAX_DECODE_THREADS = 8
 # ONNX Runtime threads per run by default: one, because the actor runs several calls at once (the onnx engine's
 # calls_per_actor), and their single-threaded runs overlap decoding better than one run on every core.
 DEFAULT_INTRA_OP_THREADS = 1
@@ -69,7 +68,7 @@ class OnnxEngine:
         bundle: the model (see ``pipeline.model.load_model``).
         top_k: classes per result.
         limits: caps on encoded bytes and header pixels.
-        decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default min(8, CPUs).
+        decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default the CPU count, at most MAX_DECODE_THREADS.
         intra_op_threads: ONNX Runtime's threads per run; default DEFAULT_INTRA_OP_THREADS.
         max_batch: images per ORT run; larger inputs to ``classify`` are split.
     """
@@ -166,10 +165,10 @@ class OnnxEngine:
             raise
         except Exception as e:  # ORT's own error types; a run error may be one input's fault
             if len(batch) == 1:
-                log.warning("ONNX Runtime failed on one image: %s", e)
+                LOG.warning("ONNX Runtime failed on one image: %s", e)
                 return [Result.failed(f"engine_error: {e}", width=sizes[0][0], height=sizes[0][1])]
             # Split to find the input(s) to blame; the others still get their results.
-            log.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
+            LOG.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
             half = len(batch) // 2
             return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
         return results_from_logits(logits, self.bundle.labels, self.top_k, sizes)

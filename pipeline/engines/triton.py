@@ -22,14 +22,15 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.server import HEALTH_TIMEOUT_S
+from pipeline.triton.server import HEALTH_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
@@ -550,3 +551,30 @@ class TritonEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_requirements(options: Mapping[str, Any]) -> None:
+    """The triton engine's preflight (its ``EngineSpec.preflight``): a repository that exists, the gpu profile's
+    stack where the actor gets that profile, and a tritonserver unless ``url`` is given."""
+    repository = options.get("repository")
+    if repository is not None:
+        path = Path(str(repository)).expanduser()
+        if not (path / "classifier" / "config.pbtxt").is_file():
+            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
+            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
+                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
+    if options.get("url"):
+        return
+    from pipeline.triton.profiles import AUTO, choose_profile  # noqa: PLC0415
+
+    if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
+        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
+
+        missing = missing_gpu_stack()
+        if missing:
+            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
+                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
+    try:
+        find_tritonserver()
+    except TritonError as err:
+        raise ConfigError(f"--engine triton: {err}") from None

@@ -67,8 +67,8 @@ def request_header(model_name: str, n: int, longest: int, outputs: Sequence[str]
     request.inputs.add(name=tn.INPUT_TAG, datatype=tn.INPUTS[tn.INPUT_TAG], shape=[n, 1])
     for name in outputs:
         request.outputs.add(name=name)
-    request.parameters["max_bytes"].int64_param = limits.max_bytes
-    request.parameters["max_pixels"].int64_param = limits.max_pixels
+    request.parameters[tn.PARAM_MAX_BYTES].int64_param = limits.max_bytes
+    request.parameters[tn.PARAM_MAX_PIXELS].int64_param = limits.max_pixels
     return request
 
 

@@ -23,7 +23,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.keys import member, uri_hashes
 from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
-from pipeline.source import is_local, open_fs, storage_failure
+from pipeline.source import LocalDir, is_local, open_fs, storage_failure
 from pipeline.writer import (
     GROUP_RE, TEMP_RE, committed_parts, is_committed_shard, iter_records, part_name, read_json, read_record,
     read_shard, shard_id, write_json, write_shard,
@@ -154,7 +154,7 @@ def without_folder(groups: list[list], folder: str | None) -> list[list]:
     if folder is None:
         return groups
     inside = folder.rstrip("/") + "/"
-    kept = [[u for u in g if not (u[0] == "local_dir" and (u[1].rstrip("/") + "/").startswith(inside))]
+    kept = [[u for u in g if not (isinstance(u, LocalDir) and (u.path.rstrip("/") + "/").startswith(inside))]
             for g in groups]
     return [g for g in kept if g] or [[]]
 

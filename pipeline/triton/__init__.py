@@ -1,4 +1,4 @@
 """Triton: the tensor contract (``contract``), the one class owning a local tritonserver (``server``), the
-repository profiles' configs (``configs``), building (``repository``) and checking (``checks``), and the code the
-profiles serve (``portable_model``, ``dali_pipeline``). Nothing here imports an engine.
+repository profiles' configs (``configs``), building (``repository``) and checking (``checks``), the DALI graph
+(``dali_pipeline``) and, in ``serve``, the code the server runs. Nothing here but ``serve`` imports an engine.
 """

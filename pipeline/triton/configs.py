@@ -13,26 +13,22 @@ QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
 GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls
 # Stub processes per GPU, each with its own request stream (pipeline.engines.gpu.stream), classifier and CUDA
-# context. In one process DALI and the network take turns on the GPU; several processes keep it busy. On an H200
-# (model_repository/GPU_NOTES.md, session 5): ResNet-50 through Triton 1 instance 5.1-5.9k img/s, 3 instances
-# 9.7-9.8k; under CUDA MPS (kernels of all processes at once) 3 instances 10.4k, 4 instances 11.8-11.9k.
+# context: in one process DALI and the network take turns on the GPU, several keep it busy (docs/performance.md).
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
 # The ensemble shape (gpu_ensemble_configs). Preprocess instances do what the single model's instances spend their
 # time on (triage, DALI, the reference), one execute() at a time each: as many as the single model's instances.
 # One network instance: the dynamic batcher merges every preprocess instance's output into its batches and one CUDA
-# graph replays them; a second would halve its batches. Neither is measured on a GPU yet (GPU_NOTES.md).
+# graph replays them; a second would halve its batches.
 GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
 GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
-# The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE, 256):
-# through Triton, ResNet-50 with 4 instances under MPS did 10,098 img/s at 256 and 11,998-12,152 at 128 (H200,
-# model_repository/GPU_NOTES.md, session 6; session 5, in one run: 7,452 against 9,798).
+# The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE): smaller
+# batches from several instances under MPS keep the GPU busier than one instance's large ones.
 GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
-# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits). With it,
-# more instances pay under MPS: ResNet-50 4 / 5 / 6 instances 12.0-12.2k / 12.7k / 12.8-13.3k img/s (6 with a backlog
-# of 4); 5 instances without one did 11.1k in session 5 (GPU_NOTES.md, session 6).
+# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits); with it more
+# instances pay under MPS.
 GPU_MAX_BACKLOG = 6
 
 
@@ -68,7 +64,7 @@ def _text(config) -> str:
 
 
 def numpy_can_send_bytes() -> bool:
-    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (shared/FACTS.md)."""
+    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (docs/engines.md)."""
     import numpy as np  # noqa: PLC0415
 
     return int(np.__version__.split(".")[0]) < 2
@@ -139,28 +135,12 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
 
 
-def check_gpu_decoder(decoder: str) -> None:
-    """Refuses a gpu-profile ``decoder`` value other than ``tn.GPU_DECODERS``, saying what to use instead.
-
-    Raises:
-        ConfigError: an unknown value, or one of the removed hand-written decoders.
-    """
-    if decoder in tn.GPU_DECODERS:
-        return
-    choices = " or ".join(repr(d) for d in tn.GPU_DECODERS)
-    if decoder in tn.GPU_REMOVED_DECODERS:
-        raise ConfigError(f"decoder {decoder!r} was removed: the gpu engine decodes and resizes with DALI only "
-                          f"(faster everywhere it was measured); use decoder {choices}")
-    raise ConfigError(f"decoder {decoder!r} is unknown; use decoder {choices}")
-
-
 def gpu_config(
     *,
-    top_k: int = 5,
+    top_k: int = tn.DEFAULT_TOP_K,
     instances: int = GPU_INSTANCES,
     max_batch_size: int = GPU_MAX_BATCH_SIZE,
     batch_size: int = GPU_TRITON_BATCH_SIZE,
-    decoder: str = "auto",
     network: str = "auto",
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
@@ -183,10 +163,8 @@ def gpu_config(
     so the server hands the next requests to the other instances (``pipeline.engines.gpu.stream``).
 
     Raises:
-        ConfigError: ``decoder`` is not one of ``tn.GPU_DECODERS`` (the removed ones say what to use instead), or a
-            negative ``max_backlog``.
+        ConfigError: a negative ``max_backlog``.
     """
-    check_gpu_decoder(decoder)
     if max_backlog < 0:
         raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
     mc = _mc()
@@ -202,7 +180,6 @@ def gpu_config(
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     _set_parameters(config, {
         tn.GPU_PARAM_NETWORK: network,
-        tn.GPU_PARAM_DECODER: decoder,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         tn.GPU_PARAM_PREP_WORKERS: prep_workers,
@@ -228,13 +205,12 @@ def _set_parameters(config, params: dict) -> None:
 def gpu_ensemble_configs(
     spec,
     *,
-    top_k: int = 5,
+    top_k: int = tn.DEFAULT_TOP_K,
     instances: int | None = None,
     preprocess_instances: int | None = None,
     network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES,
     max_batch_size: int = GPU_MAX_BATCH_SIZE,
     batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
-    decoder: str = "auto",
     network: str = "auto",
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
@@ -258,9 +234,8 @@ def gpu_ensemble_configs(
     its bytes, which the network model turns into its classes (``pipeline.engines.gpu.stream.echo_ids``).
 
     Raises:
-        ConfigError: an unknown ``decoder`` or ``half``, or instance counts below 1.
+        ConfigError: an unknown ``half``, or instance counts below 1.
     """
-    check_gpu_decoder(decoder)
     half = str(half).lower()
     if half not in ("auto", "true", "false"):
         raise ConfigError(f"half {half!r} is unknown; use auto, true or false")
@@ -289,7 +264,6 @@ def gpu_ensemble_configs(
     pre.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
     _set_parameters(pre, {
         tn.GPU_PARAM_NETWORK: network,  # "none": no DALI either (the hop)
-        tn.GPU_PARAM_DECODER: decoder,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_PREP_WORKERS: prep_workers,
         tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,

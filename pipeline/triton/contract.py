@@ -73,34 +73,30 @@ TAG_INDEX_BITS = 24
 
 DEFAULT_TOP_K = 5
 
-# Files of a repository's model version folders, and the gpu profile's config.pbtxt `parameters` (string values,
-# also accepted as request parameters), written by pipeline.triton.configs and read by the gpu profile's model.
-SPEC_FILE = "preprocess.json"
+# The gpu profile's config.pbtxt `parameters` (string values, also accepted as request parameters), written by
+# pipeline.triton.configs and read by the gpu profile's models.
 GPU_PARAM_NETWORK = "network"  # "auto" (model.torchscript if present, else the default model) or "resnet50"
-GPU_PARAM_DECODER = "decoder"  # one of GPU_DECODERS
 GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI: share of a batch for the hardware JPEG engines
 GPU_PARAM_BATCH_SIZE = "batch_size"
 GPU_PARAM_CUDA_GRAPH = "cuda_graph"
 GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_DALI_DEPTH = "dali_depth"  # DALI: batches in flight on one pipeline (1: a pipeline per preparing thread)
 GPU_PARAM_DALI_THREADS = "dali_threads"  # DALI: CPU threads per pipeline
-GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: "block" (sleep) or "spin"
+GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: one of CUDA_SYNC_MODES
+# How the gpu paths' threads wait for the GPU (pipeline.engines.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
+CUDA_SYNC_MODES = ("auto", "spin", "yield", "block")
 # Batches' worth of images one model instance holds before its execute() waits (so the server gives the next
 # requests to another instance); "0": never waits.
 GPU_PARAM_MAX_BACKLOG = "max_backlog"
 GPU_PARAM_HALF = "half"  # "auto": FP16 on a GPU, FP32 on the CPU; "true" or "false"
-GPU_PARAM_MAX_BYTES = "max_bytes"
-GPU_PARAM_MAX_PIXELS = "max_pixels"
+# The caps: config.pbtxt parameters of every python-backend model and request parameters the engine sends.
+PARAM_MAX_BYTES = "max_bytes"
+PARAM_MAX_PIXELS = "max_pixels"
 # A model that checks max_bytes/max_pixels per image itself (request parameters) says so; the engine then skips
 # its own header check of every file.
 PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default
-# Values of GPU_PARAM_DECODER and of --engine gpu's decoder option: both mean DALI ("auto" is the default that
-# written configs carry). The hand-written decoders were removed, DALI being faster on every row measured
-# (model_repository/GPU_NOTES.md, session 5): a config naming one fails at once with what to use instead.
-GPU_DECODERS = ("auto", "dali")
-GPU_REMOVED_DECODERS = ("nvimgcodec", "torchvision", "pil")
 
 
 def failure_message(errors: list[str], n: int) -> str:

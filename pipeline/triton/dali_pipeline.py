@@ -7,18 +7,16 @@ same interpolation and antialiasing, in the reference's two passes (horizontal, 
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
-Known differences from the reference (measured in tests/test_dali_parity.py and model_repository/README.md):
+Known differences from the reference (measured in tests/test_dali_parity.py, listed in docs/engines.md):
 JPEG decoders round the IDCT differently (a few levels on edges); transparent pixels are not composited on white
-(DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (``run``
-splits the batch; the Triton engine splits the request).
+(DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (the gpu
+engine decodes that batch with the reference; the Triton engine splits the request).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -27,8 +25,6 @@ from pipeline.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = 64
-DEFAULT_THREADS = 4
 _INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
 
 
@@ -106,87 +102,6 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     if device == "mixed":
         out_w, out_h = out_w.gpu(), out_h.gpu()
     return normalized, out_w, out_h
-
-
-def build_pipeline(
-    spec: PreprocessSpec,
-    *,
-    device: str = "cpu",
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    num_threads: int = DEFAULT_THREADS,
-    device_id: int | None = None,
-):
-    """A built DALI pipeline. ``device="cpu"`` needs no GPU (``device_id`` None); "mixed" needs ``device_id``."""
-    from nvidia.dali import pipeline_def  # noqa: PLC0415
-
-    if device not in ("cpu", "mixed"):
-        raise ValueError(f"device must be 'cpu' or 'mixed', got {device!r}")
-    if device == "mixed" and device_id is None:
-        device_id = 0
-
-    # Fed and run one batch at a time: no prefetching, so a failure belongs to the batch just fed.
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
-    def preprocess():
-        return pipeline_graph(spec, device=device)
-
-    pipe = preprocess()
-    pipe.build()
-    return pipe
-
-
-@dataclass
-class Preprocessed:
-    """One input's DALI outcome: the tensor and size, or the error that isolated it."""
-
-    array: np.ndarray | None
-    width: int
-    height: int
-    error: str = ""
-
-
-class DaliPreprocessor:
-    """Runs the pipeline over encoded images in chunks of its batch size, isolating bad inputs.
-
-    A batch that fails (one corrupt file fails them all, and leaves the DALI pipeline unusable) is split in
-    halves on a rebuilt pipeline until the bad input stands alone: the same isolation the production path does
-    by splitting Triton requests.
-    """
-
-    def __init__(self, spec: PreprocessSpec, *, device: str = "cpu", batch_size: int = DEFAULT_BATCH_SIZE,
-                 num_threads: int = DEFAULT_THREADS, device_id: int | None = None):
-        self.spec = spec
-        self._args = {"device": device, "batch_size": batch_size, "num_threads": num_threads, "device_id": device_id}
-        self.batch_size = batch_size
-        self._pipe = build_pipeline(spec, **self._args)
-
-    def run(self, blobs: Sequence[bytes]) -> list[Preprocessed]:
-        out: list[Preprocessed] = []
-        for start in range(0, len(blobs), self.batch_size):
-            out.extend(self._run_isolating(list(blobs[start : start + self.batch_size])))
-        return out
-
-    def _run_isolating(self, blobs: list[bytes]) -> list[Preprocessed]:
-        try:
-            return self._run_batch(blobs)
-        except (RuntimeError, IndexError) as err:
-            self._pipe = build_pipeline(self.spec, **self._args)  # a failed run invalidates the pipeline
-            if len(blobs) == 1:
-                return [Preprocessed(None, 0, 0, f"decode_error: DALI: {_first_line(err)}")]
-            half = len(blobs) // 2
-            return self._run_isolating(blobs[:half]) + self._run_isolating(blobs[half:])
-
-    def _run_batch(self, blobs: list[bytes]) -> list[Preprocessed]:
-        longest = max(1, max(len(b) for b in blobs))
-        images = [np.frombuffer(b.ljust(longest, b"\0"), dtype=np.uint8) for b in blobs]
-        lengths = [np.array([len(b)], dtype=np.int32) for b in blobs]
-        self._pipe.feed_input(tn.INPUT_IMAGE, images)
-        self._pipe.feed_input(tn.INPUT_LENGTH, lengths)
-        tensors, widths, heights = self._pipe.run()
-        return [
-            Preprocessed(np.array(tensors.at(i)), int(np.array(widths.at(i))[0]), int(np.array(heights.at(i))[0]))
-            for i in range(len(blobs))
-        ]
 
 
 def _first_line(err: Exception) -> str:

@@ -37,7 +37,7 @@ from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
-LOG = logging.getLogger("bulk_classify.prepare")
+LOG = logging.getLogger(__name__)
 STAMP = ".bulk-classify-repository.json"
 DEFAULT_REPOSITORY = "/models/repository"
 
@@ -78,7 +78,7 @@ def _serves_the_contract(folder: Path) -> bool:
     return True
 
 
-def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = 5,
+def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = tn.DEFAULT_TOP_K,
             max_batch_size: int = 64, key: Any = None,
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
     """Make ``repository`` a production repository whose plan matches this node; return what was done.

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.triton.repository import build_gpu_repository, build_repository
+from pipeline.triton.repository import build_repository
 
 LOG = logging.getLogger(__name__)
 
@@ -31,10 +31,10 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
     """
     from filelock import FileLock  # noqa: PLC0415
 
-    from pipeline.model import default_cache_dir, ensure_default_model  # noqa: PLC0415
+    from pipeline.model import MODEL_FILE, default_cache_dir, ensure_default_model  # noqa: PLC0415
 
     default_dir = ensure_default_model().resolve()
-    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / "model.onnx").resolve()
+    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / MODEL_FILE).resolve()
     model_dir = onnx_path.parent
     is_default = model_dir == default_dir
     instances = instances or profile.instances
@@ -52,11 +52,8 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
             return folder
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
         try:
-            if profile.needs_gpu:
-                build_gpu_repository(None if is_default else str(model_dir), str(tmp), top_k=top_k,
-                                     instances=instances, max_backlog=profile.max_backlog)
-            else:
-                build_repository(profile.name, str(model_dir), str(tmp), top_k=top_k, instances=instances)
+            build_repository(profile.name, None if is_default else str(model_dir), str(tmp), top_k=top_k,
+                             instances=instances, max_backlog=profile.max_backlog)
             os.replace(tmp, folder)
         finally:
             if tmp.exists():

@@ -49,8 +49,6 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
 from pipeline.imaging import PreprocessSpec  # noqa: E402
-from pipeline.errors import ConfigError  # noqa: E402
-from pipeline.triton.configs import check_gpu_decoder  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 IMAGENET_SPEC = PreprocessSpec(
@@ -63,19 +61,19 @@ IMAGENET_SPEC = PreprocessSpec(
 LOG = logging.getLogger("bench_gpu")
 # In-process engine variants measured on each set.
 ENGINE_VARIANTS = {
-    "dali": {"decoder": "dali", "prep_workers": 2},
-    "dali_3workers": {"decoder": "dali", "prep_workers": 3},
-    "dali_h1": {"decoder": "dali", "prep_workers": 2, "hw_decode_load": 1.0},
-    "dali_h1_3workers": {"decoder": "dali", "prep_workers": 3, "hw_decode_load": 1.0},
-    "dali_fp32": {"decoder": "dali", "prep_workers": 2, "half": False},
+    "dali": {"prep_workers": 2},
+    "dali_3workers": {"prep_workers": 3},
+    "dali_h1": {"prep_workers": 2, "hw_decoder_load": 1.0},
+    "dali_h1_3workers": {"prep_workers": 3, "hw_decoder_load": 1.0},
+    "dali_fp32": {"prep_workers": 2, "half": False},
     # One pipeline with 2 / 3 batches scheduled at once (dali_depth), DALI threads 4 or 8.
-    "dali_d2": {"decoder": "dali", "dali_depth": 2},
-    "dali_d3": {"decoder": "dali", "dali_depth": 3},
-    "dali_h1_d2": {"decoder": "dali", "dali_depth": 2, "hw_decode_load": 1.0},
-    "dali_h1_d3": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0},
-    "dali_h1_d3_block": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "cuda_sync": "block"},
-    "dali_d2_t8": {"decoder": "dali", "dali_depth": 2, "dali_threads": 8},
-    "dali_h1_d3_t8": {"decoder": "dali", "dali_depth": 3, "hw_decode_load": 1.0, "dali_threads": 8},
+    "dali_d2": {"dali_depth": 2},
+    "dali_d3": {"dali_depth": 3},
+    "dali_h1_d2": {"dali_depth": 2, "hw_decoder_load": 1.0},
+    "dali_h1_d3": {"dali_depth": 3, "hw_decoder_load": 1.0},
+    "dali_h1_d3_block": {"dali_depth": 3, "hw_decoder_load": 1.0, "cuda_sync": "block"},
+    "dali_d2_t8": {"dali_depth": 2, "dali_threads": 8},
+    "dali_h1_d3_t8": {"dali_depth": 3, "hw_decoder_load": 1.0, "dali_threads": 8},
 }
 DALI_LOADS = (0.65, 0.9, 1.0)  # the hardware JPEG engines' share of each batch (the issue's three)
 NOISE_SIGMA = 5.0
@@ -190,7 +188,7 @@ def model_only(net, batch: int, min_s: float, variant: str = "plain") -> float:
     """The ceiling: the network alone on a ready FP16 channels-last batch, replayed as a CUDA graph.
 
     ``variant``: "plain" (as the gpu engine serves it) or "compile" (``torch.compile``d, in the same CUDA graph; it
-    had not finished compiling ResNet-50 after 110 s on the H200, GPU_NOTES.md session 6).
+    is slow to compile ResNet-50).
     """
     import copy
 
@@ -593,7 +591,7 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
             None, tmp, shape=shape, **ens,
             network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
             **({} if args.triton_batch is None else {"batch_size": args.triton_batch}),
-            max_batch_size=args.triton_max_batch, decoder=args.decoder,
+            max_batch_size=args.triton_max_batch,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync, **(options or {}),
@@ -774,7 +772,6 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2048, help="unique JPEGs in the benchmark set")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per measurement")
-    p.add_argument("--decoder", default="auto")
     p.add_argument("--servers", type=lambda t: t.split(","), default=["1"],
                    help="Triton servers to run one after another: N model instances each (one request stream, "
                         "classifier and CUDA context per instance), N:mps under a private CUDA MPS daemon, "
@@ -807,10 +804,6 @@ def main() -> None:
                    help="when the Triton part sends its request holding bad inputs: before the timed runs, after "
                         "them, or between a first timed run and the same run again")
     args = p.parse_args()
-    try:  # a removed decoder fails here, not after the parts that run before Triton
-        check_gpu_decoder(args.decoder)
-    except ConfigError as err:
-        p.error(f"--decoder: {err}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
@@ -885,8 +878,8 @@ def main() -> None:
     if "parity" in parts:
         net, spec = nets["default"]
         deep = {"dali_depth": args.dali_depth} if args.dali_depth else {}
-        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=True, **deep)
-        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, decoder=args.decoder, half=False, **deep)
+        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=True, **deep)
+        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=False, **deep)
         attempt("parity", lambda: parity(results, clf, clf32))
         for key in ("parity", "parity_fp32_network"):
             print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)

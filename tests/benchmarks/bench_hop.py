@@ -56,7 +56,7 @@ def engine(wire: str, url: str, model: str, request_batch: int, concurrency: int
 
 
 def check(rows, images) -> None:
-    from pipeline.engines.gpu.stream import echo_ids
+    from pipeline.triton.serve.hop import echo_ids
 
     want = echo_ids(images, 5)
     bad = [i for i, r in enumerate(rows) if r.status != "ok" or [int(c) for c in r.labels] != want[i].tolist()]

@@ -5,7 +5,7 @@ folder; ``--repository DIR`` for another, e.g. a production or gpu one on the GP
 server), feeds it the photos as the engine does (encoded bytes zero-padded to one length + LENGTH), sweeps
 concurrency for each batch size, and prints one table with ratios to the best point of the run. Each sweep's
 CSV (perf_analyzer ``-f``) is kept for ``bulk-classify size --curve``. How to read the knee:
-model_repository/README.md.
+docs/gpu.md (sizing a fleet).
 
 perf_analyzer itself: on PATH in NVIDIA's Triton SDK container; otherwise the binary inside the tritonclient
 2.51 wheel (``pip download --no-deps tritonclient==2.51.0``, unzip, ``tritonclient-2.51.0.data/data/bin/

@@ -1,6 +1,6 @@
 """Scale-out benchmark: the same Ray job on 1, 2, ... GPUs (one classify actor and one local Triton per GPU).
 
-Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see model_repository/GPU_NOTES.md)::
+Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see docs/gpu.md)::
 
     python tests/benchmarks/bench_scaleout.py --gpus 1,2 --out results/
 
@@ -93,7 +93,7 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
         batch = {} if args.triton_batch is None else {"batch_size": args.triton_batch}
         build_gpu_repository(None, str(repo), instances=args.instances, **batch,
                              max_batch_size=args.triton_max_batch, queue_delay_us=args.queue_delay_us,
-                             prep_workers=args.prep_workers, decoder=args.decoder,
+                             prep_workers=args.prep_workers,
                              hw_decoder_load=args.hw_decoder_load, half=args.half,
                              dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=args.cuda_sync)
     return repo
@@ -201,9 +201,9 @@ def run_once(n: int, images: Path, repo: Path, root: Path, args, sampler: SmiSam
     if shared:
         options["share_server"] = True
     if args.engine == "gpu":  # the same classifier in the actor's own process: no Triton hop
-        options = {"decoder": args.decoder, "prep_workers": args.prep_workers}
+        options = {"prep_workers": args.prep_workers}
         options.update({k: v for k, v in (("dali_depth", args.dali_depth), ("dali_threads", args.dali_threads),
-                                          ("hw_decode_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
+                                          ("hw_decoder_load", args.hw_decoder_load), ("cuda_sync", args.cuda_sync))
                         if v is not None})
         if args.half != "auto":
             options["half"] = args.half == "true"
@@ -335,7 +335,6 @@ def main() -> None:
                         "Keep it several actor batches (batch-size x ~100 KB) large, or the actor starves")
     p.add_argument("--engine", default="triton", choices=("triton", "gpu"),
                    help="triton: a local tritonserver per actor (gpu profile); gpu: the classifier in the actor")
-    p.add_argument("--decoder", default="auto", choices=("auto", "dali"), help="gpu model's decoder: DALI either way")
     p.add_argument("--hw-decoder-load", type=float, default=None, help="DALI's hardware-decoder share (model default)")
     p.add_argument("--half", default="auto", help="network precision in the gpu model: auto, true, false")
     p.add_argument("--prep-workers", type=int, default=2, help="preparing threads per model instance")

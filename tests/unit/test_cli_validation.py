@@ -35,9 +35,8 @@ OTHERS = [
     (["--engine-option", "notakeyvalue"], "--engine-option 'notakeyvalue' is not KEY=VALUE; write e.g. "
                                           "--engine-option max_batch=8"),
     (["--engine", "triton", "--engine-option", "request_batch=-5"], "request_batch=-5 (engine 'triton') must be at"),
-    (["--engine", "gpu", "--engine-option", "decoder=turbo"], "decoder='turbo' (engine 'gpu') is not one of auto"),
-    (["--engine", "gpu", "--engine-option", "decoder=nvimgcodec"],
-     "--engine-option decoder='nvimgcodec' (engine 'gpu') was removed; use auto or dali"),
+    (["--engine", "gpu", "--engine-option", "decoder=dali"], "engine 'gpu' has no option decoder; its options are network"),
+    (["--engine", "gpu", "--engine-option", "cuda_sync=turbo"], "cuda_sync='turbo' (engine 'gpu') is not one of auto"),
     (["--engine", "triton", "--engine-option", "concurrency=two"], "concurrency='two' (engine 'triton') is not an "
                                                                    "integer"),
     (["--top-k", "0"], "--top-k must be a positive integer, got 0"),

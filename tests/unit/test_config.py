@@ -48,9 +48,8 @@ def test_defaults_then_environment_then_explicit_options():
     ({"engine": "onnx", "engine_options": {"max_batch": 0}}, r"--engine-option max_batch=0 \(engine 'onnx'\) must be at least 1"),
     ({"engine": "triton", "engine_options": {"request_batch": -5}}, "request_batch=-5 .* must be at least 1"),
     ({"engine": "triton", "engine_options": {"startup_timeout_s": 0}}, "startup_timeout_s=0 .* must be more than 0"),
-    ({"engine": "gpu", "engine_options": {"decoder": "jpegturbo"}}, "decoder='jpegturbo' .* is not one of auto"),
-    ({"engine": "gpu", "engine_options": {"decoder": "torchvision"}},
-     r"^--engine-option decoder='torchvision' \(engine 'gpu'\) was removed; use auto or dali$"),
+    ({"engine": "gpu", "engine_options": {"decoder": "dali"}}, "^engine 'gpu' has no option decoder; its options are "),
+    ({"engine": "gpu", "engine_options": {"cuda_sync": "jpegturbo"}}, "cuda_sync='jpegturbo' .* is not one of auto"),
     ({"engine": "gpu", "engine_options": {"half": "maybe"}}, "half='maybe' .* is not true or false"),
 ])
 def test_bad_values_name_the_option_and_the_fix(kw, message):

@@ -77,8 +77,6 @@ def test_option_types(option, raw, parsed):
     (Option("x", float, "", minimum=0), 0, "must be more than 0"),
     (Option("b", bool, ""), "perhaps", "is not true or false"),
     (Option("c", str, "", choices=("a", "b")), "z", "is not one of a, b"),
-    (Option("c", str, "", choices=("a", "b"), removed=("y",)), "y", r"^--engine-option c='y' \(engine 'e'\) was "
-                                                                     "removed; use a or b$"),
 ])
 def test_option_errors_name_the_value_and_the_fix(option, raw, message):
     with pytest.raises(ConfigError, match=message):

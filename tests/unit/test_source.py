@@ -9,7 +9,7 @@ import numpy as np
 import pipeline.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
 from pipeline.keys import identity_hash, member, uri_hash
-from pipeline.source import list_unit, listing_blocks, open_fs, plan_listing
+from pipeline.source import LocalFiles, list_unit, listing_blocks, open_fs, plan_listing
 
 EXT = DEFAULT_EXTENSIONS
 
@@ -40,7 +40,7 @@ def test_local_nested_and_flat_folders_list_every_image_once(tmp_path, monkeypat
     fs, root = open_fs(str(tmp_path))
     groups, uris = listed(fs, root, 4)
     assert len(groups) == 4
-    assert sum(1 for g in groups for u in g if u[0] == "local_files") == 4
+    assert sum(1 for g in groups for u in g if isinstance(u, LocalFiles)) == 4
     assert len(uris) == len(set(uris)) == 5 * 4 + 50
     assert all(u.startswith("file://" + str(tmp_path)) for u in uris)
     assert not any(u.endswith((".txt", ".hidden.jpg")) for u in uris)

@@ -9,7 +9,7 @@ The hot path per batch, with no per-image Python loop on the GPU side:
    baseline/progressive 8-bit JPEGs go to DALI, anything else (PNG, CMYK, truncated, ...) to the reference
    (``pipeline.imaging``, Pillow);
 2. DALI (``pipeline.engines.gpu.dali.DaliPrep``, the production ensemble's graph): "mixed" decode (the hardware JPEG
-   engines take ``hw_decode_load`` of each batch, CUDA nvJPEG the rest), resize + crop + normalize per the model's
+   engines take ``hw_decoder_load`` of each batch, CUDA nvJPEG the rest), resize + crop + normalize per the model's
    ``PreprocessSpec``, FP16 or FP32 NHWC on the GPU; the reference's arrays join the batch as uploads;
 3. the batch is copied on the GPU into the network's input (channels-last), the network (a CUDA graph captured at
    start), softmax and top-k: only k values per image come back.
@@ -17,9 +17,7 @@ The hot path per batch, with no per-image Python loop on the GPU side:
 Preparing the next batches runs in ``prep_workers`` threads, each on its own high-priority CUDA stream, while the
 network runs the current batch; events order the streams. A file DALI refuses fails DALI's whole batch: that batch
 is then decoded by the reference, so a bad image is that image's error row and the rest of the batch succeeds.
-DALI beat the hand-written nvImageCodec/torchvision decoders and torch resampler this class had before on every
-measured row (model_repository/GPU_NOTES.md), so it is the only GPU preprocessing. On a CPU device the same code
-runs DALI's CPU backend (tests).
+DALI is the only GPU preprocessing; on a CPU device the same code runs DALI's CPU backend (tests).
 
 torch is not a dependency of the package: it is imported when a GPU engine is built (GPU machines and the
 worker image have it); DALI is the ``dali`` extra.
@@ -39,9 +37,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pipeline.engines.base import MAX_DECODE_THREADS
 from pipeline.errors import EngineError, ImageError
 from pipeline.triton import contract as tn
-from pipeline.triton.configs import check_gpu_decoder
 from pipeline.imaging import DecodeLimits, PreprocessSpec
 from pipeline.engines.gpu.dali import (
     DALI_MISSING,
@@ -56,7 +54,7 @@ from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.topk_network import TopKNetwork
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
@@ -159,8 +157,6 @@ class GpuClassifier:
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         top_k: how many classes to return per image.
         limits: encoded-size and pixel caps, as for every engine.
-        decoder: "auto" or "dali" (the same: DALI decodes and resizes; the hand-written "nvimgcodec",
-            "torchvision" and "pil" paths were removed).
         batch_size: images per network call; also the CUDA graph's batch.
         device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests).
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
@@ -169,7 +165,7 @@ class GpuClassifier:
         pipeline: prepare the next batches while the network runs this one.
         prep_workers: threads preparing batches ahead of the network, each with its own CUDA stream (at least
             ``dali_depth + 1`` when ``dali_depth`` > 1; with depth 1 each has a DALI pipeline of its own).
-        hw_decode_load: the share of each batch DALI gives the hardware JPEG engines; the rest goes to CUDA nvJPEG on
+        hw_decoder_load: the share of each batch DALI gives the hardware JPEG engines; the rest goes to CUDA nvJPEG on
             the SMs (1.0: all to the engines, which leaves the SMs to the network).
         dali_threads: DALI's CPU threads per pipeline.
         dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.engines.gpu.dali_runner``).
@@ -177,7 +173,6 @@ class GpuClassifier:
             (``pipeline.engines.gpu.cuda_sync``).
 
     Raises:
-        ConfigError: an unknown or removed ``decoder``.
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
     """
 
@@ -186,9 +181,8 @@ class GpuClassifier:
         network,
         spec: PreprocessSpec,
         *,
-        top_k: int = 5,
+        top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        decoder: str = "auto",
         batch_size: int = DEFAULT_BATCH_SIZE,
         device: str | None = None,
         cuda_graph: bool = True,
@@ -196,12 +190,11 @@ class GpuClassifier:
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
         prep_workers: int = 2,
-        hw_decode_load: float = DEFAULT_HW_DECODER_LOAD,
+        hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
         dali_threads: int = DEFAULT_DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
     ):
-        check_gpu_decoder(decoder)
         check_cuda_sync(cuda_sync)
         if not dali_available():
             raise EngineError(DALI_MISSING)
@@ -229,7 +222,7 @@ class GpuClassifier:
         self.use_graph = cuda_graph and self.is_cuda
         self.pipeline = pipeline
         self.decoder_name = "dali"
-        self.hw_decoder_load = hw_decode_load
+        self.hw_decoder_load = hw_decoder_load
         self.refused_batches = 0  # DALI batches that went to the reference because DALI refused a file
         self._local = threading.local()  # per preparing thread: its CUDA stream
         # None: preparation only (the ensemble shape's preprocess model), no network on this device.
@@ -242,13 +235,13 @@ class GpuClassifier:
             prep_workers = max(prep_workers, dali_depth + 1)
         self.prep_workers = max(1, prep_workers) if pipeline else 1
         self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-prep") if pipeline else None
-        self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(8, os.cpu_count() or 1), "gpu-pil")
+        self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1), "gpu-pil")
         self._lock = threading.Lock()
         self.times = StageTimes()
-        log.info(
+        LOG.info(
             "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
-            hw_decode_load,
+            hw_decoder_load,
             dali_depth,
             batch_size,
             "fp16" if self.half else "fp32",
@@ -257,15 +250,14 @@ class GpuClassifier:
         )
         if self.use_graph and self.network is not None:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
-        # DALI after the capture (its pipelines and runner thread make CUDA calls of their own), the order measured on
-        # the H200.
+        # DALI after the capture: its pipelines and runner thread make CUDA calls of their own.
         self._prep = DaliPrep(
             spec,
             device="mixed" if self.is_cuda else "cpu",
             device_id=self.device.index if self.is_cuda else None,
             batch_size=batch_size,
             num_threads=dali_threads,
-            hw_decoder_load=hw_decode_load,
+            hw_decoder_load=hw_decoder_load,
             half=self.half,
             layout="HWC",
             pipelines=self.prep_workers,
@@ -354,7 +346,7 @@ class GpuClassifier:
             try:
                 future.result() if future is not None else self._prepare(chunk)
             except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
-                log.exception("preparing a batch of %d images failed", len(chunk.items))
+                LOG.exception("preparing a batch of %d images failed", len(chunk.items))
                 msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
                 chunk.errors = {item.index: msg for item in chunk.items}
                 chunk.inputs = None
@@ -417,7 +409,7 @@ class GpuClassifier:
                 pending.append((chunk, *self._infer(chunk)))
                 self.times.network_s += time.perf_counter() - t
             except Exception as err:  # noqa: BLE001 - this chunk fails; the stream goes on
-                log.exception("a batch of %d images failed", len(chunk.items))
+                LOG.exception("a batch of %d images failed", len(chunk.items))
                 sink(chunk, None, None, err)
             self.times.prepare_s += chunk.prepare_s
             if len(pending) > 1:
@@ -453,9 +445,6 @@ class GpuClassifier:
             except ImageError as e:
                 errors[i] = str(e)
         return items, errors
-
-    def _triage(self, index: int, data: bytes) -> _Item:
-        return triage(index, data, self.limits)
 
     def _thread_stream(self):
         local = self._local

@@ -17,10 +17,11 @@ import ctypes
 import logging
 
 from pipeline.errors import EngineError
+from pipeline.triton.contract import CUDA_SYNC_MODES
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
-SYNC_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "block": 4}  # CU_CTX_SCHED_*
+SYNC_FLAGS = dict(zip(CUDA_SYNC_MODES, (0, 1, 2, 4)))  # CU_CTX_SCHED_* of each mode
 _SCHED_MASK = 7
 
 
@@ -51,7 +52,7 @@ def set_cuda_sync(index: int, mode: str) -> str:
     if current.value & _SCHED_MASK != flag and hasattr(cuda, "cuCtxSetFlags"):  # CUDA 12.1+: the active context
         rc = cuda.cuCtxSetFlags(ctypes.c_uint((current.value & ~_SCHED_MASK) | flag))
         if rc != 0:
-            log.warning("could not set the CUDA context's scheduling flag to %s (CUresult %d)", mode, rc)
+            LOG.warning("could not set the CUDA context's scheduling flag to %s (CUresult %d)", mode, rc)
         cuda.cuCtxGetFlags(ctypes.byref(current))
     now = current.value & _SCHED_MASK
     return next((name for name, value in SYNC_FLAGS.items() if value == now), "unknown")

@@ -6,7 +6,7 @@ DALI does not take:
 
 1. the caller's CPU triage (``pipeline.engines.gpu.classifier.triage``) marks the JPEGs DALI decodes; anything else
    (PNG, CMYK, 12-bit, truncated, ...) goes to the reference;
-2. DALI, "mixed" decoder with a measured ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
+2. DALI, "mixed" decoder with ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
    nvJPEG the rest), resize + crop + normalize per the model's ``PreprocessSpec``, FP16 or FP32, NHWC on the GPU;
    its output goes to the caller's ``consume`` while it is valid (``GpuClassifier`` copies it into the network's
    input without leaving the GPU).
@@ -35,14 +35,14 @@ from pipeline.triton import contract as tn
 from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
 from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
-# Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs). Measured on an H200,
-# bench_gpu.py "dali" part: see model_repository/GPU_NOTES.md.
+# Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs): all of it leaves the SMs
+# to the network.
 DEFAULT_HW_DECODER_LOAD = 1.0
 DEFAULT_DALI_THREADS = 4
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
-# alone). Depth 3 gave the engine 1.2-1.4x depth 1 on the H200 (model_repository/GPU_NOTES.md, session 3).
+# alone); a deeper pipeline keeps the hardware decoders busy while the network runs.
 DEFAULT_DALI_DEPTH = 3
 # The one line a gpu classifier fails with where DALI is not installed (pyproject's ``dali`` and ``gpu`` extras).
 DALI_MISSING = ("the gpu engine decodes and resizes with DALI, which is not installed here: "
@@ -183,7 +183,7 @@ class DaliPrep:
                 self.run([datas[i] for i in dali_pos], consume)
                 res.dali = dali_pos
             except DaliRefused as err:
-                log.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
+                LOG.info("DALI refused a batch of %d (%s); the reference decodes it", len(dali_pos), err)
                 res.refused = str(err)
                 ref_pos = sorted(ref_pos + dali_pos)
 

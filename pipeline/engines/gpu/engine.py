@@ -1,18 +1,21 @@
 """The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows.
 
 Calls share one pipeline: every ``classify`` call queues its images into one ``RequestStream`` (the same one the gpu
-profile's Triton model runs), so with several calls at once (``--calls-per-actor``, default 2) the next call's
+profile's Triton model runs), so with several calls at once (``--calls-per-actor``; the engine's default in ``pipeline.engines.base.REGISTRY``) the next call's
 images are decoded while the network runs this one's, and network batches are full across calls.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
+from pipeline.engines.base import DEFAULT_TOP_K, STAGE_INFER, Result, results_from_topk
+from pipeline.engines.auto import _importable
 from pipeline.engines.gpu.classifier import RawResults
+from pipeline.errors import ConfigError
 from pipeline.imaging import DecodeLimits
 
 
@@ -28,12 +31,12 @@ class GpuEngine:
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
             ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
-            prep_workers, hw_decode_load, dali_threads, dali_depth (and decoder: "auto" or "dali").
+            prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync.
     """
 
     name = "gpu"
 
-    def __init__(self, bundle, *, top_k: int = 5, limits: DecodeLimits = DecodeLimits(), **options: Any):
+    def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
         from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
@@ -81,3 +84,13 @@ def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
     """Turns ``RawResults`` arrays into one ``Result`` per image."""
     sizes = [(int(w) or None, int(h) or None) for w, h in zip(raw.width, raw.height)]
     return results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)
+
+
+def check_requirements(options: Mapping[str, Any]) -> None:
+    """The gpu engine's preflight (its ``EngineSpec.preflight``): PyTorch and DALI importable here."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
+                          "or use --engine onnx or --engine triton")
+    if not _importable("nvidia.dali"):
+        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
+                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")

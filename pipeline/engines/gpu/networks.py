@@ -27,7 +27,7 @@ from pipeline.default_model import (
 from pipeline.errors import EngineError, ModelError
 from pipeline.model import TORCHSCRIPT_FILE
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 BENCHMARK_NETWORKS = ("resnet50",)
 
@@ -73,7 +73,7 @@ LITE0_LAYOUTS = {
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
 }
 REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
-# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are unmeasured).
+# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are untested).
 DEFAULT_LITE0_LAYOUT = "slice_kstem_inplace"
 
 
@@ -249,7 +249,7 @@ def load_network(bundle, network: str | None = None):
     onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
     scripted = onnx_path.parent / TORCHSCRIPT_FILE if onnx_path else None
     if scripted is not None and scripted.is_file():
-        log.info("loading TorchScript network %s", scripted)
+        LOG.info("loading TorchScript network %s", scripted)
         return torch.jit.load(str(scripted), map_location="cpu").eval()
     if bundle.name == MODEL_NAME:
         return efficientnet_lite0(load_checkpoint())

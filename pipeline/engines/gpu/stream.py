@@ -14,7 +14,7 @@ With ``max_backlog`` set, ``submit`` waits while that many batches' worth of ima
 Triton model instance with enough work stays busy in ``execute()`` and the server gives the next requests to another
 instance (its scheduler hands requests to free instances; an ``execute()`` that returns at once is always free).
 
-Torch-free: the classifier brings torch; tests run this module with a classifier that does no work.
+Torch-free: the classifier brings torch; tests run this module with ``pipeline.triton.serve.hop.NullClassifier``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 _CLOSE = object()
 
@@ -169,7 +169,7 @@ class RequestStream:
                 self.classifier.run_stream(self._source, self._sink)
                 return
             except Exception:  # noqa: BLE001 - a bug in the pipeline must not leave requests waiting forever
-                log.exception("the gpu stream failed; failing its requests in flight and starting again")
+                LOG.exception("the gpu stream failed; failing its requests in flight and starting again")
                 for request, _ in list(self._owners.values()):
                     if not request.done:
                         request.errors = [e or "engine_error: the gpu pipeline failed" for e in request.errors]
@@ -255,58 +255,4 @@ class RequestStream:
         try:
             self.respond(request.sender, request.results(), request.n)
         except Exception:  # noqa: BLE001 - the client may be gone; the stream goes on
-            log.exception("sending a response failed")
-
-
-class NullClassifier:
-    """A classifier that does no work: the gpu profile with ``network: "none"`` (the Triton hop alone, for
-    benchmarks; and the stream's bookkeeping under test on any machine). Each image's "classes" are derived from
-    its bytes (``echo_ids``), so a client can check that every answer came back for its own image.
-    """
-
-    decoder_name = "none"
-
-    def __init__(self, *, batch_size: int = 256, top_k: int = 5, in_flight: int = 4):
-        self.batch_size = batch_size
-        self.top_k = top_k
-        self.in_flight = in_flight
-        self.limits = DecodeLimits()
-
-    def warmup(self) -> None:
-        pass
-
-    def run_stream(self, source, sink) -> None:
-        window: list = []
-        while True:
-            chunk = source(not window)
-            if chunk is not None and chunk is not STOP:
-                # what DALI would not take is an error here (nothing decodes it), the rest "classified"
-                chunk.ok = [p for p, it in enumerate(chunk.items) if it.info is not None]
-                chunk.errors = {it.index: "unsupported: not a JPEG the gpu path decodes (network none)"
-                                for it in chunk.items if it.info is None}
-                window.append(chunk)
-            if window and (chunk is None or chunk is STOP or len(window) >= self.in_flight):
-                done = window.pop(0)
-                ok = [done.items[p].data for p in done.ok]
-                sink(done, echo_ids(ok, self.top_k),
-                     np.tile(np.linspace(0.5, 0.1, self.top_k, dtype=np.float32), (len(ok), 1)), None)
-            if chunk is STOP and not window:
-                return
-
-    def close(self) -> None:
-        pass
-
-
-# echo_ids reads this much of each end of a file: a CRC-32 of a whole 100 KB file took 28 us, a sizeable part of
-# the hop it stands in for; the two ends and the length tell any two of the tests' and benchmarks' files apart.
-ECHO_SAMPLE_BYTES = 2048
-
-
-def echo_ids(blobs: list[bytes], top_k: int) -> np.ndarray:
-    """``NullClassifier``'s answer for each image: k ids from a CRC-32 of its length and both ends."""
-    import zlib  # noqa: PLC0415
-
-    k = ECHO_SAMPLE_BYTES
-    base = np.array([zlib.crc32(b[-k:], zlib.crc32(b[:k], len(b))) % 1000 for b in blobs],
-                    dtype=np.int32).reshape(-1, 1)
-    return ((base + np.arange(top_k, dtype=np.int32)) % 1000).astype(np.int32)
+            LOG.exception("sending a response failed")

@@ -1,7 +1,7 @@
 """TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k.
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
-ensemble shape runs it alone in its ``network`` model (``pipeline.engines.gpu.triton_ensemble``).
+ensemble shape runs it alone in its ``network`` model (``pipeline.triton.serve.gpu_ensemble``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 
-log = logging.getLogger(__name__)
+LOG = logging.getLogger(__name__)
 
 
 class TopKNetwork:
@@ -94,5 +94,5 @@ class TopKNetwork:
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             static_out = self.module(static_in)
         self._graphs[size] = (g, static_in, static_out)
-        log.info("captured a CUDA graph for batch %d", size)
+        LOG.info("captured a CUDA graph for batch %d", size)
         return self._graphs[size]

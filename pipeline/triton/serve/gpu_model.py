@@ -1,4 +1,4 @@
-"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engines.gpu.classifier) behind the shared contract.
+"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engines.gpu.classifier) behind the contract.
 
 Runs inside tritonserver on a GPU (KIND_GPU instances). Its version folder holds ``preprocess.json`` and, for a
 user's model, ``model.torchscript``; without one it serves the default EfficientNet-Lite0 from its checkpoint.
@@ -19,28 +19,18 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.gpu.stream import NullClassifier, RequestStream
-from pipeline.triton import contract as tn
+from pipeline.engines.gpu.stream import RequestStream
 from pipeline.imaging import DecodeLimits, PreprocessSpec
+from pipeline.model import MODEL_FILE, SPEC_FILE
+from pipeline.triton import contract as tn
+from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
+from pipeline.triton.serve.hop import NETWORK_NONE, NullClassifier
 
 _IMPORTED = time.perf_counter()  # the stub imports this module first: instance start times count from here
 
 LOG = logging.getLogger(__name__)
 # The stub's pybind11 reads numpy-1 arrays right; under numpy 2 tensors go through DLPack (see the module doc).
 _NUMPY_1 = int(np.__version__.split(".")[0]) < 2
-
-def _param(config: dict, key: str, default: str) -> str:
-    """A config.pbtxt ``parameters`` string value, ``default`` when absent or blank."""
-    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return value.strip() or default
-
-
-def _as_numpy(tensor) -> np.ndarray:
-    try:
-        return np.from_dlpack(tensor)
-    except (AttributeError, TypeError, RuntimeError, BufferError):
-        return tensor.as_numpy()
-
 
 def output_tensor(pb, name: str, arr):
     """A ``pb_utils.Tensor`` of a numpy array or a torch tensor (kept on its device: GPU tensors stay there)."""
@@ -56,20 +46,14 @@ def output_tensor(pb, name: str, arr):
     return pb.Tensor.from_dlpack(name, torch.from_numpy(arr))
 
 
-def bad_input(pb, msg: str):
-    """An INVALID_ARG error (not INTERNAL, which clients read as a failing server)."""
-    code = getattr(pb.TritonError, "INVALID_ARG", None)
-    return pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
-
-
 def request_images(pb, request) -> list[bytes]:
     """A request's encoded files: ``IMAGE`` rows cut to their ``LENGTH``.
 
     Raises:
         ValueError: the tensors' shapes do not match the contract.
     """
-    images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
-    lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH)).reshape(-1)
+    images = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
+    lengths = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH)).reshape(-1)
     if images.ndim != 2 or lengths.shape[0] != images.shape[0]:
         raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes] and {tn.INPUT_LENGTH} [n, 1]")
     return [images[i, : int(lengths[i])].tobytes() for i in range(images.shape[0])]
@@ -81,30 +65,10 @@ def request_tags(pb, request, n: int) -> np.ndarray:
     Raises:
         ValueError: not one tag per image.
     """
-    tags = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
+    tags = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
     if tags.shape[0] != n:
         raise ValueError(f"{tn.INPUT_TAG} must be [n, 1] for the {n} images of {tn.INPUT_IMAGE}")
     return tags
-
-
-def request_limits(request, default: DecodeLimits) -> DecodeLimits:
-    """The caps of one request: its parameters' max_bytes/max_pixels, else ``default``."""
-    try:
-        params = json.loads(request.parameters() or "{}")
-    except (AttributeError, ValueError):
-        params = {}
-    return DecodeLimits(
-        max_bytes=int(params.get(tn.GPU_PARAM_MAX_BYTES, default.max_bytes)),
-        max_pixels=int(params.get(tn.GPU_PARAM_MAX_PIXELS, default.max_pixels)),
-    )
-
-
-def config_limits(config: dict) -> DecodeLimits:
-    """The caps a model's config.pbtxt parameters set (the defaults where absent)."""
-    return DecodeLimits(
-        max_bytes=int(_param(config, tn.GPU_PARAM_MAX_BYTES, str(DecodeLimits().max_bytes))),
-        max_pixels=int(_param(config, tn.GPU_PARAM_MAX_PIXELS, str(DecodeLimits().max_pixels))),
-    )
 
 
 class _FolderBundle:
@@ -114,7 +78,7 @@ class _FolderBundle:
         from pipeline.default_model import MODEL_NAME  # noqa: PLC0415
 
         self.name = MODEL_NAME
-        self.onnx_path = folder / "model.onnx"  # only its folder is used: model.torchscript beside it
+        self.onnx_path = folder / MODEL_FILE  # only its folder is used: model.torchscript beside it
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
 
@@ -123,8 +87,8 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
                      batch_size: int, half: bool | None = None):
     """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
 
-    ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where the FP16
-    network agrees with the reference as often as the FP32 one, 99.62 % top-1: GPU_NOTES.md; FP32 on the CPU).
+    ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
+    with the reference as often as FP32 (docs/performance.md); FP32 on the CPU).
     """
     from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
     from pipeline.engines.gpu.dali import (  # noqa: PLC0415
@@ -134,23 +98,22 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     )
 
     if half is None:
-        value = _param(config, tn.GPU_PARAM_HALF, "auto").lower()
+        value = config_param(config, tn.GPU_PARAM_HALF, "auto").lower()
         half = None if value == "auto" else value == "true"
     return GpuClassifier(
         network,
         spec,
-        hw_decode_load=float(_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
+        hw_decoder_load=float(config_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
         top_k=top_k,
         limits=limits,
-        decoder=_param(config, tn.GPU_PARAM_DECODER, "auto"),
         batch_size=batch_size,
         device=device,
-        cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-        prep_workers=int(_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
-        dali_depth=int(_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
-        dali_threads=int(_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
+        cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
+        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
+        dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
+        dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
         half=half,
-        cuda_sync=_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
+        cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
     )
 
 
@@ -158,7 +121,7 @@ def model_setup(args: dict) -> tuple[dict, Path, PreprocessSpec]:
     """What every python model of the gpu profile reads first: its parsed config, version folder and spec."""
     config = json.loads(args["model_config"])
     folder = Path(args["model_repository"]) / args["model_version"]
-    return config, folder, PreprocessSpec.from_json((folder / tn.SPEC_FILE).read_text(encoding="utf-8"))
+    return config, folder, PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
 
 
 def instance_device(args: dict) -> str:
@@ -182,10 +145,10 @@ class TritonPythonModel:
         self.has_error = tn.OUTPUT_ERROR in outputs
         device = instance_device(args)
         self.instance = args.get("model_instance_name", "?")
-        net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
+        net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.limits = config_limits(config)
-        batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        if net_name == "none":  # the Triton hop alone: no decode, no network (benchmarks, tests)
+        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        if net_name == NETWORK_NONE:  # the Triton hop alone: no decode, no network
             self.classifier = NullClassifier(batch_size=batch_size, top_k=self.top_k)
         else:
             self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
@@ -196,8 +159,8 @@ class TritonPythonModel:
                                  f"in {time.perf_counter() - built:.1f} s, {time.perf_counter() - _IMPORTED:.1f} s "
                                  "after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
-                                    max_delay_s=float(_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
-                                    max_backlog=float(_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
+                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
+                                    max_backlog=float(config_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,

@@ -16,32 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.triton import contract as tn
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.model import MODEL_FILE, SPEC_FILE
+from pipeline.triton import contract as tn
+from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
 
 LOG = logging.getLogger(__name__)
 
-ONNX_FILE = "model.onnx"
-SPEC_FILE = "preprocess.json"
-# Config parameters (config.pbtxt `parameters`) and the request parameters a client may send per request.
+# Config parameters (config.pbtxt `parameters`) of the portable model's threads.
 PARAM_INTRA_OP_THREADS = "intra_op_threads"
 PARAM_DECODE_THREADS = "decode_threads"
-PARAM_MAX_BYTES = "max_bytes"
-PARAM_MAX_PIXELS = "max_pixels"
 
 
-def _parameter(config: dict, key: str, default: int) -> int:
-    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return int(value) if value.strip() else default
-
-
-def _as_numpy(tensor) -> np.ndarray:
-    # DLPack works with numpy 1 and 2 in this backend; as_numpy() mis-reads tensors under numpy 2 (FACTS.md).
-    try:
-        return np.from_dlpack(tensor)
-    except (AttributeError, TypeError, RuntimeError, BufferError):
-        return tensor.as_numpy()
+def _int_param(config: dict, key: str, default: int) -> int:
+    return int(config_param(config, key, str(default)))
 
 
 NUMPY_2 = int(np.__version__.split(".")[0]) >= 2
@@ -66,12 +55,12 @@ class Classifier:
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
         shapes = {o.name: o.shape for o in self.session.get_outputs()}
         if tn.OUTPUT_SCORES not in shapes or tn.OUTPUT_CLASS_IDS not in shapes:
             raise ValueError(
-                f"{folder / ONNX_FILE} has outputs {sorted(shapes)}, not {tn.OUTPUT_SCORES}/{tn.OUTPUT_CLASS_IDS}; "
+                f"{folder / MODEL_FILE} has outputs {sorted(shapes)}, not {tn.OUTPUT_SCORES}/{tn.OUTPUT_CLASS_IDS}; "
                 "build the repository with `bulk-classify repo build`, which appends softmax and top-k"
             )
         self.k = int(shapes[tn.OUTPUT_SCORES][-1])
@@ -131,27 +120,13 @@ class TritonPythonModel:
         self.has_error = any(o["name"] == tn.OUTPUT_ERROR for o in config.get("output", []))
         instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         cpus = os.cpu_count() or 1
-        limits = DecodeLimits(
-            max_bytes=_parameter(config, PARAM_MAX_BYTES, DecodeLimits().max_bytes),
-            max_pixels=_parameter(config, PARAM_MAX_PIXELS, DecodeLimits().max_pixels),
-        )
+        limits = config_limits(config)
         self.classifier = Classifier(
             folder,
             # Instances share the cores: without a cap each ONNX Runtime session would spawn one thread per core.
-            intra_op_threads=_parameter(config, PARAM_INTRA_OP_THREADS, max(1, cpus // instances)),
-            decode_threads=_parameter(config, PARAM_DECODE_THREADS, max(1, cpus // instances)),
+            intra_op_threads=_int_param(config, PARAM_INTRA_OP_THREADS, max(1, cpus // instances)),
+            decode_threads=_int_param(config, PARAM_DECODE_THREADS, max(1, cpus // instances)),
             limits=limits,
-        )
-
-    def _request_limits(self, request) -> DecodeLimits:
-        try:
-            params = json.loads(request.parameters() or "{}")
-        except (AttributeError, ValueError):
-            params = {}
-        base = self.classifier.limits
-        return DecodeLimits(
-            max_bytes=int(params.get(PARAM_MAX_BYTES, base.max_bytes)),
-            max_pixels=int(params.get(PARAM_MAX_PIXELS, base.max_pixels)),
         )
 
     def execute(self, requests):
@@ -159,18 +134,18 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                images = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
-                lengths = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH))
-                tags = _as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG))
+                images = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_IMAGE))
+                lengths = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_LENGTH))
+                tags = as_numpy(pb.get_input_tensor_by_name(request, tn.INPUT_TAG))
                 if images.ndim != 2 or lengths.shape[0] != images.shape[0] or tags.shape[0] != images.shape[0]:
                     raise ValueError(f"{tn.INPUT_IMAGE} must be [n, bytes], {tn.INPUT_LENGTH} and {tn.INPUT_TAG} "
                                      "[n, 1]")
-                outputs = self.classifier.classify(images, lengths, self._request_limits(request), tags)
+                outputs = self.classifier.classify(images, lengths, request_limits(request, self.classifier.limits), tags)
                 if not self.has_error:
                     errors = [e.decode("utf-8") for e in outputs.pop(tn.OUTPUT_ERROR).reshape(-1) if e]
                     if errors:
                         responses.append(pb.InferenceResponse(
-                            output_tensors=[], error=self._bad_input(tn.failure_message(errors, len(images)))))
+                            output_tensors=[], error=bad_input(pb, tn.failure_message(errors, len(images)))))
                         continue
                 tensors = [_to_tensor(pb, name, value) for name, value in outputs.items()]
                 responses.append(pb.InferenceResponse(output_tensors=tensors))
@@ -178,11 +153,6 @@ class TritonPythonModel:
                 LOG.exception("request failed")
                 responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(err))))
         return responses
-
-    def _bad_input(self, message: str):
-        """INVALID_ARG, not INTERNAL: the client must read it as a bad input, not a failing server."""
-        code = getattr(self.pb.TritonError, "INVALID_ARG", None)
-        return self.pb.TritonError(message, code) if code is not None else self.pb.TritonError(message)
 
     def finalize(self):
         self.classifier.pool.shutdown(wait=False)

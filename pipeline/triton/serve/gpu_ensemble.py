@@ -12,8 +12,8 @@ the client isolates the bad file, as with the single model.
 Each image's ``TAG`` goes with its tensor: the preprocess model sends it on (``PREPROCESSED_TAG``) and the network
 model echoes it in ``ECHO`` beside its classes, so the client checks both models' batching of every image.
 
-``network: "none"`` is the hop alone, torch- and DALI-free: preprocess triages and writes a number derived from each
-file's bytes into its tensor (``echo_ids``); the network model turns it into that image's classes.
+``network: "none"`` is the hop alone, torch- and DALI-free (``pipeline.triton.serve.hop``): preprocess triages and
+writes a number derived from each file's bytes into its tensor; the network model turns it into that image's classes.
 """
 
 from __future__ import annotations
@@ -22,28 +22,22 @@ import logging
 
 import numpy as np
 
-from pipeline.engines.gpu.classifier import Preprocessed, triage
-from pipeline.engines.gpu.stream import echo_ids
-from pipeline.engines.gpu.triton_model import (
+from pipeline.engines.gpu.classifier import Preprocessed
+from pipeline.imaging import DecodeLimits
+from pipeline.triton import contract as tn
+from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
+from pipeline.triton.serve.gpu_model import (
     _FolderBundle,
-    _as_numpy,
-    _param,
-    bad_input,
     build_classifier,
-    config_limits,
     instance_device,
     model_setup,
     output_tensor,
     request_images,
-    request_limits,
     request_tags,
 )
-from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits
-from pipeline.triton import contract as tn
+from pipeline.triton.serve.hop import NETWORK_NONE, hop_classes, hop_preprocess
 
 LOG = logging.getLogger(__name__)
-HOP_ERROR = "unsupported: not a JPEG the gpu path decodes (network none)"
 
 
 def _dims(config: dict, section: str, name: str) -> tuple[dict, list[int]]:
@@ -63,8 +57,8 @@ class PreprocessModel:
         self.half = out["data_type"] == "TYPE_FP16"
         self.has_error = any(t["name"] == tn.OUTPUT_ERROR for t in config["output"])
         self.limits = config_limits(config)
-        batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        self.hop = _param(config, tn.GPU_PARAM_NETWORK, "auto") == "none"
+        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        self.hop = config_param(config, tn.GPU_PARAM_NETWORK, "auto") == NETWORK_NONE
         device = instance_device(args)
         self.classifier = None if self.hop else build_classifier(
             config, spec, None, device=device, top_k=1, limits=self.limits, batch_size=batch_size, half=self.half)
@@ -96,23 +90,7 @@ class PreprocessModel:
     def _prepare(self, blobs: list[bytes], limits: DecodeLimits) -> Preprocessed:
         if self.classifier is not None:
             return self.classifier.preprocess(blobs, limits)
-        n = len(blobs)
-        x = np.zeros((n, *self.shape), dtype=np.float16 if self.half else np.float32)
-        width, height, errors, ok = np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, []
-        for i, data in enumerate(blobs):
-            try:
-                item = triage(i, data, limits)
-            except ImageError as err:
-                errors[i] = str(err)
-                continue
-            if item.info is None:
-                errors[i] = HOP_ERROR
-                continue
-            ok.append(i)
-            width[i], height[i] = item.width, item.height
-        if ok:
-            x[ok, 0, 0, 0] = echo_ids([blobs[i] for i in ok], 1)[:, 0]
-        return Preprocessed(x, width, height, errors)
+        return Preprocessed(*hop_preprocess(blobs, limits, self.shape, self.half))
 
     def _response(self, prep: Preprocessed, tags: np.ndarray, start: int, end: int):
         pb = self.pb
@@ -148,10 +126,10 @@ class NetworkModel:
         config, folder, spec = model_setup(args)
         tensor, shape = _dims(config, "input", tn.PREPROCESSED)
         _, (self.top_k,) = _dims(config, "output", tn.OUTPUT_CLASS_IDS)
-        self.batch_size = int(_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        net_name = _param(config, tn.GPU_PARAM_NETWORK, "auto")
+        self.batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.network = None
-        if net_name == "none":
+        if net_name == NETWORK_NONE:
             return
         import torch  # noqa: PLC0415 - the gpu profile's models run where torch is
 
@@ -162,11 +140,11 @@ class NetworkModel:
 
         self.torch = torch
         self.device = torch.device(instance_device(args))
-        use_cuda_device(torch, self.device, _param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC))
+        use_cuda_device(torch, self.device, config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC))
         module = load_network(_FolderBundle(folder, spec, 1000), net_name)
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,
-                                   cuda_graph=_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
+                                   cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
                                    top_k=self.top_k)
         self.network.warmup()
         LOG.info("network model ready on %s", self.device)
@@ -175,7 +153,7 @@ class NetworkModel:
         pb = self.pb
         inputs = [pb.get_input_tensor_by_name(r, tn.PREPROCESSED) for r in requests]
         status = [pb.get_input_tensor_by_name(r, tn.STATUS) for r in requests]
-        tags = np.concatenate([_as_numpy(pb.get_input_tensor_by_name(r, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
+        tags = np.concatenate([as_numpy(pb.get_input_tensor_by_name(r, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
                                for r in requests])
         if self.network is None:
             ids, scores, failed, sizes = self._hop(inputs, status)
@@ -194,12 +172,9 @@ class NetworkModel:
         return responses
 
     def _hop(self, inputs, status):
-        parts = [_as_numpy(t) for t in inputs]
-        x = np.concatenate(parts)
-        base = x.reshape(len(x), -1)[:, 0].astype(np.int32)
-        ids = ((base[:, None] + np.arange(self.top_k, dtype=np.int32)) % 1000).astype(np.int32)
-        scores = np.tile(np.linspace(0.5, 0.1, self.top_k, dtype=np.float32), (len(x), 1))
-        failed = np.concatenate([_as_numpy(t).reshape(-1) for t in status]) != 0
+        parts = [as_numpy(t) for t in inputs]
+        ids, scores = hop_classes(np.concatenate(parts), self.top_k)
+        failed = np.concatenate([as_numpy(t).reshape(-1) for t in status]) != 0
         return ids, scores, failed, [len(p) for p in parts]
 
     def _classify(self, inputs, status):
