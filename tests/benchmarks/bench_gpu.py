@@ -19,7 +19,7 @@ ResNet-50 FP16 (torchvision, random weights) and the default model (EfficientNet
 
 with ratios to the ceiling, stage times, GPU-vs-CPU parity of the default model (top-1
 agreement with the ONNX Runtime CPU reference on 520 photo-derived JPEGs of varied sizes, FP16 and FP32 networks),
-and tests/oddities.py through the GPU path against the onnx engine (statuses and error kinds).
+and tests/support/oddities.py through the GPU path against the onnx engine (statuses and error kinds).
 """
 
 from __future__ import annotations
@@ -379,9 +379,9 @@ def overlap_probe(images: list[bytes], spec: PreprocessSpec, net, batch: int, mi
 
 
 def oddities_part(results: dict, net, spec) -> None:
-    """tests/oddities.py through the gpu engine (DALI) on the device vs the onnx engine: statuses and error kinds."""
+    """tests/support/oddities.py through the gpu engine (DALI) on the device vs the onnx engine: statuses and error kinds."""
     sys.path.insert(0, str(REPO / "tests"))
-    from oddities import oddities
+    from support.oddities import oddities
 
     from pipeline.engines.onnx import OnnxEngine
     from pipeline.engines.gpu.classifier import GpuClassifier
