@@ -171,7 +171,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=100_000, help="files in the source (hard links)")
     p.add_argument("--unique", type=int, default=2048, help="distinct JPEGs behind them")
-    p.add_argument("--set", default="imagenet", help="bench_gpu set: imagenet (~100 KB) or light (~35 KB)")
+    p.add_argument("--set", default="imagenet", help="image_sets set: imagenet (~100 KB) or light (~35 KB)")
     p.add_argument("--work", type=Path, required=True, help="folder for the images and outputs (images reused)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and logs (default WORK/results)")
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS for 'bulk-classify run' (repeatable)")

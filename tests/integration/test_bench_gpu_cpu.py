@@ -1,5 +1,5 @@
-"""tests/benchmarks/bench_gpu.py's Triton part on the CPU: the script's server/run/report path, checked here so that a
-device call (30 minutes a session) is not spent finding its bugs.
+"""tests/benchmarks/bench_gpu.py's Triton part (gpu_triton.py) on the CPU: the script's server/run/report path, checked
+here so that a device call is not spent finding its bugs.
 
 A real tritonserver serves the gpu profile with ``network: "none"`` (the hop alone: execute(), the request stream and
 its backlog, responses) on KIND_CPU instances; actor-shaped clients time it, the bad-inputs request runs between two
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,11 @@ from support.paths import BENCHMARKS
 
 @pytest.fixture
 def bench_gpu(monkeypatch):
+    """bench_gpu.py and its Triton part, imported from tests/benchmarks/, with the gpu profile built for the CPU."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_gpu
+    import gpu_triton
+    import image_sets
 
     from pipeline.triton import repository
 
@@ -34,8 +38,10 @@ def bench_gpu(monkeypatch):
         return out
 
     monkeypatch.setattr(repository, "build_gpu_repository", on_cpu)
-    yield bench_gpu
-    sys.modules.pop("bench_gpu", None)
+    yield types.SimpleNamespace(make_set=image_sets.make_set, triton_part=gpu_triton.triton_part,
+                                print_table=bench_gpu.print_table)
+    for name in ("bench_gpu", "gpu_triton", "gpu_timing", "gpu_dali", "gpu_parity", "image_sets"):
+        sys.modules.pop(name, None)
 
 
 def test_triton_part_times_the_hop_and_reports_each_instance(bench_gpu, tmp_path, capsys):
