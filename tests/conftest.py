@@ -15,8 +15,8 @@ import pytest
 
 from support.paths import PHOTOS, REPO, TESTS  # noqa: F401  (REPO and PHOTOS: imported by tests)
 
-# Each tier folder under tests/ and the marker its tests carry (markers are registered in pyproject.toml).
-TIER_MARKERS = {"unit": "unit", "integration": "integration", "gpu": "gpu", "airflow": "airflow"}
+# The tier folders under tests/; each one's tests carry the marker of its name (registered in pyproject.toml).
+TIERS = ("unit", "integration", "gpu", "airflow")
 
 
 def free_port() -> int:
@@ -154,7 +154,6 @@ def photo_bytes() -> dict[str, bytes]:
 def pytest_collection_modifyitems(config, items):
     """Each test gets its tier folder's marker before `-m` selects (`pytest -m unit`, `pytest tests/unit`, ...)."""
     for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(TESTS)
-        marker = TIER_MARKERS.get(rel.parts[0]) if len(rel.parts) > 1 else None
-        if marker:
-            item.add_marker(getattr(pytest.mark, marker))
+        path = Path(str(item.fspath)).resolve()
+        if TESTS in path.parents and path.relative_to(TESTS).parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, path.relative_to(TESTS).parts[0]))
