@@ -1,6 +1,6 @@
 """The gpu engine's DALI preparation (pipeline.engines.gpu.dali) where it runs without a GPU: DALI's CPU backend
 through the same graph and the same triage / refusal / reference fallback the GPU runs (the classifier around it:
-tests/integration/test_engine_gpu.py, with torch on the CPU; ``-m gpu`` on the device)."""
+tests/integration/test_engine_gpu.py, with torch on the CPU; on a GPU: tests/gpu/test_dali_on_gpu.py)."""
 
 from __future__ import annotations
 

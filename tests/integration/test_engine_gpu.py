@@ -1,6 +1,6 @@
 """The gpu engine: its CPU logic (JPEG header triage, the decoder choice, the Triton profile) always; the classifier
 on the CPU (DALI's CPU backend, a torch CPU network) where torch and DALI are installed; the real thing on a GPU
-(``-m gpu``)."""
+is tests/gpu/test_gpu_engine_on_gpu.py."""
 
 from __future__ import annotations
 
