@@ -48,14 +48,14 @@ HEAD_CHANNELS = 1280
 #   inception-style MEAN and STDDEV for better post-quantization", MEAN_RGB = [127.0] * 3, STDDEV_RGB = [128.0] * 3
 #   on 0..255 RGB, i.e. about [-1, 1]. Checked against the checkpoint itself: over natural photos, the stem
 #   convolution's output variance is 0.67x the stem BatchNorm's running variance with this normalisation and 3.4x
-#   with torchvision's ImageNet mean/std (tests/test_model.py::test_spec_matches_the_stem_batchnorm_statistics).
+#   with torchvision's ImageNet mean/std (tests/integration/test_model.py::test_spec_matches_the_stem_batchnorm_statistics).
 # - geometry: tensorflow/tpu models/official/efficientnet/preprocessing.py, preprocess_for_eval ->
 #   _decode_and_center_crop: a centred square crop of 224 / (224 + CROP_PADDING=32) of the shorter side, resized
 #   to 224x224 with bicubic interpolation. That is "scale the shorter side to 256, centre-crop 224x224", which is
 #   exactly how PreprocessSpec defines resize_shorter + crop (exact scale, no rounding of the intermediate size).
 # - we resample with antialiasing (TF's eval resize_bicubic does not): Pillow cannot resample bicubic without it,
 #   and DALI can do both; for large catalog photos the unfiltered resize aliases badly. Chosen over strict
-#   TF fidelity; the photo tests in tests/test_engine.py show the classes land right.
+#   TF fidelity; the photo tests in tests/integration/test_engine.py show the classes land right.
 
 
 def spec_path() -> Path:

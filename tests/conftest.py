@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 endpoint (moto in server mode on loopback), a local Ray, sample images."""
+"""Shared fixtures (a real S3 endpoint: moto in server mode on loopback; a local Ray; sample images) and the tier
+markers, which follow the folders: unit/, integration/, gpu/, airflow/."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PHOTOS = REPO / "tests" / "data" / "photos"
+from support.paths import PHOTOS, REPO, TESTS  # noqa: F401  (REPO and PHOTOS: imported by tests)
+
+# The tier folders under tests/; each one's tests carry the marker of its name (registered in pyproject.toml).
+TIERS = ("unit", "integration", "gpu", "airflow")
 
 
 def free_port() -> int:
@@ -135,8 +138,8 @@ def onnx_engine(default_bundle):
 
 @pytest.fixture(scope="session")
 def odd_images() -> dict:
-    """tests/oddities.py's odd inputs: {name: (bytes, expected status, expected error kind or None)}."""
-    from oddities import oddities
+    """tests/support/oddities.py's odd inputs: {name: (bytes, expected status, expected error kind or None)}."""
+    from support.oddities import oddities
 
     return oddities()
 
@@ -147,9 +150,10 @@ def photo_bytes() -> dict[str, bytes]:
     return {p.stem: p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/unit/ is the fast tier: no Ray, no servers (`pytest -m unit`, or `pytest tests/unit`)."""
-    unit_dir = Path(__file__).parent / "unit"
+    """Each test gets its tier folder's marker before `-m` selects (`pytest -m unit`, `pytest tests/unit`, ...)."""
     for item in items:
-        if unit_dir in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.unit)
+        path = Path(str(item.fspath)).resolve()
+        if TESTS in path.parents and path.relative_to(TESTS).parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, path.relative_to(TESTS).parts[0]))

@@ -7,7 +7,7 @@ same interpolation and antialiasing, in the reference's two passes (horizontal, 
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
-Known differences from the reference (measured in tests/test_dali_parity.py, listed in docs/engines.md):
+Known differences from the reference (measured in tests/integration/test_dali_parity.py, listed in docs/engines.md):
 JPEG decoders round the IDCT differently (a few levels on edges); transparent pixels are not composited on white
 (DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (the gpu
 engine decodes that batch with the reference; the Triton engine splits the request).

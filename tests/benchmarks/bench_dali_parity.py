@@ -3,7 +3,7 @@
 The graph is ``pipeline.triton.dali_pipeline.preprocess_graph`` (the one definition behind the production ensemble's
 DALI model and the gpu engine's ``GpuClassifier``), built with DALI's CPU backend; the reference is
 ``pipeline.imaging`` (Pillow). DALI's CPU decoder is libjpeg-turbo like Pillow's (the "decode" row checks that they
-give the same pixels), so on the CPU every difference left is resize, crop and normalize. The set is bench_gpu.py's
+give the same pixels), so on the CPU every difference left is resize, crop and normalize. The set is image_sets.py's
 520-image parity set (``make_set(520, "varied", 10_000)``: JPEGs of 160-1,100 px cut from tests/data/photos, 30%
 portrait, 10% gray, about a third of them upscaled to 256).
 
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import make_set  # noqa: E402
+from image_sets import make_set  # noqa: E402
 
 from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
 from pipeline.imaging import PreprocessSpec, decode_image, normalize_array, preprocess_image  # noqa: E402
@@ -204,7 +204,7 @@ def compare(name: str, spec: PreprocessSpec, x: np.ndarray, ref: np.ndarray, p_x
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--count", type=int, default=520, help="images of the parity set (bench_gpu.make_set)")
+    p.add_argument("--count", type=int, default=520, help="images of the parity set (image_sets.make_set)")
     p.add_argument("--out", type=Path, default=None, help="folder for results.json")
     p.add_argument("--time-s", type=float, default=0.0, help="also time both graphs this long each (hold the lock)")
     p.add_argument("--device", choices=("cpu", "mixed"), default="cpu",

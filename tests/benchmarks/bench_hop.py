@@ -133,7 +133,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from bench_gpu import make_set
+    from image_sets import make_set
 
     from pipeline.triton import contract as tn
     from pipeline.triton.repository import build_gpu_repository

@@ -171,12 +171,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=100_000, help="files in the source (hard links)")
     p.add_argument("--unique", type=int, default=2048, help="distinct JPEGs behind them")
-    p.add_argument("--set", default="imagenet", help="bench_gpu set: imagenet (~100 KB) or light (~35 KB)")
+    p.add_argument("--set", default="imagenet", help="image_sets set: imagenet (~100 KB) or light (~35 KB)")
     p.add_argument("--work", type=Path, required=True, help="folder for the images and outputs (images reused)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and logs (default WORK/results)")
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS for 'bulk-classify run' (repeatable)")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
-    p.add_argument("--oddities", default="", help="also run tests/oddities.py's files through these variants "
+    p.add_argument("--oddities", default="", help="also run tests/support/oddities.py's files through these variants "
                    "(comma-separated NAMEs) and compare each file's status and error kind with the expected ones")
     p.add_argument("--mps", action="store_true", help="every variant under a private CUDA MPS daemon (gpu_mps.py)")
     p.add_argument("--dry-run-cpu", action="store_true", help="a few hundred images, for a machine without a GPU")
@@ -222,7 +222,7 @@ def check_oddities(name: str, args_text: str, opts) -> None:
     import pyarrow.dataset as pads
 
     sys.path.insert(0, str(REPO / "tests"))
-    from oddities import oddities
+    from support.oddities import oddities
 
     folder = opts.work / "odd"
     shutil.rmtree(folder, ignore_errors=True)

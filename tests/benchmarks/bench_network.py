@@ -11,7 +11,7 @@ the same architecture: reference rates only), it prints:
 - exactness: max |logit - explicit layout's logit| in FP32 on the CPU (``--cpu-check`` images of the parity set) and
   on the device (FP32, no TF32, the whole parity set), and max |logit - ONNX Runtime's| on the device;
 - parity: top-1 agreement of the FP16 network (batch 128 CUDA graph) with ONNX Runtime on the CPU (the repository's
-  ONNX build of the default model) over bench_gpu's 520-image parity set (``make_set(520, "varied", 10_000)``),
+  ONNX build of the default model) over image_sets.py's 520-image parity set (``make_set(520, "varied", 10_000)``),
   both fed the reference preprocessing (``pipeline.imaging``), so only the network differs; each disagreement's
   margin is ONNX Runtime's probability of its own top-1 minus its probability of the network's top-1 (a near-tie
   is < 0.01).
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import make_set  # noqa: E402
+from image_sets import make_set  # noqa: E402
 
 from pipeline.default_model import DEFAULT_SPEC, load_checkpoint  # noqa: E402
 from pipeline.engines.gpu.networks import (  # noqa: E402

@@ -7,7 +7,7 @@ Run on a GPU machine (ray, torch, tritonclient, a tritonserver binary; see docs/
 For each GPU count N it starts a fresh local Ray with N GPUs and runs one ``pipeline.job.run_job`` with
 ``engine="triton"``, ``num_actors=N`` and the ``gpu`` profile repository, so Ray gives every actor its own GPU
 (CUDA_VISIBLE_DEVICES) and every actor starts its own tritonserver on loopback. The images are ImageNet-like JPEGs
-(500x375, ~100 KB) made from the repository's photos by ``bench_gpu.make_set``, hard-linked many times into
+(500x375, ~100 KB) made from the repository's photos by ``image_sets.make_set``, hard-linked many times into
 sub-folders. It prints, per N: images, wall seconds, start-up (job start to the first actor call), steady img/s
 (rows whose actor call started between those of the rows at 15% and 90%, by the rows' own ``classified_at``,
 so actor and server start-up and the tail are excluded), the whole job's img/s, the ratio to the first N, and each
@@ -39,7 +39,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 LOG = logging.getLogger("bench_scaleout")
 # The python backend moves inputs through shared memory that starts at 1 MB and grows 1 MB at a time: start it
-# large enough for several multi-MB requests (as bench_gpu.py does).
+# large enough for several multi-MB requests (as gpu_triton.py does).
 GPU_SERVER_ARGS = ["--backend-config=python,shm-default-byte-size=268435456",
                    "--backend-config=python,shm-growth-byte-size=67108864"]
 STEADY = (0.15, 0.90)
@@ -56,7 +56,7 @@ def make_images(root: Path, total: int, unique: int, set_name: str, per_folder: 
     want = f"{total} {unique} {set_name}"
     if marker.is_file() and marker.read_text() == want:
         return images
-    from bench_gpu import make_set
+    from image_sets import make_set
 
     shutil.rmtree(images, ignore_errors=True)
     shutil.rmtree(root / "unique", ignore_errors=True)
@@ -317,7 +317,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None, help="folder for images, repository and outputs (reused)")
     p.add_argument("--images", type=int, default=None, help="files in the source (hard links); 36000, dry run 240")
     p.add_argument("--unique", type=int, default=None, help="distinct JPEGs behind them; 2048, dry run 48")
-    p.add_argument("--set", default="imagenet", help="bench_gpu set: imagenet (~100 KB) or light (~35 KB)")
+    p.add_argument("--set", default="imagenet", help="image_sets set: imagenet (~100 KB) or light (~35 KB)")
     p.add_argument("--batch-size", type=int, default=1536, help="images per actor call (RunConfig.batch_size)")
     p.add_argument("--shard-size", type=int, default=1000, help="rows per Parquet shard (progress granularity)")
     p.add_argument("--request-batch", type=int, default=128)

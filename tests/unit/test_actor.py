@@ -7,7 +7,7 @@ from datetime import datetime
 import pyarrow as pa
 import pytest
 
-from oddities import oddities
+from support.oddities import oddities
 from pipeline.actor import ClassifyActor
 from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S, WORK_SCHEMA
 

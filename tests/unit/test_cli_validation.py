@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from support.paths import PHOTOS
 
-PHOTOS = Path(__file__).resolve().parents[1] / "data" / "photos"
 CLI = [sys.executable, "-m", "pipeline.cli"]
 LIMIT_S = 3.0
 

@@ -1,7 +1,7 @@
 """pipeline/fetch.py: retries of transient storage errors, permanent errors as rows, the byte cap.
 
 The storage is fsspec's in-memory file system with failures injected per path; the S3 outage itself is covered
-end to end against moto's server in tests/test_faults.py.
+end to end against moto's server in tests/integration/test_faults.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-import import_graph
+from support import import_graph
 
 # Modules allowed over import_graph.MAX_LINES, and why.
 LONG_MODULES = {

@@ -15,7 +15,7 @@ A file DALI refuses fails DALI's whole batch: that batch is then decoded by the 
 file's error row (the reference's status and kind, as the onnx engine gives) and its neighbours are classified.
 With ``depth`` > 1 callers share one DALI pipeline kept that many batches ahead (``pipeline.engines.gpu.dali_runner``);
 with 1, each takes one of as many built pipelines, run one batch at a time. CI runs it with DALI's CPU backend
-(tests/test_engine_dali.py).
+(tests/integration/test_engine_dali.py).
 """
 
 from __future__ import annotations

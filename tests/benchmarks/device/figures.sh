@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/performance.md in one call, after the kit's setup (README.md here):
-#   bash tests/benchmarks/device/figures.sh [PART ...]     PARTs: network start job (default: all three)
+#   bash tests/benchmarks/device/figures.sh [PART ...]     PARTs: network start job gpu tests (default: network start job)
 # network: the default network alone (bench_network.py); start: where a gpu server's start goes (probe_start.py);
 # job: the whole job as a user types it, on 100,000 files (bench_job.py via job.sh), the default and the
-# in-process engine side by side. Results under $OUT/f (network) and $OUT/j (job).
+# in-process engine side by side; gpu: bench_gpu.py's parts in one run (DALI alone, the networks alone, the engine
+# in process, parity, odd inputs, the local Triton with ResNet-50 under MPS); tests: the GPU tier (tests/gpu/).
+# Results under $OUT/f (network, gpu, tests) and $OUT/j (job).
 set -u
 source "$HOME/env/activate.sh"
 parts=${*:-network start job}
@@ -14,5 +16,15 @@ for part in $parts; do
              echo "bench_network rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network.log" | tail -25 ;;
     start)   timeout 120 python3 tests/benchmarks/device/probe_start.py 6 2>&1 | tail -30 ;;
     job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu} ;;
+    gpu)     timeout 330 python3 tests/benchmarks/bench_gpu.py --out "$OUT/f" --seconds 4 --sets imagenet,light \
+               --decoder dali --parts dali,ceiling,engine,parity,oddities,triton --engine-variants dali_h1_d3 \
+               --triton-nets resnet50 --servers ${GPU_SERVERS:-6:mps:bl4} --client 128x16 --client-procs 4 \
+               --dali-depth 3 --hw-decoder-load 1.0 > "$OUT/f/gpu.log" 2>&1
+             echo "bench_gpu rc=$?"; grep -E "^parity|^oddities|failures|^triton_" "$OUT/f/gpu.log" | cut -c1-330
+             sed -n '/^network /,$p' "$OUT/f/gpu.log" | grep -v "None\|stage_ms\|^parity" ;;
+    tests)   python3 -c "import pytest" 2>/dev/null || { echo "pytest is not installed here"; continue; }
+             timeout 150 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -x > "$OUT/f/pytest.log" 2>&1
+             echo "pytest rc=$?"; tail -5 "$OUT/f/pytest.log" ;;
+    *)       echo "unknown part $part (network start job gpu tests)" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,217 @@
+"""The default network's layouts (pipeline.engines.gpu.networks.LITE0_LAYOUTS): TF "SAME" padding folded into the
+convs computes what the explicit pads compute, on real photos and the parity inputs, in FP32 on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.default_model import DEFAULT_SPEC, IMAGE_SIZE, LITE0_BLOCKS
+from pipeline.engines.gpu.networks import (
+    DEFAULT_LITE0_LAYOUT,
+    LITE0_LAYOUTS,
+    REFERENCE_LITE0_LAYOUT,
+    Lite0Layout,
+    PadPlan,
+    pad_plan,
+)
+from pipeline.errors import EngineError
+from pipeline.imaging import decode_image, load_and_preprocess, normalize_array
+from support.paths import BENCHMARKS, DATA
+
+# FP32 on the CPU the layouts gave bit-identical logits (torch 2.13, the photos and all 200 parity inputs); the bound
+# leaves room for a backend that sums the zero taps or the larger padding in another order.
+MAX_LOGIT_DIFF = 1e-4
+PARITY_INPUTS = 8
+
+
+def _conv_shapes() -> list[tuple[int, int, int]]:
+    """(input size, kernel, stride) of every spatial conv of Lite0 at 224 px: the stem, then each depthwise conv."""
+    shapes, size = [(IMAGE_SIZE, 3, 2)], -(-IMAGE_SIZE // 2)
+    for repeats, kernel, stride, *_ in LITE0_BLOCKS:
+        for r in range(repeats):
+            s = stride if r == 0 else 1
+            shapes.append((size, kernel, s))
+            size = -(-size // s)
+    return shapes
+
+
+def test_pad_plans_of_lite0_at_224():
+    shapes = _conv_shapes()
+    assert len(shapes) == 17
+    asymmetric = [(n, k) for n, k, s in shapes if s == 2]
+    assert asymmetric == [(224, 3), (112, 3), (56, 5), (28, 3), (14, 5)]
+    # TF pads (0, 1) for 3x3 and (1, 2) for 5x5 at stride 2 on an even size: one zero tap, padding = the larger side
+    assert pad_plan(224, 3, 2, "kernel") == PadPlan(None, 1, 1, 0)
+    assert pad_plan(56, 5, 2, "kernel") == PadPlan(None, 2, 1, 0)
+    assert pad_plan(112, 3, 2, "slice") == PadPlan(None, 2, 0, 1)
+    assert pad_plan(14, 5, 2, "slice") == PadPlan(None, 3, 0, 1)
+    assert pad_plan(56, 5, 2, "pad") == PadPlan((1, 2, 1, 2), 0, 0, 0)
+    for n, k, s in shapes:
+        if s == 1:  # stride 1, odd kernel: symmetric, into the conv
+            assert pad_plan(n, k, s, "conv") == PadPlan(None, k // 2, 0, 0)
+            assert pad_plan(n, k, s, "pad") == PadPlan((k // 2,) * 4, 0, 0, 0)
+    with pytest.raises(ValueError, match="cannot make the asymmetric pads"):
+        pad_plan(224, 3, 2, "conv")
+
+
+def test_layout_fields_are_checked():
+    with pytest.raises(ValueError, match="Lite0Layout.asymmetric 'conv': use one of pad, kernel, slice"):
+        Lite0Layout(symmetric="conv", asymmetric="conv", stem="pad", inplace=False)
+    assert REFERENCE_LITE0_LAYOUT in LITE0_LAYOUTS and DEFAULT_LITE0_LAYOUT in LITE0_LAYOUTS
+    reference = LITE0_LAYOUTS[REFERENCE_LITE0_LAYOUT]
+    assert (reference.symmetric, reference.asymmetric, reference.stem) == ("pad", "pad", "pad")
+    default = LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]
+    assert "pad" not in (default.symmetric, default.asymmetric, default.stem)  # no pad kernel left
+
+
+@pytest.mark.parametrize("form", ["kernel", "slice"])
+def test_each_plan_equals_tf_same_padding_on_random_tensors(form):
+    """Every Lite0 shape, and odd sizes too, with random weights: the plan's conv (and slice) equals F.pad + conv."""
+    torch = pytest.importorskip("torch")
+    from torch.nn import functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    cases = sorted({*_conv_shapes(), (15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1)})
+    for n, k, s in cases:
+        for groups in (1, 4):
+            x = torch.randn(2, 4, n, n, generator=gen)
+            w = torch.randn(4, 4 // groups, k, k, generator=gen)
+            plan_pad = pad_plan(n, k, s, "pad")
+            ref = F.conv2d(F.pad(x, plan_pad.pad) if plan_pad.pad else x, w, stride=s, padding=plan_pad.padding,
+                           groups=groups)
+            plan = pad_plan(n, k, s, form if s == 2 else "conv")
+            wk = F.pad(w, (plan.front_taps, 0, plan.front_taps, 0))
+            got = F.conv2d(x, wk, stride=s, padding=plan.padding, groups=groups)
+            got = got[:, :, plan.drop : plan.drop + ref.shape[2], plan.drop : plan.drop + ref.shape[3]]
+            assert got.shape == ref.shape, (n, k, s)
+            assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    pytest.importorskip("torch")
+    from pipeline.default_model import load_checkpoint
+
+    return load_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def inputs() -> np.ndarray:
+    """The committed photos (whole reference preprocessing) and 8 of the parity inputs (already 224 px)."""
+    photos = [load_and_preprocess(p.read_bytes(), DEFAULT_SPEC)[0] for p in sorted((DATA / "photos").glob("*.jpg"))]
+    parity = [normalize_array(np.asarray(decode_image(p.read_bytes())), DEFAULT_SPEC)
+              for p in sorted((DATA / "parity" / "inputs").glob("*.jpg"))[:PARITY_INPUTS]]
+    assert len(photos) >= 10 and len(parity) == PARITY_INPUTS
+    return np.stack(photos + parity)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(weights, inputs):
+    torch = pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import efficientnet_lite0
+
+    with torch.inference_mode():
+        return efficientnet_lite0(weights, REFERENCE_LITE0_LAYOUT)(torch.from_numpy(inputs)).numpy()
+
+
+def test_the_reference_layout_matches_the_original_torch_model(inputs, reference_logits):
+    """The explicit layout against the package's own torch model's logits on the parity inputs
+    (tests/data/parity/torch_logits.npz, made by tests/data/make_parity_fixture.py)."""
+    fixture = np.load(DATA / "parity" / "torch_logits.npz")
+    got, want = reference_logits[-PARITY_INPUTS:], fixture["logits"][:PARITY_INPUTS]
+    assert np.abs(got - want).max() < 1e-3
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n == DEFAULT_LITE0_LAYOUT else pytest.mark.slow)
+    for n in LITE0_LAYOUTS if n != REFERENCE_LITE0_LAYOUT
+])
+def test_each_layout_gives_the_reference_logits(name, weights, inputs, reference_logits):
+    torch = pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import efficientnet_lite0
+
+    net = efficientnet_lite0(weights, name)
+    assert net.layout == LITE0_LAYOUTS[name]
+    with torch.inference_mode():
+        got = net(torch.from_numpy(inputs)).numpy()
+    assert np.abs(got - reference_logits).max() < MAX_LOGIT_DIFF
+    assert (got.argmax(1) == reference_logits.argmax(1)).all()
+
+
+def test_the_default_layout_in_channels_last_as_the_engine_runs_it(weights, inputs, reference_logits):
+    """TopKNetwork's copy (channels-last, FP32 on the CPU): the slices and in-place activations keep the logits."""
+    torch = pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.engines.gpu.topk_network import TopKNetwork
+
+    tk = TopKNetwork(efficientnet_lite0(weights), crop=DEFAULT_SPEC.crop, device=torch.device("cpu"), half=False,
+                     batch_size=8, cuda_graph=False, top_k=5)
+    x = torch.from_numpy(inputs).contiguous(memory_format=torch.channels_last)
+    got = tk.run(x).numpy()
+    assert np.abs(got - reference_logits).max() < MAX_LOGIT_DIFF
+    scores, ids = tk.scores(x)
+    assert (ids[:, 0].numpy() == reference_logits.argmax(1)).all()
+
+
+def test_kernel_layout_keeps_the_checkpoint_weights(weights):
+    """The zero taps go in front; the folded checkpoint weights are the rest, unchanged."""
+    pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import _fold, efficientnet_lite0
+
+    net = efficientnet_lite0(weights, "kernel")
+    stem = net.stem.conv.weight.detach().numpy()
+    w, b = _fold(weights, "_conv_stem", "_bn0")
+    assert stem.shape == (32, 3, 4, 4) and (stem[:, :, 0, :] == 0).all() and (stem[:, :, :, 0] == 0).all()
+    assert np.array_equal(stem[:, :, 1:, 1:], w) and np.array_equal(net.stem.conv.bias.detach().numpy(), b)
+    dw = net.blocks[1].body[1].conv  # the first stride-2 depthwise conv
+    w, _ = _fold(weights, "_blocks.1._depthwise_conv", "_blocks.1._bn1")
+    assert dw.stride == (2, 2) and dw.padding == (1, 1)
+    assert np.array_equal(dw.weight.detach().numpy()[:, :, 1:, 1:], w)
+
+
+def test_both_gpu_paths_load_the_default_layout(tmp_path):
+    """The in-process engine (a ModelBundle) and the gpu profile's Triton models (a version folder) get one network."""
+    pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import load_network
+    from pipeline.triton.serve.gpu_model import _FolderBundle
+    from pipeline.model import load_model
+
+    assert load_network(load_model(None)).layout == LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]
+    assert load_network(_FolderBundle(tmp_path, DEFAULT_SPEC, 1000), "auto").layout == LITE0_LAYOUTS[
+        DEFAULT_LITE0_LAYOUT]
+
+
+def test_an_unknown_layout_names_the_known_ones(weights):
+    pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import efficientnet_lite0
+
+    with pytest.raises(EngineError, match="unknown EfficientNet-Lite0 layout 'fast'; use one of explicit, "):
+        efficientnet_lite0(weights, "fast")
+
+
+@pytest.mark.slow
+def test_bench_network_runs_on_the_cpu(monkeypatch, capsys, tmp_path):
+    """tests/benchmarks/bench_network.py --device cpu --quick, cut down: its table and answer lines, checked here so
+    that the one device call is not spent finding its bugs; an unknown layout is its own error row."""
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_network
+
+    assert bench_network.main(["--device", "cpu", "--quick", "--no-timm", "--batches", "2", "--count", "4",
+                               "--layouts", f"{REFERENCE_LITE0_LAYOUT},{DEFAULT_LITE0_LAYOUT},nope",
+                               "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(table) >= {REFERENCE_LITE0_LAYOUT, f"{DEFAULT_LITE0_LAYOUT} (default)", "nope"}
+    assert "EngineError: unknown EfficientNet-Lite0 layout 'nope'" in table["nope"]
+    assert f"default layout {DEFAULT_LITE0_LAYOUT}: " in out and "top-1 100.00% (goal 99%: met)" in out
+    rows = {r["network"]: r for r in json.loads((tmp_path / "bench_network.json").read_text())["rows"]}
+    default = rows[DEFAULT_LITE0_LAYOUT]
+    assert not default["error"] and default["img_s"]["2"] > 0
+    assert default["cpu_fp32_max_diff"] < MAX_LOGIT_DIFF and default["device_fp32_max_diff"] < MAX_LOGIT_DIFF
+    assert default["device_fp32_vs_onnx_max_diff"] < 1e-3
+    assert default["parity"]["agree"] == 1.0 and default["parity"]["margins"] == []
