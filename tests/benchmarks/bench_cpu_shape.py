@@ -55,17 +55,17 @@ def default_shapes(cpus: int) -> dict[str, str]:
     shapes = {
         "default": "",
         f"before: 1 call x {max(1, cpus // actors)} ORT threads":
-            f"--calls-per-actor 1 --engine-option intra_op_threads={max(1, cpus // actors)}",
-        "1 call x 1 thread": "--calls-per-actor 1 --engine-option intra_op_threads=1",
-        "2 calls x 1 thread": "--calls-per-actor 2 --engine-option intra_op_threads=1",
-        "2 calls x 2 threads": "--calls-per-actor 2 --engine-option intra_op_threads=2",
-        "3 calls x 1 thread": "--calls-per-actor 3 --engine-option intra_op_threads=1",
-        "2 calls x 1 thread, 1 decode thread": "--calls-per-actor 2 --engine-option intra_op_threads=1 "
+            f"--engine onnx --calls-per-actor 1 --engine-option intra_op_threads={max(1, cpus // actors)}",
+        "1 call x 1 thread": "--engine onnx --calls-per-actor 1 --engine-option intra_op_threads=1",
+        "2 calls x 1 thread": "--engine onnx --calls-per-actor 2 --engine-option intra_op_threads=1",
+        "2 calls x 2 threads": "--engine onnx --calls-per-actor 2 --engine-option intra_op_threads=2",
+        "3 calls x 1 thread": "--engine onnx --calls-per-actor 3 --engine-option intra_op_threads=1",
+        "2 calls x 1 thread, 1 decode thread": "--engine onnx --calls-per-actor 2 --engine-option intra_op_threads=1 "
                                                "--decode-threads 1",
     }
     if cpus >= 8:
         for count in (cpus // 2, cpus // 8):
-            shapes[f"{count} actors, 2 calls x 1 thread"] = (f"--num-actors {count} --calls-per-actor 2 "
+            shapes[f"{count} actors, 2 calls x 1 thread"] = (f"--engine onnx --num-actors {count} --calls-per-actor 2 "
                                                             "--engine-option intra_op_threads=1")
     return shapes
 

@@ -1,18 +1,20 @@
 """Benchmark: an INT8 model against its FP32 original through the onnx engine, side by side in one run.
 
 Usage:
-    python tests/benchmarks/bench_int8.py --int8 DIR [--fp32 DIR] [--folder IMAGES] [--images 256] [--rounds 3]
+    python tests/benchmarks/bench_int8.py --int8 DIR [--int8 DIR ...] [--fp32 DIR] [--folder IMAGES] [--images 256]
+        [--rounds 3]
 
-``--int8`` is a folder written by ``bulk-classify model quantize``; ``--fp32`` the model it was made from (default:
-the built-in EfficientNet-Lite0). Images: the first ``--images`` of ``--folder``, or that many 500x375 crops of
-tests/data/photos made as bench_vs_naive.py makes them.
+``--int8`` is a folder written by ``bulk-classify model quantize`` (repeatable: each INT8 model gets its own columns,
+named by its folder, so quantization choices compare in one run); ``--fp32`` the model they were made from
+(default: the built-in EfficientNet-Lite0). Images: the first ``--images`` of ``--folder``, or that many 500x375
+crops of tests/data/photos made as bench_vs_naive.py makes them.
 
 Printed, rounds interleaved (FP32, INT8, FP32, ...), the median of each:
 * inference alone: ``OnnxEngine``'s ONNX Runtime runs (its ``max_batch`` images a run) on tensors decoded once, with
   1 ORT thread, with one thread per core, and as ``--calls`` concurrent calls of 1 thread each (what an actor
   running that many calls does), in ms per image of wall time;
 * the whole engine: ``OnnxEngine.classify`` of the encoded images in 64-image calls (decode on its pool), img/s;
-* top-1 agreement of the two models on these images, and the INT8/FP32 ratios.
+* top-1 agreement of each INT8 model with FP32 on these images, and the INT8/FP32 ratios.
 The machine's load average before and after is printed: other processes skew both sides alike only when the rounds
 are interleaved, so compare ratios, not absolute numbers.
 """
@@ -78,7 +80,8 @@ def time_classify(engine: OnnxEngine, images: list[bytes]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--int8", type=Path, required=True, help="the INT8 model folder")
+    parser.add_argument("--int8", type=Path, action="append", required=True,
+                        help="an INT8 model folder (repeatable)")
     parser.add_argument("--fp32", default=None, help="the FP32 model folder (default: built-in)")
     parser.add_argument("--folder", type=Path, default=None, help="images to use (default: made from the photos)")
     parser.add_argument("--images", type=int, default=256)
@@ -87,7 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     images = images_from(args.folder, args.images)
-    models = {"fp32": load_model(args.fp32), "int8": load_model(args.int8)}
+    models = {"fp32": load_model(args.fp32)}
+    for folder in args.int8:
+        name = folder.resolve().name
+        models[name if name not in models else str(folder)] = load_model(folder)
     tensors = np.stack([load_and_preprocess(b, models["fp32"].spec)[0] for b in images])
     print(f"{len(images)} images, {cores} CPUs, load average before {os.getloadavg()[0]:.1f}", flush=True)
     shapes = {"1 thread": (1, 1), f"{cores} threads": (cores, 1), f"{args.calls} calls x 1 thread": (1, args.calls)}
@@ -107,15 +113,20 @@ def main() -> None:
               + ", classify " + ", ".join(f"{m} {rates[m][-1]:.1f} img/s" for m in models), flush=True)
     top1 = {m: np.argmax(np.concatenate([engines[(m, "1 thread")]._run(tensors[i:i + 8])
                                          for i in range(0, len(tensors), 8)]), axis=1) for m in models}
+    int8s = [m for m in models if m != "fp32"]
     print()
-    print(f"{'inference, ms/image (median)':<34}{'FP32':>9}{'INT8':>9}{'INT8 speed-up':>15}")
+    print(f"{'inference, ms/image (median)':<34}{'FP32':>9}" + "".join(f"{m[:24]:>26}{'speed-up':>10}" for m in int8s))
     for shape in shapes:
-        fp32, int8 = (statistics.median(times[(m, shape)]) for m in models)
-        print(f"{shape:<34}{fp32:>9.2f}{int8:>9.2f}{fp32 / int8:>14.2f}x")
-    fp32, int8 = (statistics.median(rates[m]) for m in models)
-    print(f"{'classify() img/s (decode + infer)':<34}{fp32:>9.1f}{int8:>9.1f}{int8 / fp32:>14.2f}x")
-    print(f"top-1 agreement INT8 vs FP32 on these images: {np.mean(top1['fp32'] == top1['int8']):.1%}; "
-          f"load average after {os.getloadavg()[0]:.1f}")
+        fp32 = statistics.median(times[("fp32", shape)])
+        cells = [statistics.median(times[(m, shape)]) for m in int8s]
+        print(f"{shape:<34}{fp32:>9.2f}" + "".join(f"{c:>26.2f}{fp32 / c:>9.2f}x" for c in cells))
+    fp32 = statistics.median(rates["fp32"])
+    cells = [statistics.median(rates[m]) for m in int8s]
+    print(f"{'classify() img/s (decode + infer)':<34}{fp32:>9.1f}" + "".join(f"{c:>26.1f}{c / fp32:>9.2f}x"
+                                                                           for c in cells))
+    print("top-1 agreement with FP32 on these images: " + ", ".join(
+        f"{m} {np.mean(top1['fp32'] == top1[m]):.1%}" for m in int8s)
+        + f"; load average after {os.getloadavg()[0]:.1f}")
     for engine in engines.values():
         engine.close()
 
