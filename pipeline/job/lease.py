@@ -3,12 +3,14 @@
 The lease is ``DEST/_LEASE.json`` (holder's host, pid, start time, the time it was last renewed, its time to live and
 a random token). It is created by an exclusive create on local disk (written whole, then ``link(2)``ed to its name) and by a conditional put
 (``If-None-Match: *``) on S3, so of two runs starting at once exactly one gets it. A lease not renewed within its time
-to live, or held by a process of this host that no longer exists, is taken over: on local disk by renaming it aside
-(one rename of a path succeeds), on S3 by a put conditional on the stale lease's ETag (``If-Match``).
+to live, or held by a process of this host that no longer exists, is taken over: on local disk under a lock on DEST's
+folder, by replacing it in place if it is still the stale one, on S3 by a put conditional on the stale lease's ETag
+(``If-Match``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -133,22 +135,26 @@ class Lease:
                 return True
             except (_Precondition, FileNotFoundError):
                 return False  # another run took it first (or it was released): acquire looks again
-        aside = f"{self.path}.{self.token}.stale"
+        # One takeover at a time (a lock on DEST's folder, dropped by the kernel if its process dies), and the
+        # stale lease replaced in place, never removed: a lease path that is briefly absent lets a plain create win
+        # beside the takeover.
+        folder = os.open(self.root, os.O_RDONLY)
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        with open(aside, "rb") as f:
-            moved = _parse(f.read())
-        if moved.get("token") != stale.get("token"):  # another run took it over in between: give its lease back
-            try:
-                os.link(aside, self.path)
-            except FileExistsError:
-                pass
-            os.unlink(aside)
-            return False
-        os.unlink(aside)
-        return self._create()
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            record, _ = self.holder()
+            if record is None:
+                return self._create()  # released in between
+            if record.get("token") != stale.get("token"):
+                return False  # another run took it over in between: acquire looks again
+            tmp = f"{self.root}/.{LEASE}.{self.token}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(self._body())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            return True
+        finally:
+            os.close(folder)  # closing the descriptor drops the lock
 
     def _start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, name="bulk-classify-lease", daemon=True)
