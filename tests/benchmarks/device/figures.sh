@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/performance.md in one call, after the kit's setup (README.md here):
 #   bash tests/benchmarks/device/figures.sh [PART ...]     PARTs: network start job gpu tests (default: network start job)
-# network: the default network alone (bench_network.py); start: where a gpu server's start goes (probe_start.py);
+# network: the default network alone (bench_network.py); start: where a gpu server's start goes (probe_build.py,
+# probe_start.py);
 # job: the whole job as a user types it, on 100,000 files (bench_job.py via job.sh), the default and the
 # in-process engine side by side; gpu: bench_gpu.py's parts in one run (DALI alone, the networks alone, the engine
 # in process, parity, odd inputs, the local Triton with ResNet-50 under MPS); tests: the GPU tier (tests/gpu/).
@@ -14,10 +15,12 @@ for part in $parts; do
   case $part in
     network) timeout 200 python3 tests/benchmarks/bench_network.py --out "$OUT/f" --budget-s 150 > "$OUT/f/network.log" 2>&1
              echo "bench_network rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network.log" | tail -25 ;;
-    start)   timeout 120 python3 tests/benchmarks/device/probe_start.py 6 2>&1 | tail -30 ;;
-    job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu} ;;
+    start)   timeout 150 python3 tests/benchmarks/device/probe_build.py 6 2>&1 | tail -12
+             timeout 120 python3 tests/benchmarks/device/probe_start.py 4 2>&1 | tail -30 ;;
+    job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 --oddities default \
+               ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu} ;;
     gpu)     timeout 330 python3 tests/benchmarks/bench_gpu.py --out "$OUT/f" --seconds 4 --sets imagenet,light \
-               --decoder dali --parts dali,ceiling,engine,parity,oddities,triton --engine-variants dali_h1_d3 \
+               --parts dali,ceiling,engine,parity,oddities,triton --engine-variants dali_h1_d3 \
                --triton-nets resnet50 --servers ${GPU_SERVERS:-6:mps:bl4} --client 128x16 --client-procs 4 \
                --dali-depth 3 --hw-decoder-load 1.0 > "$OUT/f/gpu.log" 2>&1
              echo "bench_gpu rc=$?"; grep -E "^parity|^oddities|failures|^triton_" "$OUT/f/gpu.log" | cut -c1-330
