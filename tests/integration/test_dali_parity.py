@@ -25,13 +25,13 @@ from support.paths import PHOTOS  # noqa: E402
 LOG = logging.getLogger(__name__)
 
 # Bounds on (DALI - reference) in normalized units (1 level of 0..255 is 1/128 = 0.0078 for this model's std).
-# Measured 2026-12-01 (DALI 2.4 CPU, Pillow 13; both resample horizontal, 8-bit, vertical): the photos and odd inputs
+# Measured with DALI 2.4 (CPU, Pillow 13; both resample horizontal, 8-bit, vertical): the photos and odd inputs
 # max 1 level (tiny_8x6: 2), mean <= 0.0001 (tiny_8x6: 0.0006); DALI's CPU decoder gives Pillow's pixels exactly, the
 # level left is DALI's tabulated filter kernel. Before the two-pass resize: max 6 levels, mean 0.0018. The bounds
 # (3 levels, a mean of 0.13 level) fail on that, on a wrong crop, scale or normalization.
 MAX_ABS_BOUND = 0.025
 MEAN_ABS_BOUND = 0.001
-# Drift bounds in 0..255 levels on the tall / wide / up- / downscaled crops below. Measured 2026-12-01 (DALI 2.4 CPU,
+# Drift bounds in 0..255 levels on the tall / wide / up- / downscaled crops below. Measured with DALI 2.4 (CPU,
 # Pillow 13): max 2 levels, mean 0.0021 on bench_dali_parity.py's 520 images. One fn.resize (float intermediate, DALI's
 # pass order) against one Image.resize call gave max 16, mean 0.136, 97.69% top-1: these bounds fail on that.
 SHAPES_MAX_LEVELS = 3
