@@ -132,3 +132,19 @@ def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatc
     assert classify_actor_options("triton") == {}
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     assert classify_actor_options("triton") == {"runtime_env": {"env_vars": env}}
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_the_default_gpu_plan_scales_with_the_gpus_of_a_node(gpus):
+    """No flags: auto's engine on a node of N GPUs and 16 CPUs each gives 3N actors of one CPU and a third of a GPU,
+    keeps CPUs beside them for the fetch, write and server work, and a fetch-ahead budget N times one GPU's."""
+    from pipeline.config import RunConfig
+    from pipeline.job.stages import actor_plan, fetch_budget
+
+    config = RunConfig(source="/in", output="/out")
+    actors, actor_cpus, gpus_each = actor_plan(config, 16 * gpus, gpus)
+    assert actors == 3 * gpus and actor_cpus == 1.0 and abs(gpus_each - 1 / 3) < 1e-9
+    assert 16 * gpus - actors * actor_cpus == 13 * gpus
+    batch = config.resolved(gpus=gpus, where="the Ray cluster").batch_size
+    one = fetch_budget(actor_plan(config, 16, 1)[0], batch, on_gpu=True)
+    assert fetch_budget(actors, batch, on_gpu=True) == gpus * one
