@@ -25,6 +25,7 @@ from pipeline.quantize import (
 )
 from pipeline.triton.contract import PROFILES
 from pipeline.triton.profiles import MIB
+from pipeline.terminal import quiet_ray
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
@@ -95,6 +96,8 @@ class _Progress:
 def main(verbose: bool) -> None:
     """Classify every image under a folder or bucket prefix into a Parquet table."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        quiet_ray()
 
 
 

@@ -46,6 +46,8 @@ def test_run_real_photos_and_odd_inputs_one_row_each(tmp_path):
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{len(odd) + 10} rows in {out}" in result.stdout
+    # only our lines on the terminal: Ray's actor notice and Ray Data's warnings are for -v
+    assert "core_worker.cc" not in result.stderr and "UserWarning" not in result.stderr, result.stderr[-3000:]
     rows = {r["uri"].rsplit("/", 1)[-1]: r for r in pads.dataset(str(out), format="parquet").to_table().to_pylist()}
     assert len(rows) == len(odd) + 10
     for name, (_data, status, kind) in odd.items():
