@@ -118,10 +118,10 @@ def test_one_percent_new_ordinary_photos_pass(night, originals, baseline):
 
 
 def test_the_page_of_a_real_comparison_renders_in_chromium(night, originals, baseline, tmp_path, monkeypatch):
-    from support.headless_chromium import find_browser, visit
+    from support.headless_chromium import ensure_browser, visit
 
-    if find_browser() is None:
-        pytest.skip("no Chromium: apt-get install -y chromium (.ci/run installs it)")
+    if ensure_browser() is None:
+        pytest.skip("no Chromium, and no root apt-get to install it: apt-get install -y chromium")
     rotated = night("rotate90", {n: ALTERATIONS["rotate90"](d) for n, d in originals.items()})
     page = tmp_path / "drift.html"
     monkeypatch.chdir(rotated.parent)  # relative names on the page (and in the README's screenshot)

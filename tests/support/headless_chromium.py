@@ -1,6 +1,6 @@
 """Open a local page in a real headless Chromium over the DevTools protocol: console errors, requests, a screenshot.
 
-Needs Debian's ``chromium`` (``apt-get install -y chromium``; ``.ci/run`` installs it). The protocol client is
+Needs Debian's ``chromium`` (``apt-get install -y chromium``; ``ensure_browser`` installs it as root). The protocol client is
 aiohttp's websocket, which Ray's ``default`` extra already installs.
 
 As a script it writes the README's screenshot::
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -30,6 +31,20 @@ CHARTS_JS = """JSON.stringify(Array.from(document.querySelectorAll('svg.chart'))
 
 def find_browser() -> str | None:
     return next((p for p in (shutil.which(b) for b in BROWSERS) if p), None)
+
+
+def ensure_browser() -> str | None:
+    """A Chromium to drive: the one on PATH, or Debian's package installed once where this process may (root with
+    apt-get, as on CI); None where neither is possible."""
+    found = find_browser()
+    if found or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return found
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr[-1000:]}")
+    return find_browser()
 
 
 @dataclass
