@@ -107,7 +107,7 @@ def test_example_config_is_valid():
     config = RunConfig.build({**run_opts, "source": opts["source"], "output": "s3://x/date=2026-11-29"}, env={})
     # the default engine: triton (its gpu shape) on a cluster with GPUs, onnx without
     assert config.engine == "auto" and config.batch_size is None and config.num_gpus_per_actor is None
-    assert config.resolved(gpus=4, where="the Ray cluster").engine == "gpu"
+    assert config.resolved(gpus=4, where="the Ray cluster").engine == "triton"
     assert config.resolved(gpus=0).engine == "onnx"
 
 
