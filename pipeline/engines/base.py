@@ -149,7 +149,7 @@ class EngineSpec:
             the CPU default, DEFAULT_BATCH_SIZE.
         runs_int8: runs INT8 (QDQ) model folders, as written by ``bulk-classify model quantize``.
         int8: one line for ``bulk-classify engines``: where INT8 models run with this engine.
-        actor_env: environment variables of the classify actors' worker processes (their Ray ``runtime_env``).
+        actor_env: environment variables of the classify actors' worker processes where they take GPUs.
     """
 
     name: str
@@ -249,9 +249,10 @@ REGISTRY: dict[str, EngineSpec] = {
             calls_per_actor=2,
             actors_per_gpu=3,
             gpu_batch_size=2048,
-            # Ray kills a worker's child processes when the worker exits, before its atexit handlers run: the
+            # Ray kills a worker's child processes when the worker exits, before its atexit handlers run: a GPU's
             # shared server's owner must keep serving the other actors of its GPU until they leave (sharing.py).
-            # The server still dies with its owner's launcher thread (PR_SET_PDEATHSIG, server.py).
+            # The server still dies with its owner's launcher thread (PR_SET_PDEATHSIG, server.py). An actor's own
+            # server (the portable profile) keeps Ray's default, which stops it before the job's end.
             actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
             int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
         ),

@@ -20,6 +20,7 @@ from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, 
 from pipeline.keys import member, uri_hashes
 from pipeline.source import is_local, listing_blocks, open_fs, plan_listing, resolve_keys
 from pipeline.triton.server import LOOPBACK
+from pipeline.triton.profiles import node_gpus
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -48,8 +49,9 @@ def init_ray(config: RunConfig) -> None:
                                   "logging_level": logging.ERROR}
         if address is None:
             local_ray_env()
-            for key, value in engine_spec(config.engine).actor_env.items():  # a local Ray's workers inherit it
-                os.environ.setdefault(key, value)
+            if node_gpus() > 0:  # a local Ray's workers inherit it
+                for key, value in engine_spec(config.engine).actor_env.items():
+                    os.environ.setdefault(key, value)
             sweep_before_start()
             kwargs.update(include_dashboard=False, configure_logging=True)
         context = ray.init(**kwargs)
@@ -206,15 +208,17 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
         # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
         num_cpus=actor_cpus,
         num_gpus=num_gpus or None,
-        **classify_actor_options(config.engine),
+        **classify_actor_options(config.engine, on_gpu=bool(num_gpus)),
     )
     return _write(ds, config, cpus)
 
 
-def classify_actor_options(engine: str) -> dict[str, Any]:
-    """Ray options of the classify actors that their engine asks for: its ``EngineSpec.actor_env``, as a
+def classify_actor_options(engine: str, *, on_gpu: bool) -> dict[str, Any]:
+    """Ray options of the classify actors that their engine asks for: on GPUs its ``EngineSpec.actor_env``, as a
     ``runtime_env`` where the workers do not inherit it already (a local Ray started with it in its environment;
     a runtime_env costs each actor a worker process of its own)."""
+    if not on_gpu:
+        return {}
     local = not os.environ.get("RAY_ADDRESS")
     env = {k: v for k, v in engine_spec(engine).actor_env.items() if not (local and os.environ.get(k) == v)}
     return {"runtime_env": {"env_vars": env}} if env else {}

@@ -126,12 +126,13 @@ def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatc
     assert dict(REGISTRY["triton"].actor_env) == env and not REGISTRY["onnx"].actor_env
     monkeypatch.delenv("RAY_kill_child_processes_on_worker_exit", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert classify_actor_options("triton") == {"runtime_env": {"env_vars": env}}
-    assert classify_actor_options("onnx") == {}
+    assert classify_actor_options("triton", on_gpu=True) == {"runtime_env": {"env_vars": env}}
+    assert classify_actor_options("triton", on_gpu=False) == {}  # an actor's own server: Ray's default stops it
+    assert classify_actor_options("onnx", on_gpu=True) == {}
     monkeypatch.setenv("RAY_kill_child_processes_on_worker_exit", "0")
-    assert classify_actor_options("triton") == {}
+    assert classify_actor_options("triton", on_gpu=True) == {}
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    assert classify_actor_options("triton") == {"runtime_env": {"env_vars": env}}
+    assert classify_actor_options("triton", on_gpu=True) == {"runtime_env": {"env_vars": env}}
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
