@@ -164,20 +164,14 @@ def test_a_repository_without_the_echo_is_refused_naming_repo_build(bundle, tmp_
 
 def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_answers(tmp_path):
     """The engine's counters ride on the actor's rows to the committed shards' stats and into the run report."""
-    import pyarrow as pa
     import psutil
 
     from pipeline.actor import ClassifyActor
     from pipeline.report import build_run_report, format_run_report
-    from pipeline.schema import DATA, WORK_SCHEMA
     from pipeline.stats import ShardStats
     from pipeline.writer import write_shard
 
-    def batch(start: int, n: int) -> pa.Table:
-        rows = [{"uri": f"file:///{start + i}.jpg", DATA: b} for i, b in enumerate(_images(start, n))]
-        columns = {f.name: [r.get(f.name) for r in rows] for f in WORK_SCHEMA}
-        columns["carried"] = [False] * n
-        return pa.table(columns, schema=WORK_SCHEMA)
+    batch = _work_batch  # the job's working rows of _images(start, n)
 
     actor = ClassifyActor(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                           engine_options={"request_batch": 4})
