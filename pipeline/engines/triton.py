@@ -42,6 +42,9 @@ MAX_RESTARTS_PER_REQUEST = 1
 # What Triton answers, with the server still "ready", once a python-backend stub has died (a crashing decoder).
 STUB_DEAD_MARKER = "is not healthy"
 EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
+# The owner of a shared server checks its process this often, between its own requests too: the server's other
+# users wait for the owner to restart it, and an owner with no batch in flight would leave them waiting.
+WATCH_S = 1.0
 # gRPC status codes that mean "the server is gone or not answering", not "this request is bad". A request past
 # its deadline (DEADLINE_EXCEEDED) met a slow server: it is sent again, never counted as the server's death.
 SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
@@ -194,6 +197,8 @@ class TritonEngine:
         # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
+        self._closing = threading.Event()
+        self._watchdog: threading.Thread | None = None
         self._share = share_server and not url
         try:
             if url:
@@ -245,6 +250,7 @@ class TritonEngine:
             self._wait_external(startup_timeout_s)
         else:
             self._count(EVENT_STARTS)
+            self._watch()
 
     def _start_mps(self) -> dict[str, str]:
         """The environment of a server under this engine's private MPS daemon; {} without one (a message says why
@@ -292,6 +298,7 @@ class TritonEngine:
                 self._wait_external(self.startup_timeout_s)
             else:
                 self._count(EVENT_STARTS)
+                self._watch()
             LOG.warning("shared tritonserver %s stopped answering; now %s (%s)", failed, self.url,
                         "ours" if self.server is not None else "shared")
 
@@ -373,6 +380,24 @@ class TritonEngine:
             with self._restart_lock:
                 if self.server.ensure_running():
                     self._after_restart()
+
+    def _watch(self) -> None:
+        """Starts the thread that restarts our shared server as soon as its process dies (once per engine)."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch_loop, name="tritonserver-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch_loop(self) -> None:
+        while not self._closing.wait(WATCH_S):
+            server = self.server
+            if server is None or server.is_alive():
+                continue
+            try:
+                with self._restart_lock:
+                    if self.server is server and not self._closing.is_set() and server.ensure_running():
+                        self._after_restart()
+            except Exception as err:  # noqa: BLE001 - the next request's own restart path reports it
+                LOG.warning("tritonserver watchdog: restarting the shared server failed (%s)", err)
 
     def _after_restart(self) -> None:
         self.url = self.server.grpc_url
@@ -533,6 +558,11 @@ class TritonEngine:
 
     def close(self) -> None:
         """Stops the server this engine started (a shared one once its other users have left) and its MPS daemon."""
+        closing, watchdog = getattr(self, "_closing", None), getattr(self, "_watchdog", None)
+        if closing is not None:
+            closing.set()
+        if watchdog is not None:
+            watchdog.join(self.startup_timeout_s)
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)

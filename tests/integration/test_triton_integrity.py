@@ -303,6 +303,30 @@ def _lease_dir_for_processes(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+def test_an_idle_owner_restarts_its_dead_shared_server_for_the_users_waiting_on_it(bundle, tmp_path, monkeypatch):
+    """The owner of a shared server with no batch in flight still restarts it when its process dies, and records
+    the new server for its users: they wait for the owner's restart, and must not wait until its next batch."""
+    _lease_dir_for_processes(tmp_path, monkeypatch)
+    repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
+    owner = make_engine("triton", bundle, top_k=TOP_K, repository=repo, share_server=True, request_batch=4)
+    try:
+        assert owner.server is not None
+        dead = owner.server.pid
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (owner.events[triton_engine.EVENT_RESTARTS] == 0
+                                               or not owner.server.is_ready()):
+            time.sleep(0.2)
+        assert owner.events[triton_engine.EVENT_RESTARTS] == 1 and owner.events[triton_engine.EVENT_REQUESTS] == 0
+        record = owner._lease.read()
+        assert record is not None and record["pid"] == owner.server.pid != dead
+        assert record["url"] == owner.url
+        rows = owner.classify(_images(0, 4))
+        assert [r.status for r in rows] == ["ok"] * 4 and _own(rows, 0) == []
+    finally:
+        owner.close()
+
+
 @pytest.mark.slow
 def test_the_other_engine_starts_its_own_server_once_the_owner_process_is_gone(bundle, tmp_path, monkeypatch):
     lease = _lease_dir_for_processes(tmp_path, monkeypatch)
