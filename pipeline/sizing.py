@@ -101,7 +101,7 @@ def size_fleet(curve_path: str, target_rate: float, utilization: float = DEFAULT
     best = max(points, key=lambda p: p["img_per_s"])
     plateau = best["img_per_s"]
     per_gpu = utilization * plateau
-    # Small epsilon: 2.0000000001 GPUs from float noise is 2, not 3.
+    # Small epsilon: 2 GPUs plus float noise is 2, not 3.
     needed = max(1, math.ceil(target_rate / per_gpu - 1e-9))
     operating = next((p for p in points if p["img_per_s"] >= per_gpu), best)
     return {

@@ -213,7 +213,7 @@ def test_permanent_errors_become_rows_and_secrets_stay_out(s3_server, s3, ray_lo
     errors = out.column("error").to_pylist()
     assert errors[0] is None and out.column("_data").to_pylist()[0]
     assert errors[1].startswith("not_found: ")
-    assert errors[2] == "too_large: 1000000000 bytes > max_bytes=1000000; raise --max-bytes"
+    assert errors[2] == f"too_large: {10**9} bytes > max_bytes={10**6}; raise --max-bytes"
 
     secret = "S3CR3T-do-not-print-0123456789"
     dest = tmp_path / "sec"

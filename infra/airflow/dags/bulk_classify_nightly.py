@@ -152,7 +152,7 @@ def runtime_env(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def submit_or_attach(client: Any, cfg: Mapping[str, Any], day: str) -> str:
-    """Return the id of the date's live or succeeded job, submitting a new attempt only when none is."""
+    """Return the id of the date's live or successful job, submitting a new attempt only when none is."""
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sid = submission_id(day, attempt)
         status = _status_or_none(client, sid)
