@@ -15,9 +15,8 @@ from pipeline import __version__
 from pipeline.config import (
     DEFAULT_EXTENSIONS, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import (
-    AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, ENGINE_CHOICES, MAX_DECODE_THREADS, REGISTRY,
-)
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS
+from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
 from pipeline.quantize import (
