@@ -22,7 +22,7 @@ from pipeline.gate import GateThresholds
 from pipeline.quantize import (
     CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
 )
-from pipeline.triton.contract import PROFILES
+from pipeline.triton.repository import PROFILES, REPOSITORY_PROFILES
 from pipeline.triton.profiles import MIB
 from pipeline.terminal import quiet_ray
 
@@ -325,7 +325,8 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
                                 max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))
+    shaped = REPOSITORY_PROFILES[profile].shapes
+    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if shaped else ""))
 
 
 @repo.command("check")
