@@ -32,6 +32,7 @@ from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_re
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
+from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -71,8 +72,8 @@ SPEC = EngineSpec(
     summary="one local tritonserver per GPU (gpu profile: DALI + the network) or per actor (portable: "
             "ONNX Runtime on the CPU), images over gRPC",
     options=(
-        Option("profile", str, "the repository the engine builds and serves: auto (gpu where the actor "
-               "has a GPU, else portable), gpu or portable", choices=("auto", "gpu", "portable")),
+        Option("profile", str, f"the repository the engine builds and serves: {AUTO} (gpu where the actor has a GPU, "
+               f"else portable), {' or '.join(sorted(PROFILES))}", choices=(AUTO, *sorted(PROFILES))),
         Option("repository", str, "a folder built by 'bulk-classify repo build'"),
         Option("url", str, "a running server's gRPC host:port"),
         positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
@@ -204,8 +205,6 @@ class TritonEngine:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         share_server: bool | None = None,
     ):
-        from pipeline.triton.profiles import choose_profile  # noqa: PLC0415
-
         self.profile = serving = choose_profile(profile)
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
@@ -635,8 +634,6 @@ def check_requirements(options: Mapping[str, Any]) -> None:
                               "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
     if options.get("url"):
         return
-    from pipeline.triton.profiles import AUTO, choose_profile  # noqa: PLC0415
-
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
         from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
 
