@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_OK, engine_kwargs, engine_spec
+from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_OK
+from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.schema import CALLS, DATA, DECODE_S, ENGINE_EVENTS, INFER_S
 
 LOG = logging.getLogger(__name__)

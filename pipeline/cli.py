@@ -15,15 +15,16 @@ from pipeline import __version__
 from pipeline.config import (
     DEFAULT_EXTENSIONS, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import (
-    AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, ENGINE_CHOICES, MAX_DECODE_THREADS, REGISTRY,
-)
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS
+from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
 from pipeline.quantize import (
     CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
 )
-from pipeline.triton.contract import PROFILES
+from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
+from pipeline.triton.prepare import DEFAULT_REPOSITORY
+from pipeline.triton.repository import PROFILES, REPOSITORY_PROFILES
 from pipeline.triton.profiles import MIB
 from pipeline.terminal import quiet_ray
 
@@ -326,7 +327,8 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
                                 max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
     except BulkClassifyError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if profile == "gpu" else ""))
+    shaped = REPOSITORY_PROFILES[profile].shapes
+    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if shaped else ""))
 
 
 @repo.command("check")
@@ -343,11 +345,11 @@ def repo_check(path: str | None) -> None:
 
 
 @repo.command("prepare")
-@click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default="/models/repository", show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
+@click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default=DEFAULT_REPOSITORY, show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
 @click.option("--model", envvar="BULK_CLASSIFY_MODEL", default=None, help="Model folder; default: built-in EfficientNet-Lite0 ($BULK_CLASSIFY_MODEL).")
 @click.option("--plan-cache", envvar="BULK_CLASSIFY_PLAN_CACHE", default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans ($BULK_CLASSIFY_PLAN_CACHE).")
 @click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
-@click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=64, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
+@click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
 def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top_k: int, max_batch_size: int) -> None:
     """Put a production repository for this node's GPU and TensorRT in place: keep, fetch from the cache, or build."""
     from pipeline.triton.prepare import prepare

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engines.base import AUTO_ENGINE, DEFAULT_BATCH_SIZE, DEFAULT_ENGINE, DEFAULT_TOP_K, engine_spec
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
+from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
 from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
@@ -63,7 +64,7 @@ class RunConfig:
         source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
-        engine: a name in ``pipeline.engines.base.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
+        engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
             cluster's GPUs); ``engine_options`` are checked against its options.
         batch_size: images per engine call (None: the engine's ``gpu_batch_size`` where its actors take GPUs,
             else DEFAULT_BATCH_SIZE; set by ``resolved()``); shard_size: rows per committed Parquet shard.
@@ -75,7 +76,7 @@ class RunConfig:
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
-            ``calls_per_actor`` in ``pipeline.engines.base.REGISTRY``.
+            ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
 
     source: str

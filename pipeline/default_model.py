@@ -26,7 +26,6 @@ OPSET = 17
 IR_VERSION = 8  # opset 17's IR version; ONNX Runtime and TensorRT of 2023+ read it
 IMAGE_SIZE = 224
 BN_EPS = 1e-3  # efficientnet_lite_pytorch's GlobalParams.batch_norm_epsilon
-NUM_CLASSES = 1000
 
 # EfficientNet-Lite0 (efficientnet_lite_pytorch 0.1.0, itself from TF's efficientnet/lite/efficientnet_lite_builder.py):
 # (repeats, kernel, stride, expand_ratio, in_filters, out_filters); width/depth multipliers are 1.0, no

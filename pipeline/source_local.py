@@ -120,6 +120,13 @@ def _file_entry(path: str, stat: bool) -> Entry | None:
         return (object_uri("file", path), None, None, None)
 
 
+def _sorted_entry(sorted_as: tuple, stat: bool) -> Entry | None:
+    """The row of a link ``_Links.sort`` called an error or a file; None for a file removed since it was listed."""
+    if sorted_as[0] == "error":
+        return list_error(sorted_as[1], sorted_as[2])
+    return _file_entry(sorted_as[1], stat)
+
+
 def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, root: str | None = None,
                follow: bool = False, real: str | None = None, links: _Links | None = None) -> Iterator[Entry]:
     """Every listed file under ``folder`` (``root``: the source, for telling links in from links out; ``real``:
@@ -154,12 +161,10 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
                 continue
             if sorted_as[0] == "dir":
                 subdirs.append(sorted_as[1:])
-            elif sorted_as[0] == "error":
-                yield list_error(sorted_as[1], sorted_as[2])
-            else:
-                found = _file_entry(sorted_as[1], stat)
-                if found is not None:
-                    yield found
+                continue
+            found = _sorted_entry(sorted_as, stat)
+            if found is not None:
+                yield found
         stack.extend(reversed(subdirs))
 
 
@@ -179,12 +184,10 @@ def local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...],
                 continue
             if sorted_as[0] == "dir":
                 yield from walk_local(sorted_as[1], extensions, stat, real=sorted_as[2], links=links)
-            elif sorted_as[0] == "error":
-                yield list_error(sorted_as[1], sorted_as[2])
-            else:
-                found = _file_entry(sorted_as[1], stat)
-                if found is not None:
-                    yield found
+                continue
+            found = _sorted_entry(sorted_as, stat)
+            if found is not None:
+                yield found
 
 
 def stat_local(entries: list[Entry]) -> list[Entry]:

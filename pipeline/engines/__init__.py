@@ -1,5 +1,6 @@
-"""Engines: one module per engine (``onnx``, ``triton``, ``gpu``), registered in ``base.REGISTRY``.
+"""Engines: one module per engine (``onnx``, ``triton``, ``gpu``), each exporting its ``SPEC``, listed in ``registry``.
 
-``base`` holds the contract every engine keeps (``Engine``, ``Result``, ``results_from_topk``) and the registry the
-config, the CLI, the actor and the job read. Engines import from ``pipeline.triton``, never the other way round.
+``base`` holds the contract every engine keeps (``Engine``, ``Result``, ``results_from_topk``, ``EngineSpec``);
+``registry`` the engines by name, which the config, the CLI, the actor and the job read. Engines import from
+``pipeline.triton``, never the other way round.
 """

@@ -1,9 +1,8 @@
-"""The engine contract: ``Result``, the ``Engine`` protocol, top-k arrays to results, and the engine registry.
+"""The engine contract: ``Result``, the ``Engine`` protocol, top-k arrays to results, and ``EngineSpec``.
 
-Every engine is one module plus one ``EngineSpec`` in ``REGISTRY``: its name, the class that builds it (imported
-only when an actor builds one), its typed options, whether it wants a GPU, and its module's preflight that checks
-its requirements in the driver, before Ray starts or anything is written. The config, the CLI, the actor and the
-job read the registry; nothing else names an engine.
+Every engine module exports its ``SPEC``: its name, the class that builds it (whose heavy imports wait until an
+actor builds one), its typed options, whether it wants a GPU, and its preflight that checks its requirements in the
+driver, before Ray starts or anything is written. ``pipeline.engines.registry`` lists the engine modules.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn  # stdlib only: names
 from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
@@ -92,7 +90,7 @@ def results_from_topk(
     return out
 
 
-# ---- the registry ---------------------------------------------------------------------------------------------
+# ---- what an engine registers ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -194,129 +192,14 @@ class EngineSpec:
         return _load(self.factory)(bundle, top_k=top_k, limits=limits, **options)
 
 
-def _positive_int(name: str, help: str) -> Option:
+def positive_int(name: str, help: str) -> Option:
+    """An integer option of at least 1."""
     return Option(name, int, help, minimum=1)
 
 
-def _positive_float(name: str, help: str) -> Option:
+def positive_float(name: str, help: str) -> Option:
+    """A number option above 0."""
     return Option(name, float, help, minimum=0)
-
-
-REGISTRY: dict[str, EngineSpec] = {
-    spec.name: spec
-    for spec in (
-        EngineSpec(
-            name="onnx",
-            factory="pipeline.engines.onnx:OnnxEngine",
-            summary="ONNX Runtime on the actor's CPU cores (auto's choice without GPUs)",
-            options=(
-                _positive_int("decode_threads", "threads decoding images per actor, e.g. 4"),
-                _positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2"),
-                _positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
-            ),
-            decode_threads_option="decode_threads",
-            # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the
-            # other's runs the network, so the stages overlap instead of taking turns (docs/int8.md, shape table).
-            calls_per_actor=2,
-        ),
-        EngineSpec(
-            name="triton",
-            factory="pipeline.engines.triton:TritonEngine",
-            summary="one local tritonserver per GPU (gpu profile: DALI + the network) or per actor (portable: "
-                    "ONNX Runtime on the CPU), images over gRPC",
-            options=(
-                Option("profile", str, "the repository the engine builds and serves: auto (gpu where the actor "
-                       "has a GPU, else portable), gpu or portable", choices=("auto", "gpu", "portable")),
-                Option("repository", str, "a folder built by 'bulk-classify repo build'"),
-                Option("url", str, "a running server's gRPC host:port"),
-                _positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
-                Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
-                       "or false (default: the profile's)"),
-                _positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
-                _positive_int("request_batch", "images per request, e.g. 32"),
-                _positive_int("concurrency", "requests in flight, e.g. 2"),
-                Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
-                Option("model_name", str, "the model to call, e.g. classifier"),
-                _positive_float("request_timeout_s", "seconds one request may take, e.g. 300"),
-                Option("share_server", bool, "one local server for the actors of a GPU (with --num-gpus-per-actor "
-                       "below 1): true or false"),
-            ),
-            needs_gpu=True,
-            preflight="pipeline.engines.triton:check_requirements",
-            # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
-            # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
-            # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
-            calls_per_actor=2,
-            actors_per_gpu=3,
-            gpu_batch_size=2048,
-            # Ray kills a worker's child processes when the worker exits, before its atexit handlers run: a GPU's
-            # shared server's owner must keep serving the other actors of its GPU until they leave (sharing.py).
-            # The server still dies with its owner's launcher thread (PR_SET_PDEATHSIG, server.py). An actor's own
-            # server (the portable profile) keeps Ray's default, which stops it before the job's end.
-            actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
-            int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
-        ),
-        EngineSpec(
-            name="gpu",
-            factory="pipeline.engines.gpu.engine:GpuEngine",
-            summary="DALI decode + resize and a PyTorch network on the actor's GPU",
-            options=(
-                Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
-                _positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
-                _positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
-                _positive_int("batch_size", "images per network call, e.g. 256"),
-                Option("device", str, "a torch device, e.g. cuda:0"),
-                Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
-                Option("half", bool, "FP16 network: true or false"),
-                _positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
-                Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
-                _positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
-                Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
-                Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
-                       choices=tn.CUDA_SYNC_MODES),
-            ),
-            needs_gpu=True,
-            decode_threads_option="cpu_decode_threads",
-            preflight="pipeline.engines.gpu.engine:check_requirements",
-            # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
-            # three actors keep one GPU busiest (docs/performance.md).
-            calls_per_actor=3,
-            actors_per_gpu=3,
-            gpu_batch_size=2048,
-            runs_int8=False,
-            int8=f"INT8 models: none ({tn.NO_INT8}); {tn.INT8_FIX}",
-        ),
-    )
-}
-ENGINE_NAMES = tuple(REGISTRY)
-ENGINE_CHOICES = (AUTO_ENGINE, *ENGINE_NAMES)
-DEFAULT_ENGINE = AUTO_ENGINE
-
-
-def engine_spec(name: str) -> EngineSpec:
-    """The registered engine called ``name``; ConfigError lists the choices."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"--engine {name!r} is unknown; choose one of {', '.join(ENGINE_CHOICES)}") from None
-
-
-def engine_kwargs(name: str, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
-    """``raw`` options parsed for engine ``name``, with ``--decode-threads`` filled in where the engine takes it."""
-    spec = engine_spec(name)
-    options = spec.parse_options(raw)
-    if decode_threads is not None and spec.decode_threads_option:
-        options.setdefault(spec.decode_threads_option, decode_threads)
-    return options
-
-
-def make_engine(name: str, bundle: Any, *, top_k: int = DEFAULT_TOP_K, limits: Any = None, **options: Any) -> Engine:
-    """Builds the engine called ``name`` with typed ``options``; raises ConfigError for unknown or bad ones."""
-    from pipeline.imaging import DecodeLimits  # noqa: PLC0415 - Pillow: only where an engine is built
-
-    spec = engine_spec(name)
-    return spec.build(bundle, top_k=top_k, limits=limits if limits is not None else DecodeLimits(),
-                      options=spec.parse_options(options))
 
 
 def _load(ref: str) -> Callable[..., Any]:

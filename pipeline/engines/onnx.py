@@ -11,7 +11,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import DEFAULT_TOP_K, MAX_DECODE_THREADS, STAGE_DECODE, STAGE_INFER, STATUS_OK, Result, results_from_topk
+from pipeline.engines.base import (
+    DEFAULT_TOP_K, MAX_DECODE_THREADS, STAGE_DECODE, STAGE_INFER, STATUS_OK, EngineSpec, Result, positive_int,
+    results_from_topk,
+)
 from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.imaging import DecodeLimits, load_and_preprocess
 from pipeline.model import ModelBundle
@@ -24,6 +27,21 @@ DEFAULT_MAX_BATCH = 8
 # ONNX Runtime threads per run by default: one, because the actor runs several calls at once (the onnx engine's
 # calls_per_actor), and their single-threaded runs overlap decoding better than one run on every core.
 DEFAULT_INTRA_OP_THREADS = 1
+
+SPEC = EngineSpec(
+    name="onnx",
+    factory=f"{__name__}:OnnxEngine",
+    summary="ONNX Runtime on the actor's CPU cores (auto's choice without GPUs)",
+    options=(
+        positive_int("decode_threads", "threads decoding images per actor, e.g. 4"),
+        positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2"),
+        positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
+    ),
+    decode_threads_option="decode_threads",
+    # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the other's
+    # runs the network, so the stages overlap instead of taking turns (docs/int8.md, shape table).
+    calls_per_actor=2,
+)
 
 
 def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

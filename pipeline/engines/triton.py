@@ -25,11 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import STAGE_INFER, Result, results_from_topk
+from pipeline.engines.base import (
+    STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
+)
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
+from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -62,6 +65,44 @@ EVENT_RESTARTS = "server_restarts"  # restarts of a server this engine owns
 EVENT_FAILOVERS = "server_failovers"  # moves of a shared-server user to another server (restarted, or its own)
 EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT_STARTS, EVENT_RESTARTS,
           EVENT_FAILOVERS)
+
+SPEC = EngineSpec(
+    name="triton",
+    factory=f"{__name__}:TritonEngine",
+    summary="one local tritonserver per GPU (gpu profile: DALI + the network) or per actor (portable: "
+            "ONNX Runtime on the CPU), images over gRPC",
+    options=(
+        Option("profile", str, f"the repository the engine builds and serves: {AUTO} (gpu where the actor has a GPU, "
+               f"else portable), {' or '.join(sorted(PROFILES))}", choices=(AUTO, *sorted(PROFILES))),
+        Option("repository", str, "a folder built by 'bulk-classify repo build'"),
+        Option("url", str, "a running server's gRPC host:port"),
+        positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
+        Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
+               "or false (default: the profile's)"),
+        positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
+        positive_int("request_batch", "images per request, e.g. 32"),
+        positive_int("concurrency", "requests in flight, e.g. 2"),
+        Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
+        Option("model_name", str, "the model to call, e.g. classifier"),
+        positive_float("request_timeout_s", "seconds one request may take, e.g. 300"),
+        Option("share_server", bool, "one local server for the actors of a GPU (with --num-gpus-per-actor "
+               "below 1): true or false"),
+    ),
+    needs_gpu=True,
+    preflight=f"{__name__}:check_requirements",
+    # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
+    # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
+    # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
+    calls_per_actor=2,
+    actors_per_gpu=3,
+    gpu_batch_size=2048,
+    # Ray kills a worker's child processes when the worker exits, before its atexit handlers run: a GPU's
+    # shared server's owner must keep serving the other actors of its GPU until they leave (sharing.py).
+    # The server still dies with its owner's launcher thread (PR_SET_PDEATHSIG, server.py). An actor's own
+    # server (the portable profile) keeps Ray's default, which stops it before the job's end.
+    actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
+    int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
+)
 
 
 class _ServerDown(Exception):
@@ -164,8 +205,6 @@ class TritonEngine:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         share_server: bool | None = None,
     ):
-        from pipeline.triton.profiles import choose_profile  # noqa: PLC0415
-
         self.profile = serving = choose_profile(profile)
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
@@ -595,8 +634,6 @@ def check_requirements(options: Mapping[str, Any]) -> None:
                               "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
     if options.get("url"):
         return
-    from pipeline.triton.profiles import AUTO, choose_profile  # noqa: PLC0415
-
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
         from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
 

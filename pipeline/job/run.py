@@ -13,7 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import local_ray_env
-from pipeline.engines.base import engine_spec
+from pipeline.engines.registry import engine_spec
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,

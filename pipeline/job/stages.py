@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from ray.data import Datasource
 
 from pipeline.config import RunConfig
-from pipeline.engines.base import engine_spec
+from pipeline.engines.registry import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
 from pipeline.keys import member, uri_hashes

@@ -57,6 +57,12 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
         _tensor(config.output, name, dtype, dims[name])
 
 
+def _place_on_gpus(config, instances: int, queue_delay_us: int) -> None:
+    """``instances`` of the model on the GPU, the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
+    config.instance_group.add(kind=_mc().ModelInstanceGroup.KIND_GPU, count=instances)
+    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+
+
 def _text(config) -> str:
     from google.protobuf import text_format  # noqa: PLC0415
 
@@ -101,8 +107,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
     _tensor(pre.output, tn.OUTPUT_WIDTH, "INT32", [1])
     _tensor(pre.output, tn.OUTPUT_HEIGHT, "INT32", [1])
     _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])  # the DALI graph passes TAG through
-    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=1)
-    pre.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+    _place_on_gpus(pre, 1, QUEUE_DELAY_US)
     pre.parameters["num_threads"].string_value = str(DALI_THREADS)
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
@@ -110,10 +115,9 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
     _tensor(trt.input, onnx_input, "FP32", spec.input_shape)
     _tensor(trt.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     _tensor(trt.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
-    trt.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=PRODUCTION_TRT_INSTANCES)
+    _place_on_gpus(trt, PRODUCTION_TRT_INSTANCES, QUEUE_DELAY_US)
     # The plan's optimisation profile is tuned for max_batch_size (see build_trt_plan): batch to exactly that.
     trt.dynamic_batching.preferred_batch_size.append(max_batch_size)
-    trt.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
     trt.default_model_filename = PLAN_DEFAULT
     for cc, filename in sorted((plans or {}).items()):
         trt.cc_model_filenames[cc] = filename
@@ -176,20 +180,15 @@ def gpu_config(
         if tensor.name == tn.INPUT_IMAGE:
             # Requests padded to different lengths can then share one execute() (the backend sees each request).
             tensor.allow_ragged_batch = True
-    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=instances)
-    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    _place_on_gpus(config, instances, queue_delay_us)
     _set_parameters(config, {
-        tn.GPU_PARAM_NETWORK: network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        **_prepare_parameters(network=network, batch_size=batch_size, prep_workers=prep_workers,
+                              hw_decoder_load=hw_decoder_load, dali_depth=dali_depth, dali_threads=dali_threads,
+                              cuda_sync=cuda_sync),
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
-        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
         tn.GPU_PARAM_MAX_DELAY_MS: max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.engines.gpu.classifier)
-        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: dali_threads,
         tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
-        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
         tn.GPU_PARAM_MAX_BACKLOG: f"{max_backlog:g}",
     })
     return _text(config)
@@ -200,6 +199,21 @@ def _set_parameters(config, params: dict) -> None:
     for key, value in params.items():
         if value is not None:
             config.parameters[key].string_value = str(value)
+
+
+def _prepare_parameters(*, network: str, batch_size: int, prep_workers: int, hw_decoder_load: float | None,
+                        dali_depth: int | None, dali_threads: int | None, cuda_sync: str | None) -> dict:
+    """The parameters of the gpu profile's model that prepares images (triage, DALI, the reference) for the network:
+    the single shape's one model and the ensemble's preprocess model."""
+    return {
+        tn.GPU_PARAM_NETWORK: network,  # "none" (the ensemble's hop): no DALI either
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+    }
 
 
 def gpu_ensemble_configs(
@@ -260,17 +274,10 @@ def gpu_ensemble_configs(
     _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
-    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=pre_count)
-    pre.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    _set_parameters(pre, {
-        tn.GPU_PARAM_NETWORK: network,  # "none": no DALI either (the hop)
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
-    })
+    _place_on_gpus(pre, pre_count, queue_delay_us)
+    _set_parameters(pre, _prepare_parameters(network=network, batch_size=batch_size, prep_workers=prep_workers,
+                                             hw_decoder_load=hw_decoder_load, dali_depth=dali_depth,
+                                             dali_threads=dali_threads, cuda_sync=cuda_sync))
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
@@ -280,8 +287,7 @@ def gpu_ensemble_configs(
     _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
     _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     _tensor(net.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
-    net.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=network_instances)
-    net.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    _place_on_gpus(net, network_instances, queue_delay_us)
     _set_parameters(net, {
         tn.GPU_PARAM_NETWORK: network,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,

@@ -25,8 +25,6 @@ Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tens
 format for every profile keeps the engine profile-agnostic.
 """
 
-# The repository profiles `bulk-classify repo build` fills; each serves this contract.
-PROFILES = ("portable", "production", "gpu")
 # Where INT8 models run: ONNX Runtime's integer kernels (the onnx engine, the portable profile); the GPU paths run
 # torch networks in FP32/FP16 and would need TensorRT for INT8.
 NO_INT8 = "no INT8 on the GPU paths without TensorRT"

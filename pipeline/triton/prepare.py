@@ -35,6 +35,7 @@ from pipeline.errors import ModelError, TritonError
 from pipeline.model import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
+from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _serves_the_contract(folder: Path) -> bool:
 
 
 def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = tn.DEFAULT_TOP_K,
-            max_batch_size: int = 64, key: Any = None,
+            max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, key: Any = None,
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
     """Make ``repository`` a production repository whose plan matches this node; return what was done.
 

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE
@@ -28,7 +28,6 @@ from pipeline.triton.server import STUB_PATH_ENV
 
 LOG = logging.getLogger(__name__)
 
-PROFILES = tn.PROFILES
 CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
 DALI_SOURCE = "dali.py"
@@ -244,7 +243,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
                      instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True, error_output: bool | None = None, shape: str = "single",
                      max_backlog: float | None = None) -> Path:
-    """Writes a complete repository of ``profile`` (a name in ``BUILDERS``) for ``model`` (a model folder, or None
+    """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
 
     portable: ``classifier`` (python backend: reference preprocessing + ONNX Runtime).
@@ -261,7 +260,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     if not 1 <= top_k <= 1000 or (max_batch_size is not None and max_batch_size < 1):
         raise ConfigError(f"top_k={top_k} and max_batch_size={max_batch_size} must be positive")
     try:
-        builder = BUILDERS[profile]
+        builder = REPOSITORY_PROFILES[profile].build
     except KeyError:
         raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}") from None
     out = builder(model, output, top_k=top_k, instances=instances, max_batch_size=max_batch_size,
@@ -412,5 +411,27 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
     return out
 
 
-# The repository profiles: name -> the function that writes one (``bulk-classify repo build --profile``).
-BUILDERS = {"portable": _build_portable, "production": _build_production, "gpu": _build_gpu}
+@dataclass(frozen=True)
+class RepositoryProfile:
+    """One repository profile (``bulk-classify repo build --profile``).
+
+    Attributes:
+        name: the ``--profile`` value.
+        build: writes the repository; called with ``build_repository``'s arguments.
+        shapes: the ``--shape`` values it builds; empty where it has one shape only.
+    """
+
+    name: str
+    build: Callable[..., Path]
+    shapes: tuple[str, ...] = ()
+
+
+REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
+    p.name: p
+    for p in (
+        RepositoryProfile("portable", _build_portable),
+        RepositoryProfile("production", _build_production),
+        RepositoryProfile("gpu", _build_gpu, shapes=tn.GPU_SHAPES),
+    )
+}
+PROFILES = tuple(REPOSITORY_PROFILES)

@@ -65,7 +65,7 @@ def main() -> None:
     blobs = [photos[i % len(photos)] for i in range(args.images)]
     rows = []
     if args.baseline == "onnx":
-        from pipeline.engines.base import make_engine
+        from pipeline.engines.registry import make_engine
         from pipeline.model import load_model
 
         bundle = load_model(None)

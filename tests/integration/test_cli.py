@@ -114,6 +114,7 @@ def test_repo_build_and_check_through_the_cli(tmp_path):
     built = runner.invoke(main, ["repo", "build", "--profile", "portable", "--output", str(tmp_path / "r"),
                                  "--top-k", "3", "--instances", "2"])
     assert built.exit_code == 0, built.output
+    assert built.output.startswith("built portable repository in ") and "shape" not in built.output  # one shape
     config = (tmp_path / "r" / "classifier" / "config.pbtxt").read_text()
     assert "count: 2" in config and "3" in config
     checked = runner.invoke(main, ["repo", "check", str(tmp_path / "r")])
@@ -127,6 +128,7 @@ def test_repo_build_sets_the_gpu_profiles_backlog(tmp_path):
     built = runner.invoke(main, ["repo", "build", "--profile", "gpu", "--output", str(tmp_path / "g"),
                                  "--instances", "6", "--max-backlog", "4"])
     assert built.exit_code == 0, built.output
+    assert built.output.rstrip().endswith(" (single shape)")  # the gpu profile registers its shapes
     config = (tmp_path / "g" / "classifier" / "config.pbtxt").read_text()
     assert "count: 6" in config and 'key: "max_backlog"\n  value {\n    string_value: "4"' in config
     for args, message in ((["--profile", "portable"], "max_backlog is the gpu profile's; use --profile gpu"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from support.oddities import EXPECTED_SIZES, exif_rotated_jpeg, photo_bytes as read_photo
-from pipeline.engines.base import make_engine
+from pipeline.engines.registry import make_engine
 from pipeline.engines.onnx import OnnxEngine, topk_softmax
 from pipeline.errors import ConfigError, ERROR_KINDS
 from pipeline.engines.base import Result

@@ -2,7 +2,7 @@
 Result per input in order out, with the reference's outcome for each, and the Engine protocol's stage times.
 
 onnx always runs; triton where a tritonserver is found (the nvidia-pytriton wheel here); gpu where torch sees a
-GPU. A new engine in pipeline.engines.base.REGISTRY is picked up here without editing this file.
+GPU. A new engine in pipeline.engines.registry is picked up here without editing this file.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from support.oddities import EXPECTED_SIZES, oddities
-from pipeline.engines.base import REGISTRY, STAGE_INFER, STATUS_OK, Engine, make_engine
+from pipeline.engines.base import STAGE_INFER, STATUS_OK, Engine
+from pipeline.engines.registry import REGISTRY, make_engine
 from pipeline.errors import ConfigError
 
 TOP_K = 3

@@ -15,7 +15,7 @@ import pytest
 from support.oddities import oddities
 
 from pipeline.triton import contract as tn
-from pipeline.engines.base import make_engine
+from pipeline.engines.registry import make_engine
 from pipeline.engines.triton import plan_requests
 from pipeline.errors import ConfigError
 from pipeline.model import load_model

@@ -111,7 +111,7 @@ def test_an_existing_output_is_left_as_it_was(tmp_path, cli_env):
 
 
 def test_gpu_paths_refuse_an_int8_model_and_say_where_it_runs(int8_model, tmp_path, cli_env):
-    from pipeline.engines.base import engine_spec
+    from pipeline.engines.registry import engine_spec
     from pipeline.model import load_model
 
     out, _ = int8_model

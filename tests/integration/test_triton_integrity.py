@@ -22,7 +22,7 @@ import pytest
 
 from conftest import make_jpeg
 from pipeline.engines import triton as triton_engine
-from pipeline.engines.base import make_engine
+from pipeline.engines.registry import make_engine
 from pipeline.errors import ModelError, TritonError
 from pipeline.model import load_model
 from pipeline.triton import contract as tn
@@ -273,7 +273,7 @@ CLIENT = '''
 import json, sys
 sys.path[:0] = [sys.argv[1]]
 from conftest import make_jpeg
-from pipeline.engines.base import make_engine
+from pipeline.engines.registry import make_engine
 from pipeline.model import load_model
 repo, start, n, timeout_s, hold = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 size = lambda i: (24 + i % 97, 20 + i // 97)
@@ -546,7 +546,7 @@ def test_an_owner_that_is_done_keeps_its_server_until_the_other_users_leave(bund
 EXITING_OWNER = '''
 import atexit, json, sys
 sys.path[:0] = [sys.argv[1]]
-from pipeline.engines.base import make_engine
+from pipeline.engines.registry import make_engine
 from pipeline.model import load_model
 engine = make_engine("triton", load_model(None), top_k=5, repository=sys.argv[2], share_server=True, request_batch=2)
 atexit.register(engine.close)
@@ -600,7 +600,7 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     import ray
 
     from pipeline.actor import ClassifyActor
-    from pipeline.engines.base import engine_spec
+    from pipeline.engines.registry import engine_spec
     from pipeline.job.stages import classify_actor_options
     from pipeline.schema import ENGINE_EVENTS
     from pipeline.triton.workdirs import pid_alive

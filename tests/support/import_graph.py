@@ -39,7 +39,8 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """The pipeline modules ``path`` imports anywhere in its body (lazy imports count too)."""
+    """The pipeline modules ``path`` imports anywhere in its body: lazy imports count too, and so does a string that
+    names a module (``"pipeline.engines.onnx"``) or a ``"module:attr"`` ref, which ``importlib`` imports."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names = []
@@ -47,6 +48,8 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value.partition(":")[0]]
         for name in names:
             if name in modules:
                 found.add(name)

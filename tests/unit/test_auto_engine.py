@@ -6,7 +6,8 @@ import pytest
 
 from pipeline.config import RunConfig
 from pipeline.engines import auto
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, REGISTRY
+from pipeline.engines.base import DEFAULT_BATCH_SIZE
+from pipeline.engines.registry import REGISTRY
 from pipeline.errors import ConfigError
 from pipeline.triton import profiles
 

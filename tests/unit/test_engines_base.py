@@ -1,4 +1,4 @@
-"""pipeline/engines/base.py: the engine registry, typed options, and top-k arrays to results."""
+"""pipeline/engines/base.py and registry.py: the engine registry, typed options, and top-k arrays to results."""
 
 from __future__ import annotations
 
@@ -8,17 +8,13 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import (
-    DEFAULT_ENGINE,
-    ENGINE_NAMES,
-    REGISTRY,
     STATUS_ERROR,
     STATUS_OK,
     Option,
     _load,
-    engine_kwargs,
-    engine_spec,
     results_from_topk,
 )
+from pipeline.engines.registry import DEFAULT_ENGINE, ENGINE_NAMES, REGISTRY, engine_kwargs, engine_spec
 from pipeline.errors import ConfigError
 
 

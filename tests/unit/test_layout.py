@@ -37,6 +37,7 @@ def test_the_checker_sees_lazy_imports_and_cycles():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.cycles(edges) == [["a", "b", "c"]]
     assert "pipeline.model" in import_graph.graph()["pipeline.actor"]  # imported inside __init__
+    assert "pipeline.engines.onnx" in import_graph.graph()["pipeline.engines.registry"]  # by name, with importlib
 
 
 def test_every_module_opens_with_a_docstring():

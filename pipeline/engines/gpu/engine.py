@@ -1,8 +1,8 @@
 """The ``gpu`` engine: ``GpuClassifier`` in the actor's process, returning ``Result`` rows.
 
 Calls share one pipeline: every ``classify`` call queues its images into one ``RequestStream`` (the same one the gpu
-profile's Triton model runs), so with several calls at once (``--calls-per-actor``; the engine's default in ``pipeline.engines.base.REGISTRY``) the next call's
-images are decoded while the network runs this one's, and network batches are full across calls.
+profile's Triton model runs), so with several calls at once (``--calls-per-actor``; the engine's default in ``SPEC``)
+the next call's images are decoded while the network runs this one's, and network batches are full across calls.
 """
 
 from __future__ import annotations
@@ -12,11 +12,45 @@ import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import DEFAULT_TOP_K, STAGE_INFER, Result, results_from_topk
+from pipeline.engines.base import (
+    DEFAULT_TOP_K, STAGE_INFER, EngineSpec, Option, Result, positive_int, results_from_topk,
+)
 from pipeline.engines.auto import _importable
 from pipeline.engines.gpu.classifier import RawResults
 from pipeline.errors import ConfigError
 from pipeline.imaging import DecodeLimits
+from pipeline.triton import contract as tn
+
+SPEC = EngineSpec(
+    name="gpu",
+    factory=f"{__name__}:GpuEngine",
+    summary="DALI decode + resize and a PyTorch network on the actor's GPU",
+    options=(
+        Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
+        positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
+        positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
+        positive_int("batch_size", "images per network call, e.g. 256"),
+        Option("device", str, "a torch device, e.g. cuda:0"),
+        Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
+        Option("half", bool, "FP16 network: true or false"),
+        positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
+        Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
+        positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
+        Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
+        Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
+               choices=tn.CUDA_SYNC_MODES),
+    ),
+    needs_gpu=True,
+    decode_threads_option="cpu_decode_threads",
+    preflight=f"{__name__}:check_requirements",
+    # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
+    # three actors keep one GPU busiest (docs/performance.md).
+    calls_per_actor=3,
+    actors_per_gpu=3,
+    gpu_batch_size=2048,
+    runs_int8=False,
+    int8=f"INT8 models: none ({tn.NO_INT8}); {tn.INT8_FIX}",
+)
 
 
 class GpuEngine:
