@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -109,10 +110,14 @@ def sweep_stale_shared_memory() -> list[str]:
     return removed
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: all held at once while picked, since a port closed and picked again
+    can come back twice (tritonserver refuses to serve HTTP and metrics on one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for sock in socks:
+            sock.bind((LOOPBACK, 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def _pytriton_dist() -> Path | None:
@@ -300,7 +305,7 @@ class TritonServer:
         sweep_dead_owner_folders(WORKDIR_PREFIX)
         self._workdir = owned_temp_folder(WORKDIR_PREFIX)
         backend_dir = self._prepare_backends(self._workdir)
-        self.http_port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.http_port, self.grpc_port, self.metrics_port = _free_ports(3)
         # Unique per server, so two servers (two actors) never share python-backend shared memory.
         self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_"
         cmd = self._command(backend_dir)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from pipeline.errors import TritonError
-from pipeline.triton.server import BINARY_ENV, SHM_DIR, TritonServer, sweep_stale_shared_memory
+from pipeline.triton.server import BINARY_ENV, SHM_DIR, TritonServer, _free_ports, sweep_stale_shared_memory
 from support.paths import REPO
 
 
@@ -198,3 +198,11 @@ def test_a_server_started_from_a_short_lived_thread_outlives_it(echo_repo):
         assert server.is_ready(), "the server died with the thread that started it"
     finally:
         server.stop()
+
+
+def test_a_servers_ports_are_always_distinct():
+    """HTTP, gRPC and metrics ports are picked together: picked one after another, a closed port can come back
+    (1 start in about 2,000 here), and tritonserver then exits refusing HTTP and metrics on one port."""
+    for _ in range(10):
+        ports = _free_ports(200)
+        assert len(set(ports)) == 200 and all(1024 <= p < 65536 for p in ports)
