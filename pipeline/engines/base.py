@@ -148,6 +148,10 @@ class EngineSpec:
         runs_int8: runs INT8 (QDQ) model folders, as written by ``bulk-classify model quantize``.
         int8: one line for ``bulk-classify engines``: where INT8 models run with this engine.
         actor_env: environment variables of the classify actors' worker processes where they take GPUs.
+        node_start: ``"module:function"`` the driver of a local Ray calls before Ray starts, as
+            ``function(bundle, top_k=, limits=, options=)``: it starts in the background what the node's actors
+            will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
+            job is done) and ``events``, or None.
     """
 
     name: str
@@ -163,6 +167,7 @@ class EngineSpec:
     runs_int8: bool = True
     int8: str = "INT8 models: yes (ONNX Runtime's integer kernels)"
     actor_env: Mapping[str, str] = field(default_factory=dict)
+    node_start: str | None = None
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -186,6 +191,10 @@ class EngineSpec:
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
             raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
                               f"{tn.INT8_FIX}")
+
+    def start_node(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
+        """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""
+        return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options) if self.node_start else None
 
     def build(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
         """The engine itself (heavy: loads the runtime, may start a server)."""

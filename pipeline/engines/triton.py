@@ -102,6 +102,7 @@ SPEC = EngineSpec(
     # server (the portable profile) keeps Ray's default, which stops it before the job's end.
     actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
     int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
+    node_start=f"{__name__}:start_node_servers",
 )
 
 
@@ -182,6 +183,8 @@ class TritonEngine:
         request_timeout_s: how long one request may take before it counts as failed.
         share_server: share one local server between the engines of this node that would start the same one on
             the same GPU (several actors per GPU; pipeline.triton.sharing); ignored with ``url``.
+        gpus: the GPU(s) of the server this engine starts, as CUDA_VISIBLE_DEVICES names them (default: this
+            process's; the driver gives each of its node's GPUs, ``start_node_servers``).
     """
 
     name = "triton"
@@ -204,8 +207,10 @@ class TritonEngine:
         model_name: str = tn.MODEL_NAME,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         share_server: bool | None = None,
+        gpus: str | None = None,
     ):
         self.profile = serving = choose_profile(profile)
+        self.gpus = gpus
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
         share_server = serving.share_server if share_server is None else share_server
@@ -266,6 +271,8 @@ class TritonEngine:
 
         def start():
             env = self._start_mps()
+            if self.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = self.gpus
             try:
                 server = TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args,
                                       env=env).start()
@@ -281,7 +288,7 @@ class TritonEngine:
             return
         from pipeline.triton.sharing import ServerLease, lease_key  # noqa: PLC0415
 
-        self._lease = ServerLease(lease_key(repository, server_args, self.model_name))
+        self._lease = ServerLease(lease_key(repository, server_args, self.model_name, self.gpus))
         self._start = start
         self.url, self.server = self._lease.acquire(start)
         self._lease.join()
@@ -298,7 +305,7 @@ class TritonEngine:
             return dict(self._mps.env) if self._mps is not None else {}
         from pipeline.triton.mps import CONTROL, MpsDaemon  # noqa: PLC0415
 
-        daemon = MpsDaemon()
+        daemon = MpsDaemon(gpus=self.gpus)
         if not daemon.available:
             LOG.warning("%s is not on this node: the server's model instances take turns on the GPU (slower); "
                         "install the NVIDIA driver's utilities, or pass --engine-option mps=false", CONTROL)
@@ -595,8 +602,10 @@ class TritonEngine:
 
     # ---- close ---------------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stops the server this engine started (a shared one once its other users have left) and its MPS daemon."""
+    def close(self, *, graceful: bool = True, linger_s: float | None = None) -> None:
+        """Stops the server this engine started (a shared one once its other users have left, up to ``linger_s``,
+        default sharing.LINGER_S) and its MPS daemon; ``graceful=False`` kills it instead of letting its
+        instances unload (seconds each), for a server whose work is done."""
         closing, watchdog = getattr(self, "_closing", None), getattr(self, "_watchdog", None)
         if closing is not None:
             closing.set()
@@ -608,8 +617,8 @@ class TritonEngine:
         lease = getattr(self, "_lease", None)
         if self.server is not None:
             if lease is not None:
-                lease.release(self.server)
-            self.server.stop()
+                lease.release(self.server, **({} if linger_s is None else {"linger_s": linger_s}))
+            self.server.stop(graceful=graceful)
             self.server = None
         elif lease is not None:
             lease.leave()
@@ -620,6 +629,78 @@ class TritonEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NodeServers:
+    """The shared servers of the driver's node, started by the driver while Ray starts (``start_node_servers``).
+
+    A server's start (its instances building their classifiers) is the longest part of a job's start; begun in the
+    driver it runs beside Ray's start and the actors' own, and the actors find it through the lease as they would
+    another actor's. The driver owns it for the whole job, so no actor's end stops it early.
+    """
+
+    def __init__(self, bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any],
+                 gpus: Sequence[str | None]):
+        self.engines: list[TritonEngine] = []  # every one started (their events stay readable after close)
+        self._open: list[TritonEngine] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._start, args=(bundle, top_k, limits, options, gpu),
+                                          name=f"tritonserver-start-{gpu or 'node'}", daemon=True) for gpu in gpus]
+        for thread in self._threads:
+            thread.start()
+
+    def _start(self, bundle, top_k, limits, options, gpu: str | None) -> None:
+        try:
+            engine = TritonEngine(bundle, top_k=top_k, limits=limits, gpus=gpu, **options)
+        except Exception as err:  # noqa: BLE001 - the actors start their own; the job goes on
+            LOG.warning("the driver could not start the tritonserver of GPU %s ahead of the actors (%s); they "
+                        "start their own", gpu or "(none)", str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+            return
+        with self._lock:
+            self.engines.append(engine)
+            self._open.append(engine)
+        LOG.info("the driver started the tritonserver %s of GPU %s for this node's actors", engine.url, gpu or "(none)")
+
+    @property
+    def events(self) -> dict[str, int]:
+        """The servers' counters (starts, restarts), summed."""
+        total = dict.fromkeys(EVENTS, 0)
+        for engine in self.engines:
+            for key, value in engine.events.items():
+                total[key] += value
+        return total
+
+    def close(self, wait: bool = True) -> None:
+        """Once the job is done: waits for a start still running, then stops every server at once (its work is done:
+        the instances need not unload) without waiting for actors that are only exiting; ``wait=False`` stops them
+        in the background (``close()`` again waits for that)."""
+        if not wait:
+            self._closer = threading.Thread(target=self.close, name="tritonserver-stop", daemon=True)
+            self._closer.start()
+            return
+        for thread in self._threads:
+            thread.join()
+        with self._lock:
+            engines, self._open = self._open, []
+        for engine in engines:
+            engine.close(graceful=False, linger_s=0.0)
+        closer = getattr(self, "_closer", None)
+        if closer is not None and closer is not threading.current_thread():
+            closer.join()
+
+
+def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any]) -> NodeServers | None:
+    """The triton engine's ``EngineSpec.node_start``: in the driver of a local Ray, the shared server of each GPU
+    (of the node, without GPUs), started in the background; None where the actors would not share one (``url``,
+    ``share_server=false``)."""
+    serving = choose_profile(options.get("profile", AUTO))
+    if options.get("url") or not options.get("share_server", serving.share_server):
+        return None
+    from pipeline.triton.profiles import visible_gpus  # noqa: PLC0415
+
+    # Actors without a GPU inherit the driver's CUDA_VISIBLE_DEVICES (Ray sets it only for GPU actors): their key
+    # is the driver's own, None.
+    return NodeServers(bundle, top_k=top_k, limits=limits, options=options, gpus=visible_gpus() or [None])
 
 
 def check_requirements(options: Mapping[str, Any]) -> None:

@@ -13,7 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import local_ray_env
-from pipeline.engines.registry import engine_spec
+from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
@@ -77,18 +77,31 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                                                     "engine": config.engine, "started_at": started_at.isoformat()})
             done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
         index_s = time.perf_counter() - t_index
-        run = _Run(config, progress)
+        run = _Run(config, progress, bundle)
         try:
+            try:
+                with storage_errors(config.output, dst_root):
+                    totals, listed, skipped, list_s = run.classify_and_carry(done, previous,
+                                                                             excluded_prefix(config, src_root))
+            finally:
+                run.close()
             with storage_errors(config.output, dst_root):
-                totals, listed, skipped, list_s = run.classify_and_carry(done, previous,
-                                                                         excluded_prefix(config, src_root))
+                return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle.name, started_at,
+                               t0, index_s + list_s)
         finally:
-            run.close()
-        with storage_errors(config.output, dst_root):
-            return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle.name, started_at,
-                           t0, index_s + list_s)
+            run.wait_closed()  # the node's servers stop while the output is finished
     finally:
         lease.release()
+
+
+def start_node(config: RunConfig, bundle: Any) -> Any:
+    """What the engine starts in the driver of a local Ray for the node's actors (``EngineSpec.node_start``: the
+    triton engine's shared servers), begun before Ray starts; None for most engines."""
+    from pipeline.imaging import DecodeLimits
+
+    return engine_spec(config.engine).start_node(
+        bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
+        options=engine_kwargs(config.engine, config.engine_options or {}, decode_threads=config.decode_threads))
 
 
 def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
@@ -143,12 +156,18 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, alread
 class _Run:
     """The Ray part of a run: the listing counter, the metrics endpoint, the classify pipeline and the carry tasks."""
 
-    def __init__(self, config: RunConfig, progress: ProgressCallback | None):
+    def __init__(self, config: RunConfig, progress: ProgressCallback | None, bundle: Any):
         from pipeline.job.stages import init_ray
         from pipeline.metrics import JobMetrics
 
         self.config, self.progress = config, progress
-        init_ray(config)
+        self.node = start_node(config, bundle) if not os.environ.get("RAY_ADDRESS") else None
+        self._node_closing = False
+        try:
+            init_ray(config)
+        except BaseException:
+            self.wait_closed()
+            raise
         self.counter: Any = None
         self.carrying: list[Any] = []  # refs of carry tasks not yet collected
         self.metrics = JobMetrics(config.metrics_port)
@@ -190,7 +209,21 @@ class _Run:
                      time.perf_counter() - start)
         self.listed = listed
         self._report_progress(ask=False)
+        self._close_node()
         return self.totals, listed, skipped, list_s
+
+    def _close_node(self) -> None:
+        """Stops, in the background, what the driver started for the node's actors, once they are done, and counts
+        its events (server starts) in the run's; ``wait_closed()`` waits for it."""
+        if self.node is not None and not self._node_closing:
+            self._node_closing = True
+            self.node.close(wait=False)
+            self.totals += ShardStats(engine_events={k: v for k, v in self.node.events.items() if v})
+
+    def wait_closed(self) -> None:
+        if self.node is not None:
+            self.node.close()
+            self.node = None
 
     def _drain(self, ds: Any) -> None:
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -230,6 +263,7 @@ class _Run:
     def close(self) -> None:
         import ray
 
+        self._close_node()
         self.metrics.close()
         for ref in self.carrying:  # a run that failed: the carry tasks still waiting need not start
             ray.cancel(ref)

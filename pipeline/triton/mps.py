@@ -30,10 +30,12 @@ COMMAND_TIMEOUT_S = 30.0
 class MpsDaemon:
     """Start with ``start()`` (returns the environment for the processes that should use it), stop with ``stop()``."""
 
-    def __init__(self, control: str | None = None):
+    def __init__(self, control: str | None = None, gpus: str | None = None):
         self.control = control or shutil.which(CONTROL)
         self.folder: Path | None = None
         self.env: dict[str, str] = {}
+        # The daemon sees the GPU(s) of the server it serves, as it would when started in that GPU's actor.
+        self._daemon_env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}
 
     @property
     def available(self) -> bool:
@@ -53,7 +55,7 @@ class MpsDaemon:
         (self.folder / "log").mkdir()
         self.env = {PIPE_ENV: str(self.folder / "pipe"), LOG_ENV: str(self.folder / "log")}
         try:
-            subprocess.run([self.control, "-d"], env={**os.environ, **self.env}, check=True,
+            subprocess.run([self.control, "-d"], env={**os.environ, **self._daemon_env, **self.env}, check=True,
                            timeout=COMMAND_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         except BaseException:
             self._remove()

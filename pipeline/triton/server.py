@@ -409,10 +409,11 @@ class TritonServer:
         kept = [line for line in text.splitlines() if line.strip() and line[:1] not in "+|"]
         return "\n".join(kept[-lines:])
 
-    def stop(self) -> None:
-        """Stop cleanly: SIGINT, wait, then SIGKILL; remove its shared memory and work folder."""
+    def stop(self, graceful: bool = True) -> None:
+        """Stop cleanly (SIGINT, wait, then SIGKILL), or at once with ``graceful=False``; remove its shared memory
+        and work folder."""
         with self._lock:
-            self._terminate()
+            self._terminate(graceful)
 
     def _terminate(self, graceful: bool = True) -> None:
         proc = self._proc

@@ -35,9 +35,10 @@ POLL_S = 0.5  # how often an engine waiting for the owner's restarted server rea
 LINGER_S = 120.0
 
 
-def lease_key(repository: str, server_args: Sequence[str], model_name: str) -> str:
-    """Servers are shared by engines that would start the same one on the same GPU(s)."""
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+def lease_key(repository: str, server_args: Sequence[str], model_name: str, gpus: str | None = None) -> str:
+    """Servers are shared by engines that would start the same one on the same GPU(s) (``gpus`` as
+    CUDA_VISIBLE_DEVICES names them; default: this process's)."""
+    gpus = gpus if gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     text = json.dumps([str(Path(repository).resolve()), list(server_args), model_name, gpus])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -173,8 +174,10 @@ class ServerLease:
                 break
             time.sleep(POLL_S)
         else:
-            LOG.warning("stopping the shared tritonserver %s with %d engine(s) still using it", server.grpc_url,
-                        len(self.other_users()))
+            # With no linger the owner knows its users are done (the driver at the job's end): not worth a warning.
+            (LOG.warning if linger_s > 0 else LOG.info)(
+                "stopping the shared tritonserver %s with %d engine(s) still using it", server.grpc_url,
+                len(self.other_users()))
         with self._locked():
             info = self.read()
             if info is None or info.get("pid") == server.pid:

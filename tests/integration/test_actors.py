@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,39 @@ def test_two_triton_actors_run_two_loopback_servers_and_leave_nothing_behind(ray
     ours = [p.name for p in set(Path("/dev/shm").glob("bulkcls_*")) - shm_before
             if actors & set(p.name.split("_"))]  # bulkcls_<pid of the actor that started the server>_…
     assert not ours, f"shared memory left behind: {ours}"
+
+
+def test_the_driver_starts_the_shared_server_while_ray_starts_and_the_actors_share_it(ray_local, tmp_path,
+                                                                                      monkeypatch):
+    """Where the actors share a server (the gpu profile's default; share_server=true here), the driver of a local Ray
+    starts it before any actor exists: both actors use it and start none, and it is gone once the run returns."""
+    from pipeline.engines import triton as triton_engine
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(50):
+        (src / f"small{i:03d}.jpg").write_bytes(make_jpeg(i))
+    driver_servers = []
+    close = triton_engine.NodeServers.close
+
+    def recording_close(self, wait=True):
+        if wait:
+            for thread in self._threads:
+                thread.join()
+            driver_servers.extend((e.server.pid, psutil.Process(e.server.pid).ppid()) for e in self._open)
+        close(self, wait)
+
+    monkeypatch.setattr(triton_engine.NodeServers, "close", recording_close)
+    summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "out"), engine="triton", num_actors=2,
+                                batch_size=8, shard_size=25, engine_options={"share_server": True}))
+
+    assert summary.counts == {"ok": 50, "error": 0}
+    assert len(driver_servers) == 1 and driver_servers[0][1] == os.getpid(), driver_servers
+    events = summary.report["engine_events"]
+    # One start in the whole run, the driver's: neither actor started a server of its own, none failed over.
+    assert events[triton_engine.EVENT_STARTS] == 1 and triton_engine.EVENT_FAILOVERS not in events, events
+    assert events[triton_engine.EVENT_CHECKED] == 50
+    assert not psutil.pid_exists(driver_servers[0][0]), "the driver's tritonserver outlived the run"
 
 
 def test_killing_an_actors_tritonserver_mid_job_loses_no_row(ray_local, tmp_path):

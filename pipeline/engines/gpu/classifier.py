@@ -171,6 +171,8 @@ class GpuClassifier:
         dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.engines.gpu.dali_runner``).
         cuda_sync: how threads wait for the GPU: "block" sleeps, "spin" and CUDA's "auto" spin on a core
             (``pipeline.engines.gpu.cuda_sync``).
+        cudnn_autotune: let cuDNN time its algorithms for each conv at the first batch (a longer build, a
+            slightly faster network).
 
     Raises:
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
@@ -194,6 +196,7 @@ class GpuClassifier:
         dali_threads: int = DEFAULT_DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
+        cudnn_autotune: bool = True,
     ):
         check_cuda_sync(cuda_sync)
         if not dali_available():
@@ -212,7 +215,7 @@ class GpuClassifier:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda_sync = cuda_sync
-        self.cuda_sync_in_force = use_cuda_device(torch, self.device, cuda_sync)  # as the driver reports it
+        self.cuda_sync_in_force = use_cuda_device(torch, self.device, cuda_sync, cudnn_autotune)  # as the driver reports it
         self.spec = spec
         self.top_k = top_k
         self.limits = limits

@@ -58,11 +58,12 @@ def set_cuda_sync(index: int, mode: str) -> str:
     return next((name for name, value in SYNC_FLAGS.items() if value == now), "unknown")
 
 
-def use_cuda_device(torch, device, mode: str) -> str:
-    """Makes ``device`` (a ``torch.device``) this thread's, with cudnn's autotuner on and ``mode``'s way of waiting;
-    returns the mode in force ("none" on the CPU). ``torch`` is passed in: this module stays torch-free."""
+def use_cuda_device(torch, device, mode: str, autotune: bool = True) -> str:
+    """Makes ``device`` (a ``torch.device``) this thread's, with cudnn's autotuner on (``autotune``) and ``mode``'s
+    way of waiting; returns the mode in force ("none" on the CPU). ``torch`` is passed in: this module stays
+    torch-free."""
     if device.type != "cuda":
         return "none"
     torch.cuda.set_device(device)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = autotune
     return set_cuda_sync(device.index, mode)

@@ -27,6 +27,7 @@ from pipeline.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
 from pipeline.triton.serve.gpu_model import (
+    SERVED_CUDNN_AUTOTUNE,
     _FolderBundle,
     build_classifier,
     instance_device,
@@ -140,7 +141,8 @@ class NetworkModel:
 
         self.torch = torch
         self.device = torch.device(instance_device(args))
-        use_cuda_device(torch, self.device, config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC))
+        use_cuda_device(torch, self.device, config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
+                        SERVED_CUDNN_AUTOTUNE)
         module = load_network(_FolderBundle(folder, spec, 1000), net_name)
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,

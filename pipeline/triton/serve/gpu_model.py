@@ -29,6 +29,10 @@ from pipeline.triton.serve.hop import NETWORK_NONE, NullClassifier
 _IMPORTED = time.perf_counter()  # the stub imports this module first: instance start times count from here
 
 LOG = logging.getLogger(__name__)
+
+# A server's instances build at every job's start: cuDNN's autotuner lengthens each build for little of the
+# network's rate, and the served path is not bound by the GPU (docs/performance.md).
+SERVED_CUDNN_AUTOTUNE = False
 # The stub's pybind11 reads numpy-1 arrays right; under numpy 2 tensors go through DLPack (see the module doc).
 _NUMPY_1 = int(np.__version__.split(".")[0]) < 2
 
@@ -114,6 +118,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
         half=half,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
+        cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
     )
 
 
