@@ -15,10 +15,10 @@ for part in $parts; do
   case $part in
     network) timeout 200 python3 tests/benchmarks/bench_network.py --out "$OUT/f" --budget-s 150 > "$OUT/f/network.log" 2>&1
              echo "bench_network rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network.log" | tail -25 ;;
-    start)   timeout 150 python3 tests/benchmarks/device/probe_build.py 6 2>&1 | tail -12
+    start)   timeout 200 python3 tests/benchmarks/device/probe_build.py 4 benchmark limit1 off 2>&1 | grep -v '^ *[0-9.]* s ' | tail -12
              timeout 120 python3 tests/benchmarks/device/probe_start.py 4 2>&1 | tail -30 ;;
     job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 --oddities default \
-               ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu} ;;
+               ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu --variant default_again=} ;;
     gpu)     timeout 330 python3 tests/benchmarks/bench_gpu.py --out "$OUT/f" --seconds 4 --sets imagenet,light \
                --parts dali,ceiling,engine,parity,oddities,triton --engine-variants dali_h1_d3 \
                --triton-nets resnet50 --servers ${GPU_SERVERS:-6:mps:bl4} --client 128x16 --client-procs 4 \
