@@ -82,15 +82,19 @@ def visible_gpus() -> list[str]:
 
 
 def node_gpus() -> int:
-    """GPUs on this node as Ray counts them when it starts here (0 without Ray, a driver or a GPU)."""
+    """GPUs on this node as Ray counts them when it starts here (0 without Ray, a driver or a GPU): the node's, at
+    most as many as ``CUDA_VISIBLE_DEVICES`` names (``""`` hides them all)."""
     try:
         from ray._private.accelerators import get_accelerator_manager_for_resource  # noqa: PLC0415
     except ImportError:
         return 0
     try:
-        return int(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators() or 0)
+        manager = get_accelerator_manager_for_resource("GPU")
+        count = int(manager.get_current_node_num_accelerators() or 0)
+        visible = manager.get_current_process_visible_accelerator_ids()
     except Exception:  # noqa: BLE001 - no driver, no NVML: no GPU to use
         return 0
+    return count if visible is None else min(count, len(visible))
 
 
 def choose_profile(profile: str) -> ServingProfile:

@@ -40,6 +40,38 @@ def test_this_machine_has_no_gpu_here():
     assert auto.choose().engine == "onnx"
 
 
+def test_a_nodes_gpus_are_counted_as_ray_counts_them_within_cuda_visible_devices(monkeypatch):
+    """On a GPU node with CUDA_VISIBLE_DEVICES="" Ray schedules no GPU: auto must not pick the GPU path there (it did,
+    and actors without a GPU got the portable profile)."""
+    from ray._private.accelerators import get_accelerator_manager_for_resource
+
+    manager = get_accelerator_manager_for_resource("GPU")
+    monkeypatch.setattr(manager, "get_current_node_num_accelerators", staticmethod(lambda: 2))  # the node's NVML count
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert profiles.node_gpus() == 2
+    for visible, counted in (("", 0), ("1", 1), ("0,1", 2), ("0,1,2", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert profiles.node_gpus() == counted, visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert auto.choose().engine == "onnx"
+
+
+def test_a_read_only_array_is_made_exportable_by_dlpack():
+    """Under numpy 2 the portable model sends its outputs by DLPack; the echoed TAG is a read-only view of the
+    request, which numpy refuses to export (every row was an engine_error on a numpy-2 node)."""
+    import numpy as np
+
+    from pipeline.triton.serve.portable_model import dlpack_ready
+
+    echoed = np.frombuffer(np.arange(6, dtype=np.int64).tobytes(), dtype=np.int64).reshape(3, 2)
+    assert not echoed.flags.writeable
+    with pytest.raises(BufferError, match="readonly"):
+        np.from_dlpack(echoed)
+    assert np.from_dlpack(dlpack_ready(echoed)).tolist() == echoed.tolist()
+    writeable = np.arange(4, dtype=np.float32)
+    assert dlpack_ready(writeable) is writeable  # no copy where none is needed
+
+
 def test_resolved_fills_the_engine_and_the_batch_size_by_the_gpus():
     assert (config().resolved(gpus=0).engine, config().resolved(gpus=0).batch_size) == ("onnx", DEFAULT_BATCH_SIZE)
     on_gpus = config().resolved(gpus=1, where="the Ray cluster at x")

@@ -41,8 +41,15 @@ def _to_tensor(pb, name: str, value: np.ndarray):
     # it is the other way round: numpy's own DLPack capsule crashes the stub ("PyCapsule_GetPointer called with
     # incorrect name"). BYTES tensors cannot travel by DLPack at all (hence error_output=False under numpy 2).
     if NUMPY_2 and value.dtype != np.object_:
-        return pb.Tensor.from_dlpack(name, np.ascontiguousarray(value))
+        return pb.Tensor.from_dlpack(name, dlpack_ready(value))
     return pb.Tensor(name, value)
+
+
+def dlpack_ready(value: np.ndarray) -> np.ndarray:
+    """``value`` as numpy exports it by DLPack: contiguous and writeable (numpy refuses read-only arrays, such as an
+    input echoed back)."""
+    value = np.ascontiguousarray(value)
+    return value if value.flags.writeable else value.copy()
 
 
 class Classifier:
