@@ -535,6 +535,8 @@ class TritonEngine:
                         raise _NoAnswer(f"no answer within request_timeout_s={self.request_timeout_s:g} s, "
                                         f"{timeouts} times; raise request_timeout_s or lower request_batch") from None
                     continue  # the server is slow, not gone: the request has waited its timeout already
+                if (self._generation, self.url) != (generation, url):
+                    continue  # the server was restarted on new ports while this request was out: send it there
                 stub_dead = STUB_DEAD_MARKER in (err.message() or str(err))
                 if not (stub_dead or self._server_down(err)):
                     raise
