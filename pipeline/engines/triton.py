@@ -644,8 +644,8 @@ class NodeServers:
     def __init__(self, bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any],
                  gpus: Sequence[str | None]):
         self.engines: list[TritonEngine] = []  # every one started (their events stay readable after close)
-        self._open: list[TritonEngine] = []
         self._lock = threading.Lock()
+        self._stopper: threading.Thread | None = None
         self._threads = [threading.Thread(target=self._start, args=(bundle, top_k, limits, options, gpu),
                                           name=f"tritonserver-start-{gpu or 'node'}", daemon=True) for gpu in gpus]
         for thread in self._threads:
@@ -660,7 +660,6 @@ class NodeServers:
             return
         with self._lock:
             self.engines.append(engine)
-            self._open.append(engine)
         LOG.info("the driver started the tritonserver %s of GPU %s for this node's actors", engine.url, gpu or "(none)")
 
     @property
@@ -673,22 +672,20 @@ class NodeServers:
         return total
 
     def close(self, wait: bool = True) -> None:
-        """Once the job is done: waits for a start still running, then stops every server at once (its work is done:
-        the instances need not unload) without waiting for actors that are only exiting; ``wait=False`` stops them
-        in the background (``close()`` again waits for that)."""
-        if not wait:
-            self._closer = threading.Thread(target=self.close, name="tritonserver-stop", daemon=True)
-            self._closer.start()
-            return
-        for thread in self._threads:
-            thread.join()
+        """Once the job is done: stops every server, once, at once (its work is done: the instances need not unload)
+        and without waiting for actors that are only exiting; ``wait=False`` leaves that to a background thread."""
         with self._lock:
-            engines, self._open = self._open, []
-        for engine in engines:
+            if self._stopper is None:
+                self._stopper = threading.Thread(target=self._stop, name="tritonserver-stop", daemon=True)
+                self._stopper.start()
+        if wait:
+            self._stopper.join()
+
+    def _stop(self) -> None:
+        for thread in self._threads:  # a start still running
+            thread.join()
+        for engine in self.engines:
             engine.close(graceful=False, linger_s=0.0)
-        closer = getattr(self, "_closer", None)
-        if closer is not None and closer is not threading.current_thread():
-            closer.join()
 
 
 def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any]) -> NodeServers | None:

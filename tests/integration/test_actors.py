@@ -103,16 +103,15 @@ def test_the_driver_starts_the_shared_server_while_ray_starts_and_the_actors_sha
     for i in range(50):
         (src / f"small{i:03d}.jpg").write_bytes(make_jpeg(i))
     driver_servers = []
-    close = triton_engine.NodeServers.close
+    stop = triton_engine.NodeServers._stop
 
-    def recording_close(self, wait=True):
-        if wait:
-            for thread in self._threads:
-                thread.join()
-            driver_servers.extend((e.server.pid, psutil.Process(e.server.pid).ppid()) for e in self._open)
-        close(self, wait)
+    def recording_stop(self):
+        for thread in self._threads:
+            thread.join()
+        driver_servers.extend((e.server.pid, psutil.Process(e.server.pid).ppid()) for e in self.engines)
+        stop(self)
 
-    monkeypatch.setattr(triton_engine.NodeServers, "close", recording_close)
+    monkeypatch.setattr(triton_engine.NodeServers, "_stop", recording_stop)
     summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "out"), engine="triton", num_actors=2,
                                 batch_size=8, shard_size=25, engine_options={"share_server": True}))
 
