@@ -14,6 +14,11 @@ subprocess on a fresh output, and the table gives, from the rows and the shard f
 - tritonserver processes (the most at once, and all seen), and the log lines that report a server failover;
 - CPU seconds by process over the whole run (``bench_streaming.TreeSampler``).
 
+``--profile NAME`` runs variant NAME once more after the table with py-spy (``--native``, on PATH) attached to every
+Triton python-backend stub as it appears, and prints where the stubs' busy samples go outside their start
+(``initialize``): by function (self samples) and by the pipeline function they run under. A profiled run is slower,
+so it gives no row of the table.
+
 The images are ImageNet-like JPEGs (500x375, ~100 KB) from ``bench_scaleout.make_images``, hard-linked.
 ``--dry-run-cpu`` checks the script end to end on a machine without a GPU (a few hundred images).
 """
@@ -146,6 +151,72 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
     return row
 
 
+class StubSpy:
+    """py-spy on every ``triton_python_backend_stub`` process that appears while it runs; raw stacks per pid."""
+
+    def __init__(self, folder: Path, rate: int = 40):
+        self.folder, self.rate = folder, rate
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                cmd = " ".join(proc.info["cmdline"] or [])
+                if "triton_python_backend_stub" in cmd and proc.pid not in self.procs:
+                    out = self.folder / f"spy-{proc.pid}.txt"
+                    self.procs[proc.pid] = subprocess.Popen(
+                        ["py-spy", "record", "--pid", str(proc.pid), "--rate", str(self.rate), "--native",
+                         "--format", "raw", "--output", str(out)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> "StubSpy":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for spy in self.procs.values():
+            try:
+                spy.wait(timeout=20)  # py-spy writes its file when the stub exits
+            except subprocess.TimeoutExpired:
+                spy.terminate()
+
+
+def summarize_spy(folder: Path, top: int = 25) -> None:
+    """Self samples by function, and samples by the pipeline function they run under, over every stub's stacks
+    outside the instance's start (``initialize``, ``warmup`` and imports)."""
+    own, under, total, start = collections.Counter(), collections.Counter(), 0, 0
+    marks = ("execute", "_prepare", "_infer", "_emit", "_respond", "submit", "_triage_all", "run_stream", "consume",
+             "prepare", "request_images", "_tensors", "feed_ndarray")
+    for path in sorted(folder.glob("spy-*.txt")):
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            n = int(count)
+            frames = stack.split(";")
+            names = [f.split(" ")[0].rpartition(".")[2] for f in frames]  # "Class.method (file:line)" -> method
+            if any(n in ("initialize", "warmup", "<module>", "_find_and_load") for n in names):
+                start += n
+                continue
+            total += n
+            own[frames[-1][:140]] += n
+            under[next((m for m in reversed(names) if m in marks), names[1] if len(names) > 1 else names[0])] += n
+    print(f"py-spy: {total} busy samples of the stubs past their start ({start} in initialize/warmup), "
+          f"{len(list(folder.glob('spy-*.txt')))} stubs")
+    for name, n in under.most_common(15):
+        print(f"  under {name:<40} {n:>7} {100 * n / max(total, 1):5.1f} %")
+    for name, n in own.most_common(top):
+        print(f"  self  {n:>7} {100 * n / max(total, 1):5.1f} %  {name}")
+
+
 def print_table(rows: list[dict]) -> None:
     base = rows[0]["steady_img_s"] if rows else None
     header = (f"{'variant':<14} {'engine':<22} {'rows once':>9} {'steady img/s':>12} {'x first':>7} {'window s':>8} "
@@ -180,6 +251,7 @@ def main() -> None:
                    "(comma-separated NAMEs) and compare each file's status and error kind with the expected ones")
     p.add_argument("--mps", action="store_true", help="every variant under a private CUDA MPS daemon (gpu_mps.py)")
     p.add_argument("--dry-run-cpu", action="store_true", help="a few hundred images, for a machine without a GPU")
+    p.add_argument("--profile", default="", help="run this variant once more under py-spy (no table row)")
     opts = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if opts.dry_run_cpu:
@@ -215,6 +287,16 @@ def main() -> None:
     print_table(rows)
     for name in filter(None, opts.oddities.split(",")):
         check_oddities(name, dict(variants).get(name, ""), opts)
+    if opts.profile:
+        spy_dir = opts.out / f"spy-{opts.profile}"
+        shutil.rmtree(spy_dir, ignore_errors=True)
+        try:
+            with StubSpy(spy_dir):
+                run_variant(f"{opts.profile}_spy", dict(variants).get(opts.profile, ""), images, opts.work, opts,
+                            sampler)
+        except SystemExit as err:
+            print(f"profiled run failed: {str(err)[-1500:]}")
+        summarize_spy(spy_dir)
 
 
 def check_oddities(name: str, args_text: str, opts) -> None:

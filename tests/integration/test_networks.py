@@ -49,6 +49,8 @@ def test_pad_plans_of_lite0_at_224():
     assert pad_plan(112, 3, 2, "slice") == PadPlan(None, 2, 0, 1)
     assert pad_plan(14, 5, 2, "slice") == PadPlan(None, 3, 0, 1)
     assert pad_plan(56, 5, 2, "pad") == PadPlan((1, 2, 1, 2), 0, 0, 0)
+    assert pad_plan(224, 3, 2, "mirror") == PadPlan(None, 1, 0, 0)  # turned by 180 degrees, the larger pad in front
+    assert pad_plan(56, 5, 2, "mirror") == PadPlan(None, 2, 0, 0)
     for n, k, s in shapes:
         if s == 1:  # stride 1, odd kernel: symmetric, into the conv
             assert pad_plan(n, k, s, "conv") == PadPlan(None, k // 2, 0, 0)
@@ -58,8 +60,12 @@ def test_pad_plans_of_lite0_at_224():
 
 
 def test_layout_fields_are_checked():
-    with pytest.raises(ValueError, match="Lite0Layout.asymmetric 'conv': use one of pad, kernel, slice"):
+    with pytest.raises(ValueError, match="Lite0Layout.asymmetric 'conv': use one of pad, kernel, slice, mirror"):
         Lite0Layout(symmetric="conv", asymmetric="conv", stem="pad", inplace=False)
+    with pytest.raises(ValueError, match='"mirror" turns the whole network: set asymmetric and stem to "mirror"'):
+        Lite0Layout(symmetric="conv", asymmetric="mirror", stem="kernel", inplace=False)
+    with pytest.raises(ValueError, match='and symmetric to "conv"'):
+        Lite0Layout(symmetric="pad", asymmetric="mirror", stem="mirror", inplace=False)
     assert REFERENCE_LITE0_LAYOUT in LITE0_LAYOUTS and DEFAULT_LITE0_LAYOUT in LITE0_LAYOUTS
     reference = LITE0_LAYOUTS[REFERENCE_LITE0_LAYOUT]
     assert (reference.symmetric, reference.asymmetric, reference.stem) == ("pad", "pad", "pad")
@@ -86,6 +92,27 @@ def test_each_plan_equals_tf_same_padding_on_random_tensors(form):
             wk = F.pad(w, (plan.front_taps, 0, plan.front_taps, 0))
             got = F.conv2d(x, wk, stride=s, padding=plan.padding, groups=groups)
             got = got[:, :, plan.drop : plan.drop + ref.shape[2], plan.drop : plan.drop + ref.shape[3]]
+            assert got.shape == ref.shape, (n, k, s)
+            assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
+
+
+def test_the_mirror_plan_equals_tf_same_padding_on_the_turned_input():
+    """Every Lite0 shape, odd sizes and stride 3 too, random weights: turning input and kernel by 180 degrees, the
+    conv with its own padding, turned back, equals F.pad + conv."""
+    torch = pytest.importorskip("torch")
+    from torch.nn import functional as F
+
+    gen = torch.Generator().manual_seed(1)
+    cases = sorted({*_conv_shapes(), (15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1), (10, 5, 3), (11, 3, 3)})
+    for n, k, s in cases:
+        for groups in (1, 4):
+            x = torch.randn(2, 4, n, n, generator=gen)
+            w = torch.randn(4, 4 // groups, k, k, generator=gen)
+            plan_pad = pad_plan(n, k, s, "pad")
+            ref = F.conv2d(F.pad(x, plan_pad.pad) if plan_pad.pad else x, w, stride=s, padding=plan_pad.padding,
+                           groups=groups)
+            plan = pad_plan(n, k, s, "mirror")
+            got = F.conv2d(x.flip(2, 3), w.flip(2, 3), stride=s, padding=plan.padding, groups=groups).flip(2, 3)
             assert got.shape == ref.shape, (n, k, s)
             assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
 

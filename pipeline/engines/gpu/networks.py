@@ -30,6 +30,7 @@ from pipeline.model import TORCHSCRIPT_FILE
 LOG = logging.getLogger(__name__)
 
 BENCHMARK_NETWORKS = ("resnet50",)
+MIRROR = "mirror"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +39,12 @@ class Lite0Layout:
 
     Each field is one of "pad" (``F.pad``, then the conv without padding: a separate copy of the input),
     "conv" (the conv's own symmetric padding: only for symmetric pads), "kernel" (zero taps in front of the kernel,
-    so that the asymmetric pad becomes the conv's own symmetric one) or "slice" (the conv's own padding, one stride
+    so that the asymmetric pad becomes the conv's own symmetric one), "slice" (the conv's own padding, one stride
     larger in front, and the extra first output row and column dropped after the block's 1x1 projection, where
-    the tensor is smallest).
+    the tensor is smallest) or "mirror" (the whole network runs on the image turned by 180 degrees, with every
+    kernel turned too: there TF's larger pad is in front, and the conv's own symmetric padding of that size reads
+    the same pixels; one flip of the input replaces every pad, with standard kernels and no extra row). "mirror"
+    is all or nothing: the stem and the stride-2 layers both, the stride-1 ones "conv".
 
     Attributes:
         symmetric: the stride-1 layers' pads ("pad" or "conv").
@@ -55,10 +59,18 @@ class Lite0Layout:
     inplace: bool
 
     def __post_init__(self):
-        for name, allowed in (("symmetric", ("pad", "conv")), ("asymmetric", ("pad", "kernel", "slice")),
-                              ("stem", ("pad", "kernel"))):
+        for name, allowed in (("symmetric", ("pad", "conv")), ("asymmetric", ("pad", "kernel", "slice", MIRROR)),
+                              ("stem", ("pad", "kernel", MIRROR))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Lite0Layout.{name} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if (self.asymmetric == MIRROR) != (self.stem == MIRROR) or (self.mirrored and self.symmetric != "conv"):
+            raise ValueError('Lite0Layout "mirror" turns the whole network: set asymmetric and stem to "mirror" and '
+                             'symmetric to "conv"')
+
+    @property
+    def mirrored(self) -> bool:
+        """The network runs on the input turned by 180 degrees (flipped in height and width)."""
+        return self.asymmetric == MIRROR
 
 
 # Named layouts, measured against each other (and timm's efficientnet_lite0) by tests/benchmarks/bench_network.py.
@@ -71,10 +83,11 @@ LITE0_LAYOUTS = {
     "kernel": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=False),
     "slice_kstem_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=True),
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
+    "mirror": Lite0Layout(symmetric="conv", asymmetric=MIRROR, stem=MIRROR, inplace=True),
 }
 REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
-# No pad kernel left, and only the standard 3x3 / 5x5 depthwise kernels (cuDNN's even-sized ones are untested).
-DEFAULT_LITE0_LAYOUT = "slice_kstem_inplace"
+# No pad kernel, no extra row and only standard kernels: the fastest exact layout (docs/performance.md).
+DEFAULT_LITE0_LAYOUT = "mirror"
 
 
 def _fold(weights: dict[str, np.ndarray], conv: str, bn: str) -> tuple[np.ndarray, np.ndarray]:
@@ -109,9 +122,14 @@ def pad_plan(size: int, kernel: int, stride: int, form: str) -> PadPlan:
     With TF's (before, after) pads, output ``i`` reads input ``stride * i + t - before`` for tap ``t``:
     - "kernel": ``after - before`` zero taps in front and padding ``after`` read input
       ``stride * i + (t + after - before) - after``, the same positions, with as many outputs;
-    - "slice": padding ``before + stride`` makes output ``i + 1`` what TF's output ``i`` is, so the first is dropped.
+    - "slice": padding ``before + stride`` makes output ``i + 1`` what TF's output ``i`` is, so the first is dropped;
+    - "mirror": on the input turned by 180 degrees TF's pads swap sides, so output ``j`` of the turned kernel with
+      padding ``after`` reads what TF's output ``out - 1 - j`` reads (TF's pads sum to
+      ``stride * (out - 1) + kernel - size``), with as many outputs since ``after - before < stride``.
     """
     before, after = _same_pads(size, kernel, stride)
+    if form == MIRROR and after - before < stride:
+        return PadPlan(None, after, 0, 0)
     if form == "pad" and (before or after):
         return PadPlan((before, after, before, after), 0, 0, 0)
     if before == after or form == "pad":
@@ -143,6 +161,8 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
                      form: str = "pad"):
             super().__init__()
             w, b = _fold(weights, conv, bn)
+            if layout.mirrored:
+                form, w = MIRROR, np.ascontiguousarray(w[:, :, ::-1, ::-1])
             plan = pad_plan(size, w.shape[-1], stride, form)
             if plan.front_taps:
                 w = np.pad(w, ((0, 0), (0, 0), (plan.front_taps, 0), (plan.front_taps, 0)))
@@ -211,6 +231,8 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
                 self.fc.bias.copy_(torch.from_numpy(weights["_fc.bias"].astype(np.float32)))
 
         def forward(self, x):
+            if layout.mirrored:  # one copy of the 3-channel input in place of every pad
+                x = x.flip(2, 3)
             x = self.head(self.blocks(self.stem(x)))
             return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
