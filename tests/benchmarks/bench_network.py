@@ -6,8 +6,8 @@ the convs). For each layout, and for timm's ``efficientnet_lite0`` and ``tf_effi
 the same architecture: reference rates only), it prints:
 
 - img/s at each batch (default 128 and 256): ``TopKNetwork`` as the gpu engine and the gpu profile's network model
-  run it (channels-last, FP16, CUDA graph, softmax + top-5, cudnn's autotuner on), on a ready batch; each timed
-  window at least ``--seconds`` long;
+  run it (channels-last, FP16, CUDA graph, softmax + top-5, cuDNN's autotuner on unless ``--cudnn off``), on a
+  ready batch; each timed window at least ``--seconds`` long;
 - exactness: max |logit - explicit layout's logit| in FP32 on the CPU (``--cpu-check`` images of the parity set) and
   on the device (FP32, no TF32, the whole parity set), and max |logit - ONNX Runtime's| on the device;
 - parity: top-1 agreement of the FP16 network (batch 128 CUDA graph) with ONNX Runtime on the CPU (the repository's
@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-check", type=int, default=None, help="parity images for the FP32 CPU check (default 16)")
     p.add_argument("--layouts", default="", help="comma-separated LITE0_LAYOUTS names (default: all)")
     p.add_argument("--no-timm", action="store_true", help="leave out timm's rows")
+    p.add_argument("--cudnn", choices=("benchmark", "off"), default="benchmark",
+                   help="cuDNN's autotuner on (the in-process engine's choice) or off (the served instances')")
     p.add_argument("--onnx", type=Path, default=None, help="the default model's ONNX file (default: load_model)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip rows not started this many seconds after the start (default 150; --quick: none)")
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.engines.gpu.cuda_sync import use_cuda_device
 
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
-    use_cuda_device(torch, device, DEFAULT_CUDA_SYNC)  # as the engine and the network model do: cudnn autotuner on
+    use_cuda_device(torch, device, DEFAULT_CUDA_SYNC, autotune=args.cudnn == "benchmark")
     half = device.type == "cuda"
     torch.backends.cudnn.allow_tf32 = False  # FP32 comparisons in true FP32; the FP16 timing does not use TF32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             LOG.warning("re-timing %s failed: %s", name, e)
     report(results, batches, drift, gpu=gpu, torch_version=torch.__version__, count=len(blobs), half=half,
-           seconds=seconds, onnx_source=onnx_source, wall_s=time.perf_counter() - t_start)
+           cudnn=args.cudnn, seconds=seconds, onnx_source=onnx_source, wall_s=time.perf_counter() - t_start)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_network.json").write_text(json.dumps(
@@ -320,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, torch_version: str, count: int,
-           half: bool, seconds: float, onnx_source: str, wall_s: float) -> None:
+           half: bool, seconds: float, onnx_source: str, wall_s: float, cudnn: str = "benchmark") -> None:
     """The table, then one line per answer the issue asks for."""
     by_name = {r["network"]: r for r in results}
     base = by_name.get(REFERENCE_LITE0_LAYOUT, {}).get("img_s", {})
     timm = by_name.get(f"timm {TIMM_MODELS[0]}", {}).get("img_s", {})
-    how = "FP16, CUDA graph" if half else "FP32, no CUDA graph"
+    how = ("FP16, CUDA graph" if half else "FP32, no CUDA graph") + f", cuDNN {cudnn}"
     print(f"\nbench_network: {gpu}, torch {torch_version}, TopKNetwork ({how}, channels-last, softmax + "
           f"top-{TOP_K}), windows >= {seconds:g} s; parity: {count} images vs ONNX Runtime CPU on {onnx_source}\n")
     cols = " | ".join(f"img/s b{b}" for b in batches)
