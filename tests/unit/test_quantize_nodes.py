@@ -128,3 +128,20 @@ def test_exclude_worst_leaves_the_largest_errors_in_float_and_says_which(tmp_pat
 def test_exclude_worst_must_be_a_count():
     with pytest.raises(ConfigError, match=r"exclude_worst -1 must be a number of nodes, 0 or more, e.g. 4"):
         QuantizeOptions(exclude_worst=-1)
+
+
+def test_extra_options_reach_onnx_runtime(tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    net = tiny_net(tmp_path / "net.onnx")
+    skewed = calibration() * 0.6 + 0.4  # inputs in [-0.2, 1]: a min-max range not centred on 0
+    zero_points = {}
+    for name, extra in (("plain", ()), ("symmetric", (("ActivationSymmetric", True),))):
+        out = tmp_path / f"{name}.onnx"
+        method = quantize_onnx(net, out, "input", skewed, QuantizeOptions(calibration_images=16, extra_options=extra))
+        assert method["extra_options"] == dict(extra)
+        inits = {i.name: i for i in onnx.load(str(out)).graph.initializer}
+        zero_points[name] = int(numpy_helper.to_array(inits["input_zero_point"]))
+    # u8 activations: symmetric ranges put the zero point at the middle of the range, min-max ones wherever 0 falls.
+    assert zero_points["symmetric"] == 128 and zero_points["plain"] != 128
