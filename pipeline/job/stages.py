@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasource
 
-from pipeline.config import RunConfig
+from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
 from pipeline.engines.registry import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
@@ -129,7 +129,7 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
     elif num_gpus:
         actors = max(1, int(gpus / num_gpus))
     else:
-        actors = max(1, cpus // 4)
+        actors = max(1, cpus // CPUS_PER_CPU_ACTOR)
     # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
     actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
     return actors, actor_cpus, num_gpus
