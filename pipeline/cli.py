@@ -31,7 +31,8 @@ from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
 from pipeline.triton.repository import PROFILES, REPOSITORY_PROFILES
-from pipeline.triton.profiles import MIB
+from pipeline.triton import contract as tn
+from pipeline.triton.profiles import GPU, MIB, PORTABLE
 from pipeline.terminal import quiet_ray
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
@@ -327,13 +328,13 @@ def repo() -> None:
 
 
 @repo.command("build")
-@click.option("--profile", type=click.Choice(PROFILES), default="portable", show_default=True, help="Which repository profile to fill.")
+@click.option("--profile", type=click.Choice(PROFILES), default=PORTABLE, show_default=True, help="Which repository profile to fill.")
 @click.option("--model", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
 @click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
 @click.option("--instances", type=int, cls=ConfigDefault, default=None, show_default="the profile's", help="Model instances per server.")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
-@click.option("--shape", default="single", show_default=True, help="gpu profile: 'single' (one python model) or 'ensemble' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
+@click.option("--shape", default=tn.SHAPE_SINGLE, show_default=True, help=f"{GPU} profile: '{tn.SHAPE_SINGLE}' (one python model) or '{tn.SHAPE_ENSEMBLE}' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
 @click.option("--max-backlog", type=float, cls=ConfigDefault, default=None, show_default="the profile's, docs/gpu.md", help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
                max_batch_size: int | None, shape: str, max_backlog: float | None) -> None:

@@ -33,7 +33,7 @@ from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, T
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
-from pipeline.triton.server import HEALTH_TIMEOUT_S, find_tritonserver
+from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ SPEC = EngineSpec(
         positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
         Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
                "or false (default: the profile's)"),
-        positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
+        positive_float("startup_timeout_s", f"seconds to wait for the server (default {STARTUP_TIMEOUT_S:g})"),
         positive_int("request_batch", "images per request, e.g. 32"),
         positive_int("concurrency", "requests in flight, e.g. 2"),
         Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
@@ -200,7 +200,7 @@ class TritonEngine:
         url: str | None = None,
         instances: int | None = None,
         mps: bool | None = None,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         request_batch: int | None = None,
         concurrency: int | None = None,
         server_args: Sequence[str] = (),

@@ -22,7 +22,6 @@ GPU_QUEUE_DELAY_US = 100
 # graph replays them; a second would halve its batches.
 GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
 GPU_ENSEMBLE_NETWORK_INSTANCES = 1
-GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
 # The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE): smaller
 # batches from several instances under MPS keep the GPU busier than one instance's large ones.
 GPU_TRITON_BATCH_SIZE = 128
@@ -149,12 +148,12 @@ def gpu_config(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
-    prep_workers: int = 2,
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
     dali_depth: int | None = None,
     dali_threads: int | None = None,
     hw_decoder_load: float | None = None,
     half: str = "auto",
-    max_delay_ms: float = GPU_STREAM_DELAY_MS,
+    max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS,
     cuda_sync: str | None = None,
     max_backlog: float = GPU_MAX_BACKLOG,
 ) -> str:
@@ -229,7 +228,7 @@ def gpu_ensemble_configs(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
-    prep_workers: int = 2,
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
     dali_depth: int | None = None,
     dali_threads: int | None = None,
     hw_decoder_load: float | None = None,

@@ -36,6 +36,7 @@ from pipeline.model import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
+from pipeline.triton.profiles import PRODUCTION
 from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
             t0 = time.monotonic()
             LOG.info("building %s (TensorRT %s, sm%s); this takes minutes", name, key.tensorrt,
                      key.compute_capability)
-            build("production", model, str(work), top_k=top_k, max_batch_size=max_batch_size)
+            build(PRODUCTION, model, str(work), top_k=top_k, max_batch_size=max_batch_size)
             LOG.info("built in %.0f s", time.monotonic() - t0)
         find_plan(work / tn.CLASSIFIER_TRT_MODEL, key)  # a repository without this node's plan is no use
         check_repository(work)

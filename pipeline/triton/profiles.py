@@ -15,6 +15,7 @@ from pipeline.errors import ConfigError
 AUTO = "auto"
 PORTABLE = "portable"
 GPU = "gpu"
+PRODUCTION = "production"  # TensorRT behind DALI, built per GPU by `repo prepare`; the engine does not serve it
 MIB = 1024 * 1024
 
 

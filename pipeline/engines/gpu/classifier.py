@@ -191,7 +191,7 @@ class GpuClassifier:
         half: bool | None = None,
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
-        prep_workers: int = 2,
+        prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
         hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
         dali_threads: int = DEFAULT_DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,

@@ -84,7 +84,7 @@ class DaliPrep:
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
-                 batch_size: int = 256, num_threads: int = DEFAULT_DALI_THREADS,
+                 batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE, num_threads: int = DEFAULT_DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
                  pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():

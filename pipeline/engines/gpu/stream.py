@@ -31,6 +31,7 @@ import numpy as np
 from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
+from pipeline.triton import contract as tn
 
 LOG = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class RequestStream:
     """
 
     def __init__(self, classifier, respond: Callable[[Any, RawResults, int], None], *, top_k: int,
-                 max_delay_s: float = 0.002, max_backlog: float = 0):
+                 max_delay_s: float = tn.GPU_DEFAULT_MAX_DELAY_MS / 1000, max_backlog: float = 0):
         self.classifier = classifier
         self.respond = respond
         self.top_k = top_k

@@ -113,7 +113,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         batch_size=batch_size,
         device=device,
         cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
+        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, str(tn.GPU_DEFAULT_PREP_WORKERS))),
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
         half=half,
@@ -164,7 +164,7 @@ class TritonPythonModel:
                                  f"in {time.perf_counter() - built:.1f} s, {time.perf_counter() - _IMPORTED:.1f} s "
                                  "after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
-                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
+                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, str(tn.GPU_DEFAULT_MAX_DELAY_MS))) / 1000,
                                     max_backlog=float(config_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 
