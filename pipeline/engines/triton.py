@@ -90,9 +90,9 @@ SPEC = EngineSpec(
     ),
     needs_gpu=True,
     preflight=f"{__name__}:check_requirements",
-    # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
-    # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
-    # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
+    # Two calls per actor: the next batch is sent while this one's last requests finish. The actors of a GPU
+    # share its one server (the gpu profile's share_server), so the client work spreads over their processes;
+    # a call's images fill the gpu profile's requests in flight (docs/performance.md).
     calls_per_actor=2,
     actors_per_gpu=3,
     gpu_batch_size=2048,
@@ -120,7 +120,7 @@ def _check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
 
     decode_image raises those before decoding any pixel, so calling it only when a cap is exceeded costs
     nothing and gives the exact error text of ``--engine onnx``. The pixel check opens the header with Pillow
-    (tens of microseconds a file): skipped for a model that checks the caps itself (``checks_caps``).
+    (a cost on every file): skipped for a model that checks the caps itself (``checks_caps``).
     """
     if len(data) == 0 or len(data) > limits.max_bytes:
         decode_image(data, limits)

@@ -66,13 +66,12 @@ def init_ray(config: RunConfig) -> None:
     ctx.print_on_execution_start = False
     ctx.verbose_stats_logs = False
     # Fetched bytes wait in the object store until an actor classifies them; without a cap Ray Data lets them
-    # run ahead up to the store's size (30 % of a node's RAM), so memory grew with the input, not with the rate.
+    # run ahead up to the store's size (by default a share of the node's RAM), and memory grows with the input.
     budget = fetch_ahead_bytes(config)
     limits = ctx.execution_options.resource_limits
     ctx.execution_options.resource_limits = limits.copy(object_store_memory=budget)
-    # Ray Data merges a task's outputs into blocks of up to target_max_block_size (128 MiB): a fetch task's images
-    # became blocks of 128 MiB, each held whole in the store until the actor had classified its last row, so the
-    # budget bounded nothing below a few such blocks (758 MiB of the store in use at 20,000 images of 40 KB).
+    # Ray Data merges a task's outputs into blocks of up to target_max_block_size, each held whole in the store until
+    # the actor has classified its last row: blocks much smaller than the budget keep it a bound.
     ctx.target_max_block_size = fetch_block_bytes(budget)
 
 

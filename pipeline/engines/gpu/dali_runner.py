@@ -122,9 +122,8 @@ class Runner:
 
     def _new(self):
         pipe = self._build()
-        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with
-        # fed inputs means runs with no data yet, and every batch then waited (0.7 s a batch on the H200,
-        # 6.6 batches/s against 10.8 on the CPU). Each schedule_run() here follows its own feed_input, so start
-        # past that step.
+        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with fed
+        # inputs means runs with no data yet that every later batch waits behind; each schedule_run() here follows
+        # its own feed_input, so start past that step.
         pipe._first_iter = False  # noqa: SLF001 - DALI 2.4's Pipeline; no public switch for it
         return pipe
