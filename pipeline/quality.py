@@ -215,7 +215,7 @@ def quality_of_parts(fs: Any, parts: Iterable[str],
     import pyarrow.parquet as pq
 
     from pipeline.schema import QUALITY_KEY
-    from pipeline.writer import iter_footers
+    from pipeline.reader import iter_footers
 
     stats = QualityStats()
     for path, footer in iter_footers(fs, list(parts)):
@@ -239,7 +239,7 @@ def committed_quality(fs: Any, root: str,
 
     Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
     """
-    from pipeline.writer import committed_parts
+    from pipeline.reader import committed_parts
 
     fs.invalidate_cache()
     return quality_of_parts(fs, committed_parts(fs, root), on_footer)
@@ -255,7 +255,7 @@ def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, 
     Raises:
         OutputError: DEST cannot be read or holds no committed shard.
     """
-    from pipeline.writer import committed_parts, read_json
+    from pipeline.reader import committed_parts, read_json
 
     fs, root = _open(dest, storage_options)
     try:
@@ -372,7 +372,8 @@ def record_drift(dest: str, against: str | None, storage_options: Mapping[str, A
     compared with (``report DEST --against previous`` reads that back). ``against=None`` (the first night)
     records ``drift: null``. Returns the record.
     """
-    from pipeline.writer import read_json, write_json
+    from pipeline.reader import read_json
+    from pipeline.writer import write_json
 
     record = None
     if against is not None:

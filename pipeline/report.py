@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from pipeline.errors import LIST_ERROR, ConfigError, OutputError
 from pipeline.stats import value_counts
 from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
-from pipeline.writer import committed_parts, read_json
+from pipeline.reader import committed_parts, read_json
 
 LOG = logging.getLogger(__name__)
 

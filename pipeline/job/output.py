@@ -24,10 +24,10 @@ from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.keys import member, uri_hashes
 from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
 from pipeline.source import LocalDir, is_local, open_fs, storage_failure
-from pipeline.writer import (
-    GROUP_RE, TEMP_RE, committed_parts, is_committed_shard, iter_records, part_name, read_json, read_record,
-    read_shard, shard_id, write_json, write_shard,
+from pipeline.reader import (
+    GROUP_RE, committed_parts, is_committed_shard, iter_records, read_json, read_record, read_shard,
 )
+from pipeline.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it

@@ -373,7 +373,8 @@ def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous:
     """
     from pipeline.quality import quality_footer
     from pipeline.stats import STATS_SCHEMA
-    from pipeline.writer import ShardRecord, read_shard, write_shard
+    from pipeline.reader import read_shard
+    from pipeline.writer import ShardRecord, write_shard
 
     fs, _root = open_fs(previous, storage_options)
     held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []

@@ -18,7 +18,8 @@ from pipeline.quality import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.keys import uri_hash
 from pipeline.source import open_fs
-from pipeline.writer import committed_parts, write_shard
+from pipeline.reader import committed_parts
+from pipeline.writer import write_shard
 from test_writer import rows
 
 
@@ -40,7 +41,7 @@ def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path)
 
 
 def test_the_job_library_below_the_ray_stages_imports_no_ray():
-    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.source; print('ray' in sys.modules)"
+    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.reader, pipeline.source; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
