@@ -13,7 +13,7 @@ import click
 
 from pipeline import __version__
 from pipeline.config import (
-    CPUS_PER_CPU_ACTOR, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
+    CPUS_PER_CPU_ACTOR, ENV_PREFIX, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
 from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS
 from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
@@ -30,7 +30,7 @@ from pipeline.quantize import (
 from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
-from pipeline.triton.repository import PROFILES, REPOSITORY_PROFILES
+from pipeline.triton.repository import REPOSITORY_PROFILES
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import GPU, MIB, PORTABLE
 from pipeline.terminal import quiet_ray
@@ -328,7 +328,7 @@ def repo() -> None:
 
 
 @repo.command("build")
-@click.option("--profile", type=click.Choice(PROFILES), default=PORTABLE, show_default=True, help="Which repository profile to fill.")
+@click.option("--profile", type=click.Choice(tuple(REPOSITORY_PROFILES)), default=PORTABLE, show_default=True, help="Which repository profile to fill.")
 @click.option("--model", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
 @click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
@@ -364,11 +364,11 @@ def repo_check(path: str | None) -> None:
 
 
 @repo.command("prepare")
-@click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default=DEFAULT_REPOSITORY, show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
-@click.option("--model", envvar="BULK_CLASSIFY_MODEL", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder ($BULK_CLASSIFY_MODEL).")
-@click.option("--plan-cache", envvar="BULK_CLASSIFY_PLAN_CACHE", default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans ($BULK_CLASSIFY_PLAN_CACHE).")
-@click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
-@click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
+@click.option("--repository", envvar=f"{ENV_PREFIX}REPOSITORY", show_envvar=True, default=DEFAULT_REPOSITORY, show_default=True, help="Where the repository goes.")
+@click.option("--model", envvar=f"{ENV_PREFIX}MODEL", show_envvar=True, cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder.")
+@click.option("--plan-cache", envvar=f"{ENV_PREFIX}PLAN_CACHE", show_envvar=True, default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans.")
+@click.option("--top-k", envvar=f"{ENV_PREFIX}TOP_K", show_envvar=True, type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries.")
+@click.option("--max-batch-size", envvar=f"{ENV_PREFIX}MAX_BATCH_SIZE", show_envvar=True, type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="The TensorRT profile's largest batch.")
 def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top_k: int, max_batch_size: int) -> None:
     """Put a production repository for this node's GPU and TensorRT in place: keep, fetch from the cache, or build."""
     from pipeline.triton.prepare import prepare

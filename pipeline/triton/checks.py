@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.errors import ModelError
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import _dtype, _mc
-from pipeline.triton.repository import CONFIG_FILE, PROFILES, build_repository, find_plan, local_plan_key
+from pipeline.triton.repository import CONFIG_FILE, REPOSITORY_PROFILES, build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def check_repository(path: str | os.PathLike | None = None) -> list[str]:
     """
     if path is None:
         with tempfile.TemporaryDirectory(prefix="bulk-classify-check-") as tmp:
-            for profile in PROFILES:
+            for profile in REPOSITORY_PROFILES:
                 build_repository(profile, None, str(Path(tmp) / profile), artifacts=False)
             return check_repository(tmp)
     root = Path(path).expanduser()

@@ -8,14 +8,11 @@ them, so the image ships no plan. At start each GPU worker:
    volume);
 2. else fetches ``<plan cache>/<model>-<onnx sha>-k<top_k>-b<batch>/sm<cc>-trt<version>.tar.gz`` from
    ``$BULK_CLASSIFY_PLAN_CACHE`` (any fsspec URL, e.g. ``s3://bucket/trt-plans``) when it is there;
-3. else builds it with ``pipeline.triton.repository.build_repository("production", ...)`` (a few minutes on the GPU)
-   and uploads it to the cache for the next node of the same kind.
+3. else builds the production profile with ``pipeline.triton.repository.build_repository`` (a few minutes on the
+   GPU) and uploads it to the cache for the next node of the same kind.
 
-The worker image's entrypoint runs it at start. Options (or their environment variables):
-``--repository`` (``BULK_CLASSIFY_REPOSITORY``, default ``/models/repository``), ``--model``
-(``BULK_CLASSIFY_MODEL``: ``default`` or a model folder), ``--plan-cache`` (``BULK_CLASSIFY_PLAN_CACHE``, optional),
-``--top-k`` (``BULK_CLASSIFY_TOP_K``, 5), ``--max-batch-size`` (``BULK_CLASSIFY_MAX_BATCH``, 64).
-Exit status 0 when the repository is ready, 1 with the reason otherwise.
+The worker image's entrypoint runs it at start. Its options, their environment variables and defaults:
+``bulk-classify repo prepare --help``. Exit status 0 when the repository is ready, 1 with the reason otherwise.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     try:
         builder = REPOSITORY_PROFILES[profile].build
     except KeyError:
-        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}") from None
+        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}") from None
     out = builder(model, output, top_k=top_k, instances=instances, max_batch_size=max_batch_size,
                   artifacts=artifacts, error_output=error_output, shape=shape, max_backlog=max_backlog)
     LOG.info("built %s repository in %s", profile, out)
@@ -435,4 +435,3 @@ REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
         RepositoryProfile(GPU, _build_gpu, shapes=tn.GPU_SHAPES),
     )
 }
-PROFILES = tuple(REPOSITORY_PROFILES)
