@@ -28,6 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+from pipeline.triton.server import LOOPBACK
 
 if TYPE_CHECKING:
     from pipeline.stats import ShardStats
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 LOG = logging.getLogger(__name__)
 
 PREFIX = "bulk_classify"
-LOOPBACK = "127.0.0.1"
 RATE_WINDOW_S = 60.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

@@ -8,14 +8,13 @@ from collections import Counter
 from typing import Any, Mapping
 
 from pipeline.errors import LIST_ERROR, ConfigError, OutputError
-from pipeline.stats import value_counts
+from pipeline.stats import STAGES, value_counts
 from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
 from pipeline.reader import committed_parts, read_json
 
 LOG = logging.getLogger(__name__)
 
 REPORT_VERSION = 1
-STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
 TOP_LABELS = 10
 # Columns summarize_output reads; everything else in the shards is left on storage.
 SUMMARY_COLUMNS = ("status", "error", "labels", "model")

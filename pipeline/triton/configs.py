@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn
+from pipeline.triton.dali_pipeline import DALI_THREADS
 
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_PORTABLE_INSTANCES = 1
 PRODUCTION_TRT_INSTANCES = 2
-DALI_THREADS = 4
 QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
 GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls

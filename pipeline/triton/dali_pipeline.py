@@ -24,6 +24,7 @@ from pipeline.triton import contract as tn
 from pipeline.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
+DALI_THREADS = 4  # CPU threads of one DALI pipeline: the gpu paths' default and the production profile's
 
 _INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
 

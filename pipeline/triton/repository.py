@@ -16,7 +16,6 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
-    DALI_THREADS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PORTABLE_INSTANCES,
     gpu_config,
@@ -24,6 +23,7 @@ from pipeline.triton.configs import (
     portable_config,
     production_configs,
 )
+from pipeline.triton.dali_pipeline import DALI_THREADS
 from pipeline.triton.profiles import GPU, PORTABLE, PRODUCTION
 from pipeline.triton.server import STUB_PATH_ENV
 

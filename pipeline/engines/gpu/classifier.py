@@ -44,12 +44,12 @@ from pipeline.imaging import DecodeLimits, PreprocessSpec
 from pipeline.engines.gpu.dali import (
     DALI_MISSING,
     DEFAULT_DALI_DEPTH,
-    DEFAULT_DALI_THREADS,
     DEFAULT_HW_DECODER_LOAD,
     DaliPrep,
     dali_available,
     host_array,
 )
+from pipeline.triton.dali_pipeline import DALI_THREADS
 from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.topk_network import TopKNetwork
@@ -193,7 +193,7 @@ class GpuClassifier:
         pipeline: bool = True,
         prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
         hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
-        dali_threads: int = DEFAULT_DALI_THREADS,
+        dali_threads: int = DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
         cudnn_autotune: bool = True,

@@ -97,9 +97,9 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
     from pipeline.engines.gpu.dali import (  # noqa: PLC0415
         DEFAULT_DALI_DEPTH,
-        DEFAULT_DALI_THREADS,
         DEFAULT_HW_DECODER_LOAD,
     )
+    from pipeline.triton.dali_pipeline import DALI_THREADS  # noqa: PLC0415
 
     if half is None:
         value = config_param(config, tn.GPU_PARAM_HALF, "auto").lower()
@@ -115,7 +115,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
         prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, str(tn.GPU_DEFAULT_PREP_WORKERS))),
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
-        dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
+        dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
