@@ -15,7 +15,7 @@ from pipeline import __version__
 from pipeline.config import (
     CPUS_PER_CPU_ACTOR, ENV_PREFIX, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS, STATUS_ERROR, STATUS_OK
 from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
@@ -210,8 +210,8 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     if not quiet:
         _echo(format_run_report(summary.report))
         _echo(
-            f"{summary.total} rows in {summary.output}: {summary.counts.get('ok', 0)} ok, "
-            f"{summary.counts.get('error', 0)} error; this run classified {summary.classified}, "
+            f"{summary.total} rows in {summary.output}: {summary.counts.get(STATUS_OK, 0)} ok, "
+            f"{summary.counts.get(STATUS_ERROR, 0)} error; this run classified {summary.classified}, "
             f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
         )
 

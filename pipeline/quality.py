@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from pipeline.engines.base import STATUS_OK
 from pipeline.errors import ConfigError, OutputError
 from pipeline.stats import value_counts
 
@@ -97,7 +98,7 @@ class QualityStats:
         names = table.column_names
         self.rows += n
         status = table.column("status") if "status" in names else pa.nulls(n, pa.string())
-        ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
+        ok_mask = pc.fill_null(pc.equal(status, STATUS_OK), False)
         carried = (pc.fill_null(table.column("carried"), False) if "carried" in names
                    else pa.array(np.zeros(n, bool)))
         self.carried += int(pc.sum(carried).as_py() or 0)

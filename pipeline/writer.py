@@ -24,6 +24,7 @@ from pipeline.schema import (
     BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, OUTPUT_SCHEMA, PART_PREFIX,
     PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform,
 )
+from pipeline.engines.base import STATUS_OK
 from pipeline.keys import identity_hashes, uri_hashes
 from pipeline.source import is_local, open_fs
 from pipeline.stats import ShardStats
@@ -89,7 +90,7 @@ class ShardRecord:
         carried rows come with their previous shard's hashes, so they are not hashed again.
         """
         status = rows.column("status")
-        ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
+        ok_mask = pc.fill_null(pc.equal(status, STATUS_OK), False)
         ok_rows = rows.filter(ok_mask)
         lengths = pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist() if ok_rows.num_rows else []
         models = pc.unique(rows.column("model")).to_pylist() if "model" in rows.column_names else []

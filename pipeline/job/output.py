@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import RunConfig
+from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.keys import member, uri_hashes
 from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
@@ -67,8 +68,8 @@ def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: str | 
     uris: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     for _path, rec in iter_records(fs, index.parts):
-        index.counts["ok"] += rec.ok
-        index.counts["error"] += rec.errors
+        index.counts[STATUS_OK] += rec.ok
+        index.counts[STATUS_ERROR] += rec.errors
         if hashes:
             uris.append(rec.uri_hashes)
         if carry_model is not None and rec.model == carry_model and rec.top_k == carry_top_k:
@@ -97,13 +98,13 @@ class RecordCounter:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"ok": self.ok, "error": self.errors}
+        return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
 def count_output(fs: Any, root: str) -> dict[str, int]:
     """Rows in DEST by status, from the shard records."""
     counts = index_output(fs, root, hashes=False).counts
-    return {"ok": counts.get("ok", 0), "error": counts.get("error", 0)}
+    return {STATUS_OK: counts.get(STATUS_OK, 0), STATUS_ERROR: counts.get(STATUS_ERROR, 0)}
 
 
 def read_previous(config: RunConfig, model_name: str) -> OutputIndex:

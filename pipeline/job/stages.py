@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from ray.data import Datasource
 
 from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
+from pipeline.engines.base import STATUS_OK
 from pipeline.engines.registry import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
@@ -271,7 +272,7 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None) -> tupl
     and identities in row order: from the shard's ``record`` when it keeps them in row order, else hashed here."""
     from pipeline.writer import row_identities
 
-    ok = pc.fill_null(pc.equal(table.column("status"), "ok"), False)
+    ok = pc.fill_null(pc.equal(table.column("status"), STATUS_OK), False)
     n = table.num_rows
     table = table.filter(ok)
     if record is not None and record.row_order and record.uri_hashes.size == n and \
