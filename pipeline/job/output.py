@@ -101,12 +101,6 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def count_output(fs: Any, root: str) -> dict[str, int]:
-    """Rows in DEST by status, from the shard records."""
-    counts = index_output(fs, root, hashes=False).counts
-    return {STATUS_OK: counts.get(STATUS_OK, 0), STATUS_ERROR: counts.get(STATUS_ERROR, 0)}
-
-
 def read_previous(config: RunConfig, model_name: str) -> OutputIndex:
     """--previous: its shards and the identities of the rows this run may carry (same model and top-k, ok).
 

@@ -145,15 +145,6 @@ def _check_contract(where: Path, config) -> None:
         raise ModelError(f"{where}: {tn.OUTPUT_CLASS_IDS} {k_ids} and {tn.OUTPUT_SCORES} {k_scores} must both be [k]")
 
 
-def repository_top_k(path: str | os.PathLike) -> int:
-    """The k the repository's classifier returns (the dims of SCORES)."""
-    config = _parse(Path(path) / tn.MODEL_NAME / CONFIG_FILE)
-    for t in config.output:
-        if t.name == tn.OUTPUT_SCORES:
-            return int(t.dims[0])
-    raise ModelError(f"{path}: {tn.MODEL_NAME} has no {tn.OUTPUT_SCORES} output")
-
-
 def preflight(path: str | os.PathLike) -> None:
     """Fails fast on a repository this machine cannot serve: a TensorRT plan built for another GPU/TensorRT."""
     trt_dir = Path(path) / tn.CLASSIFIER_TRT_MODEL
