@@ -31,18 +31,20 @@ GPU_TRITON_BATCH_SIZE = 128
 GPU_MAX_BACKLOG = 6
 
 
-def _mc():
+def model_config():
+    """Triton's ``model_config_pb2`` module."""
     from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - protobuf import is slow; only when needed
 
     return model_config_pb2
 
 
-def _dtype(name: str) -> int:
-    return _mc().DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
+def triton_dtype(name: str) -> int:
+    """The config's data type of a contract dtype (``BYTES`` is ``TYPE_STRING``)."""
+    return model_config().DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
 
 
 def _tensor(kind, name: str, dtype: str, dims) -> None:
-    kind.add(name=name, data_type=_dtype(dtype), dims=list(dims))
+    kind.add(name=name, data_type=triton_dtype(dtype), dims=list(dims))
 
 
 def _contract_io(config, k: int, *, with_error: bool) -> None:
@@ -58,7 +60,7 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
 
 def _place_on_gpus(config, instances: int, queue_delay_us: int) -> None:
     """``instances`` of the model on the GPU, the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
-    config.instance_group.add(kind=_mc().ModelInstanceGroup.KIND_GPU, count=instances)
+    config.instance_group.add(kind=model_config().ModelInstanceGroup.KIND_GPU, count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
 
 
@@ -81,7 +83,7 @@ def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_P
 
     ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
     """
-    mc = _mc()
+    mc = model_config()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
     config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
@@ -96,7 +98,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
     ``plans`` maps a compute capability ("9.0") to the plan file built for it (Triton's cc_model_filenames).
     """
-    mc = _mc()
+    mc = model_config()
     configs = {}
 
     pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="dali", max_batch_size=max_batch_size)
@@ -170,7 +172,7 @@ def gpu_config(
     """
     if max_backlog < 0:
         raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
-    mc = _mc()
+    mc = model_config()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     if error_output is None:
         error_output = numpy_can_send_bytes()
@@ -258,7 +260,7 @@ def gpu_ensemble_configs(
                           "at least 1")
     if error_output is None:
         error_output = numpy_can_send_bytes()
-    mc = _mc()
+    mc = model_config()
     dtype = "FP32" if half == "false" else "FP16"
     shape = list(spec.input_shape)
     configs = {}

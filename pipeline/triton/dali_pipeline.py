@@ -105,7 +105,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     return normalized, out_w, out_h
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
     """DALI's reason in one line: "<operator>: <what it encountered>"."""
     text = str(err)
     operator = re.search(r"Error in \w+ operator `([^`]+)`", text)

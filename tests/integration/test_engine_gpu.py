@@ -166,11 +166,11 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     """What reaches the network: DALI's rows (JPEGs, one EXIF-rotated) and the reference's (a PNG), each in its
     caller's place, against ``pipeline.imaging``'s own preprocessing of the same file."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.classifier import _Chunk, triage
+    from pipeline.engines.gpu.classifier import Chunk, triage
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
     datas = photo_set()
-    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
+    chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     assert [it.info is not None for it in chunk.items] == [True] * (len(datas) - 1) + [False]  # the PNG: Pillow
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors and clf.refused_batches == 0

@@ -33,7 +33,7 @@ from pipeline.errors import EngineError, ImageError
 from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
 from pipeline.triton import contract as tn
 from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
-from pipeline.triton.dali_pipeline import DALI_THREADS, _first_line, preprocess_graph
+from pipeline.triton.dali_pipeline import DALI_THREADS, first_line, preprocess_graph
 
 LOG = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class DaliPrep:
                 (out,) = pipe.run()
             except DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable
-                raise DaliRefused(_first_line(err)) from None
+                raise DaliRefused(first_line(err)) from None
             yield out
         finally:
             self._pool.put(pipe)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pipeline.triton import contract as tn
-from pipeline.triton.dali_pipeline import _first_line
+from pipeline.triton.dali_pipeline import first_line
 
 # What a failed DALI run raises (one undecodable file fails the batch).
 DALI_ERRORS = (RuntimeError, IndexError, ValueError)
@@ -117,7 +117,7 @@ class Runner:
                 self._schedule(job)
                 self._collect(job)
             except DALI_ERRORS as err:
-                job.future.set_exception(DaliRefused(_first_line(err)))
+                job.future.set_exception(DaliRefused(first_line(err)))
         self._pipe = self._new()
 
     def _new(self):
