@@ -32,7 +32,7 @@ from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_re
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
+from pipeline.triton.profiles import AUTO, PORTABLE, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -705,13 +705,15 @@ def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Map
 def check_requirements(options: Mapping[str, Any]) -> None:
     """The triton engine's preflight (its ``EngineSpec.preflight``): a repository that exists, the gpu profile's
     stack where the actor gets that profile, and a tritonserver unless ``url`` is given."""
+    from pipeline.triton.repository import CONFIG_FILE  # noqa: PLC0415 - the layout's names, only to check one
+
     repository = options.get("repository")
     if repository is not None:
         path = Path(str(repository)).expanduser()
-        if not (path / "classifier" / "config.pbtxt").is_file():
-            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
+        if not (path / tn.MODEL_NAME / CONFIG_FILE).is_file():
+            what = "does not exist" if not path.exists() else f"has no {tn.MODEL_NAME}/{CONFIG_FILE}"
             raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
-                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
+                              f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
     if options.get("url"):
         return
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
@@ -720,7 +722,7 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         missing = missing_gpu_stack()
         if missing:
             raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
-                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
+                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile={PORTABLE}")
     try:
         find_tritonserver()
     except TritonError as err:
