@@ -110,8 +110,8 @@ def main(verbose: bool) -> None:
 
 
 class ConfigDefault(click.Option):
-    """An option that is None when not given, so the config merges it over the environment and its own default;
-    the help shows that default, written by the module that owns it, as ``[default: 5]``."""
+    """An option that is None when not given, so that the library fills in its default (RunConfig merges it over the
+    environment); the help shows that default as the module that owns it writes it: ``[default: 5]``, not ``(5)``."""
 
     def get_help_extra(self, ctx: click.Context) -> Any:
         extra = super().get_help_extra(ctx)

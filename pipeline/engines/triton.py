@@ -195,7 +195,7 @@ class TritonEngine:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        profile: str = "auto",
+        profile: str = AUTO,
         repository: str | None = None,
         url: str | None = None,
         instances: int | None = None,
