@@ -56,7 +56,6 @@ from pipeline.engines.gpu.topk_network import TopKNetwork
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
 DEFAULT_CUDA_SYNC = "auto"
 # What a stream's source gives when the stream ends (GpuClassifier.run_stream).
@@ -187,7 +186,7 @@ class GpuClassifier:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
         device: str | None = None,
         cuda_graph: bool = True,
         half: bool | None = None,
