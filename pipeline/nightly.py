@@ -140,7 +140,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     config.check_requirements()
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
-    from pipeline.writer import committed_parts, read_json  # noqa: PLC0415
+    from pipeline.reader import committed_parts, read_json  # noqa: PLC0415
 
     fs, root = _open(dest, storage_options)
     try:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from pipeline.engines.base import STATUS_OK
 from pipeline.errors import ConfigError, OutputError
 from pipeline.stats import value_counts
 
@@ -97,7 +98,7 @@ class QualityStats:
         names = table.column_names
         self.rows += n
         status = table.column("status") if "status" in names else pa.nulls(n, pa.string())
-        ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
+        ok_mask = pc.fill_null(pc.equal(status, STATUS_OK), False)
         carried = (pc.fill_null(table.column("carried"), False) if "carried" in names
                    else pa.array(np.zeros(n, bool)))
         self.carried += int(pc.sum(carried).as_py() or 0)
@@ -215,7 +216,7 @@ def quality_of_parts(fs: Any, parts: Iterable[str],
     import pyarrow.parquet as pq
 
     from pipeline.schema import QUALITY_KEY
-    from pipeline.writer import iter_footers
+    from pipeline.reader import iter_footers
 
     stats = QualityStats()
     for path, footer in iter_footers(fs, list(parts)):
@@ -239,7 +240,7 @@ def committed_quality(fs: Any, root: str,
 
     Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
     """
-    from pipeline.writer import committed_parts
+    from pipeline.reader import committed_parts
 
     fs.invalidate_cache()
     return quality_of_parts(fs, committed_parts(fs, root), on_footer)
@@ -255,7 +256,7 @@ def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, 
     Raises:
         OutputError: DEST cannot be read or holds no committed shard.
     """
-    from pipeline.writer import committed_parts, read_json
+    from pipeline.reader import committed_parts, read_json
 
     fs, root = _open(dest, storage_options)
     try:
@@ -372,7 +373,8 @@ def record_drift(dest: str, against: str | None, storage_options: Mapping[str, A
     compared with (``report DEST --against previous`` reads that back). ``against=None`` (the first night)
     records ``drift: null``. Returns the record.
     """
-    from pipeline.writer import read_json, write_json
+    from pipeline.reader import read_json
+    from pipeline.writer import write_json
 
     record = None
     if against is not None:

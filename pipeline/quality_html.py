@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from pipeline.errors import OutputError
+from pipeline.stats import STAGES
 
 PREVIOUS_COLOR = "#9aa5b1"
 CURRENT_COLOR = "#1f6feb"
 UP_COLOR = "#2da44e"
 DOWN_COLOR = "#cf222e"
-STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px auto;max-width:1060px;color:#1f2328}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 6px}

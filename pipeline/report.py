@@ -7,15 +7,15 @@ import math
 from collections import Counter
 from typing import Any, Mapping
 
+from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import LIST_ERROR, ConfigError, OutputError
-from pipeline.stats import value_counts
+from pipeline.stats import STAGES, value_counts
 from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
-from pipeline.writer import committed_parts, read_json
+from pipeline.reader import committed_parts, read_json
 
 LOG = logging.getLogger(__name__)
 
 REPORT_VERSION = 1
-STAGES = ("list", "fetch", "decode_preprocess", "infer", "write")
 TOP_LABELS = 10
 # Columns summarize_output reads; everything else in the shards is left on storage.
 SUMMARY_COLUMNS = ("status", "error", "labels", "model")
@@ -73,7 +73,7 @@ def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
         "stage_share": {s: (None if v is None or stage_total <= 0 else round(v / stage_total, 4))
                         for s, v in stage_seconds.items()},
     }
-    errors = counts.get("error", 0)
+    errors = counts.get(STATUS_ERROR, 0)
     if kinds and sum(kinds.values()) != errors:
         LOG.warning("error kinds add up to %d but %d error rows were counted", sum(kinds.values()), errors)
     return report
@@ -145,7 +145,7 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
                 kind = pc.list_element(pc.split_pattern(errors, ":", max_splits=1), 0)
                 kinds.update(value_counts(pc.utf8_trim_whitespace(kind)))
         if "labels" in present and "status" in present:
-            ok = table.filter(pc.equal(table.column("status"), "ok")).column("labels")
+            ok = table.filter(pc.equal(table.column("status"), STATUS_OK)).column("labels")
             ok = ok.filter(pc.greater(pc.list_value_length(ok), 0))
             if len(ok):
                 labels.update(value_counts(pc.list_element(ok, 0)))

@@ -93,7 +93,7 @@ def size_fleet(curve_path: str, target_rate: float, utilization: float = DEFAULT
     if not isinstance(target_rate, (int, float)) or not target_rate > 0 or math.isinf(target_rate):
         raise ConfigError(f"--target-rate {target_rate!r} must be a positive number of images per second")
     if not 0 < utilization <= 1:
-        raise ConfigError(f"--utilization {utilization!r} must be in (0, 1]; 0.65 keeps p99 near the knee")
+        raise ConfigError(f"--utilization {utilization!r} must be in (0, 1]; {DEFAULT_UTILIZATION} keeps p99 near the knee")
     if not isinstance(spare, int) or spare < 0:
         raise ConfigError(f"--spare {spare!r} must be 0 or more GPUs")
     curve = load_curve(curve_path)

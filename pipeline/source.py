@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.engines.base import STATUS_ERROR
 from pipeline.errors import ConfigError, EmptySourceError, SourceError
 from pipeline.keys import done_mask, identity_hashes, member, object_uri
 from pipeline.source_local import Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
@@ -423,7 +424,7 @@ def _walk_fsspec(fs: fsspec.AbstractFileSystem, folder: str, extensions: tuple[s
 
 def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:
     """Listing rows of ``entries`` and, after them, the error rows of ``errors`` (``list_error`` entries)."""
-    rows = [e[:4] + (None, None) for e in entries] + [e[:4] + ("error", e[4]) for e in errors]
+    rows = [e[:4] + (None, None) for e in entries] + [e[:4] + (STATUS_ERROR, e[4]) for e in errors]
     uris, sizes, etags, mtimes, status, error = zip(*rows) if rows else ((),) * 6
     return pa.Table.from_arrays(
         [pa.array(uris, pa.string()), pa.array(sizes, pa.int64()), pa.array(etags, pa.string()),

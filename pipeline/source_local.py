@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import zlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from pipeline.errors import LIST_ERROR, ImageError
 from pipeline.keys import object_uri, uri_path
@@ -48,8 +48,31 @@ def os_error_text(err: OSError) -> str:
     return f"{type(err).__name__}: [Errno {err.errno}] {err.strerror}" if err.errno else f"{type(err).__name__}: {err}"
 
 
+class _Folder(NamedTuple):
+    """A folder to walk: its path as listed, and its real path where it was reached through a followed link."""
+
+    path: str
+    real: str | None
+
+
+class _File(NamedTuple):
+    """A file to list."""
+
+    path: str
+
+
+class _Unreadable(NamedTuple):
+    """Something the listing cannot read: it gets a ``list_error`` row."""
+
+    uri: str
+    detail: str
+
+
+Sorted = _Folder | _File | _Unreadable | None  # None: skipped
+
+
 class _Links:
-    """Sorts a folder's entries into folders to walk, files to list, error entries and entries to skip."""
+    """Sorts a folder's entries into folders to walk, files to list, unreadable entries and entries to skip."""
 
     def __init__(self, root: str, follow: bool, suffixes: tuple[str, ...]):
         self.root = os.path.realpath(root)
@@ -62,51 +85,51 @@ class _Links:
     def listed_name(self, name: str) -> bool:
         return name.lower().endswith(self.suffixes) and name[0] != "."
 
-    def sort(self, entry: os.DirEntry, real_parent: str | None) -> tuple:
-        """("dir", path, real path or None) / ("file", path) / ("error", uri, detail) / () to skip."""
+    def sort(self, entry: os.DirEntry, real_parent: str | None) -> Sorted:
+        """What ``entry`` (in a folder whose real path is ``real_parent``, None if not reached by a link) is."""
         name = entry.name
         if not entry.is_symlink():
             if entry.is_dir(follow_symlinks=False):
                 if real_parent is None:
-                    return ("dir", entry.path, None)
+                    return _Folder(entry.path, None)
                 real = os.path.join(real_parent, name)
                 # a folder of the source reached from outside it is listed under its own path, not again
-                return () if self.inside(real) else self._walk_once(entry.path, real)
-            return ("file", entry.path) if self.listed_name(name) and entry.is_file(follow_symlinks=False) else ()
+                return None if self.inside(real) else self._walk_once(entry.path, real)
+            return _File(entry.path) if self.listed_name(name) and entry.is_file(follow_symlinks=False) else None
         try:
             target = os.path.realpath(entry.path, strict=True)
             is_dir = os.path.isdir(target)
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return ("error", object_uri("file", entry.path), f"symbolic link loop ({os_error_text(err)})")
+                return _Unreadable(object_uri("file", entry.path), f"symbolic link loop ({os_error_text(err)})")
             if self.listed_name(name):
-                return ("error", object_uri("file", entry.path), f"broken symbolic link ({os_error_text(err)})")
-            return ()
+                return _Unreadable(object_uri("file", entry.path), f"broken symbolic link ({os_error_text(err)})")
+            return None
         if self.inside(target):
             # Its target is listed under its own path; a file link is listed only when its target's name is not.
             listed_anyway = is_dir or self.listed_name(os.path.basename(target))
-            return () if listed_anyway or not self.listed_name(name) else ("file", entry.path)
+            return None if listed_anyway or not self.listed_name(name) else _File(entry.path)
         if not self.follow:
             if is_dir:
-                return ("error", folder_uri(entry.path), f"symbolic link to a folder out of the source; {FOLLOW_HINT}")
+                return _Unreadable(folder_uri(entry.path), f"symbolic link to a folder out of the source; {FOLLOW_HINT}")
             if self.listed_name(name):
-                return ("error", object_uri("file", entry.path),
-                        f"symbolic link to a file out of the source; {FOLLOW_HINT}")
-            return ()
+                return _Unreadable(object_uri("file", entry.path),
+                                   f"symbolic link to a file out of the source; {FOLLOW_HINT}")
+            return None
         if is_dir:
             return self._walk_once(entry.path, target)
-        return ("file", entry.path) if self.listed_name(name) else ()
+        return _File(entry.path) if self.listed_name(name) else None
 
-    def _walk_once(self, path: str, real: str) -> tuple:
+    def _walk_once(self, path: str, real: str) -> Sorted:
         try:
             st = os.stat(real)
         except OSError as err:
-            return ("error", folder_uri(path), f"cannot list this folder: {os_error_text(err)}")
+            return _Unreadable(folder_uri(path), f"cannot list this folder: {os_error_text(err)}")
         key = (st.st_dev, st.st_ino)
         if key in self.seen:
-            return ()
+            return None
         self.seen.add(key)
-        return ("dir", path, real)
+        return _Folder(path, real)
 
 
 def _file_entry(path: str, stat: bool) -> Entry | None:
@@ -120,11 +143,11 @@ def _file_entry(path: str, stat: bool) -> Entry | None:
         return (object_uri("file", path), None, None, None)
 
 
-def _sorted_entry(sorted_as: tuple, stat: bool) -> Entry | None:
-    """The row of a link ``_Links.sort`` called an error or a file; None for a file removed since it was listed."""
-    if sorted_as[0] == "error":
-        return list_error(sorted_as[1], sorted_as[2])
-    return _file_entry(sorted_as[1], stat)
+def _sorted_entry(sorted_as: _File | _Unreadable, stat: bool) -> Entry | None:
+    """The row of what ``_Links.sort`` called a file or unreadable; None for a file removed since it was listed."""
+    if isinstance(sorted_as, _Unreadable):
+        return list_error(sorted_as.uri, sorted_as.detail)
+    return _file_entry(sorted_as.path, stat)
 
 
 def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, root: str | None = None,
@@ -157,10 +180,10 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
                         yield found
                 continue
             sorted_as = links.sort(entry, current_real)
-            if not sorted_as:
+            if sorted_as is None:
                 continue
-            if sorted_as[0] == "dir":
-                subdirs.append(sorted_as[1:])
+            if isinstance(sorted_as, _Folder):
+                subdirs.append((sorted_as.path, sorted_as.real))
                 continue
             found = _sorted_entry(sorted_as, stat)
             if found is not None:
@@ -179,11 +202,17 @@ def local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...],
                 continue
             if entry.is_dir(follow_symlinks=False):
                 continue  # the planner gave it a unit of its own
-            sorted_as = links.sort(entry, None)
-            if not sorted_as:
+            if not entry.is_symlink():  # the common case, kept short: a plain file
+                found = _file_entry(entry.path, stat) if links.listed_name(entry.name) and entry.is_file(
+                    follow_symlinks=False) else None
+                if found is not None:
+                    yield found
                 continue
-            if sorted_as[0] == "dir":
-                yield from walk_local(sorted_as[1], extensions, stat, real=sorted_as[2], links=links)
+            sorted_as = links.sort(entry, None)
+            if sorted_as is None:
+                continue
+            if isinstance(sorted_as, _Folder):
+                yield from walk_local(sorted_as.path, extensions, stat, real=sorted_as.real, links=links)
                 continue
             found = _sorted_entry(sorted_as, stat)
             if found is not None:

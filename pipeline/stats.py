@@ -8,6 +8,11 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_ERROR, STATUS_OK
+
+# The run's stages, in pipeline order: the keys of ``stage_seconds`` in the report, the table and the drift page.
+STAGES = ("list", "fetch", STAGE_DECODE, STAGE_INFER, "write")
+
 
 @dataclass
 class ShardStats:
@@ -70,7 +75,7 @@ class ShardStats:
     def report_fields(self) -> dict[str, Any]:
         """This run's part of the report input (``pipeline.report.build_run_report``)."""
         return {
-            "counts": {"ok": self.ok, "error": self.errors},
+            "counts": {STATUS_OK: self.ok, STATUS_ERROR: self.errors},
             "error_kinds": dict(self.error_kinds),
             "images": self.rows,
             "classified": self.classified,
@@ -80,8 +85,7 @@ class ShardStats:
         }
 
     def stage_seconds(self, list_s: float) -> dict[str, float | None]:
-        return {"list": list_s, "fetch": self.fetch_s, "decode_preprocess": self.decode_s, "infer": self.infer_s,
-                "write": self.write_s}
+        return dict(zip(STAGES, (list_s, self.fetch_s, self.decode_s, self.infer_s, self.write_s)))
 
 
 STATS_SCHEMA = pa.schema([

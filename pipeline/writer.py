@@ -1,6 +1,5 @@
-"""Writing output and reading it back: each shard's rows committed atomically under a name derived from its content,
-with its record in the footer; and the readers of those shards, footers and records (``committed_parts``,
-``read_record``, ``read_shard``, ``iter_records``, ``read_columns``) and of the JSON bookkeeping files."""
+"""Writing output: each shard's rows committed atomically under a name derived from its content, with its record in
+the footer, and the JSON bookkeeping files; ``pipeline.reader`` reads them back."""
 
 from __future__ import annotations
 
@@ -8,15 +7,13 @@ import base64
 import hashlib
 import io
 import json
-import logging
 import os
 import re
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -27,19 +24,17 @@ from pipeline.schema import (
     BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, OUTPUT_SCHEMA, PART_PREFIX,
     PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform,
 )
+from pipeline.engines.base import STATUS_OK
 from pipeline.keys import identity_hashes, uri_hashes
 from pipeline.source import is_local, open_fs
 from pipeline.stats import ShardStats
 
-LOG = logging.getLogger(__name__)
-GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")
 SHARD_ID_BYTES = 12
 # Temporary names this tool writes before a rename: "." + the final name + "." + 32 hex digits + ".tmp".
 TEMP_RE = re.compile(r"^\.(?:{}|{})\.[0-9a-f]{{32}}\.tmp$".format(
     re.escape(PART_PREFIX) + f"[0-9a-f]{{{2 * SHARD_ID_BYTES}}}" + re.escape(PART_SUFFIX),
     "|".join(re.escape(name) for name in (*BOOKKEEPING, LEASE))))
 RECORD_VERSION = 2  # 2: the hash arrays are in row order (1: sorted), so a carry task can reuse them per row
-FOOTER_READERS = 16  # concurrent footer reads on object stores
 
 
 def shard_id(uris: list[str]) -> str:
@@ -95,7 +90,7 @@ class ShardRecord:
         carried rows come with their previous shard's hashes, so they are not hashed again.
         """
         status = rows.column("status")
-        ok_mask = pc.fill_null(pc.equal(status, "ok"), False)
+        ok_mask = pc.fill_null(pc.equal(status, STATUS_OK), False)
         ok_rows = rows.filter(ok_mask)
         lengths = pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist() if ok_rows.num_rows else []
         models = pc.unique(rows.column("model")).to_pylist() if "model" in rows.column_names else []
@@ -188,8 +183,8 @@ def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, A
 class ShardWriter:
     """Callable class for the job's write stage: a long-lived process commits shard after shard (``write_shard``).
 
-    As tasks, each shard started a Ray worker of its own once backpressure kept the fetch task holding its worker:
-    19 workers in a 20,000-image run, each importing Ray Data and pyarrow (about 2 CPU-s) to write for 0.1 s.
+    A process, not a task a shard: once backpressure holds the fetch tasks' workers, each shard's task would start a
+    Ray worker of its own, which spends far longer importing Ray Data and pyarrow than writing.
     """
 
     def __init__(self, *, output: str, storage_options: Mapping[str, Any],
@@ -214,106 +209,6 @@ def _any(batch: pa.Table, col: str) -> bool:
     return col in batch.column_names and batch.column(col).null_count < batch.num_rows
 
 
-def committed_parts(fs: Any, dest: str) -> list[str]:
-    """Paths of committed shards in DEST and its group folders (older flat outputs hold them in DEST itself).
-
-    Temporary and bookkeeping files start with '.' or '_' and are never listed.
-    """
-    if not fs.exists(dest):
-        return []
-    parts, groups = [], []
-    for info in fs.ls(dest, detail=True):
-        base = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if info.get("type") == "directory" and GROUP_RE.match(base):
-            groups.append(info["name"])
-        elif _is_part(base):
-            parts.append(info["name"])
-    for group in groups:
-        parts.extend(p for p in fs.ls(group, detail=False) if _is_part(p.rsplit("/", 1)[-1]))
-    return sorted(parts)
-
-
-def _is_part(base: str) -> bool:
-    return base.startswith(PART_PREFIX) and base.endswith(PART_SUFFIX)
-
-
-def is_committed_shard(fs: Any, path: str) -> bool:
-    """Whether ``path`` is a shard this tool committed: a Parquet file whose footer holds our commit record and our
-    shard id, the one its name carries."""
-    base = path.rsplit("/", 1)[-1]
-    if not _is_part(base):
-        return False
-    try:
-        footer = read_footer(fs, path)
-    except Exception:  # noqa: BLE001 - not Parquet, or unreadable: not ours to delete
-        return False
-    shard = footer.get(SHARD_META_KEY, b"").decode(errors="replace")
-    return RECORD_KEY in footer and base == f"{PART_PREFIX}{shard}{PART_SUFFIX}"
-
-
-def read_footer(fs: Any, path: str) -> dict[bytes, bytes]:
-    """The key-value metadata of a shard's Parquet footer (one ranged read on object stores)."""
-    if is_local(fs):
-        meta = pq.read_metadata(path)
-    else:
-        with fs.open(path, "rb", block_size=1 << 17) as f:
-            meta = pq.ParquetFile(f).metadata
-    return meta.metadata or {}
-
-
-def read_record(fs: Any, path: str, footer: Mapping[bytes, bytes] | None = None) -> ShardRecord:
-    """A shard's record from its footer (``footer``, when read already); a shard without one (an older output) is
-    read and hashed instead."""
-    raw = (footer if footer is not None else read_footer(fs, path)).get(RECORD_KEY)
-    if raw is not None:
-        return ShardRecord.from_json(raw)
-    columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]
-    return ShardRecord.of_rows(read_columns(fs, [path], columns))
-
-
-def read_shard(fs: Any, path: str) -> tuple[pa.Table, ShardRecord | None]:
-    """A committed shard's rows (``OUTPUT_SCHEMA``) and its record, from one open of the file (None: no record)."""
-    if is_local(fs):
-        pf = pq.ParquetFile(path)
-        raw = (pf.metadata.metadata or {}).get(RECORD_KEY)
-        table = pf.read()
-    else:
-        with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            raw = (pf.metadata.metadata or {}).get(RECORD_KEY)
-            table = pf.read()
-    return conform(table.replace_schema_metadata(None), OUTPUT_SCHEMA), (
-        ShardRecord.from_json(raw) if raw is not None else None)
-
-
-def iter_records(fs: Any, paths: list[str]) -> Iterator[tuple[str, ShardRecord]]:
-    """Records of many shards, read concurrently on object stores, in order, a bounded window at a time."""
-    for path, footer in iter_footers(fs, paths):
-        yield path, read_record(fs, path, footer)
-
-
-def iter_footers(fs: Any, paths: list[str]) -> Iterator[tuple[str, dict[bytes, bytes]]]:
-    """Footer metadata of many shards, read concurrently on object stores, in order, a bounded window at a time."""
-    if is_local(fs):
-        for path in paths:
-            yield path, read_footer(fs, path)
-        return
-    with ThreadPoolExecutor(FOOTER_READERS) as pool:
-        for i in range(0, len(paths), FOOTER_READERS * 4):
-            window = paths[i:i + FOOTER_READERS * 4]
-            yield from zip(window, pool.map(lambda p: read_footer(fs, p), window))
-
-
-def read_columns(fs: Any, paths: list[str], columns: list[str]) -> pa.Table:
-    """Read a few columns of committed shards (the resume set, the previous run's identities)."""
-    if not paths:
-        return pa.table({c: pa.array([], OUTPUT_SCHEMA.field(c).type) for c in columns})
-    import pyarrow.dataset as ds
-
-    dataset = ds.dataset(paths, filesystem=fs, format="parquet", schema=OUTPUT_SCHEMA)
-    return dataset.to_table(columns=columns)
-
-
 def write_json(fs: Any, dest: str, name: str, payload: Mapping[str, Any]) -> None:
     data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
     path = f"{dest.rstrip('/')}/{name}"
@@ -321,14 +216,3 @@ def write_json(fs: Any, dest: str, name: str, payload: Mapping[str, Any]) -> Non
         _write_then_rename(f"{dest.rstrip('/')}/.{name}.{uuid.uuid4().hex}.tmp", path, data, sync=False)
     else:
         fs.pipe_file(path, data)
-
-
-def read_json(fs: Any, dest: str, name: str) -> dict[str, Any] | None:
-    path = f"{dest.rstrip('/')}/{name}"
-    try:
-        return json.loads(fs.cat_file(path))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        LOG.warning("%s is not JSON; ignored", path)
-        return None

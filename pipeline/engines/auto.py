@@ -34,7 +34,8 @@ class Choice:
     reason: str
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether ``module`` can be imported here (found, not imported)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # a parent package (``nvidia``) is missing
@@ -43,7 +44,7 @@ def _importable(module: str) -> bool:
 
 def missing_gpu_stack() -> list[str]:
     """The gpu profile's imports that this machine lacks."""
-    return [m for m in GPU_STACK if not _importable(m)]
+    return [m for m in GPU_STACK if not importable(m)]
 
 
 def cluster_gpus() -> tuple[int, str]:

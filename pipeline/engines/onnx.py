@@ -39,7 +39,7 @@ SPEC = EngineSpec(
     ),
     decode_threads_option="decode_threads",
     # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the other's
-    # runs the network, so the stages overlap instead of taking turns (docs/int8.md, shape table).
+    # runs the network, so the stages overlap instead of taking turns (docs/performance.md).
     calls_per_actor=2,
 )
 

@@ -32,8 +32,8 @@ from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_re
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
-from pipeline.triton.server import HEALTH_TIMEOUT_S, find_tritonserver
+from pipeline.triton.profiles import AUTO, PORTABLE, PROFILES, choose_profile
+from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ SPEC = EngineSpec(
         positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
         Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
                "or false (default: the profile's)"),
-        positive_float("startup_timeout_s", "seconds to wait for the server, e.g. 120"),
+        positive_float("startup_timeout_s", f"seconds to wait for the server (default {STARTUP_TIMEOUT_S:g})"),
         positive_int("request_batch", "images per request, e.g. 32"),
         positive_int("concurrency", "requests in flight, e.g. 2"),
         Option("server_args", list, "extra tritonserver arguments, e.g. '--log-verbose=1'"),
@@ -90,9 +90,9 @@ SPEC = EngineSpec(
     ),
     needs_gpu=True,
     preflight=f"{__name__}:check_requirements",
-    # Two calls per actor: the next batch is sent while this one's last requests finish. Three actors per
-    # GPU share its one server (the gpu profile's share_server), so the client work spreads over three
-    # processes; 2,048 images a call keep 16 requests of 128 in flight (docs/performance.md).
+    # Two calls per actor: the next batch is sent while this one's last requests finish. The actors of a GPU
+    # share its one server (the gpu profile's share_server), so the client work spreads over their processes;
+    # a call's images fill the gpu profile's requests in flight (docs/performance.md).
     calls_per_actor=2,
     actors_per_gpu=3,
     gpu_batch_size=2048,
@@ -120,7 +120,7 @@ def _check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
 
     decode_image raises those before decoding any pixel, so calling it only when a cap is exceeded costs
     nothing and gives the exact error text of ``--engine onnx``. The pixel check opens the header with Pillow
-    (tens of microseconds a file): skipped for a model that checks the caps itself (``checks_caps``).
+    (a cost on every file): skipped for a model that checks the caps itself (``checks_caps``).
     """
     if len(data) == 0 or len(data) > limits.max_bytes:
         decode_image(data, limits)
@@ -195,12 +195,12 @@ class TritonEngine:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        profile: str = "auto",
+        profile: str = AUTO,
         repository: str | None = None,
         url: str | None = None,
         instances: int | None = None,
         mps: bool | None = None,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         request_batch: int | None = None,
         concurrency: int | None = None,
         server_args: Sequence[str] = (),
@@ -705,13 +705,15 @@ def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Map
 def check_requirements(options: Mapping[str, Any]) -> None:
     """The triton engine's preflight (its ``EngineSpec.preflight``): a repository that exists, the gpu profile's
     stack where the actor gets that profile, and a tritonserver unless ``url`` is given."""
+    from pipeline.triton.repository import CONFIG_FILE  # noqa: PLC0415 - the layout's names, only to check one
+
     repository = options.get("repository")
     if repository is not None:
         path = Path(str(repository)).expanduser()
-        if not (path / "classifier" / "config.pbtxt").is_file():
-            what = "does not exist" if not path.exists() else "has no classifier/config.pbtxt"
+        if not (path / tn.MODEL_NAME / CONFIG_FILE).is_file():
+            what = "does not exist" if not path.exists() else f"has no {tn.MODEL_NAME}/{CONFIG_FILE}"
             raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
-                              "'bulk-classify repo build --profile portable --output DIR' and pass that DIR")
+                              f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
     if options.get("url"):
         return
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
@@ -720,7 +722,7 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         missing = missing_gpu_stack()
         if missing:
             raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
-                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile=portable")
+                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile={PORTABLE}")
     try:
         find_tritonserver()
     except TritonError as err:

@@ -20,14 +20,15 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import RunConfig
+from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.keys import member, uri_hashes
 from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
 from pipeline.source import LocalDir, is_local, open_fs, storage_failure
-from pipeline.writer import (
-    GROUP_RE, TEMP_RE, committed_parts, is_committed_shard, iter_records, part_name, read_json, read_record,
-    read_shard, shard_id, write_json, write_shard,
+from pipeline.reader import (
+    GROUP_RE, committed_parts, is_committed_shard, iter_records, read_json, read_record, read_shard,
 )
+from pipeline.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
@@ -67,8 +68,8 @@ def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: str | 
     uris: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     for _path, rec in iter_records(fs, index.parts):
-        index.counts["ok"] += rec.ok
-        index.counts["error"] += rec.errors
+        index.counts[STATUS_OK] += rec.ok
+        index.counts[STATUS_ERROR] += rec.errors
         if hashes:
             uris.append(rec.uri_hashes)
         if carry_model is not None and rec.model == carry_model and rec.top_k == carry_top_k:
@@ -97,13 +98,7 @@ class RecordCounter:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"ok": self.ok, "error": self.errors}
-
-
-def count_output(fs: Any, root: str) -> dict[str, int]:
-    """Rows in DEST by status, from the shard records."""
-    counts = index_output(fs, root, hashes=False).counts
-    return {"ok": counts.get("ok", 0), "error": counts.get("error", 0)}
+        return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
 def read_previous(config: RunConfig, model_name: str) -> OutputIndex:

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasource
 
-from pipeline.config import RunConfig
+from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
+from pipeline.engines.base import STATUS_OK
 from pipeline.engines.registry import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, WORK_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
@@ -66,13 +67,12 @@ def init_ray(config: RunConfig) -> None:
     ctx.print_on_execution_start = False
     ctx.verbose_stats_logs = False
     # Fetched bytes wait in the object store until an actor classifies them; without a cap Ray Data lets them
-    # run ahead up to the store's size (30 % of a node's RAM), so memory grew with the input, not with the rate.
+    # run ahead up to the store's size (by default a share of the node's RAM), and memory grows with the input.
     budget = fetch_ahead_bytes(config)
     limits = ctx.execution_options.resource_limits
     ctx.execution_options.resource_limits = limits.copy(object_store_memory=budget)
-    # Ray Data merges a task's outputs into blocks of up to target_max_block_size (128 MiB): a fetch task's images
-    # became blocks of 128 MiB, each held whole in the store until the actor had classified its last row, so the
-    # budget bounded nothing below a few such blocks (758 MiB of the store in use at 20,000 images of 40 KB).
+    # Ray Data merges a task's outputs into blocks of up to target_max_block_size, each held whole in the store until
+    # the actor has classified its last row: blocks much smaller than the budget keep it a bound.
     ctx.target_max_block_size = fetch_block_bytes(budget)
 
 
@@ -129,7 +129,7 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
     elif num_gpus:
         actors = max(1, int(gpus / num_gpus))
     else:
-        actors = max(1, cpus // 4)
+        actors = max(1, cpus // CPUS_PER_CPU_ACTOR)
     # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
     actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
     return actors, actor_cpus, num_gpus
@@ -272,7 +272,7 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None) -> tupl
     and identities in row order: from the shard's ``record`` when it keeps them in row order, else hashed here."""
     from pipeline.writer import row_identities
 
-    ok = pc.fill_null(pc.equal(table.column("status"), "ok"), False)
+    ok = pc.fill_null(pc.equal(table.column("status"), STATUS_OK), False)
     n = table.num_rows
     table = table.filter(ok)
     if record is not None and record.row_order and record.uri_hashes.size == n and \
@@ -374,7 +374,8 @@ def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous:
     """
     from pipeline.quality import quality_footer
     from pipeline.stats import STATS_SCHEMA
-    from pipeline.writer import ShardRecord, read_shard, write_shard
+    from pipeline.reader import read_shard
+    from pipeline.writer import ShardRecord, write_shard
 
     fs, _root = open_fs(previous, storage_options)
     held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pipeline.errors import ModelError
 from pipeline.triton import contract as tn
-from pipeline.triton.configs import _dtype, _mc
-from pipeline.triton.repository import CONFIG_FILE, PROFILES, build_repository, find_plan, local_plan_key
+from pipeline.triton.configs import triton_dtype, model_config
+from pipeline.triton.repository import CONFIG_FILE, REPOSITORY_PROFILES, build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ LOG = logging.getLogger(__name__)
 def _parse(path: Path):
     from google.protobuf import text_format  # noqa: PLC0415
 
-    config = _mc().ModelConfig()
+    config = model_config().ModelConfig()
     try:
         text_format.Parse(path.read_text(encoding="utf-8"), config)
     except text_format.ParseError as err:
@@ -31,7 +31,7 @@ def _dims_match(a, b) -> bool:
 
 
 def _describe(dtype: int, dims) -> str:
-    return f"{_mc().DataType.Name(dtype)} {list(dims)}"
+    return f"{model_config().DataType.Name(dtype)} {list(dims)}"
 
 
 def check_repository(path: str | os.PathLike | None = None) -> list[str]:
@@ -48,7 +48,7 @@ def check_repository(path: str | os.PathLike | None = None) -> list[str]:
     """
     if path is None:
         with tempfile.TemporaryDirectory(prefix="bulk-classify-check-") as tmp:
-            for profile in PROFILES:
+            for profile in REPOSITORY_PROFILES:
                 build_repository(profile, None, str(Path(tmp) / profile), artifacts=False)
             return check_repository(tmp)
     root = Path(path).expanduser()
@@ -128,8 +128,8 @@ def _check_contract(where: Path, config) -> None:
     for name, dtype in tn.INPUTS.items():
         want = [-1] if name == tn.INPUT_IMAGE else [1]
         got = inputs.get(name)
-        if got is None or got.data_type != _dtype(dtype) or list(got.dims) != want:
-            raise ModelError(f"{where}: input {name} must be {_describe(_dtype(dtype), want)}"
+        if got is None or got.data_type != triton_dtype(dtype) or list(got.dims) != want:
+            raise ModelError(f"{where}: input {name} must be {_describe(triton_dtype(dtype), want)}"
                              + (f", got {_describe(got.data_type, got.dims)}" if got else ", missing"))
     for name in tn.OUTPUTS:
         got = outputs.get(name)
@@ -137,21 +137,12 @@ def _check_contract(where: Path, config) -> None:
             if name in tn.REQUIRED_OUTPUTS:
                 raise ModelError(f"{where}: output {name} is missing")
             continue
-        if got.data_type != _dtype(tn.OUTPUTS[name]):
-            raise ModelError(f"{where}: output {name} must be {_mc().DataType.Name(_dtype(tn.OUTPUTS[name]))}, "
-                             f"got {_mc().DataType.Name(got.data_type)}")
+        if got.data_type != triton_dtype(tn.OUTPUTS[name]):
+            raise ModelError(f"{where}: output {name} must be {model_config().DataType.Name(triton_dtype(tn.OUTPUTS[name]))}, "
+                             f"got {model_config().DataType.Name(got.data_type)}")
     k_ids, k_scores = list(outputs[tn.OUTPUT_CLASS_IDS].dims), list(outputs[tn.OUTPUT_SCORES].dims)
     if k_ids != k_scores or len(k_ids) != 1 or k_ids[0] < 1:
         raise ModelError(f"{where}: {tn.OUTPUT_CLASS_IDS} {k_ids} and {tn.OUTPUT_SCORES} {k_scores} must both be [k]")
-
-
-def repository_top_k(path: str | os.PathLike) -> int:
-    """The k the repository's classifier returns (the dims of SCORES)."""
-    config = _parse(Path(path) / tn.MODEL_NAME / CONFIG_FILE)
-    for t in config.output:
-        if t.name == tn.OUTPUT_SCORES:
-            return int(t.dims[0])
-    raise ModelError(f"{path}: {tn.MODEL_NAME} has no {tn.OUTPUT_SCORES} output")
 
 
 def preflight(path: str | os.PathLike) -> None:

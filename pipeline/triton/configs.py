@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn
+from pipeline.triton.dali_pipeline import DALI_THREADS
 
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_PORTABLE_INSTANCES = 1
 PRODUCTION_TRT_INSTANCES = 2
-DALI_THREADS = 4
 QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
 GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls
@@ -22,7 +22,6 @@ GPU_QUEUE_DELAY_US = 100
 # graph replays them; a second would halve its batches.
 GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
 GPU_ENSEMBLE_NETWORK_INSTANCES = 1
-GPU_STREAM_DELAY_MS = 2.0  # how long queued images wait for a full network batch while the GPU has nothing to do
 # The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE): smaller
 # batches from several instances under MPS keep the GPU busier than one instance's large ones.
 GPU_TRITON_BATCH_SIZE = 128
@@ -32,18 +31,20 @@ GPU_TRITON_BATCH_SIZE = 128
 GPU_MAX_BACKLOG = 6
 
 
-def _mc():
+def model_config():
+    """Triton's ``model_config_pb2`` module."""
     from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - protobuf import is slow; only when needed
 
     return model_config_pb2
 
 
-def _dtype(name: str) -> int:
-    return _mc().DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
+def triton_dtype(name: str) -> int:
+    """The config's data type of a contract dtype (``BYTES`` is ``TYPE_STRING``)."""
+    return model_config().DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
 
 
 def _tensor(kind, name: str, dtype: str, dims) -> None:
-    kind.add(name=name, data_type=_dtype(dtype), dims=list(dims))
+    kind.add(name=name, data_type=triton_dtype(dtype), dims=list(dims))
 
 
 def _contract_io(config, k: int, *, with_error: bool) -> None:
@@ -59,7 +60,7 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
 
 def _place_on_gpus(config, instances: int, queue_delay_us: int) -> None:
     """``instances`` of the model on the GPU, the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
-    config.instance_group.add(kind=_mc().ModelInstanceGroup.KIND_GPU, count=instances)
+    config.instance_group.add(kind=model_config().ModelInstanceGroup.KIND_GPU, count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
 
 
@@ -82,7 +83,7 @@ def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_P
 
     ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
     """
-    mc = _mc()
+    mc = model_config()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
     config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
@@ -97,7 +98,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
     ``plans`` maps a compute capability ("9.0") to the plan file built for it (Triton's cc_model_filenames).
     """
-    mc = _mc()
+    mc = model_config()
     configs = {}
 
     pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="dali", max_batch_size=max_batch_size)
@@ -149,12 +150,12 @@ def gpu_config(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
-    prep_workers: int = 2,
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
     dali_depth: int | None = None,
     dali_threads: int | None = None,
     hw_decoder_load: float | None = None,
     half: str = "auto",
-    max_delay_ms: float = GPU_STREAM_DELAY_MS,
+    max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS,
     cuda_sync: str | None = None,
     max_backlog: float = GPU_MAX_BACKLOG,
 ) -> str:
@@ -171,7 +172,7 @@ def gpu_config(
     """
     if max_backlog < 0:
         raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
-    mc = _mc()
+    mc = model_config()
     config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     if error_output is None:
         error_output = numpy_can_send_bytes()
@@ -229,7 +230,7 @@ def gpu_ensemble_configs(
     cuda_graph: bool = True,
     queue_delay_us: int = GPU_QUEUE_DELAY_US,
     error_output: bool | None = None,
-    prep_workers: int = 2,
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
     dali_depth: int | None = None,
     dali_threads: int | None = None,
     hw_decoder_load: float | None = None,
@@ -259,7 +260,7 @@ def gpu_ensemble_configs(
                           "at least 1")
     if error_output is None:
         error_output = numpy_can_send_bytes()
-    mc = _mc()
+    mc = model_config()
     dtype = "FP32" if half == "false" else "FP16"
     shape = list(spec.input_shape)
     configs = {}

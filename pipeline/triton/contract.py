@@ -53,7 +53,8 @@ NETWORK_MODEL = "network"
 STATUS = "STATUS"  # INT32 [1], preprocess -> network: 0 prepared, 1 failed (the network gives it no class)
 # INT64 [1], preprocess's ECHO -> network's TAG in the gpu ensemble: each image's TAG travels with its tensor.
 PREPROCESSED_TAG = "PREPROCESSED_TAG"
-GPU_SHAPES = ("single", "ensemble")  # one python model doing everything, or preprocess + network + ensemble
+SHAPE_SINGLE, SHAPE_ENSEMBLE = "single", "ensemble"
+GPU_SHAPES = (SHAPE_SINGLE, SHAPE_ENSEMBLE)  # one python model doing everything, or preprocess + network + ensemble
 
 # Triton dtype strings (config.pbtxt uses TYPE_<dtype>; the client uses the bare name).
 INPUTS = {INPUT_IMAGE: "UINT8", INPUT_LENGTH: "INT32", INPUT_TAG: "INT64"}
@@ -94,7 +95,9 @@ PARAM_MAX_PIXELS = "max_pixels"
 # its own header check of every file.
 PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
+GPU_DEFAULT_MAX_DELAY_MS = 2.0
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default
+GPU_DEFAULT_PREP_WORKERS = 2  # threads preparing batches ahead of the network; GpuClassifier's default
 
 
 def failure_message(errors: list[str], n: int) -> str:

@@ -24,6 +24,7 @@ from pipeline.triton import contract as tn
 from pipeline.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
+DALI_THREADS = 4  # CPU threads of one DALI pipeline: the gpu paths' default and the production profile's
 
 _INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
 
@@ -104,7 +105,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     return normalized, out_w, out_h
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
     """DALI's reason in one line: "<operator>: <what it encountered>"."""
     text = str(err)
     operator = re.search(r"Error in \w+ operator `([^`]+)`", text)

@@ -8,14 +8,11 @@ them, so the image ships no plan. At start each GPU worker:
    volume);
 2. else fetches ``<plan cache>/<model>-<onnx sha>-k<top_k>-b<batch>/sm<cc>-trt<version>.tar.gz`` from
    ``$BULK_CLASSIFY_PLAN_CACHE`` (any fsspec URL, e.g. ``s3://bucket/trt-plans``) when it is there;
-3. else builds it with ``pipeline.triton.repository.build_repository("production", ...)`` (a few minutes on the GPU)
-   and uploads it to the cache for the next node of the same kind.
+3. else builds the production profile with ``pipeline.triton.repository.build_repository`` (a few minutes on the
+   GPU) and uploads it to the cache for the next node of the same kind.
 
-The worker image's entrypoint runs it at start. Options (or their environment variables):
-``--repository`` (``BULK_CLASSIFY_REPOSITORY``, default ``/models/repository``), ``--model``
-(``BULK_CLASSIFY_MODEL``: ``default`` or a model folder), ``--plan-cache`` (``BULK_CLASSIFY_PLAN_CACHE``, optional),
-``--top-k`` (``BULK_CLASSIFY_TOP_K``, 5), ``--max-batch-size`` (``BULK_CLASSIFY_MAX_BATCH``, 64).
-Exit status 0 when the repository is ready, 1 with the reason otherwise.
+The worker image's entrypoint runs it at start. Its options, their environment variables and defaults:
+``bulk-classify repo prepare --help``. Exit status 0 when the repository is ready, 1 with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from pipeline.model import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
+from pipeline.triton.profiles import PRODUCTION
 from pipeline.triton.repository import build_repository, find_plan, local_plan_key
 
 LOG = logging.getLogger(__name__)
@@ -129,7 +127,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
             t0 = time.monotonic()
             LOG.info("building %s (TensorRT %s, sm%s); this takes minutes", name, key.tensorrt,
                      key.compute_capability)
-            build("production", model, str(work), top_k=top_k, max_batch_size=max_batch_size)
+            build(PRODUCTION, model, str(work), top_k=top_k, max_batch_size=max_batch_size)
             LOG.info("built in %.0f s", time.monotonic() - t0)
         find_plan(work / tn.CLASSIFIER_TRT_MODEL, key)  # a repository without this node's plan is no use
         check_repository(work)

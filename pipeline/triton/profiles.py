@@ -15,6 +15,7 @@ from pipeline.errors import ConfigError
 AUTO = "auto"
 PORTABLE = "portable"
 GPU = "gpu"
+PRODUCTION = "production"  # TensorRT behind DALI, built per GPU by `repo prepare`; the engine does not serve it
 MIB = 1024 * 1024
 
 
@@ -63,9 +64,8 @@ PROFILES: dict[str, ServingProfile] = {
         # ONNX Runtime on the CPU inside the server: one instance, small requests, two in flight.
         ServingProfile(name=PORTABLE, needs_gpu=False, instances=1, max_backlog=None, request_batch=32,
                        concurrency=2, share_server=False, mps=False),
-        # DALI + the CUDA-graph network: four instances under MPS gave the whole job its best rate and wall time
-        # (3 to 6 measured, docs/performance.md); 16 requests of 128 per actor keep ~6,000 images in flight for the
-        # three actors sharing the server.
+        # DALI + the CUDA-graph network: the instances under MPS that give the whole job its best rate and wall
+        # time (docs/performance.md); the requests in flight of the actors sharing the server keep every instance fed.
         ServingProfile(name=GPU, needs_gpu=True, instances=4, max_backlog=4, request_batch=128, concurrency=16,
                        share_server=True, mps=True, shm_bytes=(256 * MIB, 64 * MIB)),
     )

@@ -16,7 +16,6 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
-    DALI_THREADS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PORTABLE_INSTANCES,
     gpu_config,
@@ -24,6 +23,8 @@ from pipeline.triton.configs import (
     portable_config,
     production_configs,
 )
+from pipeline.triton.dali_pipeline import DALI_THREADS
+from pipeline.triton.profiles import GPU, PORTABLE, PRODUCTION
 from pipeline.triton.server import STUB_PATH_ENV
 
 LOG = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
-                     artifacts: bool = True, error_output: bool | None = None, shape: str = "single",
+                     artifacts: bool = True, error_output: bool | None = None, shape: str = tn.SHAPE_SINGLE,
                      max_backlog: float | None = None) -> Path:
     """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
@@ -262,7 +263,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     try:
         builder = REPOSITORY_PROFILES[profile].build
     except KeyError:
-        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}") from None
+        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}") from None
     out = builder(model, output, top_k=top_k, instances=instances, max_batch_size=max_batch_size,
                   artifacts=artifacts, error_output=error_output, shape=shape, max_backlog=max_backlog)
     LOG.info("built %s repository in %s", profile, out)
@@ -273,7 +274,7 @@ def _gpu_only(shape: str, max_backlog: float | None) -> None:
     """Refuses the gpu profile's options for another profile."""
     if max_backlog is not None:
         raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
-    if shape != "single":
+    if shape != tn.SHAPE_SINGLE:
         raise ConfigError(f"shape {shape!r} is the gpu profile's; use --profile gpu, or leave --shape out")
 
 
@@ -338,7 +339,7 @@ def _build_production(model, output, *, top_k, instances, max_batch_size, artifa
     return out
 
 
-def build_gpu_repository(model: str | None, output: str, *, shape: str = "single", **options: Any):
+def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAPE_SINGLE, **options: Any):
     """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
 
     ``shape`` "ensemble" writes the production profile's shape instead (``preprocess`` and ``network`` python models
@@ -361,10 +362,10 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
 
     if shape not in tn.GPU_SHAPES:
         raise ConfigError(f"gpu shape {shape!r} is unknown; use {' or '.join(tn.GPU_SHAPES)}")
-    extra = sorted(set(options) & set(_SINGLE_ONLY_OPTIONS) if shape == "ensemble" else
+    extra = sorted(set(options) & set(_SINGLE_ONLY_OPTIONS) if shape == tn.SHAPE_ENSEMBLE else
                    set(options) & {"preprocess_instances", "network_instances"})
     if extra:
-        other = "single" if shape == "ensemble" else "ensemble"
+        other = tn.SHAPE_SINGLE if shape == tn.SHAPE_ENSEMBLE else tn.SHAPE_ENSEMBLE
         raise ConfigError(f"the gpu profile's {shape} shape has no {', '.join(extra)}; drop it, or use shape {other}")
     spec = DEFAULT_SPEC
     scripted = None
@@ -383,7 +384,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = "single
             )
         spec = bundle.spec
     out = Path(output).expanduser()
-    if shape == "ensemble":
+    if shape == tn.SHAPE_ENSEMBLE:
         configs = gpu_ensemble_configs(spec, **options)  # refuses bad values before anything is written
         for name, cls in ((tn.PREPROCESS_MODEL, "PreprocessModel"), (tn.NETWORK_MODEL, "NetworkModel")):
             version = out / name / VERSION
@@ -429,9 +430,8 @@ class RepositoryProfile:
 REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
     p.name: p
     for p in (
-        RepositoryProfile("portable", _build_portable),
-        RepositoryProfile("production", _build_production),
-        RepositoryProfile("gpu", _build_gpu, shapes=tn.GPU_SHAPES),
+        RepositoryProfile(PORTABLE, _build_portable),
+        RepositoryProfile(PRODUCTION, _build_production),
+        RepositoryProfile(GPU, _build_gpu, shapes=tn.GPU_SHAPES),
     )
 }
-PROFILES = tuple(REPOSITORY_PROFILES)

@@ -11,13 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.model import BUILD_LOCK_TIMEOUT_S
 from pipeline.triton.repository import build_repository
 
 LOG = logging.getLogger(__name__)
 
 
 REPOSITORY_CACHE = "repositories"
-BUILD_LOCK_TIMEOUT_S = 600.0
 
 
 def cached_repository(profile, bundle, *, top_k: int, instances: int | None = None,

@@ -88,6 +88,7 @@ def _die_with_parent() -> None:
 SHM_PREFIX = "bulkcls_"
 # How long one health check waits for an answer (a loaded host can keep a healthy server from answering in seconds).
 HEALTH_TIMEOUT_S = 15.0
+STARTUP_TIMEOUT_S = 120.0  # how long start() waits for the server to be ready, by default
 # How long a live server may go without answering its health checks before it counts as hung and is restarted
 # (ensure_running): minutes, so a slow server is waited for, never replaced.
 HUNG_AFTER_S = 300.0
@@ -152,7 +153,7 @@ class TritonServer:
         repository: str | os.PathLike,
         *,
         extra_args: Sequence[str] = (),
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         binary: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
     ):

@@ -84,6 +84,8 @@ def tiny_model(folder: Path) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+
     folder.mkdir(parents=True, exist_ok=True)
     w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(3, 10)).astype(np.float32), "w")
     b = numpy_helper.from_array(np.zeros(10, np.float32), "b")
@@ -95,9 +97,9 @@ def tiny_model(folder: Path) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], [w, b])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
-    onnx.save(model, folder / "model.onnx")
-    (folder / "labels.txt").write_text("".join(f"class{i}\n" for i in range(10)))
-    (folder / "preprocess.json").write_text(json.dumps({
+    onnx.save(model, folder / MODEL_FILE)
+    (folder / LABELS_FILE).write_text("".join(f"class{i}\n" for i in range(10)))
+    (folder / SPEC_FILE).write_text(json.dumps({
         "resize_shorter": 32, "interpolation": "bilinear", "antialias": True, "crop": [32, 32],
         "channel_order": "RGB", "scale": 1.0, "mean": [127.0] * 3, "std": [128.0] * 3, "layout": "NCHW"}))
     return folder

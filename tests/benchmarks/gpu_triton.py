@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gpu_timing import IMAGENET_SPEC, rate
 from pipeline.imaging import PreprocessSpec
+from pipeline.model import SPEC_FILE
 
 
 def metrics(url: str) -> dict[str, dict[str, float]]:
@@ -186,8 +187,8 @@ def _add_models(built: Path, repo: Path, name: str, spec: PreprocessSpec | None)
         for step, step_new in list(renames.items())[1:]:
             text = text.replace(f'model_name: "{step}"', f'model_name: "{step_new}"')
         cfg.write_text(text)
-        if spec is not None and (repo / new / "1" / "preprocess.json").is_file():
-            (repo / new / "1" / "preprocess.json").write_text(spec.to_json())
+        if spec is not None and (repo / new / "1" / SPEC_FILE).is_file():
+            (repo / new / "1" / SPEC_FILE).write_text(spec.to_json())
 
 
 def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,

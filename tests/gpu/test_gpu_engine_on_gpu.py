@@ -45,11 +45,11 @@ def test_blocking_sync_is_in_force_and_classifies_the_same():
 def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     """DALI's "mixed" decode (hardware JPEG engines, nvJPEG) and resize against the reference, row by row."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.classifier import _Chunk, triage
+    from pipeline.engines.gpu.classifier import Chunk, triage
 
     clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, cuda_graph=False, half=False, pipeline=False)
     datas = photo_set()
-    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
+    chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors
     for row, pos in enumerate(chunk.ok):

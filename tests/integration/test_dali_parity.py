@@ -19,7 +19,7 @@ from pipeline.model import load_model
 from pipeline.triton import contract as tn
 
 pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.triton.dali_pipeline import _first_line, pipeline_graph  # noqa: E402
+from pipeline.triton.dali_pipeline import first_line, pipeline_graph  # noqa: E402
 from support.paths import PHOTOS  # noqa: E402
 
 LOG = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class DaliPreprocessor:
         except (RuntimeError, IndexError) as err:
             self._pipe = build_pipeline(self.spec, **self._args)  # a failed run invalidates the pipeline
             if len(blobs) == 1:
-                return [DaliOutcome(None, 0, 0, f"decode_error: DALI: {_first_line(err)}")]
+                return [DaliOutcome(None, 0, 0, f"decode_error: DALI: {first_line(err)}")]
             half = len(blobs) // 2
             return self._run_isolating(blobs[:half]) + self._run_isolating(blobs[half:])
 

@@ -16,7 +16,8 @@ from pipeline.engines.gpu.classifier import GpuClassifier
 from pipeline.engines.gpu.engine import GpuEngine
 from pipeline.engines.gpu.jpeg import parse_jpeg_header
 from pipeline.triton.configs import gpu_config
-from pipeline.triton.repository import build_gpu_repository
+from pipeline.model import SPEC_FILE
+from pipeline.triton.repository import SHIM_FILE, build_gpu_repository
 from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.imaging import PreprocessSpec, load_and_preprocess
 from pipeline.triton.checks import check_repository
@@ -118,8 +119,8 @@ def test_built_gpu_repository_passes_the_repository_check(tmp_path):
     out = build_gpu_repository(None, tmp_path / "repo", error_output=True)
     assert check_repository(out) == [tn.MODEL_NAME]
     version = out / tn.MODEL_NAME / "1"
-    assert PreprocessSpec.from_json((version / "preprocess.json").read_text()) == DEFAULT_SPEC
-    assert "from pipeline.triton.serve.gpu_model import TritonPythonModel" in (version / "model.py").read_text()
+    assert PreprocessSpec.from_json((version / SPEC_FILE).read_text()) == DEFAULT_SPEC
+    assert "from pipeline.triton.serve.gpu_model import TritonPythonModel" in (version / SHIM_FILE).read_text()
 
 
 def test_committed_gpu_profile_passes_the_repository_check():
@@ -166,11 +167,11 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     """What reaches the network: DALI's rows (JPEGs, one EXIF-rotated) and the reference's (a PNG), each in its
     caller's place, against ``pipeline.imaging``'s own preprocessing of the same file."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.classifier import _Chunk, triage
+    from pipeline.engines.gpu.classifier import Chunk, triage
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
     datas = photo_set()
-    chunk = _Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
+    chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     assert [it.info is not None for it in chunk.items] == [True] * (len(datas) - 1) + [False]  # the PNG: Pillow
     clf._prepare(chunk)
     assert chunk.ok == list(range(len(datas))) and not chunk.errors and clf.refused_batches == 0

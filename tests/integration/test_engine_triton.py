@@ -18,10 +18,10 @@ from pipeline.triton import contract as tn
 from pipeline.engines.registry import make_engine
 from pipeline.engines.triton import plan_requests
 from pipeline.errors import ConfigError
-from pipeline.model import load_model
+from pipeline.model import MODEL_FILE, SPEC_FILE, load_model
 from pipeline.imaging import DecodeLimits
 from pipeline.triton.configs import portable_config
-from pipeline.triton.repository import add_topk_head
+from pipeline.triton.repository import CONFIG_FILE, SHIM_FILE, add_topk_head
 from pipeline.triton.server import SHM_DIR, TritonServer
 from support.paths import PHOTOS
 
@@ -192,10 +192,10 @@ def test_a_request_failing_on_one_input_is_split_so_only_that_input_fails(bundle
     folder = tmp_path / tn.MODEL_NAME
     (folder / "1").mkdir(parents=True)
     config = portable_config(top_k=TOP_K, instances=1).replace('name: "ERROR"', 'name: "UNUSED_ERROR"')
-    (folder / "config.pbtxt").write_text(config)
-    (folder / "1" / "model.py").write_text(WHOLE_BATCH_FAILING_MODEL)
-    (folder / "1" / "preprocess.json").write_text(bundle.spec.to_json())
-    add_topk_head(bundle.onnx_path, folder / "1" / "model.onnx", k=TOP_K)
+    (folder / CONFIG_FILE).write_text(config)
+    (folder / "1" / SHIM_FILE).write_text(WHOLE_BATCH_FAILING_MODEL)
+    (folder / "1" / SPEC_FILE).write_text(bundle.spec.to_json())
+    add_topk_head(bundle.onnx_path, folder / "1" / MODEL_FILE, k=TOP_K)
     photos = list(_photos().values())
     truncated = photos[0][: len(photos[0]) // 2]
     blobs = photos[:5] + [truncated] + photos[5:]

@@ -32,7 +32,8 @@ from pipeline.job.output import dedupe_output, remove_owned
 from pipeline.keys import legacy_uri, uri_path
 from pipeline.schema import LEASE, OUTPUT_SCHEMA, SUCCESS, conform
 from pipeline.source import open_fs
-from pipeline.writer import committed_parts, write_json, write_shard
+from pipeline.reader import committed_parts
+from pipeline.writer import write_json, write_shard
 from support.paths import REPO
 
 PHOTOS = REPO / "tests" / "data" / "photos"
@@ -307,7 +308,8 @@ def test_hostile_source_end_to_end_gives_one_row_per_entry_and_counts_list_error
 def _legacy_copy(out: Path, legacy: Path) -> int:
     """``out`` rewritten as today's release wrote it: ``file://`` + the raw path; the rows whose URI changed."""
     from pipeline.schema import REPORT, RUN_INFO, SUCCESS
-    from pipeline.writer import committed_parts, write_shard
+    from pipeline.reader import committed_parts
+    from pipeline.writer import write_shard
 
     from pipeline.source import open_fs
 

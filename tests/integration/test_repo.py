@@ -13,8 +13,9 @@ import pytest
 from pipeline.triton import contract as tn
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model import load_model
-from pipeline.triton.checks import check_repository, repository_top_k
+from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import (
+    CONFIG_FILE,
     PlanKey,
     add_topk_head,
     build_repository,
@@ -25,6 +26,15 @@ from support.paths import REPO
 
 MODEL_REPOSITORY = REPO / "model_repository"
 COMMITTED_PROFILES = ("portable", "production")
+
+
+def repository_top_k(path) -> int:
+    """The k the repository's classifier returns: the dims of its SCORES output."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((Path(path) / tn.MODEL_NAME / CONFIG_FILE).read_text(), model_config_pb2.ModelConfig())
+    return next(int(t.dims[0]) for t in config.output if t.name == tn.OUTPUT_SCORES)
 
 
 @pytest.fixture(scope="module")

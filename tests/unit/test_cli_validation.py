@@ -139,3 +139,22 @@ def test_nightly_checks_options_before_reading_storage(tmp_path, monkeypatch, ar
     assert result.exit_code == 2
     _one_error_line(result.stderr, message)
     assert not root.exists()
+
+
+def test_help_shows_the_defaults_of_the_modules_that_own_them():
+    from pipeline.cli import nightly, report, run
+    from pipeline.config import RunConfig
+    from pipeline.quality import DriftThresholds
+
+    options = {p.name: p for p in run.params}
+    for name in ("top_k", "shard_size", "fetch_threads", "retries", "list_tasks"):
+        assert options[name].show_default == str(RunConfig.__dataclass_fields__[name].default), name
+    drift = DriftThresholds()
+    for p in report.params:
+        if p.name in ("psi_max", "js_max", "error_rate_max_increase", "min_rows"):
+            assert p.show_default == str(getattr(drift, p.name)), p.name
+    for command in (run, nightly, report):
+        for p in command.params:
+            assert "(default" not in (getattr(p, "help", None) or ""), (command.name, p.name)
+    shown = CliRunner().invoke(main, ["run", "--help"], terminal_width=400).output
+    assert "Labels kept per image.  [default: 5]" in shown

@@ -12,13 +12,14 @@ import pytest
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
 from pipeline.job.output import (
-    RecordCounter, begin_output, check_output, count_output, index_output, read_previous,
+    RecordCounter, begin_output, check_output, index_output, read_previous,
 )
 from pipeline.quality import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.keys import uri_hash
 from pipeline.source import open_fs
-from pipeline.writer import committed_parts, write_shard
+from pipeline.reader import committed_parts
+from pipeline.writer import write_shard
 from test_writer import rows
 
 
@@ -34,13 +35,13 @@ def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path)
     assert index.identities.size == 14  # ok rows only: error rows are retried, never carried
     assert index_output(fs, root, carry_model="other", carry_top_k=2).identities.size == 0
     assert index_output(fs, root, carry_model="m", carry_top_k=5).identities.size == 0
-    assert count_output(fs, root) == {"ok": 14, "error": 3}
+    assert index_output(fs, root, hashes=False).counts == {"ok": 14, "error": 3}  # the counts alone, no hashes
     counter = RecordCounter(fs)  # the job's final counts, from the footers its quality pass reads anyway
     assert committed_quality(fs, root, on_footer=counter)["rows"] == 17 and counter.counts == {"ok": 14, "error": 3}
 
 
 def test_the_job_library_below_the_ray_stages_imports_no_ray():
-    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.source; print('ray' in sys.modules)"
+    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.reader, pipeline.source; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

@@ -1,4 +1,4 @@
-"""Fast unit tests of pipeline.writer and pipeline.stats: shards, their records, the grouped layout (no Ray)."""
+"""Fast unit tests of pipeline.writer, pipeline.reader and pipeline.stats: shards, their records, the grouped layout (no Ray)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA, conform
 from pipeline.keys import identity_hash, uri_hash
 from pipeline.source import open_fs
 from pipeline.stats import ShardStats
-from pipeline.writer import (
-    ShardRecord, committed_parts, iter_records, part_name, read_record, shard_id, write_shard,
-)
+from pipeline.reader import committed_parts, iter_records, read_record
+from pipeline.writer import ShardRecord, part_name, shard_id, write_shard
 
 WHEN = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
 
@@ -93,7 +92,7 @@ def test_record_round_trips_through_json():
 
 def test_carried_rows_take_their_hashes_from_a_row_order_record_or_are_hashed_from_an_older_one(tmp_path):
     from pipeline.job.stages import carry_rows
-    from pipeline.writer import read_shard
+    from pipeline.reader import read_shard
 
     batch = rows(10, errors=2)
     write_shard(batch, output=str(tmp_path), storage_options={})

@@ -44,19 +44,18 @@ from pipeline.imaging import DecodeLimits, PreprocessSpec
 from pipeline.engines.gpu.dali import (
     DALI_MISSING,
     DEFAULT_DALI_DEPTH,
-    DEFAULT_DALI_THREADS,
     DEFAULT_HW_DECODER_LOAD,
     DaliPrep,
     dali_available,
     host_array,
 )
+from pipeline.triton.dali_pipeline import DALI_THREADS
 from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.engines.gpu.topk_network import TopKNetwork
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = tn.GPU_DEFAULT_BATCH_SIZE
 # How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
 DEFAULT_CUDA_SYNC = "auto"
 # What a stream's source gives when the stream ends (GpuClassifier.run_stream).
@@ -74,7 +73,9 @@ class _Item:
 
 
 @dataclass
-class _Chunk:
+class Chunk:
+    """One network batch on its way through the pipeline: its images, then their tensors on the GPU."""
+
     items: list[_Item]
     inputs: Any = None  # fp16 [n, 3, h, w] on the GPU, rows in items order
     ok: list[int] = field(default_factory=list)  # positions in items that made it into ``inputs``
@@ -185,15 +186,15 @@ class GpuClassifier:
         *,
         top_k: int = tn.DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
         device: str | None = None,
         cuda_graph: bool = True,
         half: bool | None = None,
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
-        prep_workers: int = 2,
+        prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
         hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
-        dali_threads: int = DEFAULT_DALI_THREADS,
+        dali_threads: int = DALI_THREADS,
         dali_depth: int = DEFAULT_DALI_DEPTH,
         cuda_sync: str = DEFAULT_CUDA_SYNC,
         cudnn_autotune: bool = True,
@@ -308,10 +309,10 @@ class GpuClassifier:
         height = np.zeros(n, dtype=np.int32)
         items, errors = self._triage_all(images, self.limits)
         self.times.triage_s += time.perf_counter() - t0
-        chunks = iter([_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
+        chunks = iter([Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
 
-        def sink(chunk: _Chunk, idx_np, vals_np, error: BaseException | None) -> None:
+        def sink(chunk: Chunk, idx_np, vals_np, error: BaseException | None) -> None:
             if error is not None:
                 failure.append(error)
                 return
@@ -341,7 +342,7 @@ class GpuClassifier:
         height = np.zeros(n, dtype=np.int32)
         items, errors = self._triage_all(images, limits)
         self.times.triage_s += time.perf_counter() - t0
-        chunks = [_Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
+        chunks = [Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
         preparing = [self._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
         keep = []  # the chunks' buffers live until the copies below are done
         here = torch.cuda.current_stream(self.device) if self.is_cuda else None
@@ -377,7 +378,7 @@ class GpuClassifier:
         network runs this one, and across the caller's batches (the Triton model feeds it from its queue).
 
         Args:
-            source: ``source(block)`` gives the next ``_Chunk``, ``None`` when none is ready (only asked with
+            source: ``source(block)`` gives the next ``Chunk``, ``None`` when none is ready (only asked with
                 ``block=False``, while work is in flight) or ``STOP`` when the stream ends.
             sink: ``sink(chunk, class_ids, scores, error)`` for each chunk, in order, once its results are on the
                 host (``class_ids`` is None when no image of the chunk reached the network; ``error`` is the
@@ -418,7 +419,7 @@ class GpuClassifier:
             if len(pending) > 1:
                 self._emit(pending.popleft(), sink)
 
-    def _submit(self, chunk: _Chunk):
+    def _submit(self, chunk: Chunk):
         if self._prep_pool is None:
             return None
         return self._prep_pool.submit(self._prepare, chunk)
@@ -460,7 +461,7 @@ class GpuClassifier:
     def _stream_ctx(self, stream):
         return self._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def _prepare(self, chunk: _Chunk) -> None:
+    def _prepare(self, chunk: Chunk) -> None:
         """DALI (and the reference for the rest) into one NHWC batch on this thread's stream; sets ``chunk.inputs``
         (an NCHW view, channels-last memory), ``chunk.ok``, ``chunk.errors`` and records ``chunk.ready``."""
         torch = self._torch
@@ -515,7 +516,7 @@ class GpuClassifier:
                 chunk.ready.record(stream)
         chunk.prepare_s = time.perf_counter() - t0
 
-    def _infer(self, chunk: _Chunk):
+    def _infer(self, chunk: Chunk):
         """Queues network + softmax + top-k for a prepared chunk; returns host buffers and their event."""
         torch = self._torch
         if chunk.inputs is None:

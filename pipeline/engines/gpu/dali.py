@@ -33,14 +33,13 @@ from pipeline.errors import EngineError, ImageError
 from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
 from pipeline.triton import contract as tn
 from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
-from pipeline.triton.dali_pipeline import _first_line, preprocess_graph
+from pipeline.triton.dali_pipeline import DALI_THREADS, first_line, preprocess_graph
 
 LOG = logging.getLogger(__name__)
 
 # Share of each batch given to the hardware JPEG engines (the rest: CUDA nvJPEG on the SMs): all of it leaves the SMs
 # to the network.
 DEFAULT_HW_DECODER_LOAD = 1.0
-DEFAULT_DALI_THREADS = 4
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
 # alone); a deeper pipeline keeps the hardware decoders busy while the network runs.
 DEFAULT_DALI_DEPTH = 3
@@ -84,7 +83,7 @@ class DaliPrep:
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
-                 batch_size: int = 256, num_threads: int = DEFAULT_DALI_THREADS,
+                 batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE, num_threads: int = DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
                  pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():
@@ -151,7 +150,7 @@ class DaliPrep:
                 (out,) = pipe.run()
             except DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable
-                raise DaliRefused(_first_line(err)) from None
+                raise DaliRefused(first_line(err)) from None
             yield out
         finally:
             self._pool.put(pipe)

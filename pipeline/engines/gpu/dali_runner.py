@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pipeline.triton import contract as tn
-from pipeline.triton.dali_pipeline import _first_line
+from pipeline.triton.dali_pipeline import first_line
 
 # What a failed DALI run raises (one undecodable file fails the batch).
 DALI_ERRORS = (RuntimeError, IndexError, ValueError)
@@ -117,14 +117,13 @@ class Runner:
                 self._schedule(job)
                 self._collect(job)
             except DALI_ERRORS as err:
-                job.future.set_exception(DaliRefused(_first_line(err)))
+                job.future.set_exception(DaliRefused(first_line(err)))
         self._pipe = self._new()
 
     def _new(self):
         pipe = self._build()
-        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with
-        # fed inputs means runs with no data yet, and every batch then waited (0.7 s a batch on the H200,
-        # 6.6 batches/s against 10.8 on the CPU). Each schedule_run() here follows its own feed_input, so start
-        # past that step.
+        # DALI's first schedule_run() "prefetches": it runs the graph prefetch_queue_depth times, which with fed
+        # inputs means runs with no data yet that every later batch waits behind; each schedule_run() here follows
+        # its own feed_input, so start past that step.
         pipe._first_iter = False  # noqa: SLF001 - DALI 2.4's Pipeline; no public switch for it
         return pipe

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from pipeline.engines.base import (
     DEFAULT_TOP_K, STAGE_INFER, EngineSpec, Option, Result, positive_int, results_from_topk,
 )
-from pipeline.engines.auto import _importable
+from pipeline.engines.auto import importable
 from pipeline.engines.gpu.classifier import RawResults
 from pipeline.errors import ConfigError
 from pipeline.imaging import DecodeLimits
@@ -125,6 +125,6 @@ def check_requirements(options: Mapping[str, Any]) -> None:
     if importlib.util.find_spec("torch") is None:
         raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
                           "or use --engine onnx or --engine triton")
-    if not _importable("nvidia.dali"):
+    if not importable("nvidia.dali"):
         raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
                           "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")

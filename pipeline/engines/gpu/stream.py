@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.engines.gpu.classifier import STOP, RawResults, _Chunk, triage
+from pipeline.engines.gpu.classifier import STOP, RawResults, Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.imaging import DecodeLimits
+from pipeline.triton import contract as tn
 
 LOG = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class RequestStream:
     """
 
     def __init__(self, classifier, respond: Callable[[Any, RawResults, int], None], *, top_k: int,
-                 max_delay_s: float = 0.002, max_backlog: float = 0):
+                 max_delay_s: float = tn.GPU_DEFAULT_MAX_DELAY_MS / 1000, max_backlog: float = 0):
         self.classifier = classifier
         self.respond = respond
         self.top_k = top_k
@@ -220,9 +221,9 @@ class RequestStream:
         pending.since = time.monotonic()
         self.batches += 1
         self.images += len(batch)
-        return _Chunk(batch)
+        return Chunk(batch)
 
-    def _sink(self, chunk: _Chunk, ids, scores, error: BaseException | None) -> None:
+    def _sink(self, chunk: Chunk, ids, scores, error: BaseException | None) -> None:
         if error is not None:
             msg = f"engine_error: the batch failed on the GPU ({type(error).__name__}: {str(error)[:300]})"
             for item in chunk.items:

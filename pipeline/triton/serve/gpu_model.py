@@ -97,9 +97,9 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
     from pipeline.engines.gpu.dali import (  # noqa: PLC0415
         DEFAULT_DALI_DEPTH,
-        DEFAULT_DALI_THREADS,
         DEFAULT_HW_DECODER_LOAD,
     )
+    from pipeline.triton.dali_pipeline import DALI_THREADS  # noqa: PLC0415
 
     if half is None:
         value = config_param(config, tn.GPU_PARAM_HALF, "auto").lower()
@@ -113,9 +113,9 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         batch_size=batch_size,
         device=device,
         cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, "2")),
+        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, str(tn.GPU_DEFAULT_PREP_WORKERS))),
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
-        dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DEFAULT_DALI_THREADS))),
+        dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
@@ -164,7 +164,7 @@ class TritonPythonModel:
                                  f"in {time.perf_counter() - built:.1f} s, {time.perf_counter() - _IMPORTED:.1f} s "
                                  "after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
-                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, "2")) / 1000,
+                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, str(tn.GPU_DEFAULT_MAX_DELAY_MS))) / 1000,
                                     max_backlog=float(config_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 
