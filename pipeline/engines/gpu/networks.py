@@ -51,15 +51,12 @@ class Lite0Layout:
         asymmetric: the stride-2 depthwise layers' pads ("pad", "kernel" or "slice").
         stem: the stride-2 stem's pad ("pad" or "kernel").
         inplace: ReLU6 in place.
-        fused: on a GPU, each conv followed by ReLU6 runs as cuDNN's fused conv + bias + ReLU, then a clamp at 6
-            (one pass over the output fewer than conv, bias, ReLU6); elsewhere as without.
     """
 
     symmetric: str
     asymmetric: str
     stem: str
     inplace: bool
-    fused: bool = False
 
     def __post_init__(self):
         for name, allowed in (("symmetric", ("pad", "conv")), ("asymmetric", ("pad", "kernel", "slice", MIRROR)),
@@ -87,7 +84,6 @@ LITE0_LAYOUTS = {
     "slice_kstem_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=True),
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
     "mirror": Lite0Layout(symmetric="conv", asymmetric=MIRROR, stem=MIRROR, inplace=True),
-    "mirror_fused": Lite0Layout(symmetric="conv", asymmetric=MIRROR, stem=MIRROR, inplace=True, fused=True),
 }
 REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
 # No pad kernel, no extra row and only standard kernels: the fastest exact layout (docs/performance.md).
@@ -181,10 +177,6 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
         def forward(self, x):
             if self.pad is not None:
                 x = nn.functional.pad(x, self.pad)
-            if layout.fused and self.act and x.is_cuda:
-                c = self.conv
-                x = torch.cudnn_convolution_relu(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
-                return x.clamp_max_(6.0)
             x = self.conv(x)
             return relu6(x, inplace=layout.inplace) if self.act else x
 

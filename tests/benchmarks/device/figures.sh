@@ -13,11 +13,15 @@ parts=${*:-network start job}
 mkdir -p "$OUT/f"
 for part in $parts; do
   case $part in
-    network) timeout 200 python3 tests/benchmarks/bench_network.py --out "$OUT/f" --budget-s 150 > "$OUT/f/network.log" 2>&1
-             echo "bench_network rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network.log" | tail -25 ;;
+    network) for cudnn in benchmark off; do  # the in-process engine's cuDNN setting, then the served instances'
+               mkdir -p "$OUT/f/$cudnn"
+               timeout 200 python3 tests/benchmarks/bench_network.py --out "$OUT/f/$cudnn" --budget-s 120 --cudnn $cudnn \
+                 --layouts explicit,slice_kstem_inplace,mirror > "$OUT/f/network-$cudnn.log" 2>&1
+               echo "bench_network --cudnn $cudnn rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network-$cudnn.log" | tail -16
+             done ;;
     start)   timeout 200 python3 tests/benchmarks/device/probe_build.py 4 benchmark limit1 off 2>&1 | grep -v '^ *[0-9.]* s ' | tail -12
              timeout 120 python3 tests/benchmarks/device/probe_start.py 4 2>&1 | tail -30 ;;
-    job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 --oddities default \
+    job)     bash tests/benchmarks/device/job.sh --images 100000 --timeout-s 200 --oddities default --profile default \
                ${JOB_VARIANTS:---variant default= --variant inproc=--engine=gpu --variant default_again=} ;;
     gpu)     timeout 330 python3 tests/benchmarks/bench_gpu.py --out "$OUT/f" --seconds 4 --sets imagenet,light \
                --parts dali,ceiling,engine,parity,oddities,triton --engine-variants dali_h1_d3 \
