@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/performance.md in one call, after the kit's setup (README.md here):
-#   bash tests/benchmarks/device/figures.sh [PART ...]     PARTs: network start job gpu tests (default: network start job)
+#   bash tests/benchmarks/device/figures.sh [PART ...]     PARTs: network start job gpu tests int8 (default: network start job)
 # network: the default network alone (bench_network.py); start: where a gpu server's start goes (probe_build.py,
 # probe_start.py);
 # job: the whole job as a user types it, on 100,000 files (bench_job.py via job.sh), the default and the
 # in-process engine side by side; gpu: bench_gpu.py's parts in one run (DALI alone, the networks alone, the engine
-# in process, parity, odd inputs, the local Triton with ResNet-50 under MPS); tests: the GPU tier (tests/gpu/).
+# in process, parity, odd inputs, the local Triton with ResNet-50 under MPS); tests: the GPU tier (tests/gpu/);
+# int8: INT8 on the host's CPU pinned to 2 cores (int8_cpu.sh; results under $OUT/i8).
 # Results under $OUT/f (network, gpu, tests) and $OUT/j (job).
 set -u
 source "$HOME/env/activate.sh"
@@ -32,6 +33,7 @@ for part in $parts; do
     tests)   python3 -c "import pytest" 2>/dev/null || { echo "pytest is not installed here"; continue; }
              timeout 150 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -x > "$OUT/f/pytest.log" 2>&1
              echo "pytest rc=$?"; tail -5 "$OUT/f/pytest.log" ;;
-    *)       echo "unknown part $part (network start job gpu tests)" >&2; exit 2 ;;
+    int8)    bash tests/benchmarks/device/int8_cpu.sh ;;
+    *)       echo "unknown part $part (network start job gpu tests int8)" >&2; exit 2 ;;
   esac
 done
