@@ -73,48 +73,49 @@ def test_layout_fields_are_checked():
     assert "pad" not in (default.symmetric, default.asymmetric, default.stem)  # no pad kernel left
 
 
-@pytest.mark.parametrize("form", ["kernel", "slice"])
-def test_each_plan_equals_tf_same_padding_on_random_tensors(form):
-    """Every Lite0 shape, and odd sizes too, with random weights: the plan's conv (and slice) equals F.pad + conv."""
+def _tf_same_cases(extra: set, seed: int):
+    """(n, k, s, groups, x, w, TF "SAME" reference: F.pad + conv) over every Lite0 shape and ``extra`` ones."""
     torch = pytest.importorskip("torch")
     from torch.nn import functional as F
 
-    gen = torch.Generator().manual_seed(0)
-    cases = sorted({*_conv_shapes(), (15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1)})
-    for n, k, s in cases:
+    gen = torch.Generator().manual_seed(seed)
+    for n, k, s in sorted({*_conv_shapes(), *extra}):
         for groups in (1, 4):
             x = torch.randn(2, 4, n, n, generator=gen)
             w = torch.randn(4, 4 // groups, k, k, generator=gen)
             plan_pad = pad_plan(n, k, s, "pad")
             ref = F.conv2d(F.pad(x, plan_pad.pad) if plan_pad.pad else x, w, stride=s, padding=plan_pad.padding,
                            groups=groups)
-            plan = pad_plan(n, k, s, form if s == 2 else "conv")
-            wk = F.pad(w, (plan.front_taps, 0, plan.front_taps, 0))
-            got = F.conv2d(x, wk, stride=s, padding=plan.padding, groups=groups)
-            got = got[:, :, plan.drop : plan.drop + ref.shape[2], plan.drop : plan.drop + ref.shape[3]]
-            assert got.shape == ref.shape, (n, k, s)
-            assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
+            yield n, k, s, groups, x, w, ref
+
+
+@pytest.mark.parametrize("form", ["kernel", "slice"])
+def test_each_plan_equals_tf_same_padding_on_random_tensors(form):
+    """Every Lite0 shape, and odd sizes too, with random weights: the plan's conv (and slice) equals F.pad + conv."""
+    pytest.importorskip("torch")
+    from torch.nn import functional as F
+
+    for n, k, s, groups, x, w, ref in _tf_same_cases({(15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1)}, seed=0):
+        plan = pad_plan(n, k, s, form if s == 2 else "conv")
+        wk = F.pad(w, (plan.front_taps, 0, plan.front_taps, 0))
+        got = F.conv2d(x, wk, stride=s, padding=plan.padding, groups=groups)
+        got = got[:, :, plan.drop : plan.drop + ref.shape[2], plan.drop : plan.drop + ref.shape[3]]
+        assert got.shape == ref.shape, (n, k, s)
+        assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
 
 
 def test_the_mirror_plan_equals_tf_same_padding_on_the_turned_input():
     """Every Lite0 shape, odd sizes and stride 3 too, random weights: turning input and kernel by 180 degrees, the
     conv with its own padding, turned back, equals F.pad + conv."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from torch.nn import functional as F
 
-    gen = torch.Generator().manual_seed(1)
-    cases = sorted({*_conv_shapes(), (15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1), (10, 5, 3), (11, 3, 3)})
-    for n, k, s in cases:
-        for groups in (1, 4):
-            x = torch.randn(2, 4, n, n, generator=gen)
-            w = torch.randn(4, 4 // groups, k, k, generator=gen)
-            plan_pad = pad_plan(n, k, s, "pad")
-            ref = F.conv2d(F.pad(x, plan_pad.pad) if plan_pad.pad else x, w, stride=s, padding=plan_pad.padding,
-                           groups=groups)
-            plan = pad_plan(n, k, s, "mirror")
-            got = F.conv2d(x.flip(2, 3), w.flip(2, 3), stride=s, padding=plan.padding, groups=groups).flip(2, 3)
-            assert got.shape == ref.shape, (n, k, s)
-            assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
+    extra = {(15, 3, 2), (15, 5, 2), (57, 5, 2), (9, 3, 1), (10, 5, 3), (11, 3, 3)}
+    for n, k, s, groups, x, w, ref in _tf_same_cases(extra, seed=1):
+        plan = pad_plan(n, k, s, "mirror")
+        got = F.conv2d(x.flip(2, 3), w.flip(2, 3), stride=s, padding=plan.padding, groups=groups).flip(2, 3)
+        assert got.shape == ref.shape, (n, k, s)
+        assert (got - ref).abs().max().item() < 1e-4, (n, k, s, groups)
 
 
 @pytest.fixture(scope="module")
