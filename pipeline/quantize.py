@@ -202,7 +202,7 @@ def quantize_onnx(model_path: Path, output_path: Path, input_name: str, calibrat
     nodes = resolve_exclusions(model_path, options.exclude)
     worst: list[dict[str, Any]] = []
     if options.exclude_worst:
-        extra = _quantize_static(model_path, output_path, input_name, calibration, options, nodes)
+        _quantize_static(model_path, output_path, input_name, calibration, options, nodes)
         errors = layer_errors(model_path, output_path, input_name, calibration[:LAYER_ERROR_IMAGES])
         worst = [e for e in errors if e["node"] not in nodes][:options.exclude_worst]
         nodes = resolve_exclusions(model_path, [*nodes, *(e["node"] for e in worst)])

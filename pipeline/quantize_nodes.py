@@ -1,6 +1,6 @@
-"""Which nodes of a model stay in float when it is quantized: the exclusion keywords, the activation after each float
-node, and the per-layer error (ONNX Runtime's ``qdq_loss_debug``) that ``--exclude-worst`` ranks nodes by; and the
-calibration reader both quantizations and the per-layer error run on."""
+"""Which nodes of a model stay in float when it is quantized: the exclusion keywords and the per-layer error (ONNX
+Runtime's ``qdq_loss_debug``) that ``QuantizeOptions.exclude_worst`` ranks nodes by; and the calibration reader both
+quantizations and the per-layer error run on."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ EXCLUDE_KEYWORDS = ("stem", "head", "depthwise", "pool", "classifier")
 # Images per calibration batch. Every batch must have this many: ONNX Runtime's histogram calibrators (entropy,
 # percentile) stack the batches' outputs and fail on a shorter last one, so the calibration part is cut to a multiple.
 CALIBRATION_BATCH = 16
-# Calibration images the per-layer error (--exclude-worst) runs through both models: every float tensor of one batch of
+# Calibration images the per-layer error (exclude_worst) runs through both models: every float tensor of one batch of
 # 16 takes about 0.7 GB per model, so one batch.
 LAYER_ERROR_IMAGES = 16
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
+POOL_OPS = ("GlobalAveragePool", "ReduceMean")
 ACTIVATION_OPS = ("Clip", "Relu")
 
 
@@ -47,17 +48,16 @@ def resolve_exclusions(model_path: Path, exclude: Sequence[str]) -> list[str]:
             found = next((n.name for n in graph.node if n.op_type == "Conv" and set(n.input) & inputs), None)
         elif item == "head":
             pool_at = next((i for i in range(len(graph.node) - 1, -1, -1)
-                            if graph.node[i].op_type in ("GlobalAveragePool", "ReduceMean")), len(graph.node))
+                            if graph.node[i].op_type in POOL_OPS), len(graph.node))
             found = next((n.name for n in reversed(graph.node[:pool_at]) if n.op_type == "Conv"), None)
         elif item == "pool":
-            found = next((n.name for n in reversed(graph.node) if n.op_type in ("GlobalAveragePool", "ReduceMean")),
-                         None)
+            found = next((n.name for n in reversed(graph.node) if n.op_type in POOL_OPS), None)
         elif item == "classifier":
             outputs = {o.name for o in graph.output}
             found = next((n.name for n in reversed(graph.node)
-                          if n.op_type in ("Gemm", "MatMul", "Conv") and set(n.output) & outputs), None)
+                          if n.op_type in WEIGHTED_OPS and set(n.output) & outputs), None)
             if found is None:  # logits behind a reshape or an add: the last weighted node
-                found = next((n.name for n in reversed(graph.node) if n.op_type in ("Gemm", "MatMul", "Conv")), None)
+                found = next((n.name for n in reversed(graph.node) if n.op_type in WEIGHTED_OPS), None)
         else:
             found = item if item in names else None
             if found is None:

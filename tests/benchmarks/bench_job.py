@@ -203,7 +203,7 @@ def summarize_spy(folder: Path, top: int = 25) -> None:
             n = int(count)
             frames = stack.split(";")
             names = [f.split(" ")[0].rpartition(".")[2] for f in frames]  # "Class.method (file:line)" -> method
-            if any(n in ("initialize", "warmup", "<module>", "_find_and_load") for n in names):
+            if any(name in ("initialize", "warmup", "<module>", "_find_and_load") for name in names):
                 start += n
                 continue
             total += n
