@@ -11,8 +11,13 @@ subprocess on a fresh output, and the table gives, from the rows and the shard f
 - steady img/s: rows whose actor call started (``classified_at``) between those of the rows at 15 % and 90 %;
 - start: the command's start to the first committed shard; tail: the last committed shard to the command's exit;
 - wall, every row exactly once, GPU busy over the steady window (``nvidia-smi`` every 0.25 s);
+- the machine's CPU busy % over the steady window, and the GPU's JPEG-engine use where ``nvidia-smi`` has it;
 - tritonserver processes (the most at once, and all seen), and the log lines that report a server failover;
 - CPU seconds by process over the whole run (``bench_streaming.TreeSampler``).
+
+``--gpu-repo NAME:KEY=VALUE,...`` builds a gpu-profile repository with those ``gpu_config`` options (e.g.
+``none:network=none`` for the Triton hop without decode or network, ``t2:dali_threads=2``) into WORK/repos/NAME, and
+``@NAME`` in a variant's ARGS stands for ``--engine-option repository=WORK/repos/NAME``.
 
 ``--profile NAME`` runs variant NAME once more after the table with py-spy (``--native``, on PATH) attached to every
 Triton python-backend stub as it appears, and prints where the stubs' busy samples go outside their start
@@ -72,6 +77,73 @@ class ServerCounter:
         self._thread.join(5)
 
 
+class MachineSampler:
+    """The machine's CPU (``/proc/stat``) every ``period_s``, and the GPU's JPEG engines and video decoders through
+    ``nvidia-smi`` where its query has them: what the GPU-busy figure does not show."""
+
+    JPEG_FIELDS = ("utilization.jpeg", "utilization.decoder")
+
+    def __init__(self, folder: Path, period_s: float = 0.25):
+        self.period_s, self.cpu = period_s, []  # (unix time, busy jiffies, all jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.fields = self._smi_fields()
+        self.smi_path = folder / "nvidia_smi_engines.csv"
+        self._smi = None
+        if self.fields:
+            self._file = open(self.smi_path, "w")  # noqa: SIM115 - closed in stop()
+            self._smi = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu=timestamp,{','.join(self.fields)}", "--format=csv,noheader,nounits",
+                 f"-lms={int(period_s * 1000)}"], stdout=self._file, stderr=subprocess.DEVNULL)
+        self._thread.start()
+
+    def _smi_fields(self) -> list[str]:
+        if shutil.which("nvidia-smi") is None:
+            return []
+        helptext = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True).stdout
+        return [f for f in self.JPEG_FIELDS if f'"{f}"' in helptext]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as f:
+                parts = [int(v) for v in f.readline().split()[1:]]
+            idle = parts[3] + parts[4]  # idle + iowait
+            self.cpu.append((time.time(), sum(parts) - idle, sum(parts)))
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if self._smi is not None:
+            self._smi.terminate()
+            self._smi.wait(10)
+            self._file.close()
+
+    def summary(self, start: float, end: float) -> dict:
+        """CPU busy % of all cores over [start, end], and each engine field's mean % there."""
+        inside = [s for s in self.cpu if start <= s[0] <= end]
+        out: dict = {"cpus": os.cpu_count()}
+        if len(inside) >= 2:
+            (_, b0, t0), (_, b1, t1) = inside[0], inside[-1]
+            out["cpu_busy_pct"] = round(100 * (b1 - b0) / max(t1 - t0, 1), 1)
+        if self.fields and self.smi_path.is_file():
+            from datetime import datetime
+
+            values: dict[str, list[float]] = {f: [] for f in self.fields}
+            for line in self.smi_path.read_text().splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                except ValueError:
+                    continue
+                if start <= when <= end:
+                    for f, v in zip(self.fields, parts[1:]):
+                        with contextlib.suppress(ValueError):
+                            values[f].append(float(v))
+            out.update({f: round(sum(v) / len(v), 1) for f, v in values.items() if v})
+        return out
+
+
 def run_timed(cmd: list[str], env: dict[str, str], timeout_s: float):
     """Runs ``cmd`` while sampling its process tree; (wall s, sampler, output with each line's arrival time)."""
     from bench_streaming import TreeSampler, stop_tree
@@ -104,15 +176,16 @@ def run_timed(cmd: list[str], env: dict[str, str], timeout_s: float):
     return wall, sampler, log
 
 
-def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampler) -> dict:
+def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampler, machine=None) -> dict:
     import pyarrow.dataset as pads
 
     from bench_scaleout import gpu_summary, steady_rate
 
     out = root / f"out-{name}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pipeline.cli", "-v", "run", str(images), "--output", str(out),
-           *shlex.split(args_text)]
+    args = [f"--engine-option=repository={root / 'repos' / a[1:]}" if a.startswith("@") else a
+            for a in shlex.split(args_text)]
+    cmd = [sys.executable, "-m", "pipeline.cli", "-v", "run", str(images), "--output", str(out), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     LOG.warning("variant %s: %s", name, " ".join(cmd))
     t0 = time.time()
@@ -141,6 +214,7 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
         "steady_img_s": round(rate, 1) if rate else None, "steady_window_s": round(hi - lo, 1),
         "job_img_s": round(total / wall, 1),
         "gpu_steady": gpu_summary(sampler.samples(), lo, hi) if rate else {},
+        "machine_steady": machine.summary(lo, hi) if machine is not None and rate else {},
         "servers_at_once": servers.most, "servers_seen": len(servers.pids),
         "failover_lines": [ln[:200] for ln in log.splitlines() if any(m in ln for m in FAILOVER_MARKERS)],
         "engine": report.get("engine"), "serving": report.get("serving"),
@@ -234,6 +308,9 @@ def print_table(rows: list[dict]) -> None:
         if r["errors"]:
             print(f"errors {r['variant']}: {r['rows'] - r['ok']} rows, most common: {r['errors']}")
     for r in rows:
+        if r.get("machine_steady"):
+            print(f"steady window {r['variant']}: " + ", ".join(f"{k} {v}" for k, v in r["machine_steady"].items()))
+    for r in rows:
         cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_s_by_process"].items())
         print(f"CPU s {r['variant']}: total {r['cpu_s_total']} over {r['wall_s']} s wall: {cpu}")
 
@@ -251,6 +328,8 @@ def main() -> None:
                    "(comma-separated NAMEs) and compare each file's status and error kind with the expected ones")
     p.add_argument("--mps", action="store_true", help="every variant under a private CUDA MPS daemon (gpu_mps.py)")
     p.add_argument("--dry-run-cpu", action="store_true", help="a few hundred images, for a machine without a GPU")
+    p.add_argument("--gpu-repo", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="build a gpu-profile repository with these gpu_config options; @NAME in a variant uses it")
     p.add_argument("--profile", default="", help="run this variant once more under py-spy (no table row)")
     opts = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -266,7 +345,10 @@ def main() -> None:
 
     load_model(None)  # the default model's ONNX in the cache, as after a user's first run
     images = make_images(opts.work, opts.images, opts.unique, opts.set)
+    for spec in opts.gpu_repo:
+        build_repo(spec, opts.work / "repos")
     sampler = SmiSampler(opts.out / "nvidia_smi.csv", period_ms=250)
+    machine = MachineSampler(opts.out)
     rows = []
     stack = contextlib.ExitStack()
     if opts.mps:
@@ -276,13 +358,14 @@ def main() -> None:
     try:
         for name, args_text in variants:
             try:
-                rows.append(run_variant(name, args_text, images, opts.work, opts, sampler))
+                rows.append(run_variant(name, args_text, images, opts.work, opts, sampler, machine))
             except SystemExit as err:  # one failing variant does not lose the others' rows
                 LOG.warning("variant %s failed: %s", name, str(err)[-3000:])
             (opts.out / "bench_job.json").write_text(json.dumps(rows, indent=2))
     finally:
         stack.close()
         sampler.stop()
+        machine.stop()
     print()
     print_table(rows)
     for name in filter(None, opts.oddities.split(",")):
@@ -297,6 +380,25 @@ def main() -> None:
         except SystemExit as err:
             print(f"profiled run failed: {str(err)[-1500:]}")
         summarize_spy(spy_dir)
+
+
+def build_repo(spec: str, root: Path) -> Path:
+    """``NAME:KEY=VALUE,...``: a gpu-profile repository with those ``gpu_config`` options (numbers as numbers)."""
+    from pipeline.triton.repository import build_gpu_repository
+
+    name, _, text = spec.partition(":")
+    options: dict = {}
+    for pair in filter(None, text.split(",")):
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    out = root / name
+    shutil.rmtree(out, ignore_errors=True)
+    build_gpu_repository(None, str(out), **options)
+    LOG.warning("repository %s: %s", name, options)
+    return out
 
 
 def check_oddities(name: str, args_text: str, opts) -> None:
