@@ -19,6 +19,7 @@ from pipeline.engines.gpu.networks import (
 )
 from pipeline.errors import EngineError
 from pipeline.imaging import decode_image, load_and_preprocess, normalize_array
+from pipeline.model import load_model
 from support.paths import BENCHMARKS, DATA
 
 # FP32 on the CPU the layouts gave bit-identical logits (torch 2.13, the photos and all 200 parity inputs); the bound
@@ -185,6 +186,31 @@ def test_the_default_layout_in_channels_last_as_the_engine_runs_it(weights, inpu
     assert (ids[:, 0].numpy() == reference_logits.argmax(1)).all()
 
 
+def test_the_gemm_layout_cut_into_several_gemms_gives_the_reference_logits(weights, inputs, reference_logits,
+                                                                         monkeypatch):
+    """GEMMs past ``GEMM_ROWS`` rows are cut; the pieces together give the same logits as one GEMM (channels-last)."""
+    torch = pytest.importorskip("torch")
+    from pipeline.engines.gpu import networks
+
+    monkeypatch.setattr(networks, "GEMM_ROWS", 1000)  # the 112x112 layers of these inputs: many pieces
+    net = networks.efficientnet_lite0(weights, "mirror_gemm").to(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        got = net(torch.from_numpy(inputs).contiguous(memory_format=torch.channels_last)).numpy()
+    assert np.abs(got - reference_logits).max() < MAX_LOGIT_DIFF
+    assert (got.argmax(1) == reference_logits.argmax(1)).all()
+
+
+def test_the_gemm_layout_folds_every_depthwise_bias(weights):
+    """No depthwise conv keeps a bias, and every 1x1 conv is a GEMM: no bias pass is left but the stem's."""
+    torch = pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import efficientnet_lite0
+
+    net = efficientnet_lite0(weights, "mirror_gemm")
+    convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 1 + 16  # the stem and one depthwise conv per block
+    assert convs[0].bias is not None and all(c.bias is None for c in convs[1:])
+
+
 def test_kernel_layout_keeps_the_checkpoint_weights(weights):
     """The zero taps go in front; the folded checkpoint weights are the rest, unchanged."""
     pytest.importorskip("torch")
@@ -206,11 +232,19 @@ def test_both_gpu_paths_load_the_default_layout(tmp_path):
     pytest.importorskip("torch")
     from pipeline.engines.gpu.networks import load_network
     from pipeline.triton.serve.gpu_model import _FolderBundle
-    from pipeline.model import load_model
 
     assert load_network(load_model(None)).layout == LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]
     assert load_network(_FolderBundle(tmp_path, DEFAULT_SPEC, 1000), "auto").layout == LITE0_LAYOUTS[
         DEFAULT_LITE0_LAYOUT]
+
+
+def test_a_layout_name_loads_the_default_model_in_that_layout():
+    pytest.importorskip("torch")
+    from pipeline.engines.gpu.networks import load_network
+
+    assert load_network(load_model(None), "mirror").layout == LITE0_LAYOUTS["mirror"]
+    with pytest.raises(EngineError, match="unknown network 'nope'; leave it unset, or use one of resnet50, explicit"):
+        load_network(load_model(None), "nope")
 
 
 def test_an_unknown_layout_names_the_known_ones(weights):

@@ -46,17 +46,26 @@ class Lite0Layout:
     the same pixels; one flip of the input replaces every pad, with standard kernels and no extra row). "mirror"
     is all or nothing: the stem and the stride-2 layers both, the stride-1 ones "conv".
 
+    ``gemm`` changes where the folded BatchNorm biases are added, not the padding. On the GPU a conv's bias is
+    a pass of its own over the conv's output, and these passes took half the network's GPU time
+    (``tests/benchmarks/device/probe_kernels.py``). With ``gemm`` the 1x1 convs run as GEMMs over the channels-last
+    rows, with their bias added in the GEMM's epilogue. The depthwise convs have no bias: ReLU6's bounds are shifted
+    by it instead, relu6(z + b) - b = clamp(z, -b, 6 - b), and the "- b" is folded into the next 1x1 projection's
+    bias (W (v + b) = W v + W b; exact, as the projection reads no padding).
+
     Attributes:
         symmetric: the stride-1 layers' pads ("pad" or "conv").
         asymmetric: the stride-2 depthwise layers' pads ("pad", "kernel" or "slice").
         stem: the stride-2 stem's pad ("pad" or "kernel").
         inplace: ReLU6 in place.
+        gemm: 1x1 convs as GEMMs with the bias in the epilogue, depthwise biases folded into the projections.
     """
 
     symmetric: str
     asymmetric: str
     stem: str
     inplace: bool
+    gemm: bool = False
 
     def __post_init__(self):
         for name, allowed in (("symmetric", ("pad", "conv")), ("asymmetric", ("pad", "kernel", "slice", MIRROR)),
@@ -84,10 +93,13 @@ LITE0_LAYOUTS = {
     "slice_kstem_inplace": Lite0Layout(symmetric="conv", asymmetric="slice", stem="kernel", inplace=True),
     "kernel_inplace": Lite0Layout(symmetric="conv", asymmetric="kernel", stem="kernel", inplace=True),
     "mirror": Lite0Layout(symmetric="conv", asymmetric=MIRROR, stem=MIRROR, inplace=True),
+    "mirror_gemm": Lite0Layout(symmetric="conv", asymmetric=MIRROR, stem=MIRROR, inplace=True, gemm=True),
 }
 REFERENCE_LITE0_LAYOUT = "explicit"  # TF's padding written out as TF defines it: what every other layout must equal
-# No pad kernel, no extra row and only standard kernels: the fastest exact layout (docs/performance.md).
-DEFAULT_LITE0_LAYOUT = "mirror"
+# No pad kernel, no extra row, no bias pass: the fastest exact layout (docs/performance.md).
+DEFAULT_LITE0_LAYOUT = "mirror_gemm"
+# Rows of one GEMM: torch adds the bias in cuBLASLt's epilogue only below 65535 * 32 rows (larger GEMMs are cut).
+GEMM_ROWS = 65535 * 32 - 1
 
 
 def _fold(weights: dict[str, np.ndarray], conv: str, bn: str) -> tuple[np.ndarray, np.ndarray]:
@@ -157,10 +169,14 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
     relu6 = nn.functional.relu6
 
     class ConvBN(nn.Module):
+        """A conv with its BatchNorm folded, then ReLU6 (``act``). ``shift``: no bias; ReLU6's bounds shifted by it
+        instead, the output short of it by ``shift_bias`` (``Lite0Layout.gemm``)."""
+
         def __init__(self, conv: str, bn: str, *, stride: int, size: int, groups: int = 1, act: bool = True,
-                     form: str = "pad"):
+                     form: str = "pad", shift: bool = False):
             super().__init__()
             w, b = _fold(weights, conv, bn)
+            self.shift_bias = b if shift else None
             if layout.mirrored:
                 form, w = MIRROR, np.ascontiguousarray(w[:, :, ::-1, ::-1])
             plan = pad_plan(size, w.shape[-1], stride, form)
@@ -168,29 +184,68 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
                 w = np.pad(w, ((0, 0), (0, 0), (plan.front_taps, 0), (plan.front_taps, 0)))
             self.pad, self.drop = plan.pad, plan.drop
             self.conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], w.shape[-1], stride=stride, padding=plan.padding,
-                                  groups=groups, bias=True)
+                                  groups=groups, bias=not shift)
             with torch.no_grad():
                 self.conv.weight.copy_(torch.from_numpy(w))
-                self.conv.bias.copy_(torch.from_numpy(b))
+                if not shift:
+                    self.conv.bias.copy_(torch.from_numpy(b))
             self.act = act
+            if shift:
+                if not act:
+                    raise ValueError("a shifted bias needs the ReLU6 whose bounds it shifts")
+                self.register_buffer("low", torch.from_numpy(-b).reshape(1, -1, 1, 1))
+                self.register_buffer("high", torch.from_numpy(6 - b).reshape(1, -1, 1, 1))
 
         def forward(self, x):
             if self.pad is not None:
                 x = nn.functional.pad(x, self.pad)
             x = self.conv(x)
+            if self.shift_bias is not None:
+                return x.clamp_(min=self.low, max=self.high)
             return relu6(x, inplace=layout.inplace) if self.act else x
+
+    class Pointwise(nn.Module):
+        """A 1x1 conv with its BatchNorm folded as GEMMs over the channels-last rows, the bias in their epilogue, then
+        ReLU6 (``act``); ``shift``: the previous layer's ``shift_bias``, folded into the bias."""
+
+        def __init__(self, conv: str, bn: str, *, act: bool, shift: np.ndarray | None = None):
+            super().__init__()
+            w, b = _fold(weights, conv, bn)
+            w = w[:, :, 0, 0]
+            if shift is not None:
+                b = (b.astype(np.float64) + w.astype(np.float64) @ shift.astype(np.float64)).astype(np.float32)
+            self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(w)), requires_grad=False)
+            self.bias = nn.Parameter(torch.from_numpy(b), requires_grad=False)
+            self.act = act
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            rows = x.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view where x is channels-last
+            out = torch.empty((rows.shape[0], self.weight.shape[0]), dtype=x.dtype, device=x.device)
+            weight_t = self.weight.t()
+            for start in range(0, rows.shape[0], GEMM_ROWS):
+                end = start + GEMM_ROWS
+                torch.addmm(self.bias, rows[start:end], weight_t, out=out[start:end])
+            y = out.view(n, h, w, -1).permute(0, 3, 1, 2)  # NCHW, channels-last memory
+            return relu6(y, inplace=True) if self.act else y
+
+    def pointwise(conv: str, bn: str, *, size: int, act: bool, shift: np.ndarray | None = None):
+        if layout.gemm:
+            return Pointwise(conv, bn, act=act, shift=shift)
+        return ConvBN(conv, bn, stride=1, size=size, act=act)
 
     class Block(nn.Module):
         def __init__(self, p: str, *, stride: int, expand: int, cin: int, cout: int, size: int):
             super().__init__()
             layers = []
             if expand != 1:
-                layers.append(ConvBN(f"{p}._expand_conv", f"{p}._bn0", stride=1, size=size))
+                layers.append(pointwise(f"{p}._expand_conv", f"{p}._bn0", size=size, act=True))
             form = layout.symmetric if stride == 1 else layout.asymmetric
             depthwise = ConvBN(f"{p}._depthwise_conv", f"{p}._bn1", stride=stride, size=size, groups=cin * expand,
-                               form=form)
+                               form=form, shift=layout.gemm)
             layers.append(depthwise)
-            layers.append(ConvBN(f"{p}._project_conv", f"{p}._bn2", stride=1, size=-(-size // stride), act=False))
+            layers.append(pointwise(f"{p}._project_conv", f"{p}._bn2", size=-(-size // stride), act=False,
+                                    shift=depthwise.shift_bias))
             self.body = nn.Sequential(*layers)
             self.drop, self.out_size = depthwise.drop, -(-size // stride)
             self.residual = stride == 1 and cin == cout
@@ -219,7 +274,7 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
                     size = -(-size // s)
                     index += 1
             self.blocks = nn.Sequential(*blocks)
-            self.head = ConvBN("_conv_head", "_bn1", stride=1, size=size)
+            self.head = pointwise("_conv_head", "_bn1", size=size, act=True)
             fc_w = weights["_fc.weight"]
             if fc_w.shape[1] != HEAD_CHANNELS:
                 raise ModelError(
@@ -255,7 +310,8 @@ def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 
     ``network``: None picks by the bundle (the default model, or the folder's ``model.torchscript``);
-    "resnet50" gives a random-weight ResNet-50 for benchmarks.
+    "resnet50" gives a random-weight ResNet-50 for benchmarks, a ``LITE0_LAYOUTS`` name the default model in that
+    layout.
 
     Raises:
         EngineError: the model has no torch form the gpu engine can run (with what to do instead).
@@ -266,8 +322,11 @@ def load_network(bundle, network: str | None = None):
         raise EngineError("the gpu engine needs PyTorch; install torch or use --engine onnx") from None
     if network == "resnet50":
         return resnet50_random(len(bundle.labels) or 1000)
+    if network in LITE0_LAYOUTS and bundle.name == MODEL_NAME:  # the default model in another layout (benchmarks)
+        return efficientnet_lite0(load_checkpoint(), network)
     if network not in (None, "", "auto", "default"):
-        raise EngineError(f"unknown network {network!r}; leave it unset, or use one of {', '.join(BENCHMARK_NETWORKS)}")
+        raise EngineError(f"unknown network {network!r}; leave it unset, or use one of "
+                          f"{', '.join((*BENCHMARK_NETWORKS, *LITE0_LAYOUTS))}")
     onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
     scripted = onnx_path.parent / TORCHSCRIPT_FILE if onnx_path else None
     if scripted is not None and scripted.is_file():

@@ -17,7 +17,7 @@ for part in $parts; do
     network) for cudnn in benchmark off; do  # the in-process engine's cuDNN setting, then the served instances'
                mkdir -p "$OUT/f/$cudnn"
                timeout 200 python3 tests/benchmarks/bench_network.py --out "$OUT/f/$cudnn" --budget-s 120 --cudnn $cudnn \
-                 --layouts explicit,slice_kstem_inplace,mirror > "$OUT/f/network-$cudnn.log" 2>&1
+                 --layouts explicit,mirror,mirror_gemm > "$OUT/f/network-$cudnn.log" 2>&1
                echo "bench_network --cudnn $cudnn rc=$?"; grep -v "^[0-9-]* [0-9:,]* " "$OUT/f/network-$cudnn.log" | tail -16
              done ;;
     start)   timeout 200 python3 tests/benchmarks/device/probe_build.py 4 benchmark limit1 off 2>&1 | grep -v '^ *[0-9.]* s ' | tail -12

@@ -2,7 +2,7 @@
 
     python tests/benchmarks/device/probe_kernels.py [--batch 256] [--seconds 4] [--top 14] [--images 2048]
 
-1. The network alone (``TopKNetwork``: FP16, channels-last, CUDA graph, softmax + top-5), the default layout and
+1. The network alone (``TopKNetwork``: FP16, channels-last, CUDA graph, softmax + top-5), each of ``--layouts`` and
    timm's ``efficientnet_lite0`` (random weights), each on a ready batch: img/s, then ``torch.profiler`` over a few
    replays: GPU microseconds per batch by kernel, the kernels' sum against the wall time per batch.
 2. The gpu profile's classifier as a Triton instance builds it (``gpu_model.build_classifier`` with the config's
@@ -68,7 +68,9 @@ def network_part(torch, args) -> None:
 
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
-    nets = [("default layout", lambda: efficientnet_lite0(load_checkpoint()))]
+    weights = load_checkpoint()
+    nets = [(f"layout {name}", lambda name=name: efficientnet_lite0(weights, name))
+            for name in args.layouts.split(",")]
     try:
         import timm
 
@@ -129,6 +131,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--parts", default="network,classifier")
+    p.add_argument("--layouts", default="mirror,mirror_gemm", help="LITE0_LAYOUTS names for the network part")
     args = p.parse_args()
     import torch
 
