@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # INT8 on the GPU machine's host CPU, pinned to 2 cores (taskset -c 0,1), after the kit's setup (README.md here):
 #   bash tests/benchmarks/device/int8_cpu.sh [--images 1000] [--stamps DIR] [--job-images 2000] [--work DIR]
-#       [--quantize-args '...'] [--skip-job] [--budget-s 530]
+#       [--quantize-args '...'] [--skip-job] [--job-only MODEL_DIR] [--budget-s 530]
 # 1. the CPU: lscpu's model name and whether avx512_vnni, avx_vnni and amx are there (ONNX Runtime picks its integer
 #    kernels by them; docs/int8.md);
 # 2. `python3 -m pipeline.cli model quantize` with the command's defaults (plus --quantize-args) on --images crops of
@@ -11,10 +11,12 @@
 # 3. bench_int8.py: FP32 against both INT8 models through the onnx engine, side by side;
 # 4. bench_cpu_shape.py, the GPU hidden: the naive pipeline, our job with FP32 and with the INT8 model (the first
 #    whose gate passed), on --job-images JPEGs.
+# --job-only MODEL_DIR: step 4 alone, with that INT8 model folder (quantized elsewhere: calibration runs the FP32
+# model, so the file does not depend on the CPU that made it).
 # Everything runs under `taskset -c 0,1`; each step has its own timeout, cut so that the whole stays within
 # --budget-s (default 530 s). Writes $OUT/i8/ (logs, the gate reports) when $OUT is set.
 set -u
-images=1000; job_images=2000; stamps=; quantize_args=; skip_job=; budget_s=530
+images=1000; job_images=2000; stamps=; quantize_args=; skip_job=; job_only=; budget_s=530
 work=${TMPDIR:-/tmp}/int8-cpu
 while (($#)); do
   case $1 in
@@ -24,13 +26,15 @@ while (($#)); do
     --quantize-args) quantize_args=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --skip-job) skip_job=1; shift ;;
+    --job-only) job_only=$2; shift 2 ;;
     --budget-s) budget_s=$2; shift 2 ;;
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "int8_cpu.sh: unknown argument $1 (--images N --job-images N --stamps DIR --quantize-args '...' --work DIR --skip-job --budget-s S)" >&2; exit 2 ;;
+    *) echo "int8_cpu.sh: unknown argument $1 (--images N --job-images N --stamps DIR --quantize-args '...' --work DIR --skip-job --job-only DIR --budget-s S)" >&2; exit 2 ;;
   esac
 done
 [[ $images =~ ^[0-9]+$ && $job_images =~ ^[0-9]+$ && $budget_s =~ ^[0-9]+$ ]] || {
   echo "int8_cpu.sh: --images, --job-images and --budget-s take numbers" >&2; exit 2; }
+[[ -z $job_only || -f $job_only/model.onnx ]] || { echo "int8_cpu.sh: --job-only $job_only has no model.onnx" >&2; exit 2; }
 [[ -z $stamps || -d $stamps ]] || { echo "int8_cpu.sh: --stamps $stamps is not a folder" >&2; exit 2; }
 [[ -f $HOME/env/activate.sh ]] && source "$HOME/env/activate.sh"
 logs=${OUT:+$OUT/i8}; logs=${logs:-$work/logs}
@@ -56,7 +60,7 @@ python3 -c 'import onnx, onnxruntime; print("  onnxruntime", onnxruntime.__versi
   echo "int8_cpu.sh: python3 needs onnxruntime and onnx (onnxruntime.quantization imports onnx)" >&2; exit 3; }
 
 crops=$work/crops-$images
-python3 - "$crops" "$images" <<'EOF'
+[[ -n $job_only ]] || python3 - "$crops" "$images" <<'EOF'
 import sys
 sys.path[:0] = ["tests/benchmarks", "tests"]
 from pathlib import Path
@@ -90,6 +94,7 @@ print(f"  gate {'PASSED' if r['passed'] else 'FAILED'}: top-1 {f['top1_agreement
 EOF
 }
 
+if [[ -z $job_only ]]; then
 # shellcheck disable=SC2086
 quantize int8-crops "$crops" $quantize_args
 [[ -n $stamps ]] && quantize int8-stamps "$stamps" $quantize_args
@@ -101,13 +106,15 @@ models=(--int8 "$work/int8-crops"); [[ -d $work/int8-small ]] && models+=(--int8
 timeout "$(cap 150)" $pin python3 tests/benchmarks/bench_int8.py "${models[@]}" --folder "$crops" --images 128 --rounds 3 \
   > "$logs/bench_int8.log" 2>&1
 echo "  rc=$?"; grep -v "^WARNING\|^[0-9-]* [0-9:,]* " "$logs/bench_int8.log" | tail -14
+fi
 
 if [[ -z $skip_job ]]; then
-  # The job's INT8 model: the first whose gate passed, else the full sample's.
+  # The job's INT8 model: --job-only's, else the first whose gate passed, else the full sample's.
   job_model=$work/int8-crops
   for m in int8-crops int8-small; do
     grep -q '"passed": true' "$work/$m/int8_gate.json" 2>/dev/null && { job_model=$work/$m; break; }
   done
+  [[ -n $job_only ]] && job_model=$(cd "$job_only" && pwd)
   # bench_cpu_shape.py runs `bulk-classify`; the kit has the package on PYTHONPATH, not installed.
   command -v bulk-classify >/dev/null || {
     printf '#!/bin/sh\nexec python3 -m pipeline.cli "$@"\n' > "$shim/bulk-classify"; chmod +x "$shim/bulk-classify"
@@ -116,6 +123,7 @@ if [[ -z $skip_job ]]; then
   # The GPU hidden: on a GPU node auto picks the gpu profile, which has no INT8.
   CUDA_VISIBLE_DEVICES= timeout "$(cap 330)" $pin python3 tests/benchmarks/bench_cpu_shape.py --images "$job_images" \
     --rounds 2 --int8 "$job_model" --shape default= --workdir "$work/shape" > "$logs/bench_cpu_shape.log" 2>&1
-  echo "  rc=$?"; grep -v "^WARNING\|^[0-9-]* [0-9:,]* \|^(.*pid=" "$logs/bench_cpu_shape.log" | tail -12
+  echo "  rc=$?, load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  grep -v "^WARNING\|^[0-9-]* [0-9:,]* \|^(.*pid=" "$logs/bench_cpu_shape.log" | tail -12
 fi
 echo "== int8_cpu.sh done in $((SECONDS - start)) s; logs in $logs"
