@@ -127,13 +127,13 @@ class MachineSampler:
             (_, b0, t0), (_, b1, t1) = inside[0], inside[-1]
             out["cpu_busy_pct"] = round(100 * (b1 - b0) / max(t1 - t0, 1), 1)
         if self.fields and self.smi_path.is_file():
-            from datetime import datetime
+            from bench_scaleout import smi_time
 
             values: dict[str, list[float]] = {f: [] for f in self.fields}
             for line in self.smi_path.read_text().splitlines():
                 parts = [p.strip() for p in line.split(",")]
                 try:
-                    when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    when = smi_time(parts[0])
                 except ValueError:
                     continue
                 if start <= when <= end:

@@ -102,6 +102,15 @@ def make_repository(root: Path, dry_run: bool, args) -> Path:
 # ---- GPU sampling -----------------------------------------------------------------------------------------
 
 
+def smi_time(text: str) -> float:
+    """Unix time of an ``nvidia-smi --query-gpu=timestamp`` value.
+
+    Raises:
+        ValueError: not a timestamp (a partly written line).
+    """
+    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+
+
 class SmiSampler:
     """``nvidia-smi -lms`` in the background, raw lines kept in a CSV; no-op where nvidia-smi is missing."""
 
@@ -132,7 +141,7 @@ class SmiSampler:
             if len(parts) != 4:
                 continue
             try:
-                when = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                when = smi_time(parts[0])
                 out.append((when, int(parts[1]), float(parts[2]), float(parts[3])))
             except ValueError:
                 continue
