@@ -10,8 +10,8 @@ quantize``), our job in the default shape with that model; with ``--quantize`` i
 built here from the benchmark's own images (``bulk-classify model quantize --force``, default options) and its gate
 lines are printed, so the gate is measured on this machine's CPU. Every side is a fresh subprocess with its own local
 Ray on all CPUs, run in turn within each round (naive, the shapes, INT8, then again), on the same JPEGs made by
-bench_vs_naive.make_images. Columns: median job seconds (_REPORT.json's elapsed_s; naive: ray.init to the end of
-write_parquet), img/s, naive time / this time, and top-1 agreement with the naive output.
+bench_vs_naive.make_images. Columns: median job seconds (_REPORT.json's elapsed_s; naive: from before it imports Ray to
+the end of write_parquet), img/s, naive time / this time, and top-1 agreement with the naive output.
 
 The default candidates depend on the CPU count C: the engine's default shape (``default``: no options), the shape
 the job had before (one call per actor, ONNX Runtime on every core of the actor), 1 call x 1 ORT thread, 2 calls x

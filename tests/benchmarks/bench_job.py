@@ -13,7 +13,8 @@ subprocess on a fresh output, and the table gives, from the rows and the shard f
 - wall, every row exactly once, GPU busy over the steady window (``nvidia-smi`` every 0.25 s);
 - the machine's CPU busy % over the steady window, and the GPU's JPEG-engine use where ``nvidia-smi`` has it;
 - tritonserver processes (the most at once, and all seen), and the log lines that report a server failover;
-- CPU seconds by process over the whole run (``bench_streaming.TreeSampler``).
+- CPU seconds by process over the whole run (``bench_streaming.TreeSampler``), and each process's share of one core
+  over the steady window.
 
 ``--gpu-repo NAME:KEY=VALUE,...`` builds a gpu-profile repository with those ``gpu_config`` options (e.g.
 ``none:network=none`` for the Triton hop without decode or network, ``t2:dali_threads=2``) into WORK/repos/NAME, and
@@ -159,7 +160,7 @@ def run_timed(cmd: list[str], env: dict[str, str], timeout_s: float):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        with TreeSampler(proc.pid, 0.5, 5.0) as sampler:
+        with TreeSampler(proc.pid, 0.5, 5.0, keep_history=True) as sampler:
             proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stop_tree(proc.pid)
@@ -202,6 +203,10 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
     cpu = collections.Counter()
     for pid, seconds in tree.cpu_s.items():
         cpu[tree.proc_peak.get(pid, ("?", 0))[0]] += seconds
+    span, steady_cpu = tree.cpu_between(lo, hi) if rate else (0.0, {})
+    steady_by_role = collections.Counter()
+    for pid, seconds in steady_cpu.items():
+        steady_by_role[tree.proc_peak.get(pid, ("?", 0))[0]] += seconds
     total = opts.images
     row = {
         "variant": name, "args": args_text, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),
@@ -220,6 +225,8 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
         "engine": report.get("engine"), "serving": report.get("serving"),
         "cpu_s_by_process": {k: round(v, 1) for k, v in cpu.most_common(12)},
         "cpu_s_total": round(tree.cpu_total_s, 1),
+        "steady_core_pct_by_process": {k: round(100 * v / span, 1) for k, v in steady_by_role.most_common(8)}
+        if span else {},
     }
     LOG.warning("result %s", json.dumps(row))
     return row
@@ -313,6 +320,10 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_s_by_process"].items())
         print(f"CPU s {r['variant']}: total {r['cpu_s_total']} over {r['wall_s']} s wall: {cpu}")
+    for r in rows:
+        if r.get("steady_core_pct_by_process"):
+            shares = ", ".join(f"{k} {v}" for k, v in r["steady_core_pct_by_process"].items())
+            print(f"% of one core over the steady window {r['variant']}: {shares}")
 
 
 def main() -> None:

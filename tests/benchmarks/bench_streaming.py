@@ -135,6 +135,8 @@ class TreeSampler:
     samples: int = 0
     names: set[str] = field(default_factory=set)
     cpu_s: dict[int, float] = field(default_factory=dict)  # last user+sys seconds seen per process
+    keep_history: bool = False  # also keep every sample's cpu_s with its unix time (CPU over a window: cpu_between)
+    history: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     proc_peak: dict[int, tuple[str, int]] = field(default_factory=dict)  # pid -> (name, peak PSS)
 
     @property
@@ -171,8 +173,19 @@ class TreeSampler:
                 self.cpu_s[proc.pid] = times.user + times.system
             except psutil.Error:
                 pass
+        if self.keep_history:
+            self.history.append((time.time(), dict(self.cpu_s)))
         if with_memory:
             self._sample_memory(procs)
+
+    def cpu_between(self, start: float, end: float) -> tuple[float, dict[int, float]]:
+        """(seconds, CPU seconds per pid) between the first and last samples inside [start, end] (unix times);
+        needs ``keep_history``; (0, {}) when fewer than two samples fall inside."""
+        inside = [h for h in self.history if start <= h[0] <= end]
+        if len(inside) < 2:
+            return 0.0, {}
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        return t1 - t0, {pid: cpu - first.get(pid, 0.0) for pid, cpu in last.items()}
 
     def _sample_memory(self, procs: list[psutil.Process]) -> None:
         total = {"rss": 0, "pss": 0, "shm": 0, "uss": 0}

@@ -31,14 +31,17 @@ def free_port() -> int:
 
 
 class LocalRayCluster:
-    """`ray start --head` with a fixed small resource set; ``address`` is the job API (dashboard) URL."""
+    """`ray start --head` with a fixed small resource set (by default); ``address`` is the job API (dashboard) URL,
+    ``gcs_address`` what a driver joins (RAY_ADDRESS); ``object_store_bytes`` None leaves Ray's own default."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_cpus: int = NUM_CPUS, object_store_bytes: int | None = OBJECT_STORE_BYTES) -> None:
+        self.num_cpus, self.object_store_bytes = num_cpus, object_store_bytes
         # Short path: Ray's unix sockets live under it and must stay under 107 characters.
         self.temp_dir = tempfile.mkdtemp(prefix="bcray", dir="/tmp")
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
         # Token auth on, with a token of its own: the same whatever ~/.ray/auth_token this machine has.
         self.token = secrets.token_hex(32)
         self.env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -57,8 +60,9 @@ class LocalRayCluster:
             "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
             "--include-dashboard", "true", "--ray-client-server-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", str(NUM_CPUS), "--num-gpus", "0",
-            "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--temp-dir", self.temp_dir,
+            "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", str(self.num_cpus), "--num-gpus", "0",
+            *(("--object-store-memory", str(self.object_store_bytes)) if self.object_store_bytes else ()),
+            "--disable-usage-stats", "--temp-dir", self.temp_dir,
         )
         self._wait_for_job_api()
 
