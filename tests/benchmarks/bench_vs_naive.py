@@ -98,7 +98,15 @@ class NaiveClassifier:
         from pipeline.model import load_model
 
         self.bundle = load_model(None)
-        self.session = ort.InferenceSession(str(self.bundle.onnx_path), providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        allowed = len(os.sched_getaffinity(0))
+        if allowed < os.sysconf("SC_NPROCESSORS_ONLN"):  # not os.cpu_count(): the device kit's shim changes it
+            # Pinned to some of a larger host's CPUs (taskset): ORT's default pool would start one thread per
+            # physical core of the host, each pinned to its core outside the mask, so the naive side would use CPUs
+            # ours may not. On a machine of that size its default is about one thread per CPU: that is what it gets.
+            options.intra_op_num_threads = allowed
+        self.session = ort.InferenceSession(str(self.bundle.onnx_path), sess_options=options,
+                                            providers=["CPUExecutionProvider"])
         self.top_k = top_k
 
     def __call__(self, batch: dict) -> dict:
