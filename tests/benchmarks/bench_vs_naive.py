@@ -21,8 +21,9 @@ all the machine's CPUs (same ``num_cpus`` for both):
 
 Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
 _REPORT.json, which counts the driver's imports of Ray; naive: from before ``import ray`` to the end of
-write_parquet, the same span), img/s, peak PSS of the process tree
-(see bench_streaming.py; sampled every ``--memory-interval-s``, 2 s, since sampling memory is not free), then medians and the ratio naive/ours (>1 means ours is faster; issue 3's goal: >= 2).
+write_parquet, the same span), img/s, peak PSS of the process tree (see bench_streaming.py; sampled every
+``--memory-interval-s``, 2 s, since sampling memory is not free), then medians and the ratio naive/ours (>1 means ours
+is faster; issue 3's goal: >= 2).
 Top-1 agreement between the two outputs is printed too: they must do the same work. ``--tiny N`` (default 16) adds a
 run per side and round on N images to split the fixed start-up cost (Ray, workers, model load) from the per-image rate;
 ``--size`` makes other sizes (bigger: decode weighs more, and so do the naive pipeline's full-size decoded
@@ -36,6 +37,7 @@ driver only (the cluster's processes are not its children).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from PIL import Image
@@ -156,6 +159,24 @@ def top1(dest: Path, path_col: str) -> dict[str, int]:
                                                           table.column("class_ids").to_pylist())}
 
 
+@contextlib.contextmanager
+def run_env(env: dict[str, str], *, running_ray: bool) -> Iterator[dict[str, str]]:
+    """The environment of one run: ``env``, or with ``running_ray`` that of a Ray head started for this run alone and
+    stopped after it, outside the measured span (Ray Data's named actors and idle workers never serve the next run)."""
+    if not running_ray:
+        yield env
+        return
+    from support.ray_cluster import LocalRayCluster  # imports pytest: only where it is asked for
+
+    cluster = LocalRayCluster(num_cpus=os.cpu_count() or 1, object_store_bytes=None)
+    cluster.start()
+    try:
+        yield {**env, **{k: cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")},
+               "RAY_ADDRESS": cluster.gcs_address}
+    finally:
+        cluster.stop()
+
+
 def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: dict[str, str]) -> dict:
     """One measured subprocess run of ``side`` ("ours" or "naive") over ``src``; its times and memory."""
     shutil.rmtree(dest, ignore_errors=True)
@@ -166,21 +187,9 @@ def run_side(side: str, src: Path, dest: Path, args: argparse.Namespace, env: di
         cmd = [sys.executable, str(Path(__file__).resolve()), "--naive", str(src), str(dest),
                "--batch-size", str(args.batch_size), "--naive-actors", str(args.naive_actors),
                "--top-k", str(args.top_k)]
-    if getattr(args, "running_ray", False):  # bench_cpu_shape.py's runs have no such option
-        from support.ray_cluster import LocalRayCluster  # imports pytest: only where it is asked for
-
-        # A head of its own per run, started and stopped outside the measured span: Ray Data's named actors and
-        # idle workers of one run never serve the next.
-        cluster = LocalRayCluster(num_cpus=os.cpu_count() or 1, object_store_bytes=None)
-        cluster.start()
-        try:
-            joined = {**env, **{k: cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")},
-                      "RAY_ADDRESS": cluster.gcs_address}
-            wall, sampler, _ = run_measured(cmd, joined, args.interval_s, args.timeout_s, args.memory_interval_s)
-        finally:
-            cluster.stop()
-    else:
-        wall, sampler, _ = run_measured(cmd, env, args.interval_s, args.timeout_s, args.memory_interval_s)
+    # bench_cpu_shape.py's runs have no --running-ray
+    with run_env(env, running_ray=getattr(args, "running_ray", False)) as run_with:
+        wall, sampler, _ = run_measured(cmd, run_with, args.interval_s, args.timeout_s, args.memory_interval_s)
     info = dest / ("_REPORT.json" if side == "ours" else "_naive.json")
     return {"side": side, "wall": wall, "job": json.loads(info.read_text())["elapsed_s"],
             "cpu": sampler.cpu_total_s, "pss": sampler.peak["pss"]}

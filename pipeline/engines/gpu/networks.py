@@ -48,10 +48,10 @@ class Lite0Layout:
 
     ``gemm`` changes where the folded BatchNorm biases are added, not the padding. On the GPU a conv's bias is
     a pass of its own over the conv's output, and these passes were the largest share of the network's GPU time
-    (docs/performance.md, ``tests/benchmarks/device/probe_kernels.py``). With ``gemm`` the 1x1 convs run as GEMMs over the channels-last
-    rows, with their bias added in the GEMM's epilogue. The depthwise convs have no bias: ReLU6's bounds are shifted
-    by it instead, relu6(z + b) - b = clamp(z, -b, 6 - b), and the "- b" is folded into the next 1x1 projection's
-    bias (W (v + b) = W v + W b; exact, as the projection reads no padding).
+    (docs/performance.md, ``tests/benchmarks/device/probe_kernels.py``). With ``gemm`` the 1x1 convs run as GEMMs
+    over the channels-last rows, with their bias added in the GEMM's epilogue. The depthwise convs have no bias:
+    ReLU6's bounds are shifted by it instead, relu6(z + b) - b = clamp(z, -b, 6 - b), and the "- b" is folded into
+    the next 1x1 projection's bias (W (v + b) = W v + W b; exact, as the projection reads no padding).
 
     Attributes:
         symmetric: the stride-1 layers' pads ("pad" or "conv").
