@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.paths import PHOTOS, REPO, TESTS  # noqa: F401  (REPO and PHOTOS: imported by tests)
+from support.ray_cluster import LocalRayCluster
 
 # The tier folders under tests/; each one's tests carry the marker of its name (registered in pyproject.toml).
 TIERS = ("unit", "integration", "gpu", "airflow")
@@ -93,6 +94,17 @@ def ray_local(s3_server):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster (`ray start --head` on loopback) for every test that submits to a running one."""
+    cluster = LocalRayCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def make_jpeg(seed: int, size=(48, 40)) -> bytes:

@@ -9,7 +9,6 @@ import subprocess
 
 import pytest
 
-from support.ray_cluster import ray_cluster  # noqa: F401  (session fixture: a real local Ray cluster)
 from support.paths import REPO
 
 AIRFLOW_VENV = REPO / ".venv-airflow"

@@ -166,7 +166,7 @@ def run_env(env: dict[str, str], *, running_ray: bool) -> Iterator[dict[str, str
     if not running_ray:
         yield env
         return
-    from support.ray_cluster import LocalRayCluster  # imports pytest: only where it is asked for
+    from support.ray_cluster import LocalRayCluster
 
     cluster = LocalRayCluster(num_cpus=os.cpu_count() or 1, object_store_bytes=None)
     cluster.start()

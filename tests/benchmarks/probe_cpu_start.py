@@ -6,14 +6,18 @@ the command's start.
 Runs ``bulk-classify run SRC --output OUT --quiet [RUN OPTIONS]`` in this process with the run's steps wrapped
 (source and output checks, model load, Ray's start with its imports, the pipeline until its last row, the report,
 Ray's stop), and before the run closes writes ``ray.timeline()``: every worker's constructor (``__init__``, with the
-time spent importing and deserializing its class) and every task and actor call over 20 ms. A small SRC (16 images)
-shows the start alone. Writing the timeline takes about a second, between the pipeline's end and the report.
+time spent importing and deserializing its class) and every task and actor call over 20 ms, and last the CPU seconds
+of each process of the run (this one and Ray's, by role; sampled every PROCESS_SAMPLE_S until Ray stops). A small SRC
+(16 images) shows the start alone. Writing the timeline takes about a second, between the pipeline's end and the
+report.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -21,10 +25,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 T0 = time.perf_counter()
 EPOCH0 = time.time()
 STEPS: list[tuple[float, float, str]] = []
+PROCESS_SAMPLE_S = 0.25  # each sample reads every process's smaps_rollup (~3 ms a process) for its role name
 
 
 def timed(owner: object, name: str, label: str) -> None:
@@ -71,8 +77,19 @@ def main() -> None:
 
     run._Run.close = close_after_timeline
     sys.argv = ["bulk-classify", "run", src, "--output", out, "--quiet", *options]
+    from bench_streaming import TreeSampler
+
+    sampler = TreeSampler(os.getpid(), interval_s=PROCESS_SAMPLE_S)
+    shutdown = ray.shutdown
+
+    def sample_then_shutdown(*args, **kwargs):
+        sampler.sample()  # Ray's processes as they end the run
+        return shutdown(*args, **kwargs)
+
+    ray.shutdown = sample_then_shutdown
     try:
-        cli(standalone_mode=False)
+        with sampler:
+            cli(standalone_mode=False)
     finally:
         print("driver (s from the command's start):")
         for start, end, label in sorted(STEPS):
@@ -87,6 +104,20 @@ def main() -> None:
                 print(f"  {e['ts'] / 1e6 - EPOCH0:6.2f} +{e['dur'] / 1e6:5.2f} s  {name[:70]}  "
                       f"({str(e.get('tid', ''))[:18]})")
         shutil.rmtree(trace.parent, ignore_errors=True)
+        print_cpu_by_process(sampler)
+
+
+def print_cpu_by_process(sampler) -> None:
+    """CPU seconds of the run's processes, summed by role (the name each had at its peak memory)."""
+    seconds: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for pid, cpu in sampler.cpu_s.items():
+        role = sampler.proc_peak.get(pid, ("?", 0))[0]
+        seconds[role] += cpu
+        count[role] += 1
+    print(f"CPU seconds by process ({sum(seconds.values()):.1f} s in {len(sampler.cpu_s)} processes):")
+    for role, cpu in seconds.most_common():
+        print(f"  {cpu:6.2f} s  x{count[role]}  {role}")
 
 
 if __name__ == "__main__":

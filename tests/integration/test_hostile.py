@@ -24,7 +24,7 @@ import pyarrow.dataset as pads
 import pytest
 
 from conftest import make_jpeg
-from support.ray_cluster import LocalRayCluster, ray_cluster  # noqa: F401  (session fixture: a live cluster not ours)
+from support.ray_cluster import LocalRayCluster
 from pipeline.config import RunConfig
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
@@ -883,7 +883,7 @@ def mark_as_dead_run(cluster) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_after_kill_9_of_the_driver_the_next_run_starts_clean(tmp_path, ray_cluster):  # noqa: F811
+def test_after_kill_9_of_the_driver_the_next_run_starts_clean(tmp_path, ray_cluster):
     """Reproduction 6: a driver killed with SIGKILL mid-run (Triton engine) leaves its Triton folders, and can leave
     its Ray's agents running; the next run ends those processes and removes those folders before its own Ray starts,
     and touches no process or folder of a live owner (``ray_cluster``: a live cluster without our mark)."""

@@ -18,7 +18,6 @@ from click.testing import CliRunner
 from pipeline import cli
 from pipeline import nightly as ns
 from pipeline.errors import ConfigError
-from support.ray_cluster import ray_cluster  # noqa: F401  (session fixture: a real local Ray cluster)
 from support.paths import REPO
 
 PHOTOS = REPO / "tests" / "data" / "photos"

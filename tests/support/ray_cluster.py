@@ -17,8 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 VENV_BIN = Path(sys.executable).parent
 NUM_CPUS = 2
 OBJECT_STORE_BYTES = 400 * 1024 * 1024
@@ -127,22 +125,3 @@ class LocalRayCluster:
                 pass
         psutil.wait_procs(alive, timeout=5)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-_CLUSTER: LocalRayCluster | None = None
-
-
-@pytest.fixture(scope="session")
-def ray_cluster(request) -> LocalRayCluster:
-    """One cluster for every module that asks (nightly job and Airflow tests), stopped when pytest exits."""
-    global _CLUSTER
-    if _CLUSTER is None:
-        cluster = LocalRayCluster()
-        request.config.add_cleanup(cluster.stop)
-        try:
-            cluster.start()
-        except Exception:
-            cluster.stop()
-            raise
-        _CLUSTER = cluster
-    return _CLUSTER
