@@ -48,14 +48,14 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
     arguments, storage or model are unusable. Bad images become error rows and never raise.
     """
+    started_at = datetime.now(timezone.utc)
+    t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
     if not os.environ.get("RAY_ADDRESS"):
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
     check_output_location(config)  # an output that is the source or holds it: refused before anything else
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
     config.check_requirements()
-    started_at = datetime.now(timezone.utc)
-    t0 = time.perf_counter()
     src_fs, src_root = open_fs(config.source, config.storage_options)
     check_source(src_fs, src_root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
     dst_fs, dst_root = open_fs(config.output, config.storage_options)

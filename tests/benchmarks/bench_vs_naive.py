@@ -168,7 +168,7 @@ def run_env(env: dict[str, str], *, running_ray: bool) -> Iterator[dict[str, str
         return
     from support.ray_cluster import LocalRayCluster
 
-    cluster = LocalRayCluster(num_cpus=os.cpu_count() or 1, object_store_bytes=None)
+    cluster = LocalRayCluster(num_cpus=os.cpu_count() or 1, object_store_bytes=None, job_api=False)
     cluster.start()
     try:
         yield {**env, **{k: cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")},

@@ -30,10 +30,12 @@ def free_port() -> int:
 
 class LocalRayCluster:
     """`ray start --head` with a fixed small resource set (by default); ``address`` is the job API (dashboard) URL,
-    ``gcs_address`` what a driver joins (RAY_ADDRESS); ``object_store_bytes`` None leaves Ray's own default."""
+    ``gcs_address`` what a driver joins (RAY_ADDRESS); ``object_store_bytes`` None leaves Ray's own default;
+    ``job_api`` False starts no dashboard (no job submission; Ray without its dashboard packages can run it)."""
 
-    def __init__(self, num_cpus: int = NUM_CPUS, object_store_bytes: int | None = OBJECT_STORE_BYTES) -> None:
-        self.num_cpus, self.object_store_bytes = num_cpus, object_store_bytes
+    def __init__(self, num_cpus: int = NUM_CPUS, object_store_bytes: int | None = OBJECT_STORE_BYTES,
+                 job_api: bool = True) -> None:
+        self.num_cpus, self.object_store_bytes, self.job_api = num_cpus, object_store_bytes, job_api
         # Short path: Ray's unix sockets live under it and must stay under 107 characters.
         self.temp_dir = tempfile.mkdtemp(prefix="bcray", dir="/tmp")
         self.gcs_port = free_port()
@@ -57,12 +59,13 @@ class LocalRayCluster:
         self.ray(
             "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
-            "--include-dashboard", "true", "--ray-client-server-port", str(free_port()),
+            "--include-dashboard", str(self.job_api).lower(), "--ray-client-server-port", str(free_port()),
             "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", str(self.num_cpus), "--num-gpus", "0",
             *(("--object-store-memory", str(self.object_store_bytes)) if self.object_store_bytes else ()),
             "--disable-usage-stats", "--temp-dir", self.temp_dir,
         )
-        self._wait_for_job_api()
+        if self.job_api:
+            self._wait_for_job_api()
 
     def _wait_for_job_api(self, timeout_s: float = 60) -> None:
         import urllib.request
