@@ -177,18 +177,11 @@ def run_timed(cmd: list[str], env: dict[str, str], timeout_s: float):
     return wall, sampler, log
 
 
-def by_process_name(tree, seconds_by_pid: dict[int, float]) -> collections.Counter:
-    """CPU seconds summed by the name each process had at its peak memory (``TreeSampler.proc_peak``)."""
-    out: collections.Counter = collections.Counter()
-    for pid, seconds in seconds_by_pid.items():
-        out[tree.proc_peak.get(pid, ("?", 0))[0]] += seconds
-    return out
-
-
 def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampler, machine=None) -> dict:
     import pyarrow.dataset as pads
 
     from bench_scaleout import gpu_summary, steady_rate
+    from bench_streaming import cpu_by_role
 
     out = root / f"out-{name}"
     shutil.rmtree(out, ignore_errors=True)
@@ -208,9 +201,9 @@ def run_variant(name: str, args_text: str, images: Path, root: Path, opts, sampl
     rate, lo, hi = steady_rate(starts)
     commits = sorted(p.stat().st_mtime for p in out.rglob("part-*.parquet"))
     report = json.loads((out / "_REPORT.json").read_text()) if (out / "_REPORT.json").is_file() else {}
-    cpu = by_process_name(tree, tree.cpu_s)
+    cpu = cpu_by_role(tree)[0]
     span, steady_cpu = tree.cpu_between(lo, hi) if rate else (0.0, {})
-    steady_by_role = by_process_name(tree, steady_cpu)
+    steady_by_role = cpu_by_role(tree, steady_cpu)[0]
     total = opts.images
     row = {
         "variant": name, "args": args_text, "images": total, "rows": len(uris), "unique_rows": len(set(uris)),

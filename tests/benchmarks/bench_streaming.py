@@ -23,6 +23,7 @@ The goal (issue 3) is a PSS ratio of at most 1.2 between the largest and the sma
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
@@ -231,6 +232,19 @@ def _label(proc: psutil.Process, root_pid: int) -> str:
         if part.endswith(".py"):
             return Path(part).name
     return proc.name()
+
+
+def cpu_by_role(sampler: TreeSampler, seconds_by_pid: dict[int, float] | None = None
+                ) -> tuple[collections.Counter, collections.Counter]:
+    """(CPU seconds, processes) summed by role, each process named as it was at its peak memory; ``seconds_by_pid``
+    defaults to the whole run's (``sampler.cpu_s``)."""
+    seconds: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for pid, cpu in (sampler.cpu_s if seconds_by_pid is None else seconds_by_pid).items():
+        role = sampler.proc_peak.get(pid, ("?", 0))[0]
+        seconds[role] += cpu
+        count[role] += 1
+    return seconds, count
 
 
 def role_peaks(sampler: TreeSampler) -> dict[str, tuple[int, int]]:

@@ -14,7 +14,6 @@ report.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
@@ -109,12 +108,9 @@ def main() -> None:
 
 def print_cpu_by_process(sampler) -> None:
     """CPU seconds of the run's processes, summed by role (the name each had at its peak memory)."""
-    seconds: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for pid, cpu in sampler.cpu_s.items():
-        role = sampler.proc_peak.get(pid, ("?", 0))[0]
-        seconds[role] += cpu
-        count[role] += 1
+    from bench_streaming import cpu_by_role
+
+    seconds, count = cpu_by_role(sampler)
     print(f"CPU seconds by process ({sum(seconds.values()):.1f} s in {len(sampler.cpu_s)} processes):")
     for role, cpu in seconds.most_common():
         print(f"  {cpu:6.2f} s  x{count[role]}  {role}")
