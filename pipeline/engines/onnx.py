@@ -24,8 +24,9 @@ LOG = logging.getLogger(__name__)
 # Images per ORT run: small batches are the most CPU-efficient for this depthwise-conv network
 # (tests/benchmarks/bench_engine.py measures them).
 DEFAULT_MAX_BATCH = 8
-# ONNX Runtime threads per run by default: one, because the actor runs several calls at once (the onnx engine's
-# calls_per_actor), and their single-threaded runs overlap decoding better than one run on every core.
+# ONNX Runtime threads per run of an engine built on its own: one, because an actor runs several calls at once (the
+# onnx engine's calls_per_actor), which overlap decoding better than one run on every core. In a job each call gets
+# the actor's share of the node's cores instead (call_threads_option), which is also 1 on 2 cores.
 DEFAULT_INTRA_OP_THREADS = 1
 
 SPEC = EngineSpec(
@@ -38,6 +39,7 @@ SPEC = EngineSpec(
         positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
     ),
     decode_threads_option="decode_threads",
+    call_threads_option="intra_op_threads",
     # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the other's
     # runs the network, so the stages overlap instead of taking turns (docs/performance.md).
     calls_per_actor=2,

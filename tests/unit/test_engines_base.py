@@ -113,6 +113,22 @@ def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
     assert plan("gpu", gpus=0) == (4, 1.0, 0.0)  # no GPUs: the CPU plan (a core in four)
 
 
+def test_each_onnx_call_gets_the_actors_share_of_the_cores_unless_told():
+    """2 cores keep one ORT thread a call (the 2-core optimum); 16 cores (4 actors x 2 calls) give each call 2."""
+    from pipeline.config import RunConfig
+    from pipeline.job.stages import actor_engine_options, call_threads
+
+    assert [call_threads(c, a, k) for c, a, k in ((2, 1, 2), (16, 4, 2), (16, 4, 3), (64, 16, 2), (1, 1, 2))] == \
+        [1, 2, 1, 2, 1]
+    onnx = RunConfig(source="/in", output="/out", engine="onnx")
+    assert actor_engine_options(onnx, 16, 4, 2, on_gpu=False) == {"intra_op_threads": 2}
+    assert actor_engine_options(onnx, 2, 1, 2, on_gpu=False) == {"intra_op_threads": 1}
+    told = RunConfig(source="/in", output="/out", engine="onnx", engine_options={"intra_op_threads": "3"})
+    assert actor_engine_options(told, 16, 4, 2, on_gpu=False) == {"intra_op_threads": 3}
+    assert actor_engine_options(RunConfig(source="/in", output="/out", engine="gpu"), 16, 4, 2, on_gpu=False) == {}
+    assert REGISTRY["onnx"].call_threads_option in {o.name for o in REGISTRY["onnx"].options}
+
+
 def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatch):
     """The shared server must outlive its owner's worker; a local Ray started with the variable passes it on by
     inheritance, a cluster's workers get it in the actors' runtime_env."""
