@@ -40,8 +40,9 @@ SPEC = EngineSpec(
     ),
     decode_threads_option="decode_threads",
     call_threads_option="intra_op_threads",
-    # Two calls, each running ONNX Runtime on one thread: one call's batch decodes on the pool while the other's
-    # runs the network, so the stages overlap instead of taking turns (docs/performance.md).
+    # Two calls, each running ONNX Runtime on its half of the actor's cores (one thread on 2 cores): one call's batch
+    # decodes on the pool while the other's runs the network, so the stages overlap instead of taking turns
+    # (docs/performance.md).
     calls_per_actor=2,
 )
 
