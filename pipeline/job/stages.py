@@ -218,8 +218,8 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
 def call_threads(cpus: int, actors: int, calls: int) -> int:
     """Compute threads for each of an actor's concurrent calls: its share of the cluster's ``cpus`` over ``calls``.
 
-    On 16 cores (4 actors x 2 calls) 2 threads a call ran the job 1.18x faster than 1; on 2 cores it is 1, the best
-    there (docs/int8.md, the onnx engine's shape).
+    1 on 2 cores, the best shape there; 2 on 16 cores (4 actors x 2 calls), where 2 threads a call beat 1
+    (docs/performance.md, "The CPU job on 16 cores").
     """
     return max(1, cpus // max(1, actors) // max(1, calls))
 
