@@ -247,6 +247,14 @@ def cpu_by_role(sampler: TreeSampler, seconds_by_pid: dict[int, float] | None = 
     return seconds, count
 
 
+def print_cpu_by_role(sampler: TreeSampler, heading: str) -> None:
+    """``heading``, then a line per role of ``cpu_by_role``: CPU seconds, processes, role; the most CPU first."""
+    seconds, count = cpu_by_role(sampler)
+    print(heading)
+    for role, cpu in seconds.most_common():
+        print(f"  {cpu:7.2f} s  {count[role]:>2} x {role}")
+
+
 def role_peaks(sampler: TreeSampler) -> dict[str, tuple[int, int]]:
     """(processes, peak PSS summed) per role name; each process at its own peak, so sums exceed the tree's peak."""
     out: dict[str, tuple[int, int]] = {}

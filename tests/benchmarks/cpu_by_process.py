@@ -17,17 +17,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_streaming import cpu_by_role, run_measured  # noqa: E402
+from bench_streaming import print_cpu_by_role, run_measured  # noqa: E402
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     wall, sampler, _ = run_measured(sys.argv[1:], dict(os.environ), interval_s=0.5, memory_interval_s=2.0)
-    by_role, count = cpu_by_role(sampler)
-    print(f"wall {wall:.1f} s; CPU {sampler.cpu_total_s:.1f} s over {len(sampler.cpu_s)} processes")
-    for role, cpu in by_role.most_common():
-        print(f"  {cpu:7.1f} s  {count[role]:>2} × {role}")
+    print_cpu_by_role(sampler, f"wall {wall:.1f} s; CPU {sampler.cpu_total_s:.1f} s over {len(sampler.cpu_s)} "
+                               "processes")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def main() -> None:
 
     run._Run.close = close_after_timeline
     sys.argv = ["bulk-classify", "run", src, "--output", out, "--quiet", *options]
-    from bench_streaming import TreeSampler
+    from bench_streaming import TreeSampler, print_cpu_by_role
 
     sampler = TreeSampler(os.getpid(), interval_s=PROCESS_SAMPLE_S)
     shutdown = ray.shutdown
@@ -103,17 +103,8 @@ def main() -> None:
                 print(f"  {e['ts'] / 1e6 - EPOCH0:6.2f} +{e['dur'] / 1e6:5.2f} s  {name[:70]}  "
                       f"({str(e.get('tid', ''))[:18]})")
         shutil.rmtree(trace.parent, ignore_errors=True)
-        print_cpu_by_process(sampler)
-
-
-def print_cpu_by_process(sampler) -> None:
-    """CPU seconds of the run's processes, summed by role (the name each had at its peak memory)."""
-    from bench_streaming import cpu_by_role
-
-    seconds, count = cpu_by_role(sampler)
-    print(f"CPU seconds by process ({sum(seconds.values()):.1f} s in {len(sampler.cpu_s)} processes):")
-    for role, cpu in seconds.most_common():
-        print(f"  {cpu:6.2f} s  x{count[role]}  {role}")
+        print_cpu_by_role(sampler, f"CPU seconds by process ({sampler.cpu_total_s:.1f} s in {len(sampler.cpu_s)} "
+                                   "processes, by role: the name each had at its peak memory):")
 
 
 if __name__ == "__main__":
