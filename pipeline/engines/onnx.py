@@ -34,8 +34,10 @@ SPEC = EngineSpec(
     factory=f"{__name__}:OnnxEngine",
     summary="ONNX Runtime on the actor's CPU cores (auto's choice without GPUs)",
     options=(
-        positive_int("decode_threads", "threads decoding images per actor, e.g. 4"),
-        positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2"),
+        positive_int("decode_threads", "threads decoding images per actor, e.g. 4 (default: the machine's CPUs, at most "
+                     f"{MAX_DECODE_THREADS})"),
+        positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2 (default in a job: the actor's share "
+                     "of the cores over its calls, 1 on 2 cores, 2 on 16)"),
         positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
     ),
     decode_threads_option="decode_threads",
