@@ -5,8 +5,10 @@ Usage:
 
 Prints, for the first ``--images`` files of FOLDER (e.g. one made by bench_vs_naive.py --workdir DIR), in one run:
 decode + preprocess with the reference (Pillow, one thread), ONNX Runtime on those tensors (one thread, and two),
-their sum (the floor: no pipeline running this model and this preprocessing spends less CPU per image), and
-``OnnxEngine.classify`` in 64-image calls as the job's actor makes them, as wall and CPU milliseconds per image.
+their sum (the floor: no pipeline running this model and this preprocessing spends less CPU per image),
+``OnnxEngine.classify`` in 64-image calls as the job's actor makes them, one at a time and then as many at once as a
+job's actor runs (its ``calls_per_actor``, each ONNX Runtime on the threads the job would give it), as wall and CPU
+milliseconds per image. The last row's rate is what one classify actor can do on this machine with no Ray around it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.engines.onnx import OnnxEngine  # noqa: E402
+from pipeline.config import CPUS_PER_CPU_ACTOR  # noqa: E402
+from pipeline.engines.onnx import SPEC, OnnxEngine  # noqa: E402
+from pipeline.job.stages import call_threads  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 
@@ -81,6 +86,15 @@ def main() -> None:
     engine.classify(blobs[:16])
     rows.append(("OnnxEngine.classify, 64-image calls",
                  *_measure(lambda: [engine.classify(blobs[i : i + 64]) for i in range(0, n, 64)], n)))
+    engine.close()
+    calls = SPEC.calls_per_actor
+    threads = call_threads(cores, max(1, cores // CPUS_PER_CPU_ACTOR), calls)
+    engine = OnnxEngine(bundle, intra_op_threads=threads)
+    engine.classify(blobs[:16])
+    chunks = [blobs[i : i + 64] for i in range(0, n, 64)]
+    with ThreadPoolExecutor(calls) as pool:
+        wall, cpu = _measure(lambda: list(pool.map(engine.classify, chunks)), n)
+    rows.append((f"OnnxEngine, {calls} calls at once x {threads} ORT thread(s): {1e3 / wall:.0f} img/s", wall, cpu))
     engine.close()
     mean_kb = sum(map(len, blobs)) / n / 1e3
     print(f"{n} images from {args.folder} (mean {mean_kb:.0f} KB), {cores} CPUs")
