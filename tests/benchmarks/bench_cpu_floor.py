@@ -25,9 +25,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.config import CPUS_PER_CPU_ACTOR  # noqa: E402
+from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.onnx import SPEC, OnnxEngine  # noqa: E402
-from pipeline.job.stages import call_threads  # noqa: E402
+from pipeline.job.stages import actor_plan, call_threads  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 
@@ -88,7 +88,8 @@ def main() -> None:
                  *_measure(lambda: [engine.classify(blobs[i : i + 64]) for i in range(0, n, 64)], n)))
     engine.close()
     calls = SPEC.calls_per_actor
-    threads = call_threads(cores, max(1, cores // CPUS_PER_CPU_ACTOR), calls)
+    actors, _cpus, _gpus = actor_plan(RunConfig(source=str(args.folder), output="unused", engine=SPEC.name), cores, 0)
+    threads = call_threads(cores, actors, calls)
     engine = OnnxEngine(bundle, intra_op_threads=threads)
     engine.classify(blobs[:16])
     chunks = [blobs[i : i + 64] for i in range(0, n, 64)]
