@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.onnx import SPEC, OnnxEngine  # noqa: E402
-from pipeline.job.stages import actor_plan, call_threads  # noqa: E402
+from pipeline.job.stages import actor_engine_options, actor_plan  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 
@@ -88,9 +88,11 @@ def main() -> None:
                  *_measure(lambda: [engine.classify(blobs[i : i + 64]) for i in range(0, n, 64)], n)))
     engine.close()
     calls = SPEC.calls_per_actor
-    actors, _cpus, _gpus = actor_plan(RunConfig(source=str(args.folder), output="unused", engine=SPEC.name), cores, 0)
-    threads = call_threads(cores, actors, calls)
-    engine = OnnxEngine(bundle, intra_op_threads=threads)
+    config = RunConfig(source=str(args.folder), output="unused", engine=SPEC.name)
+    actors, _cpus, _gpus = actor_plan(config, cores, 0)
+    options = actor_engine_options(config, cores, actors, calls, on_gpu=False)  # what the job's actors are given
+    threads = options[SPEC.call_threads_option]
+    engine = OnnxEngine(bundle, **options)
     engine.classify(blobs[:16])
     chunks = [blobs[i : i + 64] for i in range(0, n, 64)]
     with ThreadPoolExecutor(calls) as pool:
