@@ -141,6 +141,8 @@ class EngineSpec:
         decode_threads_option: the option that ``--decode-threads`` fills, if the engine decodes in the actor.
         call_threads_option: the option the job fills, unless given, with each call's compute threads on a CPU
             node: the actor's share of the cluster's cores over its calls (``pipeline.job.stages.call_threads``).
+        calls_option: the option the job fills, unless given, with the calls each actor runs at once
+            (``--calls-per-actor``), for a runtime that must know how many runs will share it.
         preflight: ``"module:function"`` called with the parsed options in the driver; raises ConfigError.
         calls_per_actor: engine calls each actor runs at once by default (``--calls-per-actor``): more than one
             for an engine whose calls mostly wait on a server, so the next batch is sent while this one finishes.
@@ -163,6 +165,7 @@ class EngineSpec:
     needs_gpu: bool = False
     decode_threads_option: str | None = None
     call_threads_option: str | None = None
+    calls_option: str | None = None
     preflight: str | None = None
     calls_per_actor: int = 1
     actors_per_gpu: int = 1

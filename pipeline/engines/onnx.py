@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -29,15 +29,19 @@ DEFAULT_MAX_BATCH = 8
 # the actor's share of the node's cores instead (call_threads_option), which is also 1 on 2 cores.
 DEFAULT_INTRA_OP_THREADS = 1
 
+# The decoding pool's option, shared by the engines built on this one (openvino).
+DECODE_THREADS_OPTION = positive_int("decode_threads", "threads decoding images per actor, e.g. 4 (default: the "
+                                     f"machine's CPUs, at most {MAX_DECODE_THREADS})")
+# What a job gives each call's compute threads by default on a CPU node (``pipeline.job.stages.call_threads``).
+CALL_THREADS_DEFAULT = "default in a job: the actor's share of the cores over its calls, 1 on 2 cores, 2 on 16"
+
 SPEC = EngineSpec(
     name="onnx",
     factory=f"{__name__}:OnnxEngine",
     summary="ONNX Runtime on the actor's CPU cores (auto's choice without GPUs)",
     options=(
-        positive_int("decode_threads", "threads decoding images per actor, e.g. 4 (default: the machine's CPUs, at most "
-                     f"{MAX_DECODE_THREADS})"),
-        positive_int("intra_op_threads", "ONNX Runtime threads per run, e.g. 2 (default in a job: the actor's share "
-                     "of the cores over its calls, 1 on 2 cores, 2 on 16)"),
+        DECODE_THREADS_OPTION,
+        positive_int("intra_op_threads", f"ONNX Runtime threads per run, e.g. 2 ({CALL_THREADS_DEFAULT})"),
         positive_int("max_batch", "images per ONNX Runtime run, e.g. 8"),
     ),
     decode_threads_option="decode_threads",
@@ -108,8 +112,6 @@ class OnnxEngine:
         intra_op_threads: int | None = DEFAULT_INTRA_OP_THREADS,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
-        import onnxruntime as ort
-
         if top_k < 1:
             raise ConfigError(f"top_k must be at least 1, got {top_k}")
         if max_batch < 1:
@@ -121,28 +123,36 @@ class OnnxEngine:
         threads = decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1)
         if threads < 1:
             raise ConfigError(f"decode_threads must be at least 1, got {decode_threads}")
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.inter_op_num_threads = 1
-        # ORT's worker threads spin while idle by default; here they share cores with the decode threads (and, in
-        # a Ray job, with other actors), where spinning only steals CPU from the work.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if intra_op_threads is not None:
-            if intra_op_threads < 1:
-                raise ConfigError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
-            options.intra_op_num_threads = intra_op_threads
-        try:
-            self._session = ort.InferenceSession(
-                str(bundle.onnx_path), sess_options=options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as e:  # ORT raises its own exception types
-            raise EngineError(f"ONNX Runtime cannot load {bundle.onnx_path}: {e}; check the file with onnx.checker") from None
+        if intra_op_threads is not None and intra_op_threads < 1:
+            raise ConfigError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
+        self._forward = self._open_runtime(bundle, intra_op_threads)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
         self.decode_threads = threads
         # Cumulative seconds per stage, read by the actor for the run report. decode_preprocess sums the
         # pool threads' time (it overlaps inference), infer is ONNX Runtime's wall time.
         self.stage_seconds = {STAGE_DECODE: 0.0, STAGE_INFER: 0.0}
         self._stage_lock = threading.Lock()
+
+    def _open_runtime(self, bundle: ModelBundle, threads: int | None) -> Callable[[np.ndarray], np.ndarray]:
+        """The network as a function of a batch (N, C, H, W float32) to its logits, safe to call from several
+        threads at once; ``threads``: compute threads per call (None: the runtime's default)."""
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.inter_op_num_threads = 1
+        # ORT's worker threads spin while idle by default; here they share cores with the decode threads (and, in
+        # a Ray job, with other actors), where spinning only steals CPU from the work.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        try:
+            session = ort.InferenceSession(str(bundle.onnx_path), sess_options=options,
+                                           providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types
+            raise EngineError(f"ONNX Runtime cannot load {bundle.onnx_path}: {e}; check the file with onnx.checker") from None
+        outputs, input_name = [bundle.output_name], bundle.input_name
+        return lambda batch: session.run(outputs, {input_name: batch})[0]
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         """One Result per encoded image, same order; bad images become error results."""
@@ -198,7 +208,7 @@ class OnnxEngine:
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
-        logits = self._session.run([self.bundle.output_name], {self.bundle.input_name: batch})[0]
+        logits = self._forward(batch)
         self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
         if logits.ndim != 2 or logits.shape[1] != self.bundle.num_classes:
             raise EngineError(

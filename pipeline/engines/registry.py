@@ -18,6 +18,7 @@ from pipeline.imaging import DecodeLimits
 # The engine modules, each exporting ``SPEC``, in the order --help and `bulk-classify engines` list them.
 ENGINE_MODULES = (
     "pipeline.engines.onnx",
+    "pipeline.engines.openvino",
     "pipeline.engines.triton",
     "pipeline.engines.gpu.engine",
 )

@@ -225,12 +225,14 @@ def call_threads(cpus: int, actors: int, calls: int) -> int:
 
 
 def actor_engine_options(config: RunConfig, cpus: int, actors: int, calls: int, *, on_gpu: bool) -> dict[str, Any]:
-    """The classify actors' engine options: ``--engine-option``s as given, and on CPU actors the engine's
-    ``call_threads_option`` (if it has one and it was not given) set by ``call_threads``."""
+    """The classify actors' engine options: ``--engine-option``s as given; where not given, the engine's
+    ``calls_option`` set to ``calls`` and, on CPU actors, its ``call_threads_option`` set by ``call_threads``."""
     options = dict(config.engine_options or {})
-    option = engine_spec(config.engine).call_threads_option
-    if option and option not in options and not on_gpu:
-        options[option] = call_threads(cpus, actors, calls)
+    spec = engine_spec(config.engine)
+    if spec.calls_option and spec.calls_option not in options:
+        options[spec.calls_option] = calls
+    if spec.call_threads_option and spec.call_threads_option not in options and not on_gpu:
+        options[spec.call_threads_option] = call_threads(cpus, actors, calls)
     return options
 
 

@@ -1,4 +1,5 @@
-"""The ONNX Runtime CPU engine: real photos land right, every odd input gives one result, top-k softmax."""
+"""The CPU engines: ONNX Runtime's real photos land right, every odd input gives one result, top-k softmax; OpenVINO's
+agree with it."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def test_topk_softmax_matches_full_softmax():
 
 
 def test_make_engine(default_bundle):
-    with pytest.raises(ConfigError, match=r"--engine 'cuda' is unknown; choose one of auto, onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match=r"--engine 'cuda' is unknown; choose one of auto, onnx, openvino, triton, gpu"):
         make_engine("cuda", default_bundle)
     with pytest.raises(ConfigError, match=r"engine 'onnx' has no option instances; its options are decode_threads, intra_op_threads, max_batch"):
         make_engine("onnx", default_bundle, instances=2)
@@ -150,3 +151,57 @@ def test_engine_applies_its_decode_limits(default_bundle, photo_bytes):
     with OnnxEngine(default_bundle, limits=DecodeLimits(max_pixels=200_000)) as engine:
         (astronaut,) = engine.classify([photo_bytes["astronaut"]])
     assert astronaut.error == "too_many_pixels: 512x512 = 262144 pixels is over max_pixels=200000; raise the limit to accept it"
+
+
+def test_openvino_classifies_like_onnx_in_one_call_and_in_concurrent_ones(default_bundle, photo_bytes, odd_images):
+    """The openvino engine shares the onnx engine's decoding; its network gives the same top-k to float rounding,
+    also when several calls share its streams at once (each thread has its own infer request)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.engines.openvino import OpenVinoEngine
+
+    images = list(photo_bytes.values()) + [data for data, _status, _kind in odd_images.values()]
+    with OnnxEngine(default_bundle, top_k=5) as onnx:
+        reference = onnx.classify(images)
+    with OpenVinoEngine(default_bundle, top_k=5, threads=1, streams=3, max_batch=3) as engine:
+        alone = engine.classify(images)
+        chunks = [images[i:i + 4] for i in range(0, len(images), 4)]
+        with ThreadPoolExecutor(3) as pool:
+            together = [r for part in pool.map(engine.classify, chunks * 3) for r in part]
+        assert engine.name == "openvino" and engine.stage_seconds["infer"] > 0
+    assert [r.status for r in alone] == [r.status for r in reference]
+    assert sum(r.status == "ok" for r in alone) >= len(photo_bytes)
+    for a, b in zip(alone, reference):
+        assert a.class_ids == b.class_ids and a.error == b.error and (a.width, a.height) == (b.width, b.height)
+        np.testing.assert_allclose(a.scores, b.scores, atol=1e-4)
+    for a, b in zip(together, alone * 3):
+        assert a.class_ids == b.class_ids
+        np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
+
+
+def test_openvino_without_its_package_fails_in_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from pipeline.engines.registry import engine_spec
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^--engine openvino needs the openvino package: pip install "
+                                          r"'bulk-classify\[openvino\]', or use --engine onnx$"):
+        engine_spec("openvino").check({})
+
+
+def test_openvino_says_in_one_line_that_it_cannot_load_a_broken_model(default_bundle, tmp_path):
+    from dataclasses import replace
+
+    from pipeline.engines.openvino import OpenVinoEngine
+    from pipeline.errors import EngineError
+
+    broken = tmp_path / "model.onnx"
+    broken.write_bytes(b"not a model")
+    with pytest.raises(EngineError) as caught:
+        OpenVinoEngine(replace(default_bundle, onnx_path=broken))
+    message = str(caught.value)
+    assert message.startswith(f"OpenVINO cannot load {broken}: ") and "\n" not in message
+    assert message.endswith("; check the file with onnx.checker, or use --engine onnx")
+    assert "Exception from" not in message

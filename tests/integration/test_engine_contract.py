@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError
 
 TOP_K = 3
 # Engines that decode with the reference code (Pillow here, in the server for triton): same top-1 as onnx.
-MATCHES_REFERENCE = ("onnx", "triton")
+MATCHES_REFERENCE = ("onnx", "openvino", "triton")
 
 
 def _unavailable(name: str) -> str | None:

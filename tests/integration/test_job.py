@@ -62,6 +62,20 @@ def test_local_folder_photos_and_odd_inputs(tmp_path, ray_local):
     assert (tmp_path / "out" / "_REPORT.json").exists()
 
 
+def test_the_openvino_engine_writes_the_rows_the_onnx_engine_does(tmp_path, ray_local):
+    src = tmp_path / "src"
+    shutil.copytree(PHOTOS, src)
+    (src / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    run_job(RunConfig(source=str(src), output=str(tmp_path / "onnx"), engine="onnx"))
+    summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "ov"), engine="openvino"))
+    onnx, ov = read_rows(str(tmp_path / "onnx")), read_rows(str(tmp_path / "ov"))
+    assert summary.total == len(ov) == len(onnx) == len(list(PHOTOS.glob("*.jpg"))) + 1
+    assert ov["broken.jpg"]["status"] == "error" and ov["broken.jpg"]["error"] == onnx["broken.jpg"]["error"]
+    for name, row in onnx.items():
+        assert (ov[name]["status"], ov[name]["class_ids"]) == (row["status"], row["class_ids"]), name
+        assert ov[name]["scores"] == pytest.approx(row["scores"], abs=1e-4), name
+
+
 def test_s3_in_and_out_over_a_thousand_images(s3, ray_local, s3_server):
     s3.create_bucket(Bucket="photos-in")
     s3.create_bucket(Bucket="results-out")
@@ -135,7 +149,7 @@ def test_previous_output_is_carried_over_not_reclassified(tmp_path, ray_local):
 
 
 def test_bad_arguments_fail_before_work(tmp_path):
-    with pytest.raises(ConfigError, match="--engine 'tpu' is unknown; choose one of auto, onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match="--engine 'tpu' is unknown; choose one of auto, onnx, openvino, triton, gpu"):
         RunConfig(source="a", output="b", engine="tpu")
     with pytest.raises(ConfigError, match="--output must differ from SOURCE"):
         RunConfig(source=str(tmp_path), output=str(tmp_path) + "/")

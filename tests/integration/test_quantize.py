@@ -122,6 +122,7 @@ def test_gpu_paths_refuse_an_int8_model_and_say_where_it_runs(int8_model, tmp_pa
                                           r"use --engine onnx, or --engine triton with the portable profile"):
         engine_spec("gpu").check_model(bundle)
     engine_spec("onnx").check_model(bundle)
+    engine_spec("openvino").check_model(bundle)
     engine_spec("triton").check_model(bundle)
     result = CliRunner().invoke(main, ["repo", "build", "--profile", "gpu", "--model", str(out), "--output",
                                        str(tmp_path / "repo")], env=cli_env)
@@ -130,6 +131,18 @@ def test_gpu_paths_refuse_an_int8_model_and_say_where_it_runs(int8_model, tmp_pa
     engines = CliRunner().invoke(main, ["engines"]).output
     assert "  INT8 models: none (no INT8 on the GPU paths without TensorRT); use --engine onnx" in engines
     assert "  INT8 models: with the portable profile (ONNX Runtime); the gpu profile has no INT8" in engines
+    assert "  INT8 models: yes (OpenVINO's integer kernels, faster than onnx's on an AMX Xeon)" in engines
+
+
+def test_openvino_runs_the_int8_model(int8_model, photo_bytes):
+    from pipeline.engines.openvino import OpenVinoEngine
+    from pipeline.model import load_model
+
+    with OpenVinoEngine(load_model(int8_model[0]), top_k=5, threads=1, streams=1) as engine:
+        results = engine.classify(list(photo_bytes.values()))
+    assert [r.status for r in results] == ["ok"] * len(photo_bytes)
+    assert all(0 < r.scores[0] <= 1 and len(r.class_ids) == 5 for r in results)
+    assert set(results[list(photo_bytes).index("chelsea")].labels[:2]) & CAT_CLASSES
 
 
 def test_quantize_has_help():

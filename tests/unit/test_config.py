@@ -34,7 +34,7 @@ def test_defaults_then_environment_then_explicit_options():
 @pytest.mark.parametrize("kw, message", [
     ({"source": ""}, "SOURCE is empty"),
     ({"output": "in/"}, "--output must differ from SOURCE"),
-    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of auto, onnx, triton, gpu"),
+    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of auto, onnx, openvino, triton, gpu"),
     ({"top_k": 0}, "--top-k must be a positive integer, got 0"),
     ({"top_k": 1001}, "--top-k 1001 is larger than any ImageNet head"),
     ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),

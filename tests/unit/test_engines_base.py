@@ -19,10 +19,10 @@ from pipeline.errors import ConfigError
 
 
 def test_registry_names_every_engine_once():
-    assert ENGINE_NAMES == ("onnx", "triton", "gpu") and DEFAULT_ENGINE == "auto" and DEFAULT_ENGINE not in REGISTRY
+    assert ENGINE_NAMES == ("onnx", "openvino", "triton", "gpu") and DEFAULT_ENGINE == "auto" and DEFAULT_ENGINE not in REGISTRY
     assert [s.name for s in REGISTRY.values()] == list(REGISTRY)
     assert {name for name, spec in REGISTRY.items() if spec.needs_gpu} == {"triton", "gpu"}
-    with pytest.raises(ConfigError, match="--engine 'cuda' is unknown; choose one of auto, onnx, triton, gpu"):
+    with pytest.raises(ConfigError, match="--engine 'cuda' is unknown; choose one of auto, onnx, openvino, triton, gpu"):
         engine_spec("cuda")
 
 
@@ -127,6 +127,19 @@ def test_each_onnx_call_gets_the_actors_share_of_the_cores_unless_told():
     assert actor_engine_options(told, 16, 4, 2, on_gpu=False) == {"intra_op_threads": 3}
     assert actor_engine_options(RunConfig(source="/in", output="/out", engine="gpu"), 16, 4, 2, on_gpu=False) == {}
     assert REGISTRY["onnx"].call_threads_option in {o.name for o in REGISTRY["onnx"].options}
+
+
+def test_openvino_gets_a_stream_for_each_of_the_actors_calls():
+    """OpenVINO fixes its streams when it compiles the network, so the job tells it the actor's calls at once."""
+    from pipeline.config import RunConfig
+    from pipeline.job.stages import actor_engine_options
+
+    ov = RunConfig(source="/in", output="/out", engine="openvino")
+    assert actor_engine_options(ov, 2, 1, 2, on_gpu=False) == {"streams": 2, "threads": 1}
+    assert actor_engine_options(ov, 16, 4, 3, on_gpu=False) == {"streams": 3, "threads": 1}
+    told = RunConfig(source="/in", output="/out", engine="openvino", engine_options={"streams": "1"})
+    assert actor_engine_options(told, 16, 4, 2, on_gpu=False) == {"streams": 1, "threads": 2}
+    assert all(spec.calls_option in (None, *(o.name for o in spec.options)) for spec in REGISTRY.values())
 
 
 def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatch):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the carry for the lent GPU machine: one xz-compressed tar, env.tar, that unpacks into env/ with
-#   site/           DALI (cu13, cp312 only) + its deps, nvImageCodec + nvJPEG, tritonclient + python-rapidjson
+#   site/           DALI (cu13, cp312 only) + its deps, nvImageCodec + nvJPEG, tritonclient + python-rapidjson,
+#                   OpenVINO (its CPU plugin and ONNX reader only)
 #   site_fallback/  grpcio + protobuf, put on the path only where the machine's own are too old for tritonclient.grpc
 #   raypkg/         ray (trimmed, stripped) + the pure deps the machine lacks
 #   tsd/ts/         tritonserver from the nvidia-pytriton wheel: bin/, backends/python/ (cp312 stub), libs/
@@ -27,7 +28,7 @@ if [[ -n ${WORK:-} ]]; then work=$(realpath -m "$WORK"); mkdir -p "$work"; else
 SITE_WHEELS=(nvidia-dali-cuda130==2.4.0 astunparse==1.6.3 gast==0.7.0 optree==0.20.0 nvtx==0.2.17 makefun==1.16.0
   libcst==1.9.0 nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43 nvidia-nvtiff-cu13==0.8.0.82
   nvidia-nvjpeg2k-cu13==0.11.0.51 tritonclient==2.73.0
-  python-rapidjson==1.25 py-spy==0.4.3)
+  python-rapidjson==1.25 py-spy==0.4.3 openvino==2026.4.1 openvino-telemetry==2025.2.0)
 # tritonclient.grpc's generated code wants grpcio >= 1.81.1 and protobuf >= 6.33 (checked at import time).
 FALLBACK_WHEELS=(grpcio==1.85.3 protobuf==6.33.6)
 # `import ray; import ray.data` on the machine's packages: ray needs these (the rest of its Requires-Dist -- click,
@@ -78,6 +79,10 @@ find "$env/site" -name '*.cpython-*.so' ! -name '*.cpython-312-*' -delete   # ot
 rm -rf "$env/site/nvidia/dali/include" "$env/site/nvidia/cu13/include" "$env/site/nvidia/nvimgcodec/include"
 find "$env/site" -depth -type d \( -name tests -o -name __pycache__ \) -exec rm -rf {} +   # libcst's test data
 rm -f "$env/site/nvidia/__init__.py"                        # keep `nvidia` a namespace package beside torch's
+# OpenVINO: the CPU plugin and the ONNX reader are what --engine openvino loads (the GPU/NPU plugins and the other
+# frameworks' readers are 70 MB more).
+rm -f "$env"/site/openvino/libs/libopenvino_intel_{gpu,npu}_plugin.so \
+  "$env"/site/openvino/libs/libopenvino_{tensorflow,tensorflow_lite,pytorch,paddle,gguf,jax}_frontend.so*
 
 echo "== site_fallback/"
 unpack_all "$env/site_fallback" "$work"/whl/fallback/*.whl

@@ -9,6 +9,7 @@
 #    (tests/benchmarks/stamp_photos.py; they cannot be built here), each with --force so the benchmarks below have a
 #    model, the gate's verdict printed; and the defaults on a smaller sample of the crops (300, 32 calibrate);
 # 3. bench_int8.py: FP32 against both INT8 models through the onnx engine, side by side;
+#    bench_cpu_engines.py: the onnx and openvino engines on FP32 and those models, shaped as the job's actor;
 # 4. bench_cpu_shape.py, the GPU hidden: the naive pipeline, our job with FP32 and with the INT8 model (the first
 #    whose gate passed), on --job-images JPEGs.
 # --job-only MODEL_DIR: step 4 alone, with that INT8 model folder (quantized elsewhere: calibration runs the FP32
@@ -106,6 +107,10 @@ models=(--int8 "$work/int8-crops"); [[ -d $work/int8-small ]] && models+=(--int8
 timeout "$(cap 150)" $pin python3 tests/benchmarks/bench_int8.py "${models[@]}" --folder "$crops" --images 128 --rounds 3 \
   > "$logs/bench_int8.log" 2>&1
 echo "  rc=$?"; grep -v "^WARNING\|^[0-9-]* [0-9:,]* " "$logs/bench_int8.log" | tail -14
+echo "== bench_cpu_engines.py (the onnx and openvino engines as the job's actor, medians of 3 interleaved rounds)"
+timeout "$(cap 120)" $pin python3 tests/benchmarks/bench_cpu_engines.py "${models[@]}" --folder "$crops" --images 256 \
+  --rounds 3 > "$logs/bench_cpu_engines.log" 2>&1
+echo "  rc=$?"; grep -v "^WARNING\|^[0-9-]* [0-9:,]* " "$logs/bench_cpu_engines.log" | tail -9
 fi
 
 if [[ -z $skip_job ]]; then

