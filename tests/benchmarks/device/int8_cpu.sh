@@ -11,7 +11,7 @@
 # 3. bench_int8.py: FP32 against both INT8 models through the onnx engine, side by side;
 #    bench_cpu_engines.py: the onnx and openvino engines on FP32 and those models, shaped as the job's actor;
 # 4. bench_cpu_shape.py, the GPU hidden: the naive pipeline, our job with FP32 and with the INT8 model (the first
-#    whose gate passed), on --job-images JPEGs.
+#    whose gate passed) on the onnx engine and on openvino, on --job-images JPEGs.
 # --job-only MODEL_DIR: step 4 alone, with that INT8 model folder (quantized elsewhere: calibration runs the FP32
 # model, so the file does not depend on the CPU that made it).
 # Everything runs under `taskset -c 0,1`; each step has its own timeout, cut so that the whole stays within
@@ -124,10 +124,11 @@ if [[ -z $skip_job ]]; then
   command -v bulk-classify >/dev/null || {
     printf '#!/bin/sh\nexec python3 -m pipeline.cli "$@"\n' > "$shim/bulk-classify"; chmod +x "$shim/bulk-classify"
     export PATH=$shim:$PATH; }
-  echo "== bench_cpu_shape.py: naive, our job FP32 and INT8 ($job_model; $job_images JPEGs, 2 rounds; GPU hidden)"
+  echo "== bench_cpu_shape.py: naive, our job FP32 and INT8 on onnx, INT8 on openvino ($job_model; $job_images JPEGs, 2 rounds; GPU hidden)"
   # The GPU hidden: on a GPU node auto picks the gpu profile, which has no INT8.
-  CUDA_VISIBLE_DEVICES= timeout "$(cap 330)" $pin python3 tests/benchmarks/bench_cpu_shape.py --images "$job_images" \
-    --rounds 2 --int8 "$job_model" --shape default= --workdir "$work/shape" > "$logs/bench_cpu_shape.log" 2>&1
+  CUDA_VISIBLE_DEVICES= timeout "$(cap 420)" $pin python3 tests/benchmarks/bench_cpu_shape.py --images "$job_images" \
+    --rounds 2 --int8 "$job_model" --shape default= --shape "openvino INT8=--engine openvino --model $job_model" \
+    --workdir "$work/shape" > "$logs/bench_cpu_shape.log" 2>&1
   echo "  rc=$?, load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   grep -v "^WARNING\|^[0-9-]* [0-9:,]* \|^(.*pid=" "$logs/bench_cpu_shape.log" | tail -12
 fi
