@@ -129,7 +129,7 @@ class OnnxEngine:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
         self.decode_threads = threads
         # Cumulative seconds per stage, read by the actor for the run report. decode_preprocess sums the
-        # pool threads' time (it overlaps inference), infer is ONNX Runtime's wall time.
+        # pool threads' time (it overlaps inference), infer is the network's wall time.
         self.stage_seconds = {STAGE_DECODE: 0.0, STAGE_INFER: 0.0}
         self._stage_lock = threading.Lock()
 

@@ -18,7 +18,8 @@ from pipeline.errors import ConfigError, EngineError
 from pipeline.imaging import DecodeLimits
 from pipeline.model import ModelBundle
 
-OPENVINO_HINT = "pip install 'bulk-classify[openvino]'"
+MISSING_OPENVINO = ("--engine openvino needs the openvino package: pip install 'bulk-classify[openvino]', or use "
+                    "--engine onnx")
 # Runs one actor's engine takes at once when built on its own; in a job, the actor's calls (SPEC.calls_option).
 DEFAULT_STREAMS = 2
 
@@ -45,7 +46,7 @@ SPEC = EngineSpec(
 def check_requirements(options: Mapping[str, Any]) -> None:
     """The openvino engine's preflight: the ``openvino`` package is installed (the ``openvino`` extra)."""
     if importlib.util.find_spec("openvino") is None:
-        raise ConfigError(f"--engine openvino needs the openvino package: {OPENVINO_HINT}, or use --engine onnx")
+        raise ConfigError(MISSING_OPENVINO)
 
 
 class OpenVinoEngine(OnnxEngine):
@@ -80,7 +81,7 @@ class OpenVinoEngine(OnnxEngine):
         try:
             import openvino as ov
         except ImportError:
-            raise ConfigError(f"--engine openvino needs the openvino package: {OPENVINO_HINT}") from None
+            raise ConfigError(MISSING_OPENVINO) from None
 
         config = {
             "NUM_STREAMS": self.streams,

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
-from bench_int8 import CALL_IMAGES, images_from  # noqa: E402
+from bench_int8 import CALL_IMAGES, images_from, time_runs  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.registry import engine_spec, make_engine  # noqa: E402
 from pipeline.imaging import load_and_preprocess  # noqa: E402
@@ -39,15 +39,6 @@ from pipeline.job.stages import actor_engine_options, actor_plan  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 
 REFERENCE = "onnx"
-
-
-def network_ms(engine, tensors: np.ndarray, calls: int) -> float:
-    """Wall ms per image of the engine's network over ``tensors``, ``calls`` runs at a time."""
-    batches = [tensors[i:i + engine.max_batch] for i in range(0, len(tensors), engine.max_batch)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(calls) as pool:
-        list(pool.map(engine._run, batches))
-    return (time.perf_counter() - start) * 1000 / len(tensors)
 
 
 def engine_rate(engine, images: list[bytes], calls: int) -> float:
@@ -90,13 +81,13 @@ def main() -> None:
         print(f"{name}: {actors} actor(s) on {cores} CPUs, {calls[name]} calls at once, options {options}", flush=True)
     print(f"{len(images)} images, load average before {os.getloadavg()[0]:.1f}", flush=True)
     for key, engine in engines.items():  # warm-up: the first runs allocate
-        network_ms(engine, tensors[:16], calls[key[0]])
+        time_runs(engine, tensors[:16], calls[key[0]])
         engine.classify(images[:8])
     nets: dict[tuple[str, str], list[float]] = {k: [] for k in engines}
     rates: dict[tuple[str, str], list[float]] = {k: [] for k in engines}
     for r in range(args.rounds):
         for key, engine in engines.items():
-            nets[key].append(network_ms(engine, tensors, calls[key[0]]))
+            nets[key].append(time_runs(engine, tensors, calls[key[0]]))
         for key, engine in engines.items():
             rates[key].append(engine_rate(engine, images, calls[key[0]]))
         print(f"  round {r}: " + ", ".join(f"{n}/{m} {nets[(n, m)][-1]:.2f} ms {rates[(n, m)][-1]:.0f} img/s"
