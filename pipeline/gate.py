@@ -34,7 +34,9 @@ class GateThresholds:
 
     decisive_margin: float = 0.1
     min_decisive_agreement: float = 0.99
-    min_top1_agreement: float = 0.90
+    # Below FP32's own agreement under half a pixel level of input noise (89-94 % on the sets of docs/int8.md): the
+    # near-ties of ordinary photos flip under any rounding, so the overall figure only catches broad damage.
+    min_top1_agreement: float = 0.85
     min_top5_overlap: float = 0.85
     min_class_images: int = 20
     min_class_agreement: float = 0.95
@@ -85,8 +87,12 @@ def held_out_figures(fp32_logits: np.ndarray, thresholds: GateThresholds = GateT
 
 
 def gate(fp32_logits: np.ndarray, int8_logits: np.ndarray, thresholds: GateThresholds = GateThresholds(),
-         labels: Sequence[str] | None = None) -> dict[str, Any]:
+         labels: Sequence[str] | None = None, noisy_logits: np.ndarray | None = None) -> dict[str, Any]:
     """Compare INT8 with FP32 on the same held-out images; the figures, and the failures as one-line texts.
+
+    ``noisy_logits``, FP32's logits of the same images under ``pixel_noise``, add the yardstick: FP32 against itself
+    (``fp32_pixel_noise``, overall and in each class entry), how much of any disagreement the images' near-ties alone
+    make. It is reported, never gated.
 
     Returns:
         ``{"passed", "failures", "figures"}``: ``figures`` holds ``held_out_figures``' and ``top1_agreement``,
@@ -127,8 +133,27 @@ def gate(fp32_logits: np.ndarray, int8_logits: np.ndarray, thresholds: GateThres
         "classes": per_class,
         "worst_classes": per_class[:WORST_CLASSES],
     }
+    if noisy_logits is not None:
+        floor = gate(fp32, noisy_logits, t)["figures"]
+        figures["fp32_pixel_noise"] = {k: floor[k] for k in ("top1_agreement", "decisive_agreement", "top5_overlap")}
+        by_class = {c["class_id"]: c["agreement"] for c in floor["classes"]}
+        for c in per_class:
+            c["fp32_pixel_noise"] = by_class[c["class_id"]]
     failures = sample_failures(figures, t) + accuracy_failures(figures, t)
     return {"passed": not failures, "failures": failures, "figures": figures}
+
+
+def pixel_noise(tensors: np.ndarray, spec: Any, *, seed: int = 0) -> np.ndarray:
+    """``tensors`` (model inputs made by ``spec``) with every pixel value moved by a uniform draw within half a level
+    (+-0.5 of 0..255): the rounding an 8-bit image already carries, and the smallest change a decoder makes."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
+
+    x = np.asarray(tensors, dtype=np.float32)
+    levels = np.random.default_rng(seed).uniform(-0.5, 0.5, x.shape).astype(np.float32)
+    # One level of channel c is scale / std[c] in the model's input (PreprocessSpec: (v * scale - mean) / std).
+    step = np.float32(spec.scale) / np.asarray(spec.std, dtype=np.float32)
+    shape = (1, 3, 1, 1) if spec.layout == "NCHW" else (1, 1, 1, 3)
+    return x + levels * step.reshape(shape)
 
 
 def sample_failures(figures: Mapping[str, Any], t: GateThresholds) -> list[str]:
@@ -158,9 +183,15 @@ def accuracy_failures(figures: Mapping[str, Any], t: GateThresholds) -> list[str
         out.append(f"top-5 overlap {figures['top5_overlap']:.2%} < {t.min_top5_overlap:.0%}")
     low = [c for c in figures["classes"] if c["agreement"] < t.min_class_agreement]
     if low:
-        listed = ", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}" for c in low[:WORST_CLASSES])
+        listed = ", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}{class_noise(c)}"
+                           for c in low[:WORST_CLASSES])
         out.append(f"{len(low)} class(es) below {t.min_class_agreement:.0%} agreement: {listed}")
     return out
+
+
+def class_noise(entry: Mapping[str, Any]) -> str:
+    """A gated class's yardstick for the one-line texts: " (FP32 with pixel noise 85%)", or nothing."""
+    return f" (FP32 with pixel noise {entry['fp32_pixel_noise']:.0%})" if "fp32_pixel_noise" in entry else ""
 
 
 def _label(labels: Sequence[str] | None, cid: int) -> str:

@@ -9,6 +9,7 @@ not written unless forced, and its report goes to a side file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -18,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, Iterator, Mapping, NoReturn, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
-from pipeline.gate import GateThresholds, gate, held_out_figures, sample_failures
+from pipeline.gate import GateThresholds, class_noise, gate, held_out_figures, pixel_noise, sample_failures
 from pipeline.quantize_nodes import (
     CALIBRATION_BATCH, EXCLUDE_KEYWORDS, LAYER_ERROR_IMAGES, calibration_reader, layer_errors, resolve_exclusions,
 )
@@ -228,19 +229,38 @@ def _quantize_static(model_path: Path, output_path: Path, input_name: str, calib
     extra: dict[str, Any] = dict(options.extra_options)
     if options.method == "percentile":
         extra["CalibPercentile"] = options.percentile
-    quantize_static(
-        str(model_path), str(output_path), reader,
-        quant_format=QuantFormat.QDQ if options.quant_format == "qdq" else QuantFormat.QOperator,
-        per_channel=options.per_channel,
-        activation_type=getattr(QuantType, activation),
-        weight_type=getattr(QuantType, weight),
-        reduce_range=options.reduce_range,
-        calibrate_method=method,
-        nodes_to_exclude=list(nodes),
-        extra_options=extra,
-        calibration_providers=["CPUExecutionProvider"],
-    )
+    with _without_preprocess_advice():
+        quantize_static(
+            str(model_path), str(output_path), reader,
+            quant_format=QuantFormat.QDQ if options.quant_format == "qdq" else QuantFormat.QOperator,
+            per_channel=options.per_channel,
+            activation_type=getattr(QuantType, activation),
+            weight_type=getattr(QuantType, weight),
+            reduce_range=options.reduce_range,
+            calibrate_method=method,
+            nodes_to_exclude=list(nodes),
+            extra_options=extra,
+            calibration_providers=["CPUExecutionProvider"],
+        )
     return extra
+
+
+class _PreprocessAdvice(logging.Filter):
+    """Drops ONNX Runtime's "Please consider (to run) pre-processing before quantization" warnings: its
+    ``quant_pre_process`` gave this model exactly the same figures (docs/int8.md), so to our users they are noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Please consider")
+
+
+@contextlib.contextmanager
+def _without_preprocess_advice() -> Iterator[None]:
+    root, advice = logging.getLogger(), _PreprocessAdvice()
+    root.addFilter(advice)
+    try:
+        yield
+    finally:
+        root.removeFilter(advice)
 
 
 def run_logits(model_path: Path, input_name: str, output_name: str, tensors: np.ndarray, *,
@@ -354,7 +374,9 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
         report["method"] = quantize_onnx(bundle.onnx_path, tmp_dir / MODEL_FILE, bundle.input_name, cal_x, options)
         quantize_s = time.perf_counter() - t1
         int8 = run_logits(tmp_dir / MODEL_FILE, bundle.input_name, bundle.output_name, held_x)
-        verdict = gate(fp32, int8, thresholds, bundle.labels)
+        noisy = run_logits(bundle.onnx_path, bundle.input_name, bundle.output_name,
+                           pixel_noise(held_x, bundle.spec, seed=seed))
+        verdict = gate(fp32, int8, thresholds, bundle.labels, noisy)
         report.update(passed=verdict["passed"], forced=bool(force and not verdict["passed"]),
                       failures=verdict["failures"], figures=verdict["figures"],
                       seconds={"read": round(read_s, 2), "quantize": round(quantize_s, 2),
@@ -375,7 +397,11 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
 def _refuse(report: dict[str, Any], side: Path) -> NoReturn:
     side.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     result = QuantizeResult(passed=False, written=False, report=report, report_path=side, model_dir=None)
-    raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])} (report: {side})", result)
+    floor = (report.get("figures") or {}).get("fp32_pixel_noise")
+    context = (f"; FP32 itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, decisive "
+               f"{floor['decisive_agreement']:.2%}") if floor else ""
+    raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])}{context} (report: {side})",
+                     result)
 
 
 def _float_nodes(method: Mapping[str, Any]) -> str:
@@ -400,6 +426,12 @@ def format_gate(report: Mapping[str, Any]) -> str:
         f"top-1 agreement {f['top1_agreement']:.2%}; decisive (margin >= {report['thresholds']['decisive_margin']}) "
         f"{f['decisive_agreement']:.2%} of {f['decisive_images']}; top-5 overlap {f['top5_overlap']:.2%}",
         f"classes with >= {report['thresholds']['min_class_images']} images: {f['classes_gated']}; worst: "
-        + (", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}" for c in f["worst_classes"]) or "-"),
+        + (", ".join(f"{c['label']} {c['agreement']:.0%} of {c['images']}" + class_noise(c)
+                     for c in f["worst_classes"]) or "-"),
     ]
+    floor = f.get("fp32_pixel_noise")
+    if floor:
+        lines.append(f"FP32 against itself with half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
+                     f"decisive {floor['decisive_agreement']:.2%}, top-5 {floor['top5_overlap']:.2%} (what the "
+                     "images' near-ties alone flip)")
     return "\n".join(lines)

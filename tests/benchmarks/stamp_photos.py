@@ -1,10 +1,11 @@
 """A folder of ordinary-photo-like JPEGs for the INT8 gate: the photographic stamps of Debian's
-``tuxpaint-stamps-default`` package (animals, food, vehicles, objects; PNGs with alpha) composited onto blurred crops
-of tests/data/photos, 500x375 (every fourth 375x500). Built from the installed package, never committed.
+``tuxpaint-stamps-default`` package (animals, food, vehicles, objects; PNGs with alpha), 500x375 (every fourth
+375x500), composited onto blurred crops of tests/data/photos or, with ``--background white``, onto white as a product
+catalog shows its items. Built from the installed package, never committed.
 
 Usage:
     apt-get install tuxpaint-stamps-default
-    python tests/benchmarks/stamp_photos.py OUT [--images 1000]
+    python tests/benchmarks/stamp_photos.py OUT [--images 1000] [--background photo|white]
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def stamp_paths(root: Path = STAMPS) -> list[Path]:
     return paths
 
 
-def make_stamp_photos(out: Path, count: int) -> None:
-    """``count`` JPEGs; image i depends only on i (its stamp, background crop, scale and position)."""
+def make_stamp_photos(out: Path, count: int, background: str = "photo") -> None:
+    """``count`` JPEGs; image i depends only on i (its stamp, background, scale and position)."""
     from PIL import Image, ImageFilter
 
     stamps = stamp_paths()
@@ -45,11 +46,14 @@ def make_stamp_photos(out: Path, count: int) -> None:
     for i in range(count):
         rng = np.random.default_rng(5000 + i)
         w, h = LANDSCAPE if i % 4 else LANDSCAPE[::-1]
-        src = photos[int(rng.integers(len(photos)))]
-        box_w = min(src.width, src.height * w / h) * rng.uniform(0.4, 1.0)
-        left, top = rng.uniform(0, src.width - box_w), rng.uniform(0, src.height - box_w * h / w)
-        bg = src.resize((w, h), Image.Resampling.BICUBIC, box=(left, top, left + box_w, top + box_w * h / w))
-        bg = bg.filter(ImageFilter.GaussianBlur(float(rng.uniform(2, 6))))  # a background, not a second subject
+        if background == "white":
+            bg = Image.new("RGB", (w, h), (255, 255, 255))
+        else:
+            src = photos[int(rng.integers(len(photos)))]
+            box_w = min(src.width, src.height * w / h) * rng.uniform(0.4, 1.0)
+            left, top = rng.uniform(0, src.width - box_w), rng.uniform(0, src.height - box_w * h / w)
+            bg = src.resize((w, h), Image.Resampling.BICUBIC, box=(left, top, left + box_w, top + box_w * h / w))
+            bg = bg.filter(ImageFilter.GaussianBlur(float(rng.uniform(2, 6))))  # a background, not a second subject
         stamp = Image.open(stamps[i % len(stamps)]).convert("RGBA")
         scale = rng.uniform(0.55, 0.9) * min(w / stamp.width, h / stamp.height)
         stamp = stamp.resize((max(1, int(stamp.width * scale)), max(1, int(stamp.height * scale))),
@@ -65,8 +69,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--images", type=int, default=1000)
+    parser.add_argument("--background", choices=("photo", "white"), default="photo",
+                        help="blurred crops of the committed photos, or white as in a product catalog")
     args = parser.parse_args()
-    make_stamp_photos(args.out, args.images)
+    make_stamp_photos(args.out, args.images, args.background)
     print(f"{args.images} images in {args.out} from {len(stamp_paths())} stamps")
 
 

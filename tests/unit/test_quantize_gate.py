@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.gate import GateThresholds, gate, held_out_figures, softmax
+from pipeline.gate import GateThresholds, gate, held_out_figures, pixel_noise, softmax
+from pipeline.imaging import PreprocessSpec
 from pipeline.quantize import QuantizeOptions, side_report_path
 
 CLASSES = 10
@@ -122,3 +123,29 @@ def test_bad_quantize_options_say_the_fix(kwargs, message):
 
 def test_the_side_report_lies_beside_the_output():
     assert side_report_path("/data/models/lite0-int8/") == Path("/data/models/lite0-int8.int8_gate.json")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_pixel_noise_moves_each_value_by_at_most_half_a_level_of_its_channel(layout):
+    spec = PreprocessSpec(resize_shorter=8, crop=(4, 4), mean=(127.0, 127.0, 127.0), std=(128.0, 64.0, 32.0),
+                          layout=layout)
+    x = np.zeros((5, *spec.input_shape), np.float32)
+    moved = pixel_noise(x, spec, seed=3)
+    channel_axis = 1 if layout == "NCHW" else 3
+    for c, std in enumerate(spec.std):
+        delta = np.abs(np.take(moved - x, c, axis=channel_axis))
+        assert delta.max() <= 0.5 / std + 1e-7 and delta.max() > 0.45 / std  # half a level, and about all of it
+    assert np.array_equal(moved, pixel_noise(x, spec, seed=3)) and not np.array_equal(moved, pixel_noise(x, spec))
+
+
+def test_the_pixel_noise_yardstick_counts_what_fp32_flips_against_itself_and_is_never_gated():
+    top1 = [i % 4 for i in range(100)]  # 25 images in each of classes 0..3
+    noisy = list(top1)
+    for i in range(0, 40, 4):  # ten images of class 0 flip under the noise
+        noisy[i] = 1
+    result = gate(confident(top1), confident(top1), LOOSE, noisy_logits=confident(noisy))
+    floor = result["figures"]["fp32_pixel_noise"]
+    assert result["passed"] and floor["top1_agreement"] == pytest.approx(0.9)
+    assert floor["decisive_agreement"] == pytest.approx(0.9) and floor["top5_overlap"] == 1.0  # the flips keep the same five classes
+    by_class = {c["class_id"]: c["fp32_pixel_noise"] for c in result["figures"]["classes"]}
+    assert by_class == {0: pytest.approx(15 / 25), 1: 1.0, 2: 1.0, 3: 1.0}
