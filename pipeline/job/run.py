@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -26,6 +28,7 @@ from pipeline.writer import write_json
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
 PROGRESS_S = 0.5  # how often the driver asks the listing counter for the listed total while draining
+DRIVER_WRITE_THREADS = 2  # shards a driver that writes (no writer actors) commits at once
 
 
 @dataclass
@@ -87,7 +90,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
                 run.close()
             with storage_errors(config.output, dst_root):
                 return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle.name, started_at,
-                               t0, index_s + list_s)
+                               t0, index_s + list_s, run.writer_actors)
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
@@ -105,13 +108,14 @@ def start_node(config: RunConfig, bundle: Any) -> Any:
 
 
 def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
-            model: str, started_at: datetime, t0: float, list_s: float) -> RunSummary:
+            model: str, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
     """Make every URI's row unique, count the committed rows, and write ``_REPORT.json`` and then ``_SUCCESS``."""
     dedupe_output(config, dst_fs, dst_root)
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
     report = assemble_report(config, totals, model=model, already_done=skipped, list_s=list_s,
-                             elapsed_s=elapsed, started_at=started_at, finished_at=finished_at)
+                             elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
+                             writer_actors=writer_actors)
     from pipeline.quality import committed_quality
 
     counter = RecordCounter(dst_fs)
@@ -137,7 +141,8 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
 
 
 def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, already_done: int, list_s: float,
-                    elapsed_s: float, started_at: datetime, finished_at: datetime) -> dict[str, Any]:
+                    elapsed_s: float, started_at: datetime, finished_at: datetime,
+                    writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
     from pipeline.report import build_run_report
 
@@ -148,6 +153,7 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, alread
         "stage_seconds": totals.stage_seconds(list_s),
         "model": model,
         "engine": config.engine,
+        "writer_actors": writer_actors,
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
     })
@@ -169,6 +175,7 @@ class _Run:
             self.wait_closed()
             raise
         self.counter: Any = None
+        self.writer_actors = 0  # the pipeline's writer actors; none: the driver commits the shards
         self.carrying: list[Any] = []  # refs of carry tasks not yet collected
         self.metrics = JobMetrics(config.metrics_port)
         self.totals = ShardStats()
@@ -197,7 +204,8 @@ class _Run:
         start = time.perf_counter()
         if previous_ref is not None:
             self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote())
-        self._drain(classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded))
+        ds, self.writer_actors = classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded)
+        self._drain(ds, writes=not self.writer_actors)
         listed, skipped, list_s = ray.get(self.counter.get.remote())
         LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
                  self.totals.classified, time.perf_counter() - start)
@@ -225,12 +233,28 @@ class _Run:
             self.node.close()
             self.node = None
 
-    def _drain(self, ds: Any) -> None:
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            self._add(batch)
-            if self.carrying:
-                self._collect(timeout_s=0)
-            self._report_progress()
+    def _drain(self, ds: Any, *, writes: bool) -> None:
+        """Take the pipeline's output: the writers' shard stats or, where the driver ``writes``, the classified rows,
+        committed here in shards of ``shard_size`` on DRIVER_WRITE_THREADS threads while the next batch arrives."""
+        from pipeline.quality import quality_footer
+        from pipeline.writer import write_shard
+
+        with ThreadPoolExecutor(DRIVER_WRITE_THREADS, thread_name_prefix="write") as pool:
+            writing: deque[Future] = deque()
+            batches = ds.iter_batches(batch_size=self.config.shard_size if writes else None, batch_format="pyarrow")
+            for batch in batches:
+                if not writes:
+                    self._add(batch)
+                else:
+                    writing.append(pool.submit(write_shard, batch, output=self.config.output,
+                                               storage_options=self.config.storage_options, footer=quality_footer))
+                    while writing and (writing[0].done() or len(writing) > DRIVER_WRITE_THREADS):
+                        self._add(writing.popleft().result())
+                if self.carrying:
+                    self._collect(timeout_s=0)
+                self._report_progress()
+            while writing:
+                self._add(writing.popleft().result())
 
     def _collect(self, timeout_s: float) -> None:
         """Add the results of the carry tasks that have finished (waiting up to ``timeout_s`` for one)."""

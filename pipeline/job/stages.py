@@ -32,6 +32,10 @@ FETCH_AHEAD_BLOCKS = 16  # blocks of fetched images the fetch-ahead budget holds
 FETCH_BLOCK_MIN = 1024 * 1024
 PIPELINE_OPERATORS = 4  # listing, fetch, classify, write: Ray Data splits its CPU reservation among them
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
+# One writer actor per this many CPUs. A smaller cluster has none: there the driver commits the shards, because a
+# writer's process costs a 2-core node about a second of its start for work the driver does between batches
+# (docs/performance.md).
+WRITER_CPUS = 8
 
 
 def init_ray(config: RunConfig) -> None:
@@ -168,8 +172,12 @@ def listing_task_cpus(cpus: int, tasks: int) -> float:
 
 
 def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any,
-                     excluded: str | None = None):
-    """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards."""
+                     excluded: str | None = None) -> tuple[Any, int]:
+    """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards.
+
+    Returns the dataset and its writer actors (``writer_actors``): with none, the dataset ends with the classified
+    rows and the driver commits them; otherwise with each committed shard's stats.
+    """
     import ray
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
@@ -212,7 +220,13 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
         num_gpus=num_gpus or None,
         **classify_actor_options(config.engine, on_gpu=bool(num_gpus)),
     )
-    return _write(ds, config, cpus)
+    return _write(ds, config, cpus), writer_actors(cpus)
+
+
+def writer_actors(cpus: int) -> int:
+    """Writer actors for a cluster of ``cpus`` CPUs: one per WRITER_CPUS; none below that, where the driver commits
+    the shards itself (``classify_dataset`` then ends at the classify stage)."""
+    return cpus // WRITER_CPUS
 
 
 def call_threads(cpus: int, actors: int, calls: int) -> int:
@@ -279,6 +293,8 @@ def _write(ds: Any, config: RunConfig, cpus: int):
     from pipeline.quality import quality_footer
     from pipeline.writer import ShardWriter
 
+    if not writer_actors(cpus):
+        return ds
     return ds.map_batches(
         ShardWriter,
         fn_constructor_kwargs={"output": config.output, "storage_options": config.storage_options,
@@ -286,7 +302,7 @@ def _write(ds: Any, config: RunConfig, cpus: int):
         batch_size=config.shard_size,
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
-        compute=ActorPoolStrategy(size=max(1, cpus // 8)),
+        compute=ActorPoolStrategy(size=writer_actors(cpus)),
     )
 
 

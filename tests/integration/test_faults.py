@@ -121,7 +121,7 @@ def test_s3_outage_mid_run_completes_with_every_row(s3_server, ray_local, tmp_pa
         client = boto3.client("s3", endpoint_url=url)
         client.create_bucket(Bucket="outage")
         # Enough objects that the job is still running when the first shard lands: shards of a fast job can land
-        # in a burst (one writer actor), and 600 once all landed between two polls.
+        # in a burst (the driver commits them on a 2-CPU Ray), and 600 once all landed between two polls.
         bodies = {f"p/{i:04d}.jpg": make_jpeg(5000 + i, (24, 20)) for i in range(OUTAGE_OBJECTS)}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda kv: client.put_object(Bucket="outage", Key=kv[0], Body=kv[1]), bodies.items()))

@@ -59,7 +59,43 @@ def test_local_folder_photos_and_odd_inputs(tmp_path, ray_local):
     assert cat["width"] > 0 and cat["model"] and cat["uri"].startswith("file://")
     success = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
     assert success["rows"] == expected and success["counts"]["ok"] + success["counts"]["error"] == expected
-    assert (tmp_path / "out" / "_REPORT.json").exists()
+    report = json.loads((tmp_path / "out" / "_REPORT.json").read_text())
+    assert report["writer_actors"] == 0  # a 2-CPU Ray: the driver committed the shards
+    assert sorted(len(part) for part in _parts(tmp_path / "out")) == sorted(
+        [10] * (expected // 10) + [expected % 10] * bool(expected % 10))  # shards of --shard-size, one smaller
+
+
+def _parts(dest) -> list[list[str]]:
+    return [pads.dataset(str(p), format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
+            for p in sorted(dest.glob("*/part-*.parquet"))]
+
+
+def test_a_cluster_of_eight_cpus_commits_through_writer_actors(tmp_path):
+    """One writer actor per 8 CPUs (``pipeline.job.stages.WRITER_CPUS``): a Ray of 8 logical CPUs runs the write
+    stage in an actor; every input still gets one row, in shards of --shard-size."""
+    import subprocess
+    import sys
+
+    from support.ray_cluster import LocalRayCluster
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(45):
+        (src / f"img{i:03d}.jpg").write_bytes(make_jpeg(i))
+    cluster = LocalRayCluster(num_cpus=8, job_api=False)
+    cluster.start()
+    try:
+        env = {**cluster.env, "RAY_ADDRESS": cluster.gcs_address}
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(src), "--output",
+                               str(tmp_path / "out"), "-q", "--batch-size", "8", "--shard-size", "10",
+                               "--num-actors", "1"], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        cluster.stop()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "_REPORT.json").read_text())["writer_actors"] == 1
+    rows = read_rows(str(tmp_path / "out"))
+    assert sorted(rows) == [f"img{i:03d}.jpg" for i in range(45)] and {r["status"] for r in rows.values()} == {"ok"}
+    assert sorted(len(part) for part in _parts(tmp_path / "out")) == [5, 10, 10, 10, 10]
 
 
 def test_the_openvino_engine_writes_the_rows_the_onnx_engine_does(tmp_path, ray_local):

@@ -98,6 +98,12 @@ def test_results_from_topk():
     assert results_from_topk([[5]], [[1.0]], ["a"], [(1, 1)])[0].labels == ["5"]
 
 
+def test_writer_actors_one_per_eight_cpus_and_none_below_where_the_driver_writes():
+    from pipeline.job.stages import writer_actors
+
+    assert [writer_actors(cpus) for cpus in (1, 2, 7, 8, 15, 16, 64)] == [0, 0, 0, 1, 1, 2, 8]
+
+
 def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
     from pipeline.config import RunConfig
     from pipeline.job.stages import actor_plan
