@@ -398,8 +398,8 @@ def _refuse(report: dict[str, Any], side: Path) -> NoReturn:
     side.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     result = QuantizeResult(passed=False, written=False, report=report, report_path=side, model_dir=None)
     floor = (report.get("figures") or {}).get("fp32_pixel_noise")
-    context = (f"; FP32 itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, decisive "
-               f"{floor['decisive_agreement']:.2%}") if floor else ""
+    context = (f"; FP32 against itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
+               f"decisive {floor['decisive_agreement']:.2%}") if floor else ""
     raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])}{context} (report: {side})",
                      result)
 
@@ -431,7 +431,7 @@ def format_gate(report: Mapping[str, Any]) -> str:
     ]
     floor = f.get("fp32_pixel_noise")
     if floor:
-        lines.append(f"FP32 against itself with half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
+        lines.append(f"FP32 against itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
                      f"decisive {floor['decisive_agreement']:.2%}, top-5 {floor['top5_overlap']:.2%} (what the "
                      "images' near-ties alone flip)")
     return "\n".join(lines)

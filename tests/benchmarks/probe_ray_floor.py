@@ -72,8 +72,8 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--one", mode], capture_output=True, text=True,
                                  check=True, timeout=300).stdout.split()
             results[mode].append((float(out[-2]), float(out[-1])))
-            print(f"  run {r} {mode:<6} Ray started {results[mode][-1][0]:5.2f} s, last row {results[mode][-1][1]:5.2f} s",
-                  flush=True)
+            ray_s, total_s = results[mode][-1]
+            print(f"  run {r} {mode:<6} Ray started {ray_s:5.2f} s, last row {total_s:5.2f} s", flush=True)
     print(f"\n{'pipeline':<8} {'Ray started s':>14} {'last row s':>11}  (medians of {args.runs})")
     for mode in MODES:
         print(f"{mode:<8} {statistics.median(r[0] for r in results[mode]):14.2f} "
