@@ -10,8 +10,9 @@
 #    model, the gate's verdict printed; and the defaults on a smaller sample of the crops (300, 32 calibrate);
 # 3. bench_int8.py: FP32 against both INT8 models through the onnx engine, side by side;
 #    bench_cpu_engines.py: the onnx and openvino engines on FP32 and those models, shaped as the job's actor;
-# 4. bench_cpu_shape.py, the GPU hidden: the naive pipeline, our job with FP32 and with the INT8 model (the first
-#    whose gate passed) on the onnx engine and on openvino, on --job-images JPEGs.
+# 4. probe_ray_floor.py (Ray Data's own start), then bench_cpu_shape.py, the GPU hidden: the naive pipeline, our job
+#    with FP32 and with the INT8 model (the first whose gate passed) on the onnx engine and on openvino, on
+#    --job-images JPEGs.
 # --job-only MODEL_DIR: step 4 alone, with that INT8 model folder (quantized elsewhere: calibration runs the FP32
 # model, so the file does not depend on the CPU that made it).
 # Everything runs under `taskset -c 0,1`; each step has its own timeout, cut so that the whole stays within
@@ -29,7 +30,7 @@ while (($#)); do
     --skip-job) skip_job=1; shift ;;
     --job-only) job_only=$2; shift 2 ;;
     --budget-s) budget_s=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "int8_cpu.sh: unknown argument $1 (--images N --job-images N --stamps DIR --quantize-args '...' --work DIR --skip-job --job-only DIR --budget-s S)" >&2; exit 2 ;;
   esac
 done
@@ -124,6 +125,10 @@ if [[ -z $skip_job ]]; then
   command -v bulk-classify >/dev/null || {
     printf '#!/bin/sh\nexec python3 -m pipeline.cli "$@"\n' > "$shim/bulk-classify"; chmod +x "$shim/bulk-classify"
     export PATH=$shim:$PATH; }
+  echo "== probe_ray_floor.py: Ray Data's own start on these 2 cores (one run of each pipeline; GPU hidden)"
+  CUDA_VISIBLE_DEVICES= timeout "$(cap 90)" $pin python3 tests/benchmarks/probe_ray_floor.py --runs 1 \
+    > "$logs/probe_ray_floor.log" 2>&1
+  echo "  rc=$?"; tail -4 "$logs/probe_ray_floor.log"
   echo "== bench_cpu_shape.py: naive, our job FP32 and INT8 on onnx, INT8 on openvino ($job_model; $job_images JPEGs, 2 rounds; GPU hidden)"
   # The GPU hidden: on a GPU node auto picks the gpu profile, which has no INT8.
   CUDA_VISIBLE_DEVICES= timeout "$(cap 420)" $pin python3 tests/benchmarks/bench_cpu_shape.py --images "$job_images" \
