@@ -108,7 +108,9 @@ def main() -> None:
         done = subprocess.run([cli_path(), "model", "quantize", "--calibration", str(src), "--output",
                                str(args.int8), "--force"], env=env, capture_output=True, text=True)
         print(f"model quantize on {src} (exit {done.returncode}):\n{done.stdout}{done.stderr[-2000:]}", flush=True)
-    sides = {NAIVE: None, **{f"FP32 {name}": opts for name, opts in shapes.items()}}
+    # A shape is the FP32 model's unless its options name another model (then its name says which).
+    sides = {NAIVE: None, **{name if "--model" in shlex.split(opts) else f"FP32 {name}": opts
+                             for name, opts in shapes.items()}}
     if args.int8:
         sides["INT8 default"] = f"--model {shlex.quote(str(args.int8.resolve()))}"
     print(f"{images} JPEGs of {size[0]}x{size[1]} in {src}; {cpus} CPUs; load average {os.getloadavg()[0]:.1f}; "
