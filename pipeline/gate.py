@@ -189,6 +189,12 @@ def accuracy_failures(figures: Mapping[str, Any], t: GateThresholds) -> list[str
     return out
 
 
+def noise_summary(floor: Mapping[str, Any]) -> str:
+    """The yardstick's overall figures (``figures["fp32_pixel_noise"]``) as one text for the command's lines."""
+    return (f"FP32 against itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
+            f"decisive {floor['decisive_agreement']:.2%}")
+
+
 def class_noise(entry: Mapping[str, Any]) -> str:
     """A gated class's yardstick for the one-line texts: " (FP32 with pixel noise 85%)", or nothing."""
     return f" (FP32 with pixel noise {entry['fp32_pixel_noise']:.0%})" if "fp32_pixel_noise" in entry else ""

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
-from pipeline.gate import GateThresholds, class_noise, gate, held_out_figures, pixel_noise, sample_failures
+from pipeline.gate import (
+    GateThresholds, class_noise, gate, held_out_figures, noise_summary, pixel_noise, sample_failures,
+)
 from pipeline.quantize_nodes import (
     CALIBRATION_BATCH, EXCLUDE_KEYWORDS, LAYER_ERROR_IMAGES, calibration_reader, layer_errors, resolve_exclusions,
 )
@@ -398,8 +400,7 @@ def _refuse(report: dict[str, Any], side: Path) -> NoReturn:
     side.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     result = QuantizeResult(passed=False, written=False, report=report, report_path=side, model_dir=None)
     floor = (report.get("figures") or {}).get("fp32_pixel_noise")
-    context = (f"; FP32 against itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
-               f"decisive {floor['decisive_agreement']:.2%}") if floor else ""
+    context = f"; {noise_summary(floor)}" if floor else ""
     raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])}{context} (report: {side})",
                      result)
 
@@ -431,7 +432,6 @@ def format_gate(report: Mapping[str, Any]) -> str:
     ]
     floor = f.get("fp32_pixel_noise")
     if floor:
-        lines.append(f"FP32 against itself under half a pixel level of noise: top-1 {floor['top1_agreement']:.2%}, "
-                     f"decisive {floor['decisive_agreement']:.2%}, top-5 {floor['top5_overlap']:.2%} (what the "
-                     "images' near-ties alone flip)")
+        lines.append(f"{noise_summary(floor)}, top-5 {floor['top5_overlap']:.2%} (what the images' near-ties alone "
+                     "flip)")
     return "\n".join(lines)
