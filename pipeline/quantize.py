@@ -401,8 +401,10 @@ def _refuse(report: dict[str, Any], side: Path) -> NoReturn:
     result = QuantizeResult(passed=False, written=False, report=report, report_path=side, model_dir=None)
     floor = (report.get("figures") or {}).get("fp32_pixel_noise")
     context = f"; {noise_summary(floor)}" if floor else ""
-    raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])}{context} (report: {side})",
-                     result)
+    # A refused sample is fixed by other images; a refused model can still be written, marked failed.
+    fix = "; --force writes it anyway, marked failed" if report.get("method") else ""
+    raise GateFailed(f"INT8 gate failed, no model written: {'; '.join(report['failures'])}{context} "
+                     f"(report: {side}){fix}", result)
 
 
 def _float_nodes(method: Mapping[str, Any]) -> str:

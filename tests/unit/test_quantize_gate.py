@@ -49,6 +49,23 @@ def test_one_class_below_the_bar_is_named_with_its_agreement():
     assert not result["passed"]
 
 
+def test_a_class_fp32_itself_flips_under_pixel_noise_is_called_a_near_tie():
+    top1 = [i % 4 for i in range(200)]
+    int8_top1, noisy_top1 = list(top1), list(top1)
+    class2 = [i for i in range(200) if top1[i] == 2]
+    for i in class2[:5]:  # INT8 keeps 90 % of class 2
+        int8_top1[i] = 9
+    for i in class2[-10:]:  # FP32 under pixel noise keeps 80 % of it
+        noisy_top1[i] = 8
+    labels = [f"c{i}" for i in range(CLASSES)]
+    result = gate(confident(top1), confident(int8_top1), LOOSE, labels, confident(noisy_top1))
+    assert ("1 class(es) below 95% agreement: c2 90% of 50 (FP32 with pixel noise 80%): near-tie labels, each below "
+            "95% for FP32 itself under pixel noise") in result["failures"]
+    # A class that only INT8 loses is named without that reading.
+    steady = gate(confident(top1), confident(int8_top1), LOOSE, labels, confident(top1))
+    assert "1 class(es) below 95% agreement: c2 90% of 50 (FP32 with pixel noise 100%)" in steady["failures"]
+
+
 def test_classes_with_too_few_images_are_not_gated_alone():
     top1 = [0] * 30 + [1] * 19
     int8_top1 = [0] * 30 + [5] * 19  # class 1 is all wrong, but has 19 < 20 images
