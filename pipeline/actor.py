@@ -32,11 +32,17 @@ class ClassifyActor:
         max_pixels: int,
         decode_threads: int | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        model_digest: str | None = None,
     ):
+        from pipeline.errors import ModelError
         from pipeline.imaging import DecodeLimits
         from pipeline.model import load_model
 
         self.bundle = load_model(model)
+        if model_digest is not None and self.bundle.digest != model_digest:
+            # The folder changed after the driver checked it: rows of two models must never mix in one output.
+            raise ModelError(f"model {model!r} changed during the run (digest {self.bundle.short_digest}, the run "
+                             f"started with {model_digest[:12]}); rerun once the model folder stays unchanged")
         # --decode-threads goes to the option the engine registered for it (none for a server that decodes).
         options = engine_kwargs(engine, engine_options or {}, decode_threads=decode_threads)
         self.engine = engine_spec(engine).build(
@@ -63,6 +69,7 @@ class ClassifyActor:
         width = batch.column("width").to_pylist()
         height = batch.column("height").to_pylist()
         model = batch.column("model").to_pylist()
+        digest = batch.column("model_digest").to_pylist()
         engine = batch.column("engine").to_pylist()
         when = batch.column("classified_at").to_pylist()
         now = datetime.now(timezone.utc)
@@ -94,7 +101,7 @@ class ClassifyActor:
         for i in range(n):
             if carried[i]:
                 continue
-            model[i], engine[i], when[i] = self.bundle.name, self.engine_name, now
+            model[i], digest[i], engine[i], when[i] = self.bundle.name, self.bundle.digest, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
                 status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"
             if status[i] == STATUS_OK:
@@ -102,7 +109,8 @@ class ClassifyActor:
         out = batch
         for name, values in (
             ("status", status), ("error", error), ("class_ids", class_ids), ("labels", labels),
-            ("scores", scores), ("width", width), ("height", height), ("model", model), ("engine", engine),
+            ("scores", scores), ("width", width), ("height", height), ("model", model), ("model_digest", digest),
+            ("engine", engine),
             ("classified_at", when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
             (ENGINE_EVENTS, events),
         ):

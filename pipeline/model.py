@@ -8,6 +8,9 @@ A model folder holds:
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,6 +37,11 @@ QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", 
 CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
 APP_NAME = "bulk-classify"
 BUILD_LOCK_TIMEOUT_S = 600  # how long a process waits for another building the same cache entry
+# Every file an engine may load the network from: each is part of the model's digest, present or not.
+NETWORK_FILES = (MODEL_FILE, TORCHSCRIPT_FILE)
+DIGEST_VERSION = 1  # bump when what model_digest covers changes, so no old digest matches a new meaning
+# The name the built-in model's rows carry; outputs written before digests were recorded name it this way alone.
+BUILTIN_NAME = "efficientnet-lite0"
 
 
 @dataclass(frozen=True)
@@ -51,10 +59,51 @@ class ModelBundle:
     input_name: str = ONNX_INPUT
     output_name: str = ONNX_OUTPUT
     precision: str = PRECISION_FP32
+    digest: str = ""  # model_digest() of the folder: identifies the model by what decides its answers
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def short_digest(self) -> str:
+        """The digest's first 12 hex digits, for messages and cache folder names."""
+        return self.digest[:12]
+
+
+def model_digest(folder: Path, labels: tuple[str, ...], spec: PreprocessSpec) -> str:
+    """sha256 (hex) of what decides a model's answers: every network file's bytes, the labels in order, and the
+    canonical preprocessing spec; never its folder's name, path or times."""
+    from pipeline.default_model import file_sha256
+
+    h = hashlib.sha256(f"bulk-classify model digest v{DIGEST_VERSION}\n".encode())
+    for name in NETWORK_FILES:
+        path = Path(folder) / name
+        h.update(f"{name}\0{file_sha256(path) if path.is_file() else '-'}\n".encode())
+    h.update(json.dumps(list(labels), ensure_ascii=False).encode() + b"\n")
+    h.update(json.dumps(spec.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def is_builtin(bundle: ModelBundle) -> bool:
+    """Is ``bundle`` the built-in EfficientNet-Lite0 (same digest as the default model built here), whatever its
+    folder is called? Engines with a hand-tuned network for it ask this, never the name."""
+    if bundle.num_classes != 1000 or bundle.spec != default_model_spec():
+        return False  # cheap refusal: no build of the default model to compare a user's model with
+    return bundle.digest == builtin_digest(str(default_cache_dir()))
+
+
+@functools.lru_cache(maxsize=1)
+def default_model_spec() -> PreprocessSpec:
+    from pipeline import default_model
+
+    return PreprocessSpec.from_json(default_model.spec_path().read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=4)
+def builtin_digest(cache_dir: str) -> str:
+    """The built-in model's digest (its folder built into ``cache_dir`` if need be), once per process."""
+    return load_model_folder(ensure_default_model(Path(cache_dir)), name=BUILTIN_NAME).digest
 
 
 def default_cache_dir() -> Path:
@@ -77,7 +126,7 @@ def load_model(ref: str | os.PathLike | None = None, *, cache_dir: Path | None =
         ModelError: one line saying what is wrong with the folder and how to fix it.
     """
     if ref is None or str(ref) in DEFAULT_REFS:
-        return load_model_folder(ensure_default_model(cache_dir), name="efficientnet-lite0")
+        return load_model_folder(ensure_default_model(cache_dir), name=BUILTIN_NAME)
     return load_model_folder(Path(ref))
 
 
@@ -116,6 +165,7 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
         input_name=input_name,
         output_name=output_name,
         precision=precision,
+        digest=model_digest(folder, labels, spec),
     )
 
 

@@ -74,7 +74,7 @@ def read_record(fs: Any, path: str, footer: Mapping[bytes, bytes] | None = None)
     raw = (footer if footer is not None else read_footer(fs, path)).get(RECORD_KEY)
     if raw is not None:
         return ShardRecord.from_json(raw)
-    columns = ["uri", "status", "class_ids", "model", "carried", "etag", "size_bytes", "mtime"]
+    columns = ["uri", "status", "class_ids", "model", "model_digest", "carried", "etag", "size_bytes", "mtime"]
     return ShardRecord.of_rows(read_columns(fs, [path], columns))
 
 

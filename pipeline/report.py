@@ -28,7 +28,7 @@ def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
         stats: ``counts`` {status: n}, ``error_kinds`` {kind: n}, ``images`` (rows this run), ``classified``,
             ``carried``, ``elapsed_s``, ``stage_seconds`` {list, fetch, decode_preprocess, infer, write}
             (seconds summed over tasks; a stage may be None when the engine cannot separate it),
-            ``engine_calls``, ``model``, ``engine``, ``started_at``, ``finished_at``; optional ``already_done``,
+            ``engine_calls``, ``model``, ``model_digest``, ``engine``, ``started_at``, ``finished_at``; optional ``already_done``,
             ``engine_events`` {event: n} (the triton engine's server starts, restarts, failovers, answers checked)
             and ``writer_actors`` (0: the driver committed the classified shards).
 
@@ -54,6 +54,7 @@ def build_run_report(stats: Mapping[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "version": REPORT_VERSION,
         "model": stats.get("model"),
+        "model_digest": _text(stats.get("model_digest")),
         "engine": stats.get("engine"),
         "writer_actors": _count(stats.get("writer_actors", 0), "writer_actors"),
         "started_at": _text(stats.get("started_at")),

@@ -14,6 +14,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("labels", pa.list_(pa.string())),
         ("scores", pa.list_(pa.float32())),  # softmax probabilities, descending
         ("model", pa.string()),
+        ("model_digest", pa.string()),  # sha256 of the model's files, labels and spec (pipeline.model.model_digest)
         ("engine", pa.string()),
         ("size_bytes", pa.int64()),
         ("width", pa.int32()),
@@ -28,7 +29,7 @@ OUTPUT_SCHEMA = pa.schema(
 # Bookkeeping files in DEST. They start with "_" (or "." while being written) so Parquet readers skip them.
 SUCCESS = "_SUCCESS"  # JSON: counts, options, times; written last, only when a run completes
 REPORT = "_REPORT.json"  # the last run's report
-RUN_INFO = "_RUN.json"  # model and top-k of the rows in DEST
+RUN_INFO = "_RUN.json"  # model, model digest and top-k of the rows in DEST
 LEASE = "_LEASE.json"  # the run writing DEST now: host, pid, start time, last renewal (pipeline.job.lease)
 PART_PREFIX = "part-"  # committed shards: part-<content hash>.parquet
 PART_SUFFIX = ".parquet"

@@ -64,11 +64,12 @@ class ShardRecord:
     uri_hashes: np.ndarray  # int64 uri_hash of every row
     identities: np.ndarray  # int64 identity_hash of the ok rows (the ones a later run may carry)
     row_order: bool = True  # the arrays follow the shard's rows (ok rows only for identities); False: sorted
+    model_digest: str | None = None  # of every row's model; None: several, or written before digests were recorded
 
     def to_json(self) -> bytes:
         return json.dumps({
             "version": RECORD_VERSION if self.row_order else 1, "rows": self.rows, "ok": self.ok, "errors": self.errors,
-            "carried": self.carried, "model": self.model, "top_k": self.top_k,
+            "carried": self.carried, "model": self.model, "model_digest": self.model_digest, "top_k": self.top_k,
             "uri_hashes": base64.b64encode(self.uri_hashes.astype("<i8").tobytes()).decode(),
             "identities": base64.b64encode(self.identities.astype("<i8").tobytes()).decode(),
         }, separators=(",", ":")).encode()
@@ -79,7 +80,8 @@ class ShardRecord:
         arrays = {k: np.frombuffer(base64.b64decode(d[k]), dtype="<i8").astype(np.int64) for k in
                   ("uri_hashes", "identities")}
         return cls(rows=d["rows"], ok=d["ok"], errors=d["errors"], carried=d["carried"], model=d["model"],
-                   top_k=d["top_k"], row_order=d.get("version", 1) >= 2, **arrays)
+                   top_k=d["top_k"], row_order=d.get("version", 1) >= 2, model_digest=d.get("model_digest"),
+                   **arrays)
 
     @classmethod
     def of_rows(cls, rows: pa.Table, *, uri_keys: np.ndarray | None = None,
@@ -94,6 +96,7 @@ class ShardRecord:
         ok_rows = rows.filter(ok_mask)
         lengths = pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist() if ok_rows.num_rows else []
         models = pc.unique(rows.column("model")).to_pylist() if "model" in rows.column_names else []
+        digests = pc.unique(rows.column("model_digest")).to_pylist() if "model_digest" in rows.column_names else []
         carried = rows.column("carried") if "carried" in rows.column_names else pa.array([], pa.bool_())
         return cls(
             rows=rows.num_rows,
@@ -101,6 +104,7 @@ class ShardRecord:
             errors=rows.num_rows - ok_rows.num_rows,
             carried=int(pc.sum(pc.fill_null(carried, False)).as_py() or 0),
             model=models[0] if len(models) == 1 else None,
+            model_digest=digests[0] if len(digests) == 1 else None,
             top_k=lengths[0] if len(lengths) == 1 else None,
             uri_hashes=uri_keys if uri_keys is not None else uri_hashes(rows.column("uri").to_pylist()),
             identities=identities if identities is not None else row_identities(ok_rows),

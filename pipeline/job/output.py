@@ -56,13 +56,28 @@ class OutputIndex:
         return sum(self.counts.values())
 
 
-def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: str | None = None,
+def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
+    """Were rows recorded with this model digest (and name) written by ``bundle``'s model?
+
+    Outputs written before digests were recorded name their model alone: rows named as the built-in model count as
+    the built-in model's (so they still resume and carry over with it); any other model's cannot be told apart and
+    never match.
+    """
+    from pipeline.model import BUILTIN_NAME, is_builtin
+
+    if digest:
+        return digest == bundle.digest
+    return name == BUILTIN_NAME and is_builtin(bundle)
+
+
+def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: Any = None,
                  carry_top_k: int | None = None) -> OutputIndex:
     """Read every shard's record under ``root``.
 
     Args:
         hashes: collect the committed rows' uri hashes (the resume set).
-        carry_model, carry_top_k: collect the identities of ok rows of this model and top-k (the carry set).
+        carry_model, carry_top_k: collect the identities of ok rows of this model (a ``ModelBundle``, matched by
+            digest) and top-k (the carry set).
     """
     index = OutputIndex(parts=committed_parts(fs, root))
     uris: list[np.ndarray] = []
@@ -72,7 +87,8 @@ def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: str | 
         index.counts[STATUS_ERROR] += rec.errors
         if hashes:
             uris.append(rec.uri_hashes)
-        if carry_model is not None and rec.model == carry_model and rec.top_k == carry_top_k:
+        if carry_model is not None and rec.top_k == carry_top_k and same_model(rec.model_digest, rec.model,
+                                                                                carry_model):
             ids.append(rec.identities)
         if len(uris) > 256:  # compact as we go: the peak stays near 8 bytes per row
             uris = [np.unique(np.concatenate(uris))]
@@ -101,13 +117,13 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(config: RunConfig, model_name: str) -> OutputIndex:
-    """--previous: its shards and the identities of the rows this run may carry (same model and top-k, ok).
+def read_previous(config: RunConfig, bundle: Any) -> OutputIndex:
+    """--previous: its shards and the identities of the rows this run may carry (same model digest and top-k, ok).
 
     Error rows are never carried: they are retried (storage or a bad upload may have been fixed since).
     """
     fs, root = open_fs(config.previous, config.storage_options)
-    index = index_output(fs, root, hashes=False, carry_model=model_name, carry_top_k=config.top_k)
+    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k)
     if not index.parts:
         raise OutputError(f"--previous {config.previous!r} holds no committed output; drop the option or fix the URL")
     LOG.info("previous run %s: %d rows can be carried over", config.previous, index.identities.size)
@@ -275,16 +291,25 @@ def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray) -> tu
     return int((~keep).sum()), f"{root}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
 
 
-def check_compatible(fs: Any, root: str, config: RunConfig, model_name: str) -> None:
-    """Refuse to mix rows of another model or top-k into DEST (unless --overwrite)."""
+def check_compatible(fs: Any, root: str, config: RunConfig, bundle: Any) -> None:
+    """Refuse to mix rows of another model (by digest: a retrained model in the same folder is another model) or
+    top-k into DEST (unless --overwrite)."""
     info = read_json(fs, root, RUN_INFO)
     if not info or config.overwrite:
         return
-    if info.get("model") != model_name or info.get("top_k") != config.top_k:
-        raise OutputError(
-            f"--output {config.output!r} holds rows of model {info.get('model')!r} top-k {info.get('top_k')}, "
-            f"not {model_name!r} top-k {config.top_k}; pass --overwrite to start over or choose another --output"
-        )
+    fix = "pass --overwrite to start over or choose another --output"
+    digest = info.get("model_digest")
+    if not same_model(digest, info.get("model"), bundle):
+        if not digest:
+            raise OutputError(f"--output {config.output!r} holds rows of model {info.get('model')!r} written before "
+                              f"model digests were recorded, so they cannot be told from {bundle.name!r} "
+                              f"(digest {bundle.short_digest}); {fix}")
+        raise OutputError(f"--output {config.output!r} holds rows of model {info.get('model')!r} digest {digest[:12]}, "
+                          f"not {bundle.name!r} digest {bundle.short_digest} (its files, labels or preprocess.json "
+                          f"differ); {fix}")
+    if info.get("top_k") != config.top_k:
+        raise OutputError(f"--output {config.output!r} holds rows of top-k {info.get('top_k')}, not {config.top_k}; "
+                          f"{fix}")
 
 
 @contextlib.contextmanager

@@ -69,15 +69,16 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
     engine_spec(config.engine).check_model(bundle)  # an INT8 model on an engine without INT8
-    check_compatible(dst_fs, dst_root, config, bundle.name)
+    check_compatible(dst_fs, dst_root, config, bundle)
     t_index = time.perf_counter()
-    previous = read_previous(config, bundle.name) if config.previous else None
+    previous = read_previous(config, bundle) if config.previous else None
     with storage_errors(config.output, dst_root):
         lease = Lease(dst_fs, dst_root, config.output).acquire()
     try:
         with storage_errors(config.output, dst_root):
-            begin_output(dst_fs, dst_root, config, {"model": bundle.name, "top_k": config.top_k,
-                                                    "engine": config.engine, "started_at": started_at.isoformat()})
+            begin_output(dst_fs, dst_root, config, {"model": bundle.name, "model_digest": bundle.digest,
+                                                    "top_k": config.top_k, "engine": config.engine,
+                                                    "started_at": started_at.isoformat()})
             done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
         index_s = time.perf_counter() - t_index
         run = _Run(config, progress, bundle)
@@ -89,7 +90,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
             finally:
                 run.close()
             with storage_errors(config.output, dst_root):
-                return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle.name, started_at,
+                return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
                                t0, index_s + list_s, run.writer_actors)
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
@@ -108,12 +109,12 @@ def start_node(config: RunConfig, bundle: Any) -> Any:
 
 
 def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
-            model: str, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
+            bundle: Any, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
     """Make every URI's row unique, count the committed rows, and write ``_REPORT.json`` and then ``_SUCCESS``."""
     dedupe_output(config, dst_fs, dst_root)
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    report = assemble_report(config, totals, model=model, already_done=skipped, list_s=list_s,
+    report = assemble_report(config, totals, model=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
     from pipeline.quality import committed_quality
@@ -130,7 +131,8 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
         "list_errors": report["quality"]["error_kinds"].get(LIST_ERROR, 0),  # folders or links not listed
         "this_run": {"images": totals.rows, "classified": totals.classified, "carried": totals.carried,
                      "already_done": skipped},
-        "model": model,
+        "model": bundle.name,
+        "model_digest": bundle.digest,
         "options": config.public_dict(),
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
@@ -140,7 +142,7 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, already_done: int, list_s: float,
+def assemble_report(config: RunConfig, totals: ShardStats, *, model: Any, already_done: int, list_s: float,
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
@@ -151,7 +153,8 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, model: str, alread
         "already_done": already_done,
         "elapsed_s": elapsed_s,
         "stage_seconds": totals.stage_seconds(list_s),
-        "model": model,
+        "model": model.name,
+        "model_digest": model.digest,
         "engine": config.engine,
         "writer_actors": writer_actors,
         "started_at": started_at.isoformat(),
@@ -166,7 +169,7 @@ class _Run:
         from pipeline.job.stages import init_ray
         from pipeline.metrics import JobMetrics
 
-        self.config, self.progress = config, progress
+        self.config, self.progress, self.bundle = config, progress, bundle
         self.node = start_node(config, bundle) if not os.environ.get("RAY_ADDRESS") else None
         self._node_closing = False
         try:
@@ -203,8 +206,10 @@ class _Run:
             previous.identities = None
         start = time.perf_counter()
         if previous_ref is not None:
-            self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote())
-        ds, self.writer_actors = classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded)
+            self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote(),
+                                        model_digest=self.bundle.digest)
+        ds, self.writer_actors = classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded,
+                                                  model_digest=self.bundle.digest)
         self._drain(ds, writes=not self.writer_actors)
         listed, skipped, list_s = ray.get(self.counter.get.remote())
         LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,

@@ -169,7 +169,7 @@ def listing_task_cpus(cpus: int, tasks: int) -> float:
 
 
 def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any,
-                     excluded: str | None = None) -> tuple[Any, int]:
+                     excluded: str | None = None, *, model_digest: str | None = None) -> tuple[Any, int]:
     """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards.
 
     Returns the dataset and its writer actors (``writer_actors``): with none, the dataset ends with the classified
@@ -206,7 +206,7 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
         ClassifyActor,
         fn_constructor_kwargs={"model": config.model, "engine": config.engine, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
-                               "decode_threads": config.decode_threads,
+                               "decode_threads": config.decode_threads, "model_digest": model_digest,
                                "engine_options": actor_engine_options(config, cpus, actors, calls,
                                                                       on_gpu=bool(num_gpus))},
         batch_size=config.batch_size,
@@ -259,7 +259,7 @@ def classify_actor_options(engine: str, *, on_gpu: bool) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> list[Any]:
+def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, model_digest: str) -> list[Any]:
     """Submit the tasks that copy the previous run's rows whose identity the listing matched; their result refs.
 
     ``carried`` is the ref of those identities, which exists once the listing has ended: every task takes it as an
@@ -279,7 +279,8 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any) -> l
     refs = []
     for i, paths in enumerate(batches):
         ref = task.remote(chains[i % len(chains)], paths, carried, previous=config.previous,
-                          storage_options=config.storage_options, output=config.output, shard_size=config.shard_size)
+                          storage_options=config.storage_options, output=config.output, shard_size=config.shard_size,
+                          model_digest=model_digest)
         chains[i % len(chains)] = ref
         refs.append(ref)
     return refs
@@ -304,9 +305,13 @@ def _write(ds: Any, config: RunConfig, cpus: int):
     )
 
 
-def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None, *, model_digest: str | None = None
+               ) -> tuple[pa.Table, np.ndarray, np.ndarray]:
     """The ok rows of a previous shard whose identity is in ``carried``, marked ``carried``, with their uri hashes
-    and identities in row order: from the shard's ``record`` when it keeps them in row order, else hashed here."""
+    and identities in row order: from the shard's ``record`` when it keeps them in row order, else hashed here.
+
+    ``model_digest`` is this run's: a row is carried only when its model's digest is this one, so the rows say so
+    (rows written before digests were recorded have none)."""
     from pipeline.writer import row_identities
 
     ok = pc.fill_null(pc.equal(table.column("status"), STATUS_OK), False)
@@ -321,11 +326,14 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None) -> tupl
     table = table.filter(pa.array(keep))
     uri_keys = uri_keys[keep] if uri_keys is not None else uri_hashes(table.column("uri").to_pylist())
     table = table.set_column(table.schema.get_field_index("carried"), "carried", pa.array(np.ones(table.num_rows, bool)))
+    if model_digest is not None:
+        table = table.set_column(table.schema.get_field_index("model_digest"), "model_digest",
+                                 pa.array([model_digest] * table.num_rows, pa.string()))
     return conform(table, OUTPUT_SCHEMA), uri_keys, ids[keep]
 
 
 def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous: str, storage_options: Any,
-                 output: str, shard_size: int) -> pa.Table:
+                 output: str, shard_size: int, model_digest: str | None = None) -> pa.Table:
     """A carry task: copy the rows of the previous shards ``paths`` whose identity is in ``carried`` into new shards
     of ``shard_size`` rows; the ``ShardStats`` rows of the shards committed. ``after`` (the task before this one in
     its chain) is ignored.
@@ -351,7 +359,7 @@ def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous:
 
     for path in paths:
         table, record = read_shard(fs, path)
-        rows, keys, ids = carry_rows(table, carried, record)
+        rows, keys, ids = carry_rows(table, carried, record, model_digest=model_digest)
         if rows.num_rows:
             held.append((rows, keys, ids))
         while sum(p[0].num_rows for p in held) >= shard_size:

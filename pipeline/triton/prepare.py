@@ -17,7 +17,6 @@ The worker image's entrypoint runs it at start. Its options, their environment v
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -41,11 +40,11 @@ STAMP = ".bulk-classify-repository.json"
 DEFAULT_REPOSITORY = "/models/repository"
 
 
-def cache_name(model_name: str, onnx_sha256: str, key: Any, *, top_k: int, max_batch_size: int) -> str:
-    """Cache object name of one built repository: model identity, output shape and plan key."""
+def cache_name(model_name: str, model_digest: str, key: Any, *, top_k: int, max_batch_size: int) -> str:
+    """Cache object name of one built repository: model identity (its digest), output shape and plan key."""
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
     sm = str(key.compute_capability).replace(".", "")
-    return f"{safe}-{onnx_sha256[:16]}-k{top_k}-b{max_batch_size}/sm{sm}-trt{key.tensorrt}.tar.gz"
+    return f"{safe}-{model_digest[:16]}-k{top_k}-b{max_batch_size}/sm{sm}-trt{key.tensorrt}.tar.gz"
 
 
 def pack(folder: Path) -> bytes:
@@ -90,8 +89,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
                            "needs both; run this in the worker image on a GPU node")
     build = build or build_repository
     bundle = load_model(model)
-    onnx_sha = hashlib.sha256(Path(bundle.onnx_path).read_bytes()).hexdigest()
-    name = cache_name(bundle.name, onnx_sha, key, top_k=top_k, max_batch_size=max_batch_size)
+    name = cache_name(bundle.name, bundle.digest, key, top_k=top_k, max_batch_size=max_batch_size)
     dest = Path(repository)
     stamp_path = dest / STAMP
     if stamp_path.is_file():
@@ -136,7 +134,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
             fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # folders for local caches; no-op on S3
             fs.pipe_file(target, pack(work))  # one PUT: readers see all of it or none
             LOG.info("uploaded %s to %s", name, plan_cache)
-        stamp = {"cache_name": name, "model": bundle.name, "onnx_sha256": onnx_sha, "top_k": top_k,
+        stamp = {"cache_name": name, "model": bundle.name, "model_digest": bundle.digest, "top_k": top_k,
                  "max_batch_size": max_batch_size, "compute_capability": key.compute_capability,
                  "tensorrt": key.tensorrt, "source": action, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (work / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")

@@ -25,23 +25,21 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
     """The repository of ``profile`` (a ``pipeline.triton.profiles.ServingProfile``) for ``bundle``, built once
     into the model cache and reused by every engine and run that asks for the same one.
 
-    The key covers the profile, the model file, top-k, the instance count and this package's generating code, so
-    a changed model or release builds afresh. Concurrent builders wait on a file lock; the folder appears by an
+    The key covers the profile, the model's digest (its files, labels and spec: ``ModelBundle.digest``), top-k,
+    the instance count and this package's generating code, so a changed model, spec or release builds afresh. Concurrent builders wait on a file lock; the folder appears by an
     atomic rename, so a server never sees half a repository.
     """
     from filelock import FileLock  # noqa: PLC0415
 
-    from pipeline.model import MODEL_FILE, default_cache_dir, ensure_default_model  # noqa: PLC0415
+    from pipeline.model import default_cache_dir, is_builtin, load_model  # noqa: PLC0415
 
-    default_dir = ensure_default_model().resolve()
-    onnx_path = Path(getattr(bundle, "onnx_path", None) or default_dir / MODEL_FILE).resolve()
-    model_dir = onnx_path.parent
-    is_default = model_dir == default_dir
+    bundle = bundle if bundle is not None else load_model(None)
+    model_dir = Path(bundle.onnx_path).parent.resolve()
+    is_default = is_builtin(bundle)
     instances = instances or profile.instances
-    stat = onnx_path.stat()
     code = b"".join(Path(__file__).with_name(m).read_bytes() for m in ("repository.py", "configs.py", "repository_cache.py"))
-    key = json.dumps([profile.name, str(onnx_path), stat.st_size, stat.st_mtime_ns, top_k, instances,
-                      profile.max_backlog, hashlib.sha256(code).hexdigest()])
+    key = json.dumps([profile.name, bundle.digest, top_k, instances, profile.max_backlog,
+                      hashlib.sha256(code).hexdigest()])
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / REPOSITORY_CACHE
     folder = root / f"{profile.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if folder.is_dir():

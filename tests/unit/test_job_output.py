@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -20,7 +21,9 @@ from pipeline.keys import uri_hash
 from pipeline.source import open_fs
 from pipeline.reader import committed_parts
 from pipeline.writer import write_shard
-from test_writer import rows
+from test_writer import M_DIGEST, rows
+
+M = SimpleNamespace(name="m", digest=M_DIGEST, short_digest=M_DIGEST[:12])  # the model that wrote ``rows``
 
 
 def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path):
@@ -28,13 +31,16 @@ def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path)
     write_shard(rows(5, 10), output=str(tmp_path), storage_options={})
     pq.write_table(conform(rows(2, 50), OUTPUT_SCHEMA), tmp_path / "part-flat.parquet")  # an older, flat shard
     fs, root = open_fs(str(tmp_path))
-    index = index_output(fs, root, carry_model="m", carry_top_k=2)
+    index = index_output(fs, root, carry_model=M, carry_top_k=2)
     assert len(index.parts) == 3 and index.counts == {"ok": 14, "error": 3} and index.rows == 17
     expect = sorted(uri_hash(f"file:///src/img{i:06d}.jpg") for i in list(range(15)) + [50, 51])
     assert index.uri_hashes.tolist() == expect and index.uri_hashes.dtype.name == "int64"
     assert index.identities.size == 14  # ok rows only: error rows are retried, never carried
-    assert index_output(fs, root, carry_model="other", carry_top_k=2).identities.size == 0
-    assert index_output(fs, root, carry_model="m", carry_top_k=5).identities.size == 0
+    retrained = SimpleNamespace(name="m", digest="e" * 64)  # same name, other files: nothing carried
+    assert index_output(fs, root, carry_model=retrained, carry_top_k=2).identities.size == 0
+    renamed = SimpleNamespace(name="elsewhere", digest=M_DIGEST)  # same files in another folder: carried
+    assert index_output(fs, root, carry_model=renamed, carry_top_k=2).identities.size == 14
+    assert index_output(fs, root, carry_model=M, carry_top_k=5).identities.size == 0
     assert index_output(fs, root, hashes=False).counts == {"ok": 14, "error": 3}  # the counts alone, no hashes
     counter = RecordCounter(fs)  # the job's final counts, from the footers its quality pass reads anyway
     assert committed_quality(fs, root, on_footer=counter)["rows"] == 17 and counter.counts == {"ok": 14, "error": 3}
@@ -48,7 +54,7 @@ def test_the_job_library_below_the_ray_stages_imports_no_ray():
 def test_previous_without_shards_says_how_to_fix(tmp_path):
     config = RunConfig(source=str(tmp_path / "src"), output=str(tmp_path / "out"), previous=str(tmp_path / "none"))
     with pytest.raises(OutputError, match="holds no committed output; drop the option or fix the URL"):
-        read_previous(config, "m")
+        read_previous(config, M)
 
 
 def test_begin_output_overwrite_removes_only_this_tools_files(tmp_path):

@@ -20,6 +20,9 @@ from pipeline.writer import ShardRecord, part_name, shard_id, write_shard
 WHEN = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
 
 
+M_DIGEST = "d" * 64  # model "m"'s digest
+
+
 def rows(n: int, start: int = 0, *, errors: int = 0, carried: int = 0) -> pa.Table:
     out = []
     for i in range(start, start + n):
@@ -28,6 +31,7 @@ def rows(n: int, start: int = 0, *, errors: int = 0, carried: int = 0) -> pa.Tab
             "uri": f"file:///src/img{i:06d}.jpg", "status": "error" if bad else "ok",
             "error": "decode_error: broken" if bad else None, "class_ids": None if bad else [1, 2],
             "labels": None if bad else ["a", "b"], "scores": None if bad else [0.6, 0.4], "model": "m",
+            "model_digest": M_DIGEST,
             "engine": "onnx", "size_bytes": 1000 + i, "etag": None, "mtime": WHEN, "classified_at": WHEN,
             "carried": i - start >= n - carried, "_fetch_s": 0.01, "_infer_s": 0.02, "_engine_calls": 0.5,
         })

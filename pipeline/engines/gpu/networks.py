@@ -20,12 +20,11 @@ from pipeline.default_model import (
     HEAD_CHANNELS,
     IMAGE_SIZE,
     LITE0_BLOCKS,
-    MODEL_NAME,
     _same_pads,
     load_checkpoint,
 )
 from pipeline.errors import EngineError, ModelError
-from pipeline.model import TORCHSCRIPT_FILE
+from pipeline.model import TORCHSCRIPT_FILE, is_builtin
 
 LOG = logging.getLogger(__name__)
 
@@ -322,7 +321,7 @@ def load_network(bundle, network: str | None = None):
         raise EngineError("the gpu engine needs PyTorch; install torch or use --engine onnx") from None
     if network == "resnet50":
         return resnet50_random(len(bundle.labels) or 1000)
-    if network in LITE0_LAYOUTS and bundle.name == MODEL_NAME:  # the default model in another layout (benchmarks)
+    if network in LITE0_LAYOUTS and is_builtin(bundle):  # the default model in another layout (benchmarks)
         return efficientnet_lite0(load_checkpoint(), network)
     if network not in (None, "", "auto", "default"):
         raise EngineError(f"unknown network {network!r}; leave it unset, or use one of "
@@ -332,7 +331,7 @@ def load_network(bundle, network: str | None = None):
     if scripted is not None and scripted.is_file():
         LOG.info("loading TorchScript network %s", scripted)
         return torch.jit.load(str(scripted), map_location="cpu").eval()
-    if bundle.name == MODEL_NAME:
+    if is_builtin(bundle):  # by digest: a fine-tuned Lite0 in a folder of that name is a user's model
         return efficientnet_lite0(load_checkpoint())
     raise EngineError(
         f"model {bundle.name!r} has no network the gpu engine can run: it runs the default model, or a model folder "

@@ -79,12 +79,19 @@ class _FolderBundle:
     """What ``pipeline.engines.gpu.networks.load_network`` needs from a bundle, read from the version folder."""
 
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
-        from pipeline.default_model import MODEL_NAME  # noqa: PLC0415
+        from pipeline.model import BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir  # noqa: PLC0415
 
-        self.name = MODEL_NAME
+        self.name = BUILTIN_NAME
         self.onnx_path = folder / MODEL_FILE  # only its folder is used: model.torchscript beside it
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
+        # The repository builder leaves the network file out only for the built-in model (pipeline.model.is_builtin).
+        scripted = (folder / TORCHSCRIPT_FILE).is_file()
+        self.digest = "" if scripted else builtin_digest(str(default_cache_dir()))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
 
 
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
