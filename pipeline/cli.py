@@ -21,6 +21,9 @@ from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model_import.core import (
+    DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES, ImportOptions,
+)
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
 from pipeline.quality import DriftThresholds
 from pipeline.quantize import (
@@ -443,6 +446,41 @@ class GateExit(click.ClickException):
     """The INT8 gate failed: exit status 3 (1 is an error)."""
 
     exit_code = 3
+
+
+@model_group.command("import")
+@click.argument("source", type=click.Choice(tuple(SOURCES)))
+@click.argument("name")
+@click.option("--output", required=True, metavar="DIR", help="The model folder to write (new or empty).")
+@click.option("--checkpoint", metavar="FILE", help="timm: a state dict, train.py checkpoint or safetensors file; torchvision: a state dict.")
+@click.option("--labels", metavar="FILE", help="Class names, one a line in output order (default: the checkpoint's, ImageNet-1k's for an ImageNet timm architecture, torchvision's categories, id2label).")
+@click.option("--preset", metavar="ENTRY", help="torchvision: the weights entry whose transforms and categories apply, e.g. IMAGENET1K_V2 (default: DEFAULT).")
+@click.option("--images", metavar="DIR", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Local folder of sample photos for the parity check.")
+@click.option("--sample", type=int, default=IMPORT_SAMPLE, show_default=True, help="Sample photos compared.")
+@click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos.")
+@click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest logit difference from the framework, as a share of the photo's logit range.")
+def model_import(source: str, name: str, output: str, checkpoint: str | None, labels: str | None, preset: str | None,
+                 images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
+    """Write a model folder from a trained network, kept only if it classifies like its framework.
+
+    \b
+    SOURCE NAME: timm ARCHITECTURE --checkpoint FILE; torchvision MODEL --checkpoint FILE; huggingface FOLDER.
+    Nothing is downloaded. The written folder runs through pipeline.imaging and ONNX Runtime on the sample photos,
+    against the framework's own transform and forward.
+    Exit status: 0 written, 3 parity failed (nothing written), 1 an error.
+    """
+    from pipeline.model_import.core import ParityFailed, format_result, import_model
+
+    try:
+        options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement,
+                                max_logit_diff=max_logit_diff)
+        result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset,
+                              options=options)
+    except ParityFailed as err:
+        raise GateExit(str(err)) from None
+    except BulkClassifyError as err:
+        raise Failure(str(err)) from None
+    _echo(format_result(result))
 
 
 @main.command()

@@ -1,0 +1,310 @@
+"""Importing a trained network: the ONNX export, the model folder, and the parity check against its framework.
+
+A source module (``SOURCES``) turns what the user trained into a ``SourceModel``: the torch network, the framework's
+own eval transform, the labels and the preprocess.json fields that should make the same input tensor. This module
+exports the network, writes the folder beside ``output``, loads it like every engine does, and runs the sample
+images both ways: the framework's transform and forward against ``pipeline.imaging`` and ONNX Runtime on the written
+folder. Below the thresholds the folder is removed and nothing is written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pipeline.errors import ConfigError, ImageError, ModelError
+from pipeline.imaging import PreprocessSpec, decode_image, load_and_preprocess
+from pipeline.model import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
+
+LOG = logging.getLogger(__name__)
+
+# Where each source's loader lives (name -> "module:function"); the CLI's choices come from here.
+SOURCES = {
+    "timm": "pipeline.model_import.timm_source:load",
+    "torchvision": "pipeline.model_import.torchvision_source:load",
+    "huggingface": "pipeline.model_import.huggingface_source:load",
+}
+EXTRA = "import"  # the pyproject extra that brings torch, timm, torchvision, transformers and onnxslim
+OPSET = 17
+# The sample when no --images is given: the repository's photos (a checkout or an sdist has them).
+DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "tests" / "data" / "photos"
+DEFAULT_SAMPLE = 16
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+# Top-1 agreement needed on the images the framework decides clearly (top-1 minus top-2 probability at least
+# DECISIVE_MARGIN), and the largest logit difference allowed, as a share of the image's logit range. The resampling
+# of pipeline.imaging (exact crop box) and of Pillow-based transforms (rounded intermediate size) differ by a level
+# here and there: 2-4 % of the range on random-weight networks, whose logits are nearly flat; a wrong mean, std or
+# channel order moves them 20-40 % (tests/benchmarks/bench_model_import.py measures both).
+DEFAULT_MIN_AGREEMENT = 0.99
+DEFAULT_MAX_LOGIT_DIFF = 0.08
+DECISIVE_MARGIN = 0.1
+FORWARD_BATCH = 16
+UNIT_SCALE = 1 / 255  # 0..255 pixels to 0..1, as torchvision, timm and Hugging Face scale them
+
+
+@dataclass
+class SourceModel:
+    """What a source hands over.
+
+    ``network``: a torch module in eval mode, float32 NCHW batch -> logits [batch, classes]. ``transform``: the
+    framework's own eval preprocessing, a decoded RGB PIL image -> CHW float tensor. ``spec``: the preprocess.json
+    fields that make the same tensor. ``notes``: what the spec approximates, one line each.
+    """
+
+    network: Any
+    transform: Callable[[Any], Any]
+    labels: tuple[str, ...]
+    spec: dict[str, Any]
+    description: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportOptions:
+    """How the written folder is checked against the source framework."""
+
+    images: str | None = None  # a local folder of sample images; DEFAULT_IMAGES when None
+    sample: int = DEFAULT_SAMPLE
+    min_agreement: float = DEFAULT_MIN_AGREEMENT
+    max_logit_diff: float = DEFAULT_MAX_LOGIT_DIFF
+
+    def __post_init__(self) -> None:
+        if self.sample < 1:
+            raise ConfigError(f"--sample must be at least 1, got {self.sample}")
+        if not 0 <= self.min_agreement <= 1:
+            raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
+        if self.max_logit_diff <= 0:
+            raise ConfigError(f"--max-logit-diff must be positive (a share of the logit range), got "
+                              f"{self.max_logit_diff}")
+
+
+@dataclass(frozen=True)
+class Parity:
+    """The written folder (pipeline.imaging + ONNX Runtime) against the framework's transform and forward."""
+
+    images: int
+    top1_agreement: float
+    decisive: int  # images whose framework top-1 leads by DECISIVE_MARGIN or more
+    decisive_agreement: float | None
+    max_logit_diff: float  # the largest |ONNX - framework| logit over an image's framework logit range
+    median_logit_diff: float
+    max_abs_logit_diff: float
+
+    def problems(self, options: ImportOptions) -> list[str]:
+        found = []
+        if self.decisive_agreement is not None and self.decisive_agreement < options.min_agreement:
+            found.append(f"top-1 agreement {self.decisive_agreement:.1%} on the {self.decisive} clearly decided "
+                         f"images is below {options.min_agreement:.1%}")
+        if self.max_logit_diff > options.max_logit_diff:
+            found.append(f"logits differ by up to {self.max_logit_diff:.1%} of their range (allowed "
+                         f"{options.max_logit_diff:.1%})")
+        return found
+
+
+class ParityFailed(ModelError):
+    """The written folder does not classify like the source framework; nothing was kept."""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    folder: Path
+    description: str
+    classes: int
+    spec: PreprocessSpec
+    parity: Parity
+    notes: tuple[str, ...]
+
+
+def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoint: str | None = None,
+                 labels: str | None = None, preset: str | None = None,
+                 options: ImportOptions = ImportOptions()) -> ImportResult:
+    """Writes the model folder ``output`` from ``name`` of ``source`` (a key of SOURCES), if it passes parity.
+
+    Args:
+        name: timm architecture, torchvision model name, or a Hugging Face model folder.
+        checkpoint: the weights file (timm, torchvision).
+        labels: a labels file (one class a line) instead of the source's own class names.
+        preset: torchvision's weights entry whose transforms and categories apply (e.g. IMAGENET1K_V2).
+
+    Raises:
+        ConfigError: a bad argument, or ``output`` holds files. ModelError: the source cannot be loaded, its
+        preprocessing cannot be written as a spec, or the folder breaks the contract. ParityFailed: below the
+        thresholds. Nothing is written on any of them.
+    """
+    if source not in SOURCES:
+        raise ConfigError(f"unknown source {source!r}; use one of {', '.join(SOURCES)}")
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty folder; pass a new --output folder")
+    samples = read_sample(options.images, options.sample)  # before the slow part, so a bad --images fails at once
+    label_names = read_labels(Path(labels).expanduser()) if labels else None
+    loader = _loader(source)
+    model = loader(name, checkpoint=Path(checkpoint).expanduser() if checkpoint else None, labels=label_names,
+                   preset=preset)
+    try:
+        spec = PreprocessSpec.from_dict(model.spec)
+    except ModelError as e:
+        raise ModelError(f"{model.description}: its preprocessing cannot be written as {SPEC_FILE} ({e})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
+    try:
+        (tmp / MODEL_FILE).write_bytes(export_onnx(model.network, spec))
+        (tmp / LABELS_FILE).write_text("".join(f"{label}\n" for label in model.labels), encoding="utf-8")
+        (tmp / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+        bundle = load_model_folder(tmp, name=out.name)
+        parity = compare(model, bundle, samples)
+        problems = parity.problems(options)
+        if problems:
+            raise ParityFailed(f"{model.description}: the written folder does not classify like the framework on "
+                             f"{parity.images} images: {'; '.join(problems)}; nothing written"
+                             + (f" ({'; '.join(model.notes)})" if model.notes else ""))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ImportResult(out, model.description, len(model.labels), spec, parity, tuple(model.notes))
+
+
+def _loader(source: str) -> Callable[..., SourceModel]:
+    module, _, function = SOURCES[source].partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except ImportError as e:
+        raise ConfigError(f"model import from {source} needs {e.name or 'its packages'}: pip install "
+                          f"'bulk-classify[{EXTRA}]'") from None
+
+
+def read_sample(images: str | None, sample: int) -> list[tuple[str, bytes]]:
+    """Up to ``sample`` images of a local folder (sorted by name), as (name, bytes)."""
+    folder = Path(images).expanduser() if images else DEFAULT_IMAGES
+    if not folder.is_dir():
+        raise ConfigError(f"--images {folder} is not a folder; pass a local folder of sample photos like the "
+                          "catalog's")
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:sample]
+    if not files:
+        raise ConfigError(f"--images {folder} holds no image ({', '.join(IMAGE_SUFFIXES)}); pass a folder of photos")
+    return [(str(p.relative_to(folder)), p.read_bytes()) for p in files]
+
+
+def export_onnx(network: Any, spec: PreprocessSpec) -> bytes:
+    """``network`` as ONNX bytes: one float32 input ``ONNX_INPUT`` with a dynamic batch axis, one output
+    ``ONNX_OUTPUT``; simplified by onnxslim, which also folds the constants the TorchScript exporter leaves and
+    removes the Identity aliases of shared weights that other ONNX readers trip on."""
+    import onnx
+    import onnxslim
+    import torch
+
+    buffer = io.BytesIO()
+    dummy = torch.zeros(2, *spec.input_shape)
+    try:
+        with torch.no_grad():
+            torch.onnx.export(network, (dummy,), buffer, input_names=[ONNX_INPUT], output_names=[ONNX_OUTPUT],
+                              dynamic_axes={ONNX_INPUT: {0: "batch"}, ONNX_OUTPUT: {0: "batch"}},
+                              opset_version=OPSET, dynamo=False)
+    except Exception as e:  # noqa: BLE001 - the exporter raises many types; one line says which operator failed
+        raise ModelError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    model = onnxslim.slim(onnx.load_from_string(buffer.getvalue()))
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def compare(model: SourceModel, bundle: Any, samples: list[tuple[str, bytes]]) -> Parity:
+    """Both sides on each sample image, decoded once (upright, RGB) so that only the preprocessing and the network
+    differ."""
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
+    framework, ours = [], []
+    for start in range(0, len(samples), FORWARD_BATCH):
+        chunk = samples[start:start + FORWARD_BATCH]
+        tensors, arrays = [], []
+        for name, data in chunk:
+            try:
+                tensors.append(model.transform(decode_image(data)))
+                arrays.append(load_and_preprocess(data, bundle.spec)[0])
+            except ImageError as e:
+                raise ConfigError(f"sample image {name} cannot be used ({e}); pass --images with ordinary "
+                                  "photos") from None
+        with torch.no_grad():
+            framework.append(model.network(torch.stack(tensors)).float().numpy())
+        ours.append(session.run([bundle.output_name], {bundle.input_name: np.stack(arrays)})[0])
+    return parity_of(np.concatenate(framework), np.concatenate(ours))
+
+
+def parity_of(framework: np.ndarray, ours: np.ndarray) -> Parity:
+    """The agreement of two [images, classes] logit arrays."""
+    framework, ours = framework.astype(np.float64), ours.astype(np.float64)
+    diff = np.abs(framework - ours).max(axis=1)
+    spread = np.maximum(framework.max(axis=1) - framework.min(axis=1), 1e-12)
+    relative = diff / spread
+    probs = np.exp(framework - framework.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    top2 = np.sort(probs, axis=1)[:, -2:] if probs.shape[1] > 1 else np.hstack([np.zeros_like(probs), probs])
+    decisive = (top2[:, 1] - top2[:, 0]) >= DECISIVE_MARGIN
+    same = framework.argmax(axis=1) == ours.argmax(axis=1)
+    return Parity(
+        images=len(framework),
+        top1_agreement=float(same.mean()),
+        decisive=int(decisive.sum()),
+        decisive_agreement=float(same[decisive].mean()) if decisive.any() else None,
+        max_logit_diff=float(relative.max()),
+        median_logit_diff=float(np.median(relative)),
+        max_abs_logit_diff=float(diff.max()),
+    )
+
+
+def spec_fields(*, size: tuple[int, int], resize_shorter: int | None, interpolation: str,
+                mean: tuple[float, ...], std: tuple[float, ...], scale: float = UNIT_SCALE) -> dict[str, Any]:
+    """preprocess.json fields for an RGB NCHW network: the shorter side to ``resize_shorter`` then the centred
+    crop of ``size``, or with ``resize_shorter`` None the whole image squashed to ``size``."""
+    fields: dict[str, Any] = {"crop": [int(size[0]), int(size[1])], "interpolation": interpolation,
+                              "scale": scale, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+    if resize_shorter is None:
+        fields["resize"] = "squash"
+    else:
+        fields["resize_shorter"] = int(resize_shorter)
+    return fields
+
+
+def fit_weights(network: Any, state: dict[str, Any], checkpoint: Path, what: str) -> None:
+    """Loads ``state`` into ``network``, every tensor matched, or says in one line what does not fit."""
+    expected = network.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state.items()
+             if k in expected and hasattr(v, "shape") and tuple(v.shape) != tuple(expected[k].shape)]
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if wrong or missing or unexpected:
+        parts = [f"{len(items)} {kind} (first: {', '.join(items[:2])})" for kind, items in
+                 (("tensors of another shape", wrong), ("missing tensors", missing), ("unexpected tensors", unexpected))
+                 if items]
+        raise ModelError(f"{checkpoint} does not fit {what}: {'; '.join(parts)}; pass the architecture it was trained "
+                         "as, and --labels with one name per class it outputs")
+    network.load_state_dict(state, strict=True)
+
+
+def format_result(result: ImportResult) -> str:
+    """The lines the CLI prints after a written import."""
+    p = result.parity
+    decisive = "none" if p.decisive_agreement is None else f"{p.decisive_agreement:.1%} of {p.decisive}"
+    lines = [
+        f"imported {result.description}: {result.classes} classes, {SPEC_FILE} "
+        + ", ".join(f"{k} {v}" for k, v in result.spec.to_dict().items() if k in ("resize_shorter", "resize", "crop",
+                                                                                   "interpolation")),
+        f"parity on {p.images} images (framework transform and forward vs this folder in ONNX Runtime): top-1 "
+        f"{p.top1_agreement:.1%}, clearly decided {decisive}, logit difference max {p.max_logit_diff:.2%} / median "
+        f"{p.median_logit_diff:.2%} of the range ({p.max_abs_logit_diff:.2g} absolute)",
+    ]
+    lines += [f"note: {note}" for note in result.notes]
+    lines.append(f"written: {result.folder}")
+    return "\n".join(lines)
