@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,7 @@ import numpy as np
 from pipeline.errors import ConfigError, ImageError, ModelError
 from pipeline.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
+from pipeline.model_import.base import SourceModel
 
 LOG = logging.getLogger(__name__)
 
@@ -50,24 +51,6 @@ DEFAULT_MAX_LOGIT_DIFF = 0.08
 DECISIVE_MARGIN = 0.1
 FORWARD_BATCH = 16
 SLIM_TOLERANCE = 1e-4  # largest output change onnxslim may make, relative to the largest output (float32 rounding)
-UNIT_SCALE = 1 / 255  # 0..255 pixels to 0..1, as torchvision, timm and Hugging Face scale them
-
-
-@dataclass
-class SourceModel:
-    """What a source hands over.
-
-    ``network``: a torch module in eval mode, float32 NCHW batch -> logits [batch, classes]. ``transform``: the
-    framework's own eval preprocessing, a decoded RGB PIL image -> CHW float tensor. ``spec``: the preprocess.json
-    fields that make the same tensor. ``notes``: what the spec approximates, one line each.
-    """
-
-    network: Any
-    transform: Callable[[Any], Any]
-    labels: tuple[str, ...]
-    spec: dict[str, Any]
-    description: str
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,34 +274,6 @@ def parity_of(framework: np.ndarray, ours: np.ndarray) -> Parity:
         median_logit_diff=float(np.median(relative)),
         max_abs_logit_diff=float(diff.max()),
     )
-
-
-def spec_fields(*, size: tuple[int, int], resize_shorter: int | None, interpolation: str,
-                mean: tuple[float, ...], std: tuple[float, ...], scale: float = UNIT_SCALE) -> dict[str, Any]:
-    """preprocess.json fields for an RGB NCHW network: the shorter side to ``resize_shorter`` then the centred
-    crop of ``size``, or with ``resize_shorter`` None the whole image squashed to ``size``."""
-    fields: dict[str, Any] = {"crop": [int(size[0]), int(size[1])], "interpolation": interpolation,
-                              "scale": scale, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
-    if resize_shorter is None:
-        fields["resize"] = "squash"
-    else:
-        fields["resize_shorter"] = int(resize_shorter)
-    return fields
-
-
-def fit_weights(network: Any, state: dict[str, Any], checkpoint: Path, what: str) -> None:
-    """Loads ``state`` into ``network``, every tensor matched, or says in one line what does not fit."""
-    expected = network.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state.items()
-             if k in expected and hasattr(v, "shape") and tuple(v.shape) != tuple(expected[k].shape)]
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if wrong or missing or unexpected:
-        parts = [f"{len(items)} {kind} (first: {', '.join(items[:2])})" for kind, items in
-                 (("tensors of another shape", wrong), ("missing tensors", missing), ("unexpected tensors", unexpected))
-                 if items]
-        raise ModelError(f"{checkpoint} does not fit {what}: {'; '.join(parts)}; pass the architecture it was trained "
-                         "as, and --labels with one name per class it outputs")
-    network.load_state_dict(state, strict=True)
 
 
 def format_result(result: ImportResult) -> str:

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassi
 from transformers.utils import logging as hf_logging
 
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model_import.core import SourceModel, spec_fields
+from pipeline.model_import.base import SourceModel, spec_fields
 
 CONFIG_FILE = "config.json"
 PROCESSOR_FILE = "preprocessor_config.json"

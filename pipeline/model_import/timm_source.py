@@ -15,7 +15,7 @@ from timm.models import load_state_dict
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model import read_labels
-from pipeline.model_import.core import SourceModel, fit_weights, spec_fields
+from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
 
 # Where a checkpoint may keep its class names (timm's own train.py keeps none; many fine-tuning scripts do).
 LABEL_KEYS = ("class_names", "classes", "labels", "label_names")

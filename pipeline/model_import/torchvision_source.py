@@ -9,7 +9,7 @@ import torch
 import torchvision.models as models
 
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model_import.core import SourceModel, fit_weights, spec_fields
+from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
 
 
 def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None) -> SourceModel:
