@@ -9,6 +9,7 @@ folder. Below the thresholds the folder is removed and nothing is written.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import logging
@@ -139,6 +140,7 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
         spec = PreprocessSpec.from_dict(model.spec)
     except ModelError as e:
         raise ModelError(f"{model.description}: its preprocessing cannot be written as {SPEC_FILE} ({e})") from None
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again on a refusal
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
     try:
@@ -160,6 +162,9 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+            for folder in created:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
     return ImportResult(out, model.description, len(model.labels), spec, parity, tuple(model.notes))
 
 

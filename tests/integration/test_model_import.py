@@ -109,7 +109,7 @@ def test_a_spec_that_does_not_match_the_framework_is_refused_and_nothing_written
     monkeypatch.setattr(timm_source, "spec_from_config",
                         lambda config: {**translate(config), "mean": [0.485, 0.456, 0.406],
                                         "std": [0.229, 0.224, 0.225]})
-    out = tmp_path / "model"
+    out = tmp_path / "models" / "shop"
     result = CliRunner().invoke(main, ["model", "import", "timm", "test_resnet", "--checkpoint", str(checkpoint),
                                        "--output", str(out)])
     assert result.exit_code == 3, result.output
