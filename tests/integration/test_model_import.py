@@ -15,7 +15,7 @@ from conftest import PHOTOS
 from pipeline.cli import main
 from pipeline.engines.onnx import OnnxEngine
 from pipeline.errors import ConfigError, ModelError
-from pipeline.imaging import decode_image
+from pipeline.imaging import PreprocessSpec, decode_image
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model_folder
 from pipeline.model_import import core, timm_source
 from pipeline.model_import.core import ImportOptions, ParityFailed, import_model
@@ -155,3 +155,30 @@ def test_parity_numbers():
     assert parity.max_logit_diff == pytest.approx(0.3 / 2.0) and parity.max_abs_logit_diff == pytest.approx(0.4)
     assert parity.problems(ImportOptions()) == ["logits differ by up to 15.0% of their range (allowed 8.0%)"]
     assert isinstance(ParityFailed("x"), ModelError)
+
+
+def test_a_simplification_that_changes_the_outputs_is_not_kept(monkeypatch):
+    import onnxslim
+    from onnx import numpy_helper
+
+    slim = onnxslim.slim
+
+    def changing(model):  # what onnxslim 0.1.98 did to EfficientNet-Lite1's real weights: other logits
+        out = slim(model)
+        last = out.graph.initializer[-1]
+        last.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(last) * 2 + 1, last.name))
+        return out
+
+    torch.manual_seed(0)
+    network = timm.create_model("test_resnet", num_classes=3).eval()
+    spec = PreprocessSpec.from_dict(
+        {"resize_shorter": 168, "crop": [160, 160], "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.5] * 3})
+    batch = np.random.default_rng(1).standard_normal((2, 3, 160, 160)).astype(np.float32)
+    with torch.no_grad():
+        expected = network(torch.from_numpy(batch)).numpy()
+    kept, note = core.export_onnx(network, spec)
+    assert note == "onnx: simplified by onnxslim"
+    monkeypatch.setattr(onnxslim, "slim", changing)
+    kept, note = core.export_onnx(network, spec)
+    assert note.startswith("onnx: the exporter's graph (onnxslim's changed the outputs by")
+    assert np.abs(core._run_onnx(kept, batch) - expected).max() < 1e-4
