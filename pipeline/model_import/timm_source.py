@@ -30,7 +30,7 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     if checkpoint is None:
         raise ConfigError(f"importing timm's {name} needs --checkpoint FILE (the trained weights); nothing is "
                           "downloaded")
-    if name not in timm.list_models():
+    if not timm.is_model(name):  # an architecture, or one with a pretrained tag (resnet50.a1_in1k) whose cfg applies
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         raise ConfigError(f"timm has no architecture {name!r}" + (f"; did you mean {', '.join(close)}?" if close
                                                                   else "; see timm.list_models()"))
