@@ -4,6 +4,7 @@ forward, and every refusal is one line that leaves the output as it was."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -182,3 +183,19 @@ def test_a_simplification_that_changes_the_outputs_is_not_kept(monkeypatch):
     kept, note = core.export_onnx(network, spec)
     assert note.startswith("onnx: the exporter's graph (onnxslim's changed the outputs by")
     assert np.abs(core._run_onnx(kept, batch) - expected).max() < 1e-4
+
+
+def test_timm_checkpoints_as_training_scripts_save_them(tmp_path):
+    from safetensors.torch import save_file
+
+    network = timm.create_model("test_resnet")
+    train = tmp_path / "model_best.pth.tar"  # timm's train.py: its arguments, the optimizer, the EMA weights
+    torch.save({"state_dict": network.state_dict(), "args": argparse.Namespace(model="test_resnet", lr=0.1),
+                "optimizer": torch.optim.SGD(network.parameters(), lr=0.1).state_dict(), "epoch": 3}, train)
+    save_file(network.state_dict(), tmp_path / "model.safetensors")
+    for path in (train, tmp_path / "model.safetensors"):
+        state, names = timm_source.read_checkpoint(path)
+        assert set(state) == set(network.state_dict()) and names is None
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(ModelError, match=r"cannot read .*junk.pth as a checkpoint .*save the weights with torch.save"):
+        timm_source.read_checkpoint(tmp_path / "junk.pth")
