@@ -458,7 +458,7 @@ class GateExit(click.ClickException):
 @click.option("--images", metavar="DIR", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Local folder of sample photos for the parity check.")
 @click.option("--sample", type=int, default=IMPORT_SAMPLE, show_default=True, help="Sample photos compared.")
 @click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos.")
-@click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest logit difference from the framework, as a share of the photo's logit range.")
+@click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest median over the photos of the logit difference from the framework, as a share of the photo's logit range.")
 def model_import(source: str, name: str, output: str, checkpoint: str | None, labels: str | None, preset: str | None,
                  images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
     """Write a model folder from a trained network, kept only if it classifies like its framework.

@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = str(PARITY / "inputs")
     samples = read_sample(folder, args.images)
-    header = ("model", "weights", "spec", "import s", "import top-1", "decided", "logit diff max/med", "engine top-1",
+    header = ("model", "weights", "spec", "import s", "import top-1", "decided", "logit diff max/med", "network alone", "engine top-1",
               "max |dp|", "nodes raw>kept (Identity)", "onnx kept", "model check")
     table = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,7 +184,7 @@ def main() -> None:
             table.append((name, weights, f"{spec.get('resize_shorter', spec.get('resize'))}/{spec['crop'][0]} "
                           f"{spec['interpolation']}", f"{seconds:.0f}", f"{p.top1_agreement:.1%}",
                           "-" if p.decisive_agreement is None else f"{p.decisive_agreement:.1%} of {p.decisive}",
-                          f"{p.max_logit_diff:.2%}/{p.median_logit_diff:.2%}", f"{agree:.1%}", f"{dp:.1e}",
+                          f"{p.max_logit_diff:.2%}/{p.median_logit_diff:.2%}", f"{p.export_diff:.1e}", f"{agree:.1%}", f"{dp:.1e}",
                           f"{nodes}>{len(slim)} ({identities}>{sum(n.op_type == 'Identity' for n in slim)})",
                           next(n for n in result.notes if n.startswith("onnx: "))[6:],
                           run_check(out)))

@@ -5,6 +5,7 @@ forward, and every refusal is one line that leaves the output as it was."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -80,7 +81,7 @@ def test_torchvision_import_with_a_labels_file(tmp_path):
     # ResNet18_Weights.DEFAULT's transforms: the shorter side to 256, a 224 crop, bilinear, ImageNet mean/std
     assert result.spec.resize_shorter == 256 and result.spec.crop == (224, 224)
     assert result.spec.interpolation == "bilinear" and result.spec.mean == pytest.approx((0.485, 0.456, 0.406))
-    assert result.parity.max_logit_diff < core.DEFAULT_MAX_LOGIT_DIFF
+    assert result.parity.median_logit_diff < core.DEFAULT_MAX_LOGIT_DIFF and result.parity.export_diff < 1e-4
     assert load_model_folder(result.folder).labels == SHOP
     assert _engine_top1(result.folder) == _framework_top1("torchvision", "resnet18", checkpoint, SHOP)
 
@@ -154,7 +155,12 @@ def test_parity_numbers():
     assert parity.top1_agreement == pytest.approx(2 / 3)  # the second image flips to class 2
     assert parity.decisive == 1 and parity.decisive_agreement == 1.0  # only the first is clearly decided
     assert parity.max_logit_diff == pytest.approx(0.3 / 2.0) and parity.max_abs_logit_diff == pytest.approx(0.4)
-    assert parity.problems(ImportOptions()) == ["logits differ by up to 15.0% of their range (allowed 8.0%)"]
+    assert parity.median_logit_diff == pytest.approx(0.1)  # 0.4/4, 0.3/2 and 0 of the ranges
+    assert parity.problems(ImportOptions()) == ["logits differ by a median 10.0% of their range (allowed 8.0%)"]
+    assert parity.problems(ImportOptions(max_logit_diff=0.2)) == []
+    broken = dataclasses.replace(parity, export_diff=0.01)
+    assert broken.problems(ImportOptions(max_logit_diff=0.2)) == ["the exported network alone differs by 1.0e-02 of the logit range on "
+                                                "the framework's own tensors (allowed 1e-03): the ONNX export is wrong"]
     assert isinstance(ParityFailed("x"), ModelError)
 
 
