@@ -2,8 +2,8 @@
 production Triton profile, CPU for tests and parity checks against the reference (pipeline.imaging).
 
 The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
-centred ``crop`` taken, resampled straight from the source region of interest (no rounded intermediate size), with the
-same interpolation and antialiasing, in the reference's two passes (horizontal, rounded to 8 bits, then vertical).
+centred ``crop`` taken (with ``resize`` "squash", the whole image resized to ``crop``), resampled straight from the
+source region of interest (no rounded intermediate size), with the same interpolation and antialiasing, in the reference's two passes (horizontal, rounded to 8 bits, then vertical).
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from pipeline.triton import contract as tn
-from pipeline.imaging import PreprocessSpec
+from pipeline.imaging import RESIZE_SQUASH, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 DALI_THREADS = 4  # CPU threads of one DALI pipeline: the gpu paths' default and the production profile's
@@ -70,12 +70,15 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
-    shorter = dmath.min(height, width)
-    # The crop box in source pixels, exact as in pipeline.imaging.preprocess_image.
-    box_h = crop_h * shorter / float(spec.resize_shorter)
-    box_w = crop_w * shorter / float(spec.resize_shorter)
-    top = (height - box_h) / 2.0
-    left = (width - box_w) / 2.0
+    # The crop box in source pixels, exact as in pipeline.imaging.crop_box: squashing takes the whole image.
+    if spec.resize == RESIZE_SQUASH:
+        box_h, box_w, top, left = height, width, 0.0 * height, 0.0 * width
+    else:
+        shorter = dmath.min(height, width)
+        box_h = crop_h * shorter / float(spec.resize_shorter)
+        box_w = crop_w * shorter / float(spec.resize_shorter)
+        top = (height - box_h) / 2.0
+        left = (width - box_w) / 2.0
     resample = {"roi_relative": False, "interp_type": getattr(types, _INTERP[spec.interpolation]),
                 "antialias": spec.antialias, "dtype": types.UINT8}
     if spec.interpolation == "nearest":
