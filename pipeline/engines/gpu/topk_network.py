@@ -1,4 +1,5 @@
-"""TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k.
+"""TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k
+(top-k alone for a network whose output is probabilities already).
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
 ensemble shape runs it alone in its ``network`` model (``pipeline.triton.serve.gpu_ensemble``).
@@ -23,10 +24,11 @@ class TopKNetwork:
         batch_size: the CUDA graph's batch (smaller batches are padded into it).
         cuda_graph: capture the network per batch size (CUDA only).
         top_k: classes per image.
+        probabilities: the network outputs probabilities (the spec's ``output``): no softmax after it.
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
-                 top_k: int):
+                 top_k: int, probabilities: bool = False):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -38,6 +40,7 @@ class TopKNetwork:
         self.batch_size = batch_size
         self.use_graph = cuda_graph and self.is_cuda
         self.top_k = top_k
+        self.probabilities = probabilities
         # A private copy: converting dtype/layout in place would change a module another classifier holds.
         net = copy.deepcopy(network).eval().to(device)
         net = net.to(memory_format=torch.channels_last)
@@ -72,7 +75,8 @@ class TopKNetwork:
         """(top-k probabilities float32 [N, k], their class ids int32 [N, k]) on the device, best first."""
         torch = self._torch
         with torch.inference_mode():
-            probs = self.run(x).float().softmax(dim=-1)
+            out = self.run(x).float()
+            probs = out if self.probabilities else out.softmax(dim=-1)
             top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
             return top.values, top.indices.to(torch.int32)
 
