@@ -21,6 +21,7 @@ from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
 from pipeline.quality import DriftThresholds
 from pipeline.quantize import (
@@ -437,6 +438,36 @@ def model_quantize(source: str, output: str, model: str | None, samples: int, ca
     click.echo(format_gate(result.report))
     state = "passed" if result.passed else "FAILED (written with --force, marked failed)"
     click.echo(f"INT8 model {state}: {result.model_dir} (report {result.report_path.name})")
+
+
+@model_group.command("check")
+@click.argument("folder", metavar="DIR")
+@click.option("--images", default=None, metavar="SOURCE", help="Folder or URL of sample images (default: the repository's tests/data/photos).")
+@click.option("--engine", "engines", multiple=True, metavar="NAME", help="An engine to compare (repeatable; default: every engine available here).")
+@click.option("--sample", type=int, default=DEFAULT_SAMPLE, show_default=True, help="Images of SOURCE to run.")
+@click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the reference each engine needs.")
+@click.option("--max-score-diff", type=float, default=DEFAULT_MAX_SCORE_DIFF, show_default=True, help="Largest score difference from the reference allowed.")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE; repeatable.")
+def model_check(folder: str, images: str | None, engines: tuple[str, ...], sample: int, min_agreement: float,
+                max_score_diff: float, storage_options: tuple[str, ...]) -> None:
+    """Check a model folder: its contract, then sample images through the reference and every engine here.
+
+    \b
+    Exit status: 0 every engine agrees with the reference, 1 a broken contract, an error, or an engine below the
+    thresholds.
+    """
+    from pipeline.model_check import check_model_folder, format_report
+
+    try:
+        report = check_model_folder(folder, images=images, engines=engines, sample=sample,
+                                    min_agreement=min_agreement, max_score_diff=max_score_diff,
+                                    storage_options=_options(storage_options))
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(format_report(report))
+    if not report.passed:
+        failed = [e.engine for e in report.engines if not e.passed]
+        raise click.ClickException(f"model check failed for {', '.join(failed)}; see the lines above")
 
 
 class GateExit(click.ClickException):

@@ -173,6 +173,12 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
     )
 
 
+def fixed_batch_note(bundle: ModelBundle) -> str:
+    """The one line said where a model's batch axis is fixed."""
+    return (f"{bundle.onnx_path}: the batch axis is fixed at {bundle.fixed_batch}: every engine runs batches of "
+            f"exactly {bundle.fixed_batch} images (the last one padded); export with a dynamic batch axis for speed")
+
+
 def read_labels(path: Path) -> tuple[str, ...]:
     """One label per line; a trailing newline is fine, blank lines in between are not."""
     try:

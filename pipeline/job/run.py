@@ -64,11 +64,14 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     dst_fs, dst_root = open_fs(config.output, config.storage_options)
     check_output(dst_fs, dst_root, config)
 
-    from pipeline.model import load_model
+    from pipeline.model import fixed_batch_note, load_model
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
-    engine_spec(config.engine).check_model(bundle)  # an INT8 model on an engine without INT8
+    # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
+    engine_spec(config.engine).check_model(bundle, engine_spec(config.engine).parse_options(config.engine_options))
+    if bundle.fixed_batch:
+        LOG.warning("%s", fixed_batch_note(bundle))
     check_compatible(dst_fs, dst_root, config, bundle)
     t_index = time.perf_counter()
     previous = read_previous(config, bundle) if config.previous else None

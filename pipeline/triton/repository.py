@@ -96,10 +96,8 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
                   probabilities: bool = False) -> Path:
     """Writes the classifier with Softmax and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
 
-    Scores become probabilities inside the graph, so TensorRT (production) and ONNX Runtime (portable) return
-    only k ids and scores per image, and both run the same head. A model whose output is ``probabilities`` already
-    (its spec's ``output``) gets TopK alone.
-    """
+    Scores become probabilities inside the graph (TopK alone where the model outputs ``probabilities``, per its
+    spec), so TensorRT (production) and ONNX Runtime (portable) return only k ids and scores per image."""
     import onnx  # noqa: PLC0415
     from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
 
@@ -119,9 +117,9 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     batch = dims[0].dim_param or "batch" if dims else "batch"
     graph.initializer.append(numpy_helper.from_array(np.array([k], dtype=np.int64), "bc_top_k"))
     scores = logits.name if probabilities else "bc_probabilities"
+    softmax = [] if probabilities else [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")]
     graph.node.extend([
-        *([] if probabilities else
-          [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")]),
+        *softmax,
         helper.make_node("TopK", [scores, "bc_top_k"], [tn.OUTPUT_SCORES, "bc_indices"],
                          axis=-1, largest=1, sorted=1, name="bc_topk"),
         helper.make_node("Cast", ["bc_indices"], [tn.OUTPUT_CLASS_IDS], to=TensorProto.INT32, name="bc_cast"),

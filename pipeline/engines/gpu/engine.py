@@ -43,6 +43,7 @@ SPEC = EngineSpec(
     needs_gpu=True,
     decode_threads_option="cpu_decode_threads",
     preflight=f"{__name__}:check_requirements",
+    model_check=f"{__name__}:check_model",
     # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
     # three actors keep one GPU busiest (docs/performance.md).
     calls_per_actor=3,
@@ -128,3 +129,12 @@ def check_requirements(options: Mapping[str, Any]) -> None:
     if not importable("nvidia.dali"):
         raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
                           "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
+
+
+def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
+    """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
+    engine's gpu profile, which runs the same classifier)."""
+    from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
+
+    if options.get("network") in (None, "", "auto", "default"):  # not a benchmark network
+        check_runnable(bundle, "--engine gpu")
