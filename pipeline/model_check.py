@@ -188,7 +188,7 @@ def _softmax(raw: np.ndarray) -> np.ndarray:
 
 def _unavailable(spec: Any) -> str:
     """Why engine ``spec`` cannot run on this machine, or ""."""
-    if spec.needs_gpu:
+    if spec.gpu_only:
         from pipeline.triton.profiles import node_gpus
 
         if node_gpus() == 0:

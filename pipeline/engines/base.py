@@ -138,6 +138,7 @@ class EngineSpec:
         summary: one line for ``--help``.
         options: the options it accepts; anything else is refused in the driver.
         needs_gpu: actors take one GPU each when the cluster has GPUs.
+        gpu_only: it runs nowhere else (``bulk-classify model check`` skips it on a machine without a GPU).
         decode_threads_option: the option that ``--decode-threads`` fills, if the engine decodes in the actor.
         call_threads_option: the option the job fills, unless given, with each call's compute threads on a CPU
             node: the actor's share of the cluster's cores over its calls (``pipeline.job.stages.call_threads``).
@@ -165,6 +166,7 @@ class EngineSpec:
     summary: str
     options: tuple[Option, ...] = ()
     needs_gpu: bool = False
+    gpu_only: bool = False
     decode_threads_option: str | None = None
     call_threads_option: str | None = None
     calls_option: str | None = None

@@ -41,6 +41,7 @@ SPEC = EngineSpec(
                choices=tn.CUDA_SYNC_MODES),
     ),
     needs_gpu=True,
+    gpu_only=True,
     decode_threads_option="cpu_decode_threads",
     preflight=f"{__name__}:check_requirements",
     model_check=f"{__name__}:check_model",
