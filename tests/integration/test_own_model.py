@@ -210,6 +210,21 @@ def test_case6_a_fixed_batch_is_used_without_failures(models, photos, name, capl
     assert not [r for r in caplog.records if "retrying" in r.getMessage() or "failed" in r.getMessage()]
 
 
+def test_case6_the_gpu_network_runs_only_the_fixed_batch_size():
+    from pipeline.engines.gpu.topk_network import TopKNetwork
+
+    net, sizes = _Net(), []
+    net.register_forward_pre_hook(lambda _module, args: sizes.append(args[0].shape[0]))
+    topk = TopKNetwork(net, crop=(SIZE, SIZE), device=torch.device("cpu"), half=False, batch_size=64,
+                       cuda_graph=False, top_k=3, fixed_batch=4)
+    x = torch.rand(6, 3, SIZE, SIZE)
+    scores, ids = topk.scores(x)
+    assert sizes == [4, 4]  # 6 images: a run of 4 and a padded one (the hook travels with TopKNetwork's copy)
+    want = net(x).softmax(dim=-1).topk(3)
+    np.testing.assert_allclose(scores.numpy(), want.values.detach().numpy(), atol=1e-6)
+    assert (ids.numpy() == want.indices.numpy()).all()
+
+
 def test_case6_the_portable_triton_model_pads_a_fixed_batch(tmp_path, models, photos):
     from pipeline.triton.repository import add_topk_head
     from pipeline.triton.serve.portable_model import Classifier

@@ -82,7 +82,8 @@ class GpuEngine:
         self.labels = tuple(bundle.labels)
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
+                                        fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415

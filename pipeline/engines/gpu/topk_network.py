@@ -25,10 +25,12 @@ class TopKNetwork:
         cuda_graph: capture the network per batch size (CUDA only).
         top_k: classes per image.
         probabilities: the network outputs probabilities (the spec's ``output``): no softmax after it.
+        fixed_batch: the network takes only batches of this size (its ONNX batch axis is a number): a batch runs in
+            runs of exactly that many, the last one padded.
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
-                 top_k: int, probabilities: bool = False):
+                 top_k: int, probabilities: bool = False, fixed_batch: int | None = None):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -37,7 +39,8 @@ class TopKNetwork:
         self.crop = tuple(crop)
         self.half = half
         self.dtype = torch.float16 if half else torch.float32
-        self.batch_size = batch_size
+        self.batch_size = fixed_batch or batch_size
+        self.fixed_batch = fixed_batch
         self.use_graph = cuda_graph and self.is_cuda
         self.top_k = top_k
         self.probabilities = probabilities
@@ -58,6 +61,8 @@ class TopKNetwork:
     def run(self, x):
         """Logits for a batch; a CUDA graph per padded batch size when enabled."""
         torch = self._torch
+        if self.fixed_batch and x.shape[0] != self.fixed_batch:
+            return torch.cat([self._run_padded(part) for part in x.split(self.fixed_batch)])
         with torch.inference_mode():
             if not self.use_graph:
                 return self.module(x)
@@ -70,6 +75,13 @@ class TopKNetwork:
             static_in[:n].copy_(x)
             g.replay()
             return static_out[:n]
+
+    def _run_padded(self, part):
+        """One run of exactly ``fixed_batch`` rows (``part`` padded with zeros); only ``part``'s rows come back."""
+        n = part.shape[0]
+        if n < self.fixed_batch:
+            part = self._torch.cat([part, part.new_zeros((self.fixed_batch - n, *part.shape[1:]))])
+        return self.run(part)[:n]
 
     def scores(self, x):
         """(top-k probabilities float32 [N, k], their class ids int32 [N, k]) on the device, best first."""
