@@ -34,7 +34,7 @@ _PIL_FILTERS = {
     "lanczos": Image.Resampling.LANCZOS,
 }
 # Half-width of each filter's kernel in output pixels (Pillow's filter supports); widened by the downscale factor.
-_FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
+FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
 
 # We enforce our own pixel cap from the header (DecodeLimits.max_pixels); Pillow's own warning between
 # its limit and twice it would only be noise. Above twice its limit Pillow raises, which we map to too_many_pixels.
@@ -186,7 +186,7 @@ def _resample(
         return img.resize((crop_w, crop_h), resample, box=(left, top, left + box_w, top + box_h))
     w, h = img.size
     # Only the rows the vertical pass reads go through the horizontal one (what a single resize call does too).
-    support = _FILTER_SUPPORT[spec.interpolation] * max(box_h / crop_h, 1.0)
+    support = FILTER_SUPPORT[spec.interpolation] * max(box_h / crop_h, 1.0)
     first, last = max(0, math.floor(top - support) - 1), min(h, math.ceil(top + box_h + support) + 1)
     rows = img if (first, last) == (0, h) else img.crop((0, first, w, last))
     mid = rows.resize((crop_w, last - first), resample, box=(left, 0, left + box_w, last - first))
