@@ -343,7 +343,7 @@ def check_runnable(bundle, engine: str) -> None:
     if bundle.spec.layout != "NCHW":
         raise ModelError(f"{engine} feeds NCHW networks and {bundle.name!r} is {bundle.spec.layout}; run it with "
                          "--engine onnx")
-    if bundle.name != MODEL_NAME and not (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
+    if not is_builtin(bundle) and not (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
         raise ModelError(_not_runnable(bundle, engine))
 
 
