@@ -86,6 +86,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
             (folder / LABELS_FILE).write_text(labels_text)
         folders[name] = folder
 
+    folder = root / "fixed_probabilities"
+    folder.mkdir()
+    _export(folder / MODEL_FILE, _Net("softmax"), batch=4)
+    (folder / LABELS_FILE).write_text(labels)
+    (folder / SPEC_FILE).write_text(json.dumps({**SPEC, "output": "probabilities"}))
+    folders["fixed_probabilities"] = folder
     variant("probabilities", "softmax", spec={**SPEC, "output": "probabilities"})
     variant("normalized_declared", "normalized", spec={**SPEC, "output": "probabilities"})
     variant("unscaled", "logits", spec={**{k: v for k, v in SPEC.items() if k != "scale"}})
@@ -193,6 +199,31 @@ def test_case5_an_undeclared_softmax_is_refused_and_model_check_notices_sums_of_
     assert '"output": "probabilities"' in line
     result = _cli("model", "check", models["normalized"], "--engine", "onnx", "--sample", 3)
     assert result.exit_code == 1 and "sums to 1" in result.stderr and '"output": "probabilities"' in result.stderr
+
+
+def test_cases5_and_6_a_job_writes_the_models_own_probabilities_through_its_fixed_batch(tmp_path, models, ray_local,
+                                                                                       caplog):
+    import pyarrow.dataset as pads
+
+    from pipeline.config import RunConfig
+    from pipeline.job import run_job
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in PHOTO_NAMES + ("camera.jpg", "clock.jpg"):  # 6 images: batches of 4, the last padded
+        shutil.copy(PHOTOS / name, src / name)
+    with caplog.at_level("WARNING"):
+        summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "out"), engine="onnx",
+                                    model=str(models["fixed_probabilities"]), top_k=3, batch_size=6))
+    assert summary.classified == 6
+    assert sum("batch axis is fixed at 4" in r.getMessage() for r in caplog.records) == 1
+    rows = {r["uri"].rsplit("/", 1)[-1]: r for r in pads.dataset(str(tmp_path / "out"), format="parquet")
+            .to_table().to_pylist()}
+    names = sorted(rows)
+    expected = _ort_rows(models["fixed_probabilities"], [(src / n).read_bytes() for n in names])
+    for name, want in zip(names, expected):
+        assert rows[name]["status"] == "ok" and rows[name]["class_ids"][0] == int(want.argmax()), name
+        assert rows[name]["scores"][0] == pytest.approx(float(want.max()), abs=1e-5), name
 
 
 # ---- case 6: a fixed batch axis ------------------------------------------------------------------------------
