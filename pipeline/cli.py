@@ -385,7 +385,7 @@ def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top
 
 @main.group("model")
 def model_group() -> None:
-    """Build model folders that --model loads."""
+    """Build and check model folders that --model loads."""
 
 
 _Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
