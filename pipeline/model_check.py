@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from pipeline.config import DEFAULT_EXTENSIONS
 from pipeline.errors import BulkClassifyError, ConfigError, ImageError, ModelError
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ DEFAULT_SAMPLE = 16
 DEFAULT_MIN_AGREEMENT = 0.9  # top-1 agreement with the reference an engine needs over the sample
 DEFAULT_MAX_SCORE_DIFF = 0.05  # the largest |engine score - reference probability| of the same class allowed
 SUMS_TO_ONE_TOLERANCE = 1e-3  # a row of non-negative outputs within this of 1 is a probability distribution
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 CHECK_TOP_K = 5
 
 
@@ -125,12 +125,13 @@ def read_sample(images: str | None, sample: int, storage_options: Mapping[str, A
     source = str(images) if images else str(DEFAULT_IMAGES)
     fs, root = open_fs(source, storage_options)
     try:
-        paths = sorted(p for p in fs.find(root) if p.lower().endswith(IMAGE_SUFFIXES))[:sample]
+        suffixes = tuple(f".{e}" for e in DEFAULT_EXTENSIONS)
+        paths = sorted(p for p in fs.find(root) if p.lower().endswith(suffixes))[:sample]
         blobs = [(p.rsplit("/", 1)[-1], fs.cat_file(p)) for p in paths]
     except OSError as err:
         raise ConfigError(f"cannot read sample images under {source}: {err}; pass --images FOLDER") from None
     if not blobs:
-        raise ConfigError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {source}; pass --images FOLDER")
+        raise ConfigError(f"no images ({', '.join(DEFAULT_EXTENSIONS)}) under {source}; pass --images FOLDER")
     return blobs
 
 
