@@ -230,7 +230,21 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
                          'declares logits (the default); add "output": "probabilities" to it so that no second '
                          "softmax is applied")
     precision = PRECISION_INT8 if any(n.op_type in QUANTIZED_OPS for n in graph.node) else PRECISION_FP32
-    return inp.name, out.name, out_dims[1], precision, dims[0]
+    width = out_dims[1] if out_dims[1] is not None else _inferred_width(model, out.name)
+    return inp.name, out.name, width, precision, dims[0]
+
+
+def _inferred_width(model: Any, output: str) -> int | None:
+    """The class count of an output whose second axis the file leaves unnamed, from ONNX's shape inference (so a
+    label count is checked against it in the driver too); None where inference cannot tell."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - inference is a best effort; the engines check the width they get at run time
+        return None
+    dims = [_dims(v) for v in inferred.graph.output if v.name == output]
+    return dims[0][1] if dims and len(dims[0]) == 2 else None
 
 
 def _dims(value: Any) -> list[int | None]:
