@@ -63,7 +63,8 @@ class RunConfig:
     """Everything one classification run needs; built once, never mutated.
 
     Attributes:
-        source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
+        source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively, or a manifest that
+            names the objects: ``uris+URL`` (a URI list) or ``inventory+URL`` (an S3 Inventory manifest.json).
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
         engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
@@ -77,6 +78,8 @@ class RunConfig:
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
+        source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
+            starts with it.
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
             ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
@@ -105,6 +108,7 @@ class RunConfig:
     fetch_ahead_bytes: int | None = None
     list_tasks: int = DEFAULT_LIST_TASKS
     follow_symlinks: bool = False
+    source_prefix: str | None = None
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -113,6 +117,11 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
+        from pipeline.source_manifest import manifest_form  # noqa: PLC0415 - pyarrow, only when options are built
+
+        if self.source_prefix is not None and manifest_form(self.source) is None:
+            raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
+                              "give the prefix in SOURCE itself, or use a uris+ or inventory+ SOURCE")
         if self.engine == AUTO_ENGINE and self.engine_options:
             raise ConfigError("--engine-option needs an engine: add --engine onnx or --engine triton (auto picks "
                               "one by the cluster's GPUs; 'bulk-classify engines' shows which)")
