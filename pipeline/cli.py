@@ -20,6 +20,8 @@ from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
+from pipeline.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
+from pipeline.source_manifest import INVENTORY_FORM, URIS_FORM
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
 from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
@@ -153,6 +155,8 @@ RUN_OPTIONS = (
     click.option("--fetch-ahead-bytes", type=int, cls=ConfigDefault, default=None, show_default=f"{FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor", help="Cap on bytes fetched but not yet classified (Ray object store)."),
     click.option("--list-tasks", type=int, cls=ConfigDefault, default=None, show_default=str(_default("list_tasks")), help="Listing tasks at once, the bound on outstanding LIST calls."),
     click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
+    click.option("--source-prefix", default=None, metavar="URI", help=f"With a {URIS_FORM} or {INVENTORY_FORM} SOURCE: only the objects whose URI starts with this (s3://bucket/photos/)."),
+    click.option("--catalog-option", "catalog_options", multiple=True, metavar="KEY=VALUE", help=f"Iceberg catalog property for an {ICEBERG_SCHEME}NAMESPACE.TABLE output or previous, e.g. warehouse=DIR (the embedded SQLite catalog, default ./{DEFAULT_WAREHOUSE}) or uri=… type=rest; repeatable."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
 
@@ -170,6 +174,7 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
     fields = dict(options)
     fields["storage_options"] = _options(options.get("storage_options") or ())
     fields["engine_options"] = _options(options.get("engine_options") or (), "--engine-option", "max_batch=8")
+    fields["catalog_options"] = _options(options.get("catalog_options") or (), "--catalog-option", "warehouse=DIR")
     extensions = options.get("extensions")
     if extensions is not None:
         fields["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
@@ -178,11 +183,14 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
 
 @main.command()
 @click.argument("source")
-@click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
-@click.option("--previous", default=None, help="An earlier run's output: unchanged objects are carried over, not reclassified.")
+@click.option("-o", "--output", required=True, help=f"Folder or URL (s3://bucket/prefix) for the Parquet output, or an Iceberg table: {ICEBERG_SCHEME}NAMESPACE.TABLE.")
+@click.option("--previous", default=None, help="An earlier run's output (a folder or an Iceberg table): unchanged objects are carried over, not reclassified.")
 @run_options
 def run(source: str, quiet: bool, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped).
+
+    SOURCE is a folder or prefix (listed), uris+FILE (a text, CSV or Parquet list of URIs) or
+    inventory+s3://…/manifest.json (an S3 Inventory report).
 
     \b
     Exit status: 0 done, 1 an error (the message says the fix), 4 SOURCE holds nothing to classify.

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
 from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.iceberg_output import is_iceberg
 from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
@@ -80,6 +81,8 @@ class RunConfig:
             followed: their targets are listed under their own paths).
         source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
             starts with it.
+        catalog_options: properties of the Iceberg catalog of an ``iceberg://NAMESPACE.TABLE`` output or previous
+            (``pipeline.iceberg_output.catalog_properties``).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
             ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
@@ -109,6 +112,7 @@ class RunConfig:
     list_tasks: int = DEFAULT_LIST_TASKS
     follow_symlinks: bool = False
     source_prefix: str | None = None
+    catalog_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -122,6 +126,9 @@ class RunConfig:
         if self.source_prefix is not None and manifest_form(self.source) is None:
             raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
                               "give the prefix in SOURCE itself, or use a uris+ or inventory+ SOURCE")
+        if is_iceberg(self.output) and ("@" in self.output or self.overwrite):
+            raise ConfigError(f"--output {self.output!r}: an Iceberg output is a table's current snapshot, without "
+                              "@SNAPSHOT, and is never overwritten; choose a new table to start over")
         if self.engine == AUTO_ENGINE and self.engine_options:
             raise ConfigError("--engine-option needs an engine: add --engine onnx or --engine triton (auto picks "
                               "one by the cluster's GPUs; 'bulk-classify engines' shows which)")
@@ -154,6 +161,7 @@ class RunConfig:
             raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
         object.__setattr__(self, "extensions", exts)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
+        object.__setattr__(self, "catalog_options", dict(self.catalog_options))
         if spec is not None:
             object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
 
@@ -208,6 +216,7 @@ class RunConfig:
         """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
         out = dataclasses.asdict(self)
         out["storage_options"] = sorted(self.storage_options)  # keys only: values may be credentials
+        out["catalog_options"] = sorted(self.catalog_options)
         out["engine_options"] = {k: v for k, v in self.engine_options.items() if "secret" not in k.lower()}
         out["extensions"] = list(self.extensions)
         return out

@@ -479,13 +479,14 @@ def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:
 
 def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple[str, ...], *, done: np.ndarray,
                    previous: np.ndarray, report: Callable[[int, int, float, np.ndarray | None], None] | None = None,
-                   claim: Claim | None = None) -> Iterator[pa.Table]:
+                   claim: Claim | None = None, named: bool = False) -> Iterator[pa.Table]:
     """List a group of units as blocks of listing rows (``LISTING_SCHEMA``), dropping done and carried objects.
 
     Objects already committed (``done``: sorted uri hashes) are skipped. Objects whose version matches a carryable
     row of the previous run (``previous``: sorted identity hashes) are left out of the blocks; their identities
     go to ``report(listed, skipped, seconds, carried_identities)`` (sent every CARRY_FLUSH objects and at the end),
-    so the job copies those rows afterwards, shard by shard.
+    so the job copies those rows afterwards, shard by shard. ``named``: the units are a manifest's, whose entries
+    are rows even when the object is gone (the fetch makes them ``not_found``), so local ones are not stat-ed.
     """
     carried: list[np.ndarray] = []
     pending: list[Entry] = []
@@ -506,7 +507,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
                 block = [e for e, k in zip(block, keep) if k]
         errors = [e for e in block if is_error(e)]
         block = [e for e in block if not is_error(e)] if errors else block
-        block = stat_local(block)
+        block = block if named else stat_local(block)
         n_carried = 0
         if previous.size and block:
             uris, sizes, etags, mtimes = zip(*block)

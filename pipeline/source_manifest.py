@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -63,13 +64,23 @@ def extension_mask(keys: pa.Array, extensions: tuple[str, ...]) -> pa.Array:
     return pc.fill_null(pc.match_substring_regex(keys, pattern, ignore_case=True), False)
 
 
-def canonical_uri(text: str) -> str:
-    """A URI as the output writes it (percent-encoded path); a line without a scheme is a local path."""
+def canonical_uri(text: str, base: str | None = None) -> str:
+    """A URI as the output writes it (percent-encoded path). Without a scheme: a local path if absolute, else a
+    path relative to ``base`` (the URL of the list's folder)."""
     text = text.strip()
     scheme, sep, _rest = text.partition("://")
     if not sep:
-        return object_uri("file", text)
-    return object_uri(scheme, uri_path(text))
+        if text.startswith("/") or base is None:
+            return object_uri("file", os.path.abspath(text))
+        text = f"{base.rstrip('/')}/{text}"
+    return object_uri(*uri_path_parts(text))
+
+
+def uri_path_parts(uri: str) -> tuple[str, str]:
+    """(scheme, decoded path) of a URI; a local path is normalised (``..`` resolved), as a listing would name it."""
+    scheme = uri.partition("://")[0]
+    path = uri_path(uri)
+    return scheme, os.path.normpath(path) if scheme == "file" else path
 
 
 def _mtimes(column: pa.ChunkedArray | pa.Array | None) -> list:
@@ -138,7 +149,7 @@ def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iter
 
 
 def _uri_list_entries(batch: pa.RecordBatch, extensions: tuple[str, ...], prefix: str | None,
-                      where: str) -> list[Entry]:
+                      base: str) -> list[Entry]:
     names = batch.schema.names
     column = _pick(names, (URI_COLUMN, "url"))
     if column is None:
@@ -146,7 +157,7 @@ def _uri_list_entries(batch: pa.RecordBatch, extensions: tuple[str, ...], prefix
     raw = pc.cast(batch.column(column), pa.string())
     keep = pc.and_(pc.is_valid(raw), extension_mask(raw, extensions))
     rows = batch.filter(keep)
-    uris = [canonical_uri(u) for u in pc.cast(rows.column(column), pa.string()).to_pylist()]
+    uris = [canonical_uri(u, base) for u in pc.cast(rows.column(column), pa.string()).to_pylist()]
     get = {k: rows.column(c) if (c := _pick(names, choices)) else None
            for k, choices in (("size", SIZE_COLUMNS), ("etag", ETAG_COLUMNS), ("mtime", MTIME_COLUMNS))}
     entries = _entries(uris, _ints(get["size"]), _strings(get["etag"]), _mtimes(get["mtime"]))
@@ -164,7 +175,7 @@ class UriListFile:
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
         return _read_guarded(self.url, lambda: (
-            _uri_list_entries(b, extensions, self.prefix, self.url)
+            _uri_list_entries(b, extensions, self.prefix, self.url.rsplit("/", 1)[0])
             for b in _uri_batches(fs, fs._strip_protocol(self.url), self.row_groups)))
 
 

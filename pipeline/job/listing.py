@@ -13,6 +13,7 @@ from ray.data import Datasource
 
 from pipeline.schema import WORK_SCHEMA, conform
 from pipeline.source import listing_blocks, open_fs, resolve_keys
+from pipeline.source_manifest import manifest_form
 
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
 
@@ -51,7 +52,8 @@ class ListingDatasource(Datasource):
         calls = _CounterCalls(self.counter)
         for block in listing_blocks(fs, group, self.extensions, done=resolve_keys(self.done),
                                     previous=resolve_keys(self.previous), report=calls.report,
-                                    claim=calls.claim if self.counter is not None else None):
+                                    claim=calls.claim if self.counter is not None else None,
+                                    named=manifest_form(self.url) is not None):
             if self.excluded is not None:
                 block = block.filter(pc.invert(pc.starts_with(block.column("uri"), self.excluded)))
             yield conform(block, WORK_SCHEMA)

@@ -71,15 +71,15 @@ def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
 
 
 def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: Any = None,
-                 carry_top_k: int | None = None) -> OutputIndex:
-    """Read every shard's record under ``root``.
+                 carry_top_k: int | None = None, parts: list[str] | None = None) -> OutputIndex:
+    """Read every shard's record under ``root`` (or of ``parts``: an Iceberg snapshot's shards).
 
     Args:
         hashes: collect the committed rows' uri hashes (the resume set).
         carry_model, carry_top_k: collect the identities of ok rows of this model (a ``ModelBundle``, matched by
             digest) and top-k (the carry set).
     """
-    index = OutputIndex(parts=committed_parts(fs, root))
+    index = OutputIndex(parts=committed_parts(fs, root) if parts is None else parts)
     uris: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     for _path, rec in iter_records(fs, index.parts):
@@ -117,13 +117,14 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(config: RunConfig, bundle: Any) -> OutputIndex:
-    """--previous: its shards and the identities of the rows this run may carry (same model digest and top-k, ok).
+def read_previous(config: RunConfig, bundle: Any, parts: list[str] | None = None) -> OutputIndex:
+    """--previous (``parts``: an Iceberg table's current shards): its shards and the identities of the rows this
+    run may carry (same model digest and top-k, ok).
 
     Error rows are never carried: they are retried (storage or a bad upload may have been fixed since).
     """
     fs, root = open_fs(config.previous, config.storage_options)
-    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k)
+    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k, parts=parts)
     if not index.parts:
         raise OutputError(f"--previous {config.previous!r} holds no committed output; drop the option or fix the URL")
     LOG.info("previous run %s: %d rows can be carried over", config.previous, index.identities.size)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
+from pipeline.iceberg_output import IcebergOutput, resolve_tables
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import local_ray_env
 from pipeline.engines.registry import engine_kwargs, engine_spec
@@ -20,6 +21,7 @@ from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
 )
+from pipeline.reader import committed_parts
 from pipeline.schema import REPORT, SUCCESS
 from pipeline.source import check_source, open_fs
 from pipeline.stats import ShardStats
@@ -55,6 +57,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
     if not os.environ.get("RAY_ADDRESS"):
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
+    table_url = config.output
+    config, table, previous_parts = resolve_tables(config)  # iceberg://: the tables' data folders
     check_output_location(config)  # an output that is the source or holds it: refused before anything else
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
@@ -74,7 +78,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
         LOG.warning("%s", fixed_batch_note(bundle))
     check_compatible(dst_fs, dst_root, config, bundle)
     t_index = time.perf_counter()
-    previous = read_previous(config, bundle) if config.previous else None
+    previous = read_previous(config, bundle, previous_parts) if config.previous else None
     with storage_errors(config.output, dst_root):
         lease = Lease(dst_fs, dst_root, config.output).acquire()
     try:
@@ -93,12 +97,25 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
             finally:
                 run.close()
             with storage_errors(config.output, dst_root):
-                return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
-                               t0, index_s + list_s, run.writer_actors)
+                if table is not None:
+                    commit_table(table, config, dst_fs, dst_root, lease, {
+                        "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
+                summary = _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
+                                  t0, index_s + list_s, run.writer_actors)
+                summary.output = table_url
+                return summary
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
         lease.release()
+
+
+def commit_table(table: IcebergOutput, config: RunConfig, fs: Any, root: str, lease: Lease,
+                 run: dict[str, str]) -> None:
+    """Commit the data folder's shards that the table lacks, once every URI's row is unique, under the lease."""
+    dedupe_output(config, fs, root)
+    lease.check()
+    table.commit(fs, committed_parts(fs, root), run)
 
 
 def start_node(config: RunConfig, bundle: Any) -> Any:
