@@ -487,6 +487,7 @@ class GateExit(click.ClickException):
 @main.command()
 @click.argument("dest")
 @click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST and --against; repeatable.")
+@click.option("--catalog-option", "catalog_options", multiple=True, metavar="KEY=VALUE", help=f"Iceberg catalog property for an {ICEBERG_SCHEME}NAMESPACE.TABLE[@SNAPSHOT_ID|@parent] DEST or PREV; repeatable.")
 @click.option("--against", default=None, metavar="PREV", help="Compare DEST with an earlier output PREV ('previous': the night DEST's nightly run compared itself with); exits 3 on drift.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--html", "html_file", default=None, metavar="FILE", help="With --against: write a self-contained page (charts, no network) to FILE.")
@@ -494,8 +495,8 @@ class GateExit(click.ClickException):
 @click.option("--js-max", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.js_max), help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes.")
 @click.option("--error-rate-max-increase", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.error_rate_max_increase), help="Largest rise of an error kind's share of rows that passes.")
 @click.option("--min-rows", type=int, cls=ConfigDefault, default=None, show_default=str(_DRIFT.min_rows), help="Fewer rows on either side: report, never fail.")
-def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_json: bool, html_file: str | None,
-           **thresholds: Any) -> None:
+def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[str, ...], against: str | None,
+           as_json: bool, html_file: str | None, **thresholds: Any) -> None:
     """Summarise a finished output, or with --against gate it on drift from an earlier one.
 
     \b
@@ -507,11 +508,12 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
     from pipeline.report import format_summary, summarize_output
 
     options = _options(storage_options)
+    catalog = _options(catalog_options, "--catalog-option", "warehouse=DIR")
     if against is None:
         if html_file:
             raise click.UsageError("--html needs --against PREV: the page compares two outputs")
         try:
-            summary = summarize_output(dest, options)
+            summary = summarize_output(dest, options, catalog)
         except BulkClassifyError as err:
             raise Failure(str(err)) from None
         _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
@@ -524,7 +526,7 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
     except BulkClassifyError as err:
         raise click.UsageError(str(err)) from None
     try:
-        result = compare_outputs(dest, against, limits, options)
+        result = compare_outputs(dest, against, limits, options, catalog)
         if html_file:
             from pipeline.quality_html import write_html
 

@@ -115,13 +115,20 @@ def _prefix_mask(uris: list[str], prefix: str | None) -> list[bool] | None:
     return None if not prefix else [u.startswith(prefix) for u in uris]
 
 
+def _unzipped(raw: Any) -> Any:
+    """The file itself, or a gzip stream over it when it starts with gzip's magic bytes (whatever its name)."""
+    magic = raw.read(2)
+    raw.seek(0)
+    return gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+
+
 # ---- URI lists ----
 
 def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iterator[pa.RecordBatch]:
     lower = path.lower()
     if lower.endswith(_TEXT_SUFFIXES):
         with fs.open(path, "rb") as raw:
-            stream = gzip.GzipFile(fileobj=raw) if lower.endswith(".gz") else raw
+            stream = _unzipped(raw)
             lines: list[str] = []
             for line in io.TextIOWrapper(stream, encoding="utf-8"):
                 line = line.strip()
@@ -137,7 +144,7 @@ def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iter
         import pyarrow.csv as pcsv
 
         with fs.open(path, "rb") as raw:
-            stream = gzip.GzipFile(fileobj=raw) if lower.endswith(".gz") else raw
+            stream = _unzipped(raw)
             reader = pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=1 << 20, use_threads=False),
                                    convert_options=pcsv.ConvertOptions(strings_can_be_null=True))
             yield from reader
@@ -203,7 +210,7 @@ def _inventory_batches(fs: Any, unit: InventoryFile) -> Iterator[pa.RecordBatch]
         import pyarrow.csv as pcsv
 
         with fs.open(path, "rb") as raw:
-            stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            stream = _unzipped(raw)
             names = [_norm(c) for c in unit.columns]
             reader = pcsv.open_csv(
                 stream, read_options=pcsv.ReadOptions(column_names=names, block_size=1 << 20, use_threads=False),
