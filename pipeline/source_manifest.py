@@ -68,7 +68,9 @@ def canonical_uri(text: str, base: str | None = None) -> str:
     """A URI as the output writes it (percent-encoded path). Without a scheme: a local path if absolute, else a
     path relative to ``base`` (the URL of the list's folder)."""
     text = text.strip()
-    scheme, sep, _rest = text.partition("://")
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme != "file" and "%" not in rest:  # nothing to decode: encode it as is (the common case)
+        return object_uri(scheme, rest)
     if not sep:
         if text.startswith("/") or base is None:
             return object_uri("file", os.path.abspath(text))
@@ -248,7 +250,8 @@ def _inventory_entries(batch: pa.RecordBatch, unit: InventoryFile, extensions: t
         raise ValueError(f"no Key column (columns: {', '.join(names[:8])})")
     keys = pc.cast(batch.column("key"), pa.string())
     if unit.fmt == "CSV":  # CSV reports hold keys URL-encoded ('+' for a space)
-        keys = pa.array([None if k is None else unquote_plus(k) for k in keys.to_pylist()], pa.string())
+        keys = pa.array([k if k is None or ("%" not in k and "+" not in k) else unquote_plus(k)
+                         for k in keys.to_pylist()], pa.string())
     keep = pc.and_(pc.is_valid(keys), extension_mask(keys, extensions))
     latest, deleted = _flag(batch, "islatest" if "islatest" in names else None), \
         _flag(batch, "isdeletemarker" if "isdeletemarker" in names else None)
