@@ -59,7 +59,10 @@ def catalog_properties(options: Mapping[str, Any] | None) -> dict[str, str]:
     """The catalog's properties: ``options`` (``--catalog-option``) over pyiceberg's own configuration of the
     ``bulk_classify`` catalog; with neither a ``uri`` nor a ``type``, the embedded SQL catalog on SQLite in
     ``warehouse`` (default: ./iceberg-warehouse), which needs no server."""
-    from pyiceberg.utils.config import Config
+    try:
+        from pyiceberg.utils.config import Config
+    except ImportError:
+        raise ConfigError("an iceberg:// output needs pyiceberg: pip install 'bulk-classify[iceberg]'") from None
 
     merged = {**(Config().get_catalog_config(CATALOG_NAME) or {}), **{k: str(v) for k, v in (options or {}).items()}}
     if "uri" in merged or "type" in merged:
