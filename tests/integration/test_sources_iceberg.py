@@ -97,6 +97,7 @@ def test_inventory_into_iceberg_one_row_per_live_object_rerun_adds_no_snapshot_a
     assert summary.output == "iceberg://catalog.night1" and summary.total == len(rows)
     [snapshot] = snapshots("iceberg://catalog.night1", warehouse)
     assert snapshot.summary["bulk-classify.model"] == "efficientnet-lite0"
+    assert len(snapshot.summary["bulk-classify.model-digest"]) == 64
     assert int(snapshot.summary["bulk-classify.shards"]) >= 3
     count = duckdb_count("iceberg://catalog.night1", warehouse)
     assert count in (None, len(rows))
