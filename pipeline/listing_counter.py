@@ -49,6 +49,10 @@ class ListingCounter:
         self.claimed.add(folder)
         return True
 
+    def progress(self) -> tuple[int, bool]:
+        """(objects listed so far, whether every listing task has finished)."""
+        return self.listed, len(self.finished) >= self.tasks
+
     def get(self) -> tuple[int, int, float]:
         return self.listed, self.skipped, self.seconds
 

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 from urllib.parse import unquote_plus
 
@@ -181,6 +181,7 @@ class UriListFile:
     url: str
     prefix: str | None = None
     row_groups: tuple[int, ...] | None = None
+    rows: int | None = field(default=None, compare=False)  # entries before filtering, when the footer says
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
         return _read_guarded(self.url, lambda: (
@@ -200,6 +201,7 @@ class InventoryFile:
     columns: tuple[str, ...]
     bucket: str
     prefix: str | None = None
+    rows: int | None = field(default=None, compare=False)
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
         return _read_guarded(self.url, lambda: (
@@ -312,8 +314,9 @@ def plan_manifest(fs: Any, form: str, path: str, url: str, prefix: str | None = 
         dest = str(manifest.get("destinationBucket") or "").rsplit(":", 1)[-1] or path.split("/", 1)[0]
         columns = tuple(c.strip() for c in str(manifest.get("fileSchema") or "").split(","))
         source_bucket = str(manifest.get("sourceBucket") or "")
-        return [InventoryFile(f"s3://{dest}/{f['key']}", manifest["fileFormat"], columns, source_bucket, prefix)
-                for f in manifest["files"]]
+        urls = [f"s3://{dest}/{f['key']}" for f in manifest["files"]]
+        rows = _footer_rows(fs, urls, manifest["fileFormat"])
+        return [InventoryFile(u, manifest["fileFormat"], columns, source_bucket, prefix, n) for u, n in zip(urls, rows)]
     if fs.isdir(path):
         files = sorted(p for p in fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_")))
         return [UriListFile(_url_of(fs, p), prefix) for p in files]
@@ -321,7 +324,37 @@ def plan_manifest(fs: Any, form: str, path: str, url: str, prefix: str | None = 
         import pyarrow.parquet as pq
 
         with fs.open(path, "rb") as f:
-            groups = pq.ParquetFile(f).metadata.num_row_groups
-        if groups > 1:
-            return [UriListFile(_url_of(fs, path), prefix, (g,)) for g in range(groups)]
+            meta = pq.ParquetFile(f).metadata
+        return [UriListFile(_url_of(fs, path), prefix, (g,), meta.row_group(g).num_rows)
+                for g in range(meta.num_row_groups)]
     return [UriListFile(_url_of(fs, path), prefix)]
+
+
+def _footer_rows(fs: Any, urls: list[str], fmt: str) -> list[int | None]:
+    """Rows of each Parquet or ORC data file from its footer, read concurrently (CSV: unknown, None each); a file
+    whose footer cannot be read is None here and a ``list_error`` row when it is listed."""
+    if fmt == "CSV":
+        return [None] * len(urls)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rows(url: str) -> int | None:
+        try:
+            with fs.open(fs._strip_protocol(url), "rb") as f:
+                if fmt == "Parquet":
+                    import pyarrow.parquet as pq
+
+                    return pq.ParquetFile(f).metadata.num_rows
+                import pyarrow.orc as po
+
+                return po.ORCFile(f).nrows
+        except Exception:  # noqa: BLE001 - the listing task reports it, as a row
+            return None
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(rows, urls))
+
+
+def planned_entries(groups: list[list]) -> int | None:
+    """Entries a manifest's plan names before filtering, when every unit knows its count from a footer."""
+    counts = [getattr(unit, "rows", None) for group in groups for unit in group]
+    return sum(counts) if counts and None not in counts else None

@@ -24,6 +24,7 @@ from pipeline.job.output import (
 from pipeline.reader import committed_parts
 from pipeline.schema import REPORT, SUCCESS
 from pipeline.source import check_source, open_fs
+from pipeline.source_manifest import planned_entries
 from pipeline.stats import ShardStats
 from pipeline.writer import write_json
 
@@ -203,6 +204,7 @@ class _Run:
         self.metrics = JobMetrics(config.metrics_port)
         self.totals = ShardStats()
         self.listed, self.asked = 0, 0.0
+        self.planned: int | None = None  # a manifest's entries not yet done, known from its footers before listing
 
     def classify_and_carry(self, done: OutputIndex, previous: OutputIndex | None, excluded: str | None = None
                            ) -> tuple[ShardStats, int, int, float]:
@@ -217,6 +219,8 @@ class _Run:
         from pipeline.listing_counter import ListingCounter
 
         groups = without_folder(listing_groups(self.config), excluded)
+        planned = planned_entries(groups)
+        self.planned = None if planned is None else max(0, planned - done.rows)
         self.counter = ray.remote(num_cpus=0)(ListingCounter).remote(len(groups))
         # The key sets go to the object store once; listing and carry tasks map them without copying.
         done_ref = ray.put(done.uri_hashes)
@@ -303,11 +307,17 @@ class _Run:
         # Ask the counter actor for the listed total at most every PROGRESS_S, not once per batch (each ask is a
         # round trip the driver waits on).
         if ask and self.counter is not None and time.monotonic() - self.asked >= PROGRESS_S:
-            self.listed, _, _ = ray.get(self.counter.get.remote())
+            if self.planned is None:
+                self.listed, _, _ = ray.get(self.counter.get.remote())
+            else:
+                self.listed, finished = ray.get(self.counter.progress.remote())
+                self.planned = None if finished else self.planned
             self.asked = time.monotonic()
         self.metrics.set_listed(self.listed)
         if self.progress is not None:
-            self.progress(self.totals.rows, self.listed, self.totals.errors)
+            # While a manifest is being listed, the total is its count from the footers (before filtering).
+            total = self.listed if self.planned is None else max(self.listed, self.planned)
+            self.progress(self.totals.rows, total, self.totals.errors)
 
     def close(self) -> None:
         import ray

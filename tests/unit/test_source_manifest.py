@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError, SourceError
 from pipeline.keys import identity_hashes
 from pipeline.source import check_source, list_unit, listing_blocks, open_fs, plan_listing
 from pipeline.source_local import walk_local
-from pipeline.source_manifest import InventoryFile, UriListFile
+from pipeline.source_manifest import InventoryFile, UriListFile, _footer_rows, planned_entries
 
 EXT = DEFAULT_EXTENSIONS
 INVENTORY_COLUMNS = ("Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag")
@@ -51,6 +51,8 @@ def test_text_csv_and_parquet_uri_lists_give_canonical_uris_with_their_versions(
     fs, root = open_fs(f"uris+{tmp_path}/list.parquet")
     units = [u for g in plan_listing(fs, root, EXT, 8, source=f"uris+{tmp_path}/list.parquet") for u in g]
     assert [u.row_groups for u in units] == [(0,), (1,), (2,)]  # a row group per unit: read in parallel
+    assert planned_entries([units]) == 3  # the progress total, from the footer, before anything is listed
+    assert planned_entries([[UriListFile("file:///list.txt")]]) is None
     assert listed(f"uris+{tmp_path}/list.parquet", prefix="s3://b/") == [
         ("s3://b/p%20q.jpg", 3, None, None), ("s3://b/z.jpg", 4, None, None)]
 
@@ -93,6 +95,7 @@ def test_inventory_data_files_skip_old_versions_delete_markers_and_other_extensi
     else:
         po.write_table(_inventory_table(INVENTORY_ROWS), str(path))
     fs, _ = open_fs(str(tmp_path))
+    assert _footer_rows(fs, [f"file://{path}"], fmt) == [None if fmt == "CSV" else len(INVENTORY_ROWS)]
     entries = list(InventoryFile(f"file://{path}", fmt, INVENTORY_COLUMNS, "src-bucket").entries(fs, EXT, True))
     assert [e[0] for e in entries] == LIVE
     assert entries[0][1:] == (7, "etag-v2", 1796101844000000)
