@@ -162,7 +162,12 @@ class IcebergOutput:
             self.table = self.catalog.create_table_if_not_exists(self.ref.identifier, schema=OUTPUT_SCHEMA,
                                                                  location=self.location)
         properties = {**{f"bulk-classify.{k}": str(v) for k, v in run.items()}, SHARDS_PROPERTY: str(len(new))}
-        self.table.add_files(file_paths=new, snapshot_properties=properties, check_duplicate_files=False)
+        try:
+            self.table.add_files(file_paths=new, snapshot_properties=properties, check_duplicate_files=False)
+        except Exception as err:  # noqa: BLE001 - a refused commit changes nothing: the rerun commits these shards
+            text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
+            raise OutputError(f"cannot commit {len(new)} shards to Iceberg table {self.ref.identifier}: {text}; "
+                              "fix the catalog, then rerun (it resumes and commits them)") from None
         LOG.info("committed %d shards to %s in snapshot %s", len(new), self.ref.identifier,
                  self.table.current_snapshot().snapshot_id)
         return len(new)
