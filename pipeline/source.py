@@ -343,8 +343,10 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
             page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
         except Exception as err:  # noqa: BLE001 - after the client's retries: the rest of the range is a row
             text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
-            yield list_error(object_uri("s3", f"{bucket}/{prefix}"), f"cannot list the keys after {last!r}: {text}; "
-                             "they get rows on the next run")
+            # Named after the last key listed (and ending in '/', as no object it names): ranges are disjoint, so
+            # two ranges that fail under one prefix give two rows, not one URI twice.
+            yield list_error(object_uri("s3", f"{bucket}/{last}/"), f"cannot list the keys after {last!r} under "
+                             f"{object_uri('s3', f'{bucket}/{prefix}')}: {text}; they get rows on the next run")
             return
         for item in page.get("Contents") or []:
             last = item["Key"]
