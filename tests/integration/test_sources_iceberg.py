@@ -66,14 +66,13 @@ def snapshots(url: str, warehouse: Path) -> list:
     return IcebergOutput(url, {"warehouse": str(warehouse)}).table.metadata.snapshots
 
 
-def duckdb_count(url: str, warehouse: Path) -> int | None:
-    """Rows of the table's current snapshot by DuckDB's iceberg_scan, with the extension its PyPI package ships."""
-    try:
-        import duckdb
-        import duckdb_extension_avro
-        import duckdb_extension_iceberg
-    except ImportError:
-        return None
+def duckdb_count(url: str, warehouse: Path) -> int:
+    """Rows of the table's current snapshot by DuckDB's iceberg_scan, with the extension its PyPI package ships (the
+    test extra installs them)."""
+    import duckdb
+    import duckdb_extension_avro
+    import duckdb_extension_iceberg
+
     con = duckdb.connect()
     for module in (duckdb_extension_avro, duckdb_extension_iceberg):
         con.execute(f"LOAD '{glob.glob(os.path.dirname(module.__file__) + '/extensions/*/*.duckdb_extension')[0]}'")
@@ -99,8 +98,7 @@ def test_inventory_into_iceberg_one_row_per_live_object_rerun_adds_no_snapshot_a
     assert snapshot.summary["bulk-classify.model"] == "efficientnet-lite0"
     assert len(snapshot.summary["bulk-classify.model-digest"]) == 64
     assert int(snapshot.summary["bulk-classify.shards"]) >= 3
-    count = duckdb_count("iceberg://catalog.night1", warehouse)
-    assert count in (None, len(rows))
+    assert duckdb_count("iceberg://catalog.night1", warehouse) == len(rows)
 
     again = run_job(RunConfig(output="iceberg://catalog.night1", **config))
     assert again.classified == 0 and len(snapshots("iceberg://catalog.night1", warehouse)) == 1
@@ -195,7 +193,7 @@ def test_kill_minus_nine_mid_run_into_iceberg_then_rerun_gives_one_row_per_input
 
     src, warehouse = tmp_path / "src", tmp_path / "warehouse"
     write_images(src, 600)
-    data = warehouse / "cat" / "night"  / "data"
+    data = warehouse / "cat" / "night" / "data"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(src), "-o", "iceberg://cat.night", "-q",
            "--catalog-option", f"warehouse={warehouse}", "--shard-size", "20", "--batch-size", "10"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -210,4 +208,4 @@ def test_kill_minus_nine_mid_run_into_iceberg_then_rerun_gives_one_row_per_input
     rows = table_rows("iceberg://cat.night", warehouse)
     assert len(rows) == len({r["uri"] for r in rows}) == 600
     assert len(snapshots("iceberg://cat.night", warehouse)) == 1
-    assert duckdb_count("iceberg://cat.night", warehouse) in (None, 600)
+    assert duckdb_count("iceberg://cat.night", warehouse) == 600
