@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
 from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
-from pipeline.iceberg_output import is_iceberg
+from pipeline.iceberg_output import TableRef, is_iceberg
 from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
@@ -126,6 +126,9 @@ class RunConfig:
         if self.source_prefix is not None and manifest_form(self.source) is None:
             raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
                               "give the prefix in SOURCE itself, or use a uris+ or inventory+ SOURCE")
+        for url in (self.output, self.previous):
+            if is_iceberg(url):
+                TableRef.parse(url)  # a malformed table name fails here, before anything is opened
         if is_iceberg(self.output) and ("@" in self.output or self.overwrite):
             raise ConfigError(f"--output {self.output!r}: an Iceberg output is a table's current snapshot, without "
                               "@SNAPSHOT, and is never overwritten; choose a new table to start over")

@@ -67,6 +67,8 @@ def test_a_missing_list_or_a_manifest_that_is_not_one_fails_before_work(tmp_path
         RunConfig(source=str(tmp_path), output=str(tmp_path / "o"), source_prefix="s3://b/")
     with pytest.raises(ConfigError, match="without @SNAPSHOT, and is never overwritten"):
         RunConfig(source=str(tmp_path), output="iceberg://ns.t", overwrite=True)
+    with pytest.raises(ConfigError, match="'iceberg://table' is not an Iceberg table; write iceberg://NAMESPACE.TABLE"):
+        RunConfig(source=str(tmp_path), output=str(tmp_path / "o"), previous="iceberg://table")
 
 
 def _inventory_csv(rows) -> bytes:
