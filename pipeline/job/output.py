@@ -262,28 +262,38 @@ def dedupe_output(config: RunConfig, fs: Any, root: str) -> int:
     again[1:] = key[1:] == key[:-1]
     if not again.any():
         return 0
+    # The shard that holds a URI first keeps one row of it, also when it holds the URI twice (a manifest that names
+    # an object twice): only its later rows of that URI go.
+    first_owner = owner[np.maximum.accumulate(np.where(~again, np.arange(key.size), 0))]
     dropped, written = 0, set()
     for i in np.unique(owner[again]):
         if parts[i] in written:  # holds the rows just committed under this name: those stay
             continue
-        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[again & (owner == i)]))
+        mine = again & (owner == i)
+        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[mine & (first_owner != i)]),
+                                keep_first=np.unique(key[mine & (first_owner == i)]))
         dropped += n
         written.add(new_path)
         fs.rm_file(parts[i])
-    LOG.warning("%s held %d rows of URIs another shard holds too (two runs wrote it at once); removed them",
-                config.output, dropped)
+    LOG.warning("%s held %d rows of URIs another row holds too (two runs wrote it at once, or a manifest named an "
+                "object twice); removed them", config.output, dropped)
     return dropped
 
 
-def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray) -> tuple[int, str | None]:
-    """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard; the
-    rows left out and the new shard's path (None: none left)."""
+def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray,
+              keep_first: np.ndarray | None = None) -> tuple[int, str | None]:
+    """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard, of those
+    in sorted ``keep_first`` only the first row; the rows left out and the new shard's path (None: none left)."""
     from pipeline.quality import quality_footer
 
     table, record = read_shard(fs, path)
     hashes = record.uri_hashes if record is not None and record.uri_hashes.size == table.num_rows else None
     hashes = hashes if hashes is not None else uri_hashes(table.column("uri").to_pylist())
     keep = ~member(uri_keys, hashes)
+    if keep_first is not None and keep_first.size:
+        twice = np.nonzero(member(keep_first, hashes))[0]
+        keep[twice] = False
+        keep[twice[np.unique(hashes[twice], return_index=True)[1]]] = True
     if not keep.any():
         return table.num_rows, None
     rows = table.filter(pa.array(keep))

@@ -149,3 +149,21 @@ def test_a_folder_out_of_the_source_reached_by_two_links_is_walked_by_the_first_
     uris = [e[0] for name in ("a", "b") for e in walk_local(str(src / name), EXT, root=str(src), follow=True,
                                                              claim=claim)]
     assert uris == [f"file://{src}/a/ext/deep/x.jpg"]
+
+
+def test_an_object_a_manifest_names_twice_keeps_one_row_when_the_output_is_made_unique(tmp_path):
+    import pyarrow.dataset as pads
+
+    from pipeline.job.output import dedupe_output
+    from pipeline.writer import write_shard
+
+    out = str(tmp_path / "out")
+    # one shard holds a.jpg twice (a manifest's duplicate line); c.jpg is in two shards
+    write_shard(pa.table({"uri": ["s3://b/a.jpg", "s3://b/a.jpg", "s3://b/c.jpg"], "status": ["ok"] * 3}),
+                output=out, storage_options={})
+    write_shard(pa.table({"uri": ["s3://b/c.jpg", "s3://b/d.jpg"], "status": ["ok"] * 2}), output=out,
+                storage_options={})
+    fs, root = open_fs(out)
+    assert dedupe_output(RunConfig(source=str(tmp_path), output=out), fs, root) == 2
+    uris = pads.dataset(out, format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
+    assert sorted(uris) == ["s3://b/a.jpg", "s3://b/c.jpg", "s3://b/d.jpg"]
