@@ -20,9 +20,13 @@ from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.gate import GateThresholds
+from pipeline.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
+from pipeline.source_manifest import INVENTORY_FORM, URIS_FORM
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.model_import.core import (
-    DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES, ImportOptions,
+    DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT as IMPORT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES,
+    ImportOptions,
 )
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
 from pipeline.quality import DriftThresholds
@@ -155,6 +159,8 @@ RUN_OPTIONS = (
     click.option("--fetch-ahead-bytes", type=int, cls=ConfigDefault, default=None, show_default=f"{FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor", help="Cap on bytes fetched but not yet classified (Ray object store)."),
     click.option("--list-tasks", type=int, cls=ConfigDefault, default=None, show_default=str(_default("list_tasks")), help="Listing tasks at once, the bound on outstanding LIST calls."),
     click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
+    click.option("--source-prefix", default=None, metavar="URI", help=f"With a {URIS_FORM} or {INVENTORY_FORM} SOURCE: only the objects whose URI starts with this (s3://bucket/photos/)."),
+    click.option("--catalog-option", "catalog_options", multiple=True, metavar="KEY=VALUE", help=f"Iceberg catalog property for an {ICEBERG_SCHEME}NAMESPACE.TABLE output or previous, e.g. warehouse=DIR (the embedded SQLite catalog, default ./{DEFAULT_WAREHOUSE}) or uri=… type=rest; repeatable."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )
 
@@ -172,6 +178,7 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
     fields = dict(options)
     fields["storage_options"] = _options(options.get("storage_options") or ())
     fields["engine_options"] = _options(options.get("engine_options") or (), "--engine-option", "max_batch=8")
+    fields["catalog_options"] = _options(options.get("catalog_options") or (), "--catalog-option", "warehouse=DIR")
     extensions = options.get("extensions")
     if extensions is not None:
         fields["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())
@@ -180,11 +187,14 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
 
 @main.command()
 @click.argument("source")
-@click.option("-o", "--output", required=True, help="Folder or URL (s3://bucket/prefix) for the Parquet output.")
-@click.option("--previous", default=None, help="An earlier run's output: unchanged objects are carried over, not reclassified.")
+@click.option("-o", "--output", required=True, help=f"Folder or URL (s3://bucket/prefix) for the Parquet output, or an Iceberg table: {ICEBERG_SCHEME}NAMESPACE.TABLE.")
+@click.option("--previous", default=None, help="An earlier run's output (a folder or an Iceberg table): unchanged objects are carried over, not reclassified.")
 @run_options
 def run(source: str, quiet: bool, **options: Any) -> None:
     """Classify every image under SOURCE into Parquet under --output (resumes where it stopped).
+
+    SOURCE is a folder or prefix (listed), uris+FILE (a text, CSV or Parquet list of URIs) or
+    inventory+s3://…/manifest.json (an S3 Inventory report).
 
     \b
     Exit status: 0 done, 1 an error (the message says the fix), 4 SOURCE holds nothing to classify.
@@ -387,7 +397,7 @@ def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top
 
 @main.group("model")
 def model_group() -> None:
-    """Build model folders that --model loads."""
+    """Build and check model folders that --model loads."""
 
 
 _Q, _G = QuantizeOptions(), GateThresholds()  # the defaults the help shows
@@ -442,6 +452,36 @@ def model_quantize(source: str, output: str, model: str | None, samples: int, ca
     click.echo(f"INT8 model {state}: {result.model_dir} (report {result.report_path.name})")
 
 
+@model_group.command("check")
+@click.argument("folder", metavar="DIR")
+@click.option("--images", default=None, metavar="SOURCE", help="Folder or URL of sample images (default: the repository's tests/data/photos).")
+@click.option("--engine", "engines", multiple=True, metavar="NAME", help="An engine to compare (repeatable; default: every engine available here).")
+@click.option("--sample", type=int, default=DEFAULT_SAMPLE, show_default=True, help="Images of SOURCE to run.")
+@click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the reference each engine needs.")
+@click.option("--max-score-diff", type=float, default=DEFAULT_MAX_SCORE_DIFF, show_default=True, help="Largest score difference from the reference allowed.")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for SOURCE; repeatable.")
+def model_check(folder: str, images: str | None, engines: tuple[str, ...], sample: int, min_agreement: float,
+                max_score_diff: float, storage_options: tuple[str, ...]) -> None:
+    """Check a model folder: its contract, then sample images through the reference and every engine here.
+
+    \b
+    Exit status: 0 every engine agrees with the reference, 1 a broken contract, an error, or an engine below the
+    thresholds.
+    """
+    from pipeline.model_check import check_model_folder, format_report
+
+    try:
+        report = check_model_folder(folder, images=images, engines=engines, sample=sample,
+                                    min_agreement=min_agreement, max_score_diff=max_score_diff,
+                                    storage_options=_options(storage_options))
+    except BulkClassifyError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(format_report(report))
+    if not report.passed:
+        failed = [e.engine for e in report.engines if not e.passed]
+        raise click.ClickException(f"model check failed for {', '.join(failed)}; see the lines above")
+
+
 class GateExit(click.ClickException):
     """The INT8 gate failed: exit status 3 (1 is an error)."""
 
@@ -455,9 +495,9 @@ class GateExit(click.ClickException):
 @click.option("--checkpoint", metavar="FILE", help="timm: a state dict, train.py checkpoint or safetensors file; torchvision: a state dict.")
 @click.option("--labels", metavar="FILE", help="Class names, one a line in output order (default: the checkpoint's, ImageNet-1k's for an ImageNet timm architecture, torchvision's categories, id2label).")
 @click.option("--preset", metavar="ENTRY", help="torchvision: the weights entry whose transforms and categories apply, e.g. IMAGENET1K_V2 (default: DEFAULT).")
-@click.option("--images", metavar="DIR", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Local folder of sample photos for the parity check.")
+@click.option("--images", metavar="SOURCE", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Folder or URL of sample photos for the parity check.")
 @click.option("--sample", type=int, default=IMPORT_SAMPLE, show_default=True, help="Sample photos compared.")
-@click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos.")
+@click.option("--min-agreement", type=float, default=IMPORT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos.")
 @click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest median over the photos of the logit difference from the framework, as a share of the photo's logit range.")
 def model_import(source: str, name: str, output: str, checkpoint: str | None, labels: str | None, preset: str | None,
                  images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
@@ -486,6 +526,7 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
 @main.command()
 @click.argument("dest")
 @click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for DEST and --against; repeatable.")
+@click.option("--catalog-option", "catalog_options", multiple=True, metavar="KEY=VALUE", help=f"Iceberg catalog property for an {ICEBERG_SCHEME}NAMESPACE.TABLE[@SNAPSHOT_ID|@parent] DEST or PREV; repeatable.")
 @click.option("--against", default=None, metavar="PREV", help="Compare DEST with an earlier output PREV ('previous': the night DEST's nightly run compared itself with); exits 3 on drift.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--html", "html_file", default=None, metavar="FILE", help="With --against: write a self-contained page (charts, no network) to FILE.")
@@ -493,8 +534,8 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
 @click.option("--js-max", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.js_max), help="Largest Jensen-Shannon divergence (bits) of top-1 labels that passes.")
 @click.option("--error-rate-max-increase", type=float, cls=ConfigDefault, default=None, show_default=str(_DRIFT.error_rate_max_increase), help="Largest rise of an error kind's share of rows that passes.")
 @click.option("--min-rows", type=int, cls=ConfigDefault, default=None, show_default=str(_DRIFT.min_rows), help="Fewer rows on either side: report, never fail.")
-def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_json: bool, html_file: str | None,
-           **thresholds: Any) -> None:
+def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[str, ...], against: str | None,
+           as_json: bool, html_file: str | None, **thresholds: Any) -> None:
     """Summarise a finished output, or with --against gate it on drift from an earlier one.
 
     \b
@@ -506,11 +547,12 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
     from pipeline.report import format_summary, summarize_output
 
     options = _options(storage_options)
+    catalog = _options(catalog_options, "--catalog-option", "warehouse=DIR")
     if against is None:
         if html_file:
             raise click.UsageError("--html needs --against PREV: the page compares two outputs")
         try:
-            summary = summarize_output(dest, options)
+            summary = summarize_output(dest, options, catalog)
         except BulkClassifyError as err:
             raise Failure(str(err)) from None
         _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
@@ -523,7 +565,7 @@ def report(dest: str, storage_options: tuple[str, ...], against: str | None, as_
     except BulkClassifyError as err:
         raise click.UsageError(str(err)) from None
     try:
-        result = compare_outputs(dest, against, limits, options)
+        result = compare_outputs(dest, against, limits, options, catalog)
         if html_file:
             from pipeline.quality_html import write_html
 

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
 from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.iceberg_output import TableRef, is_iceberg
 from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
@@ -63,7 +64,8 @@ class RunConfig:
     """Everything one classification run needs; built once, never mutated.
 
     Attributes:
-        source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively.
+        source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively, or a manifest that
+            names the objects: ``uris+URL`` (a URI list) or ``inventory+URL`` (an S3 Inventory manifest.json).
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
         engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
@@ -77,6 +79,10 @@ class RunConfig:
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
+        source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
+            starts with it.
+        catalog_options: properties of the Iceberg catalog of an ``iceberg://NAMESPACE.TABLE`` output or previous
+            (``pipeline.iceberg_output.catalog_properties``).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
             ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
@@ -105,6 +111,8 @@ class RunConfig:
     fetch_ahead_bytes: int | None = None
     list_tasks: int = DEFAULT_LIST_TASKS
     follow_symlinks: bool = False
+    source_prefix: str | None = None
+    catalog_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -113,6 +121,17 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
+        from pipeline.source_manifest import manifest_form  # noqa: PLC0415 - pyarrow, only when options are built
+
+        if self.source_prefix is not None and manifest_form(self.source) is None:
+            raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
+                              "give the prefix in SOURCE itself, or use a uris+ or inventory+ SOURCE")
+        for url in (self.output, self.previous):
+            if is_iceberg(url):
+                TableRef.parse(url)  # a malformed table name fails here, before anything is opened
+        if is_iceberg(self.output) and ("@" in self.output or self.overwrite):
+            raise ConfigError(f"--output {self.output!r}: an Iceberg output is a table's current snapshot, without "
+                              "@SNAPSHOT, and is never overwritten; choose a new table to start over")
         if self.engine == AUTO_ENGINE and self.engine_options:
             raise ConfigError("--engine-option needs an engine: add --engine onnx or --engine triton (auto picks "
                               "one by the cluster's GPUs; 'bulk-classify engines' shows which)")
@@ -145,6 +164,7 @@ class RunConfig:
             raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
         object.__setattr__(self, "extensions", exts)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
+        object.__setattr__(self, "catalog_options", dict(self.catalog_options))
         if spec is not None:
             object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
 
@@ -199,6 +219,7 @@ class RunConfig:
         """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
         out = dataclasses.asdict(self)
         out["storage_options"] = sorted(self.storage_options)  # keys only: values may be credentials
+        out["catalog_options"] = sorted(self.catalog_options)
         out["engine_options"] = {k: v for k, v in self.engine_options.items() if "secret" not in k.lower()}
         out["extensions"] = list(self.extensions)
         return out

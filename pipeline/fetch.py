@@ -16,6 +16,7 @@ from pipeline.engines.base import STATUS_ERROR
 from pipeline.keys import uri_path
 from pipeline.schema import DATA, FETCH_S
 from pipeline.source import open_fs
+from pipeline.source_manifest import manifest_form
 
 LOG = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.25
@@ -94,7 +95,9 @@ def fetch_batch(
     retries: int,
 ) -> pa.Table:
     """Add the encoded bytes of every row that needs classifying; failures fill ``status``/``error``."""
-    fs = _filesystem(source, storage_options)
+    # A manifest names objects on any store: each row is read through its own scheme's file system.
+    fs_of = (lambda uri: _filesystem(uri.partition("://")[0] + "://", storage_options)) if manifest_form(source) \
+        else (lambda uri, fs=_filesystem(source, storage_options): fs)
     uris = batch.column("uri").to_pylist()
     sizes = batch.column("size_bytes").to_pylist()
     carried = batch.column("carried").to_pylist()
@@ -109,6 +112,7 @@ def fetch_batch(
             status[i], error[i] = STATUS_ERROR, f"too_large: {sizes[i]} bytes > max_bytes={max_bytes}; raise --max-bytes"
             return
         try:
+            fs = fs_of(uris[i])
             data[i] = read_with_retries(fs, fs._strip_protocol(uri_path(uris[i])), retries)
         except ImageError as err:
             status[i], error[i] = STATUS_ERROR, str(err)

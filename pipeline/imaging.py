@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import logging
 import math
 import struct
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from pipeline.errors import ConfigError, ImageError, ModelError
+from pipeline.errors import ConfigError, ImageError
+from pipeline.spec import (  # noqa: F401 - the spec's names, re-exported where callers look
+    CHANNEL_ORDERS, INTERPOLATIONS, LAYOUTS, OUTPUT_KINDS, OUTPUT_LOGITS, OUTPUT_PROBABILITIES, RESIZE_MODES,
+    RESIZE_SHORTER, RESIZE_SQUASH, PreprocessSpec,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -25,9 +27,6 @@ DEFAULT_MAX_PIXELS = 100_000_000
 # and the RGB under fully transparent pixels is arbitrary (often black), so dropping alpha misleads the model.
 ALPHA_BACKGROUND_RGB = (255, 255, 255)
 
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
-CHANNEL_ORDERS = ("RGB", "BGR")
-LAYOUTS = ("NCHW", "NHWC")
 _PIL_FILTERS = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
@@ -35,7 +34,7 @@ _PIL_FILTERS = {
     "lanczos": Image.Resampling.LANCZOS,
 }
 # Half-width of each filter's kernel in output pixels (Pillow's filter supports); widened by the downscale factor.
-_FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
+FILTER_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}
 
 # We enforce our own pixel cap from the header (DecodeLimits.max_pixels); Pillow's own warning between
 # its limit and twice it would only be noise. Above twice its limit Pillow raises, which we map to too_many_pixels.
@@ -47,103 +46,6 @@ def follow_pixel_cap(max_pixels: int) -> None:
     lower, so that our cap, not Pillow's, decides which images are too large."""
     if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
         Image.MAX_IMAGE_PIXELS = max_pixels
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreprocessSpec:
-    """How a model wants its input tensor made from a decoded RGB image.
-
-    The image is scaled (same factor on both axes) so that its shorter side becomes ``resize_shorter``, then the
-    centred ``crop`` (height, width) of that is taken. Pixel values v in 0..255 become
-    ``(v * scale - mean[c]) / std[c]`` per channel, in ``channel_order``, laid out as ``layout``.
-    The scale factor is exact (no rounding of the intermediate size): equivalent to cropping the source to
-    ``crop * shorter / resize_shorter`` pixels around its centre and resizing that region to ``crop``.
-    ``antialias`` means the resampling kernel is widened when downscaling (Pillow always does this; DALI's
-    ``fn.resize(antialias=True)`` matches it).
-    """
-
-    resize_shorter: int
-    interpolation: str = "bicubic"
-    antialias: bool = True
-    crop: tuple[int, int] = (224, 224)
-    channel_order: str = "RGB"
-    scale: float = 1.0
-    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    layout: str = "NCHW"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "crop", tuple(int(v) for v in self.crop))
-        object.__setattr__(self, "mean", tuple(float(v) for v in self.mean))
-        object.__setattr__(self, "std", tuple(float(v) for v in self.std))
-        problems = []
-        if not isinstance(self.resize_shorter, int) or self.resize_shorter < 1:
-            problems.append(f"resize_shorter must be a positive integer, got {self.resize_shorter!r}")
-        if len(self.crop) != 2 or min(self.crop) < 1:
-            problems.append(f"crop must be [height, width] of positive integers, got {list(self.crop)!r}")
-        elif isinstance(self.resize_shorter, int) and max(self.crop) > self.resize_shorter:
-            problems.append(f"crop {list(self.crop)} must fit inside resize_shorter {self.resize_shorter}")
-        if self.interpolation not in INTERPOLATIONS:
-            problems.append(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {self.interpolation!r}")
-        if not isinstance(self.antialias, bool):
-            problems.append(f"antialias must be true or false, got {self.antialias!r}")
-        elif not self.antialias and self.interpolation != "nearest":
-            # Pillow cannot resample without antialiasing; the reference must be able to run every spec.
-            problems.append("antialias false is only supported with interpolation 'nearest'; set antialias true")
-        if self.channel_order not in CHANNEL_ORDERS:
-            problems.append(f"channel_order must be one of {', '.join(CHANNEL_ORDERS)}, got {self.channel_order!r}")
-        if self.layout not in LAYOUTS:
-            problems.append(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            problems.append(f"scale must be a positive number, got {self.scale!r}")
-        if len(self.mean) != 3:
-            problems.append(f"mean must have 3 values (one per channel), got {list(self.mean)!r}")
-        if len(self.std) != 3 or any(v <= 0 for v in self.std):
-            problems.append(f"std must have 3 positive values, got {list(self.std)!r}")
-        if problems:
-            raise ModelError("bad preprocessing spec: " + "; ".join(problems))
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """Shape of one preprocessed image (no batch axis)."""
-        h, w = self.crop
-        return (3, h, w) if self.layout == "NCHW" else (h, w, 3)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["crop"] = list(self.crop)
-        d["mean"] = list(self.mean)
-        d["std"] = list(self.std)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PreprocessSpec":
-        """Builds a spec from a dict (e.g. preprocess.json); unknown or missing fields raise ModelError."""
-        if not isinstance(data, dict):
-            raise ModelError(f"bad preprocessing spec: expected a JSON object, got {type(data).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ModelError(
-                f"bad preprocessing spec: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
-            )
-        if "resize_shorter" not in data:
-            raise ModelError("bad preprocessing spec: 'resize_shorter' is required (e.g. 256 for a 224 crop)")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ModelError(f"bad preprocessing spec: {e}") from None
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> "PreprocessSpec":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ModelError(f"bad preprocessing spec: not valid JSON ({e})") from None
-        return cls.from_dict(data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,13 +154,20 @@ def preprocess_image(img: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     """Turns an RGB image into the model's float32 input for one image (CHW or HWC, per ``spec.layout``)."""
     if img.mode != "RGB":
         img = img.convert("RGB")
-    crop_h, crop_w = spec.crop
     w, h = img.size
-    factor = spec.resize_shorter / min(w, h)
-    # The crop box in source pixels: exact floats, so no rounding of an intermediate resized size.
-    box_w, box_h = crop_w / factor, crop_h / factor
-    left, top = (w - box_w) / 2.0, (h - box_h) / 2.0
+    left, top, box_w, box_h = crop_box(w, h, spec)
     return normalize_array(np.asarray(_resample(img, spec, left, top, box_w, box_h)), spec)
+
+
+def crop_box(width: float, height: float, spec: PreprocessSpec) -> tuple[float, float, float, float]:
+    """(left, top, width, height) of the source region resampled to ``spec.crop``: exact floats, so no rounding of
+    an intermediate resized size. Squashing takes the whole image."""
+    if spec.resize == RESIZE_SQUASH:
+        return 0.0, 0.0, float(width), float(height)
+    crop_h, crop_w = spec.crop
+    factor = spec.resize_shorter / min(width, height)
+    box_w, box_h = crop_w / factor, crop_h / factor
+    return (width - box_w) / 2.0, (height - box_h) / 2.0, box_w, box_h
 
 
 def _resample(
@@ -277,7 +186,7 @@ def _resample(
         return img.resize((crop_w, crop_h), resample, box=(left, top, left + box_w, top + box_h))
     w, h = img.size
     # Only the rows the vertical pass reads go through the horizontal one (what a single resize call does too).
-    support = _FILTER_SUPPORT[spec.interpolation] * max(box_h / crop_h, 1.0)
+    support = FILTER_SUPPORT[spec.interpolation] * max(box_h / crop_h, 1.0)
     first, last = max(0, math.floor(top - support) - 1), min(h, math.ceil(top + box_h + support) + 1)
     rows = img if (first, last) == (0, h) else img.crop((0, first, w, last))
     mid = rows.resize((crop_w, last - first), resample, box=(left, 0, left + box_w, last - first))

@@ -13,6 +13,11 @@ import numpy as np
 # so that urllib.parse, fsspec and pyarrow.fs read the URI back as the same object (``#``, ``?``, ``%``, spaces).
 URI_SAFE = "/"
 _PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its own encoding (the common case)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.~/-]+")
+
+
+def _quoted(match: re.Match) -> str:
+    return "".join(f"%{b:02X}" for b in match.group().encode())
 
 
 def object_uri(scheme: str, path: str | bytes) -> str:
@@ -22,6 +27,11 @@ def object_uri(scheme: str, path: str | bytes) -> str:
     """
     if isinstance(path, str) and _PLAIN.fullmatch(path):
         return f"{scheme}://{path}"
+    if isinstance(path, str):
+        try:  # quote_from_bytes' result, only the runs that need it encoded (a listing's hot path)
+            return f"{scheme}://{_UNSAFE.sub(_quoted, path)}"
+        except UnicodeEncodeError:
+            pass  # a local name that is not UTF-8: its raw bytes, below
     raw = path if isinstance(path, bytes) else os.fsencode(path) if scheme == "file" else path.encode()
     return f"{scheme}://{quote_from_bytes(raw, URI_SAFE)}"
 

@@ -26,6 +26,7 @@ class ListingCounter:
         self.seconds = 0.0
         self.carried: list = []  # int64 arrays of identity hashes: 8 bytes per object to carry
         self._all_listed: asyncio.Event | None = None
+        self.claimed: set[tuple[int, int]] = set()  # folders out of the source that a listing task walks
 
     def add(self, listed: int, skipped: int, seconds: float) -> None:
         self.listed += listed
@@ -40,6 +41,17 @@ class ListingCounter:
         self.finished.add(task)
         if len(self.finished) >= self.tasks:
             self._event().set()
+
+    def claim(self, folder: tuple[int, int]) -> bool:
+        """True for the first listing task that asks to walk this folder (device, inode) through a followed link."""
+        if folder in self.claimed:
+            return False
+        self.claimed.add(folder)
+        return True
+
+    def progress(self) -> tuple[int, bool]:
+        """(objects listed so far, whether every listing task has finished)."""
+        return self.listed, len(self.finished) >= self.tasks
 
     def get(self) -> tuple[int, int, float]:
         return self.listed, self.skipped, self.seconds

@@ -1,7 +1,8 @@
 """Model folders (model.onnx + labels.txt + preprocess.json): loading, checking, and building the cached default.
 
-A model folder holds:
+A model folder holds (docs/models.md, "The folder"):
     model.onnx       one float32 input [batch, 3, H, W] (or NHWC, per the spec), one output [batch, classes] of logits
+                     (or probabilities, per the spec's ``output``); the batch axis dynamic, or fixed at any size
     labels.txt       one class name per line, in output order (as many lines as classes)
     preprocess.json  a PreprocessSpec as JSON, e.g. pipeline/data/efficientnet_lite0_preprocess.json
 """
@@ -17,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import ModelError
 from pipeline.imaging import PreprocessSpec
@@ -60,6 +62,7 @@ class ModelBundle:
     output_name: str = ONNX_OUTPUT
     precision: str = PRECISION_FP32
     digest: str = ""  # model_digest() of the folder: identifies the model by what decides its answers
+    fixed_batch: int | None = None  # the ONNX input's batch axis where it is a number: every run is that size
 
     @property
     def num_classes(self) -> int:
@@ -151,7 +154,7 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"cannot read {folder / SPEC_FILE}: {e}") from None
     labels = read_labels(folder / LABELS_FILE)
-    input_name, output_name, width, precision = _inspect_onnx(folder / MODEL_FILE, spec)
+    input_name, output_name, width, precision, fixed_batch = _inspect_onnx(folder / MODEL_FILE, spec)
     if width is not None and width != len(labels):
         raise ModelError(
             f"{folder / LABELS_FILE} has {len(labels)} labels but the model outputs {width} classes; "
@@ -166,7 +169,14 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
         output_name=output_name,
         precision=precision,
         digest=model_digest(folder, labels, spec),
+        fixed_batch=fixed_batch,
     )
+
+
+def fixed_batch_note(bundle: ModelBundle) -> str:
+    """The one line said where a model's batch axis is fixed."""
+    return (f"{bundle.onnx_path}: the batch axis is fixed at {bundle.fixed_batch}: every engine runs batches of "
+            f"exactly {bundle.fixed_batch} images (the last one padded); export with a dynamic batch axis for speed")
 
 
 def read_labels(path: Path) -> tuple[str, ...]:
@@ -186,9 +196,9 @@ def read_labels(path: Path) -> tuple[str, ...]:
     return tuple(line.strip() for line in lines)
 
 
-def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None, str]:
-    """Checks the ONNX graph's one input against the spec; returns (input name, output name, output width,
-    precision)."""
+def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None, str, int | None]:
+    """Checks the ONNX graph's one input and output against the spec; returns (input name, output name, output width,
+    precision, fixed batch size or None)."""
     import onnx
 
     try:
@@ -207,20 +217,65 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
     inp, out = inputs[0], graph.output[0]
     if inp.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
         raise ModelError(f"{path}: input {inp.name!r} must be float32; re-export with a float32 input")
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in inp.type.tensor_type.shape.dim]
+    dims = _dims(inp)
     expected = [None, *spec.input_shape]
     if len(dims) != 4 or any(d is not None and e is not None and d != e for d, e in zip(dims[1:], expected[1:])):
-        raise ModelError(
-            f"{path}: input {inp.name!r} has shape {_fmt_dims(dims)} but {SPEC_FILE} makes "
-            f"{_fmt_dims(expected)} ({spec.layout}, crop {list(spec.crop)}); make them agree"
-        )
-    if dims[0] is not None and dims[0] != 1:
-        LOG.warning("%s: batch axis is fixed at %d; export with a dynamic batch axis for speed", path, dims[0])
-    out_dims = [d.dim_value if d.HasField("dim_value") else None for d in out.type.tensor_type.shape.dim]
+        raise ModelError(f"{path}: input {inp.name!r} has shape {_fmt_dims(dims)} but {SPEC_FILE} makes "
+                         f"{_fmt_dims(expected)} ({spec.layout}, crop {list(spec.crop)}); {_shape_fix(dims, spec)}")
+    out_dims = _dims(out)
     if len(out_dims) != 2:
         raise ModelError(f"{path}: output {out.name!r} has shape {_fmt_dims(out_dims)}; expected [batch, classes]")
+    if not spec.probabilities and _ends_in_softmax(graph, out.name):
+        raise ModelError(f'{path}: output {out.name!r} is a Softmax, so it holds probabilities, but {SPEC_FILE} '
+                         'declares logits (the default); add "output": "probabilities" to it so that no second '
+                         "softmax is applied")
     precision = PRECISION_INT8 if any(n.op_type in QUANTIZED_OPS for n in graph.node) else PRECISION_FP32
-    return inp.name, out.name, out_dims[1], precision
+    width = out_dims[1] if out_dims[1] is not None else _inferred_width(model, out.name)
+    return inp.name, out.name, width, precision, dims[0]
+
+
+def _inferred_width(model: Any, output: str) -> int | None:
+    """The class count of an output whose second axis the file leaves unnamed, from ONNX's shape inference (so a
+    label count is checked against it in the driver too); None where inference cannot tell."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - inference is a best effort; the engines check the width they get at run time
+        return None
+    dims = [_dims(v) for v in inferred.graph.output if v.name == output]
+    return dims[0][1] if dims and len(dims[0]) == 2 else None
+
+
+def _dims(value: Any) -> list[int | None]:
+    """A graph value's shape: a number per fixed axis, None per named or unknown one."""
+    return [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
+
+
+def _shape_fix(dims: list[int | None], spec: PreprocessSpec) -> str:
+    """What to change where the ONNX input and the spec disagree: the layout when the axes are merely swapped."""
+    if len(dims) == 4 and dims[1] == 3 and spec.layout == "NHWC":
+        return 'the model is channels first: set "layout": "NCHW" in preprocess.json'
+    if len(dims) == 4 and dims[3] == 3 and spec.layout == "NCHW":
+        return 'the model is channels last: set "layout": "NHWC" in preprocess.json'
+    if len(dims) == 4:
+        h, w = (dims[2], dims[3]) if dims[1] == 3 else (dims[1], dims[2])
+        return f"set \"crop\": [{h}, {w}] in preprocess.json (the model's input size), or re-export the model"
+    return "export a model with one [batch, 3, height, width] (or NHWC) image input"
+
+
+# Nodes that pass a tensor's values on unchanged: a Softmax behind them still makes the output probabilities.
+_PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"})
+
+
+def _ends_in_softmax(graph: Any, name: str) -> bool:
+    """Whether the tensor ``name`` comes from a Softmax through nodes that keep its values (a LogSoftmax needs no
+    declaration: softmax of log-probabilities gives the same probabilities back)."""
+    producers = {o: n for n in graph.node for o in n.output}
+    node = producers.get(name)
+    while node is not None and node.op_type in _PASS_THROUGH and node.input:
+        node = producers.get(node.input[0])
+    return node is not None and node.op_type == "Softmax"
 
 
 def _fmt_dims(dims: list[int | None]) -> str:

@@ -247,21 +247,28 @@ def committed_quality(fs: Any, root: str,
 
 
 def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, *,
-                   use_recorded: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(quality, run report)`` of an output folder.
+                   use_recorded: bool = True, catalog_options: Mapping[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(quality, run report)`` of an output folder, or of the snapshot an ``iceberg://`` URL names.
 
     The quality recorded in a complete output's ``_REPORT.json`` is used when it covers every row
-    (``_SUCCESS`` rows); otherwise (older report, incomplete output) it is computed from the shards.
+    (``_SUCCESS`` rows); otherwise (older report, incomplete output, an Iceberg snapshot) it is computed from the
+    shards.
 
     Raises:
         OutputError: DEST cannot be read or holds no committed shard.
     """
+    from pipeline.iceberg_output import is_iceberg, table_parts
     from pipeline.reader import committed_parts, read_json
 
-    fs, root = _open(dest, storage_options)
     try:
-        fs.invalidate_cache()  # fsspec reuses file system objects, and their listings, within a process
-        parts = committed_parts(fs, root)
+        if is_iceberg(dest):
+            fs, root, parts = table_parts(dest, catalog_options, storage_options)
+            use_recorded = False  # the last run's report need not describe this snapshot
+        else:
+            fs, root = _open(dest, storage_options)
+            fs.invalidate_cache()  # fsspec reuses file system objects, and their listings, within a process
+            parts = committed_parts(fs, root)
     except OSError as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
     if not parts:
@@ -338,8 +345,10 @@ def compare_quality(current: Mapping[str, Any], previous: Mapping[str, Any],
 
 
 def compare_outputs(dest: str, against: str, thresholds: DriftThresholds = DriftThresholds(),
-                    storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Compare output DEST with the earlier output AGAINST (``"previous"``: the one DEST's night recorded).
+                    storage_options: Mapping[str, Any] | None = None,
+                    catalog_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Compare output DEST with the earlier output AGAINST (``"previous"``: the one DEST's night recorded); either
+    may be an Iceberg snapshot (``iceberg://NS.TABLE``, ``…@parent``, ``…@SNAPSHOT_ID``).
 
     Returns the :func:`compare_quality` result plus ``current``/``previous`` ({dest, quality, run}) for the
     page; ``against`` is None (and ``passed`` True) when DEST's night had no earlier night to compare with.
@@ -347,7 +356,7 @@ def compare_outputs(dest: str, against: str, thresholds: DriftThresholds = Drift
     Raises:
         OutputError: an output cannot be read, holds no shard, or ``previous`` is asked and none is recorded.
     """
-    quality, run = output_quality(dest, storage_options)
+    quality, run = output_quality(dest, storage_options, catalog_options=catalog_options)
     if against == AGAINST_RECORDED:
         recorded = (run or {}).get("drift")
         if run is None or "drift" not in run:
@@ -357,7 +366,7 @@ def compare_outputs(dest: str, against: str, thresholds: DriftThresholds = Drift
             return {"against": None, "dest": dest, "passed": True, "breaches": [],
                     "message": "no earlier night to compare with", "thresholds": thresholds.as_dict()}
         against = recorded["against"]
-    prev_quality, prev_run = output_quality(against, storage_options)
+    prev_quality, prev_run = output_quality(against, storage_options, catalog_options=catalog_options)
     result = compare_quality(quality, prev_quality, thresholds)
     result.update(dest=dest, against=against,
                   current={"dest": dest, "quality": quality, "run": _run_info(run)},

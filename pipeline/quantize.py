@@ -174,6 +174,7 @@ def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: 
 
     from pipeline.fetch import read_with_retries
     from pipeline.imaging import load_and_preprocess
+    from pipeline.keys import uri_path  # a listed URI percent-encodes its key (part%3D1 for part=1)
     from pipeline.source import open_fs
 
     if not uris:
@@ -182,7 +183,7 @@ def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: 
 
     def one(uri: str) -> np.ndarray | str:
         try:
-            return load_and_preprocess(read_with_retries(fs, fs._strip_protocol(uri), retries), spec)[0]
+            return load_and_preprocess(read_with_retries(fs, fs._strip_protocol(uri_path(uri)), retries), spec)[0]
         except ImageError as err:
             return str(err)
 

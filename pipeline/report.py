@@ -106,8 +106,10 @@ def format_run_report(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Summarise a finished (or partial) output folder: counts, error kinds, top labels, models.
+def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None,
+                     catalog_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Summarise a finished (or partial) output folder, or an Iceberg table's current (or ``@``) snapshot:
+    counts, error kinds, top labels, models.
 
     Reads only the ``status``, ``error``, ``labels`` and ``model`` columns, one shard at a time, so it
     works on outputs far larger than memory.
@@ -119,12 +121,18 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from pipeline.iceberg_output import is_iceberg, table_parts
+
     try:
-        fs, root = fsspec.core.url_to_fs(dest, **dict(storage_options or {}))
-        names = fs.ls(root, detail=False) if fs.isdir(root) else []
+        if is_iceberg(dest):
+            fs, root, parts = table_parts(dest, catalog_options, storage_options)
+            names = parts
+        else:
+            fs, root = fsspec.core.url_to_fs(dest, **dict(storage_options or {}))
+            names = fs.ls(root, detail=False) if fs.isdir(root) else []
+            parts = committed_parts(fs, root) if names else []
     except (ImportError, ValueError, TypeError, OSError) as err:
         raise OutputError(f"cannot read {dest!r}: {err}; check the URL, credentials and AWS_ENDPOINT_URL") from None
-    parts = committed_parts(fs, root) if names else []
     if not parts:
         runs = sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names if fs.isdir(n) and any(
             p.rsplit("/", 1)[-1].startswith(PART_PREFIX) for p in fs.ls(n, detail=False)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Mapping
 
@@ -21,7 +21,10 @@ import pyarrow.compute as pc
 from pipeline.engines.base import STATUS_ERROR
 from pipeline.errors import ConfigError, EmptySourceError, SourceError
 from pipeline.keys import done_mask, identity_hashes, member, object_uri
-from pipeline.source_local import Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
+from pipeline.source_manifest import (
+    INVENTORY_FORM, InventoryFile, UriListFile, canonical_uri, manifest_form, plan_manifest, read_inventory_manifest,
+)
+from pipeline.source_local import Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -49,7 +52,12 @@ LISTING_SCHEMA = pa.schema(
 
 
 def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Resolve a folder or fsspec URL to (filesystem, path); an unknown scheme fails with the package to install."""
+    """Resolve a folder or fsspec URL to (filesystem, path); an unknown scheme fails with the package to install.
+
+    A manifest SOURCE (``uris+URL``, ``inventory+URL``) resolves to the manifest's file system and path.
+    """
+    form = manifest_form(url)
+    url = form[1] if form else url
     try:
         return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as err:
@@ -81,6 +89,9 @@ def storage_failure(url: str, err: BaseException) -> str:
 def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
                  *, follow_symlinks: bool = False) -> None:
     """Fail before any work when the source is missing, unlistable or unreachable, or (``extensions``) empty."""
+    form = manifest_form(url)
+    if form is not None:
+        return check_manifest(fs, form[0], root, url)
     try:
         exists = fs.exists(root)
         kind = fs.info(root).get("type") if exists else None
@@ -96,6 +107,22 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions:
     if empty:
         raise EmptySourceError(f"source {url!r} holds no file with extension {','.join(extensions)}: nothing to "
                                "classify; check SOURCE and --extensions")
+
+
+def check_manifest(fs: fsspec.AbstractFileSystem, form: str, path: str, url: str) -> None:
+    """Fail before any work when a manifest SOURCE is missing or not a manifest (its data files are read in the
+    listing tasks: one that cannot be read is a ``list_error`` row)."""
+    try:
+        exists = fs.exists(path)
+        if exists and form == INVENTORY_FORM:
+            read_inventory_manifest(fs, path, url)
+    except SourceError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
+        raise SourceError(storage_failure(url, err)) from None
+    if not exists:
+        what = "manifest.json" if form == INVENTORY_FORM else "URI list"
+        raise SourceError(f"{what} {url!r} does not exist; check the URL after {form!r}")
 
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
@@ -141,15 +168,20 @@ def fsspec_entry(fs: fsspec.AbstractFileSystem, info: Mapping[str, Any]) -> Entr
 # ---- planning: which key ranges each listing task takes (runs where Ray Data plans the read) ----
 
 def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], tasks: int, *,
-                 follow_symlinks: bool = False) -> list[list[Unit]]:
+                 follow_symlinks: bool = False, source: str | None = None, source_prefix: str | None = None
+                 ) -> list[list[Unit]]:
     """Split the listing of ``root`` into up to ``tasks`` groups of units; each unit lists a disjoint part.
 
     Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
     by a hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
     after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
+    A manifest ``source`` (``pipeline.source_manifest``): its data files, with ``source_prefix`` (a URI prefix).
     """
     tasks = max(1, tasks)
-    if is_local(fs):
+    form = manifest_form(source or "")
+    if form is not None:  # a manifest: one unit per data file, however its objects are stored
+        units = plan_manifest(fs, form[0], root, form[1], canonical_uri(source_prefix) if source_prefix else None)
+    elif is_local(fs):
         units = _plan_local(root, tasks, follow_symlinks)
     elif _is_s3(fs):
         units = _plan_s3(fs, root, tasks)
@@ -305,10 +337,19 @@ def _s3_range(fs: Any, bucket: str, prefix: str, start: dict, stop: str | None,
         yield _s3_entry(bucket, start)
     if stop is not None:  # every key in [start, stop) shares their common prefix: a narrower LIST, same keys
         prefix = os.path.commonprefix([start["Key"], stop])
-    token = None
+    token, last = None, start["Key"]
     while True:
-        page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
+        try:
+            page = _list_page(fs, bucket, prefix, None if token else start["Key"], token=token)
+        except Exception as err:  # noqa: BLE001 - after the client's retries: the rest of the range is a row
+            text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
+            # Named after the last key listed (and ending in '/', as no object it names): ranges are disjoint, so
+            # two ranges that fail under one prefix give two rows, not one URI twice.
+            yield list_error(object_uri("s3", f"{bucket}/{last}/"), f"cannot list the keys after {last!r} under "
+                             f"{object_uri('s3', f'{bucket}/{prefix}')}: {text}; they get rows on the next run")
+            return
         for item in page.get("Contents") or []:
+            last = item["Key"]
             if stop is not None and item["Key"] >= stop:
                 return
             if matches(item["Key"], extensions):
@@ -327,9 +368,10 @@ class LocalDir:
     path: str
     root: str
     follow: bool
+    claim: Claim | None = field(default=None, compare=False, repr=False)  # set in the listing task
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
-        return walk_local(self.path, extensions, stat, root=self.root, follow=self.follow)
+        return walk_local(self.path, extensions, stat, root=self.root, follow=self.follow, claim=self.claim)
 
 
 @dataclass(frozen=True)
@@ -340,9 +382,10 @@ class LocalFiles:
     index: int
     split: int
     follow: bool
+    claim: Claim | None = field(default=None, compare=False, repr=False)
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
-        return local_files(self.root, self.index, self.split, extensions, stat, follow=self.follow)
+        return local_files(self.root, self.index, self.split, extensions, stat, follow=self.follow, claim=self.claim)
 
 
 @dataclass(frozen=True)
@@ -389,16 +432,19 @@ class FsFiles:
         return (fsspec_entry(fs, info) for info in self.infos)
 
 
-Unit = LocalDir | LocalFiles | S3Keys | S3Range | FsDir | FsFiles
+Unit = LocalDir | LocalFiles | S3Keys | S3Range | FsDir | FsFiles | UriListFile | InventoryFile
 
 
-def list_unit(fs: fsspec.AbstractFileSystem, unit: Unit, extensions: tuple[str, ...], *, stat: bool = True
-              ) -> Iterator[Entry]:
+def list_unit(fs: fsspec.AbstractFileSystem, unit: Unit, extensions: tuple[str, ...], *, stat: bool = True,
+              claim: Claim | None = None) -> Iterator[Entry]:
     """The entries of one planned unit, in a stable order.
 
     ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
-    needs them only for some (``listing_blocks`` stats the objects that are not done already).
+    needs them only for some (``listing_blocks`` stats the objects that are not done already). ``claim``: asked
+    before a folder out of the source is walked through a followed link (``pipeline.source_local.Claim``).
     """
+    if claim is not None and isinstance(unit, (LocalDir, LocalFiles)):
+        unit = replace(unit, claim=claim)
     yield from unit.entries(fs, extensions, stat)
 
 
@@ -435,13 +481,14 @@ def entries_table(entries: list[Entry], errors: list[Entry] = ()) -> pa.Table:
 
 def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple[str, ...], *, done: np.ndarray,
                    previous: np.ndarray, report: Callable[[int, int, float, np.ndarray | None], None] | None = None,
-                   ) -> Iterator[pa.Table]:
+                   claim: Claim | None = None, named: bool = False) -> Iterator[pa.Table]:
     """List a group of units as blocks of listing rows (``LISTING_SCHEMA``), dropping done and carried objects.
 
     Objects already committed (``done``: sorted uri hashes) are skipped. Objects whose version matches a carryable
     row of the previous run (``previous``: sorted identity hashes) are left out of the blocks; their identities
     go to ``report(listed, skipped, seconds, carried_identities)`` (sent every CARRY_FLUSH objects and at the end),
-    so the job copies those rows afterwards, shard by shard.
+    so the job copies those rows afterwards, shard by shard. ``named``: the units are a manifest's, whose entries
+    are rows even when the object is gone (the fetch makes them ``not_found``), so local ones are not stat-ed.
     """
     carried: list[np.ndarray] = []
     pending: list[Entry] = []
@@ -462,12 +509,13 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
                 block = [e for e, k in zip(block, keep) if k]
         errors = [e for e in block if is_error(e)]
         block = [e for e in block if not is_error(e)] if errors else block
-        block = stat_local(block)
+        block = block if named else stat_local(block)
         n_carried = 0
         if previous.size and block:
             uris, sizes, etags, mtimes = zip(*block)
             ids = identity_hashes(uris, etags, sizes, mtimes)
-            same = member(previous, ids)
+            # An entry with no version (a URI list without ETag or mtime) is never carried: it may have changed.
+            same = member(previous, ids) & np.array([e is not None or m is not None for e, m in zip(etags, mtimes)])
             n_carried = int(same.sum())
             if n_carried:
                 carried.append(ids[same])
@@ -490,7 +538,7 @@ def listing_blocks(fs: fsspec.AbstractFileSystem, group: list, extensions: tuple
         clock[0] = time.perf_counter()
 
     for unit in group:
-        for entry in list_unit(fs, unit, extensions, stat=False):
+        for entry in list_unit(fs, unit, extensions, stat=False, claim=claim):
             pending.append(entry)
             if len(pending) >= BLOCK_ROWS:
                 yield from flush()

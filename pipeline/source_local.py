@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import zlib
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from pipeline.errors import LIST_ERROR, ImageError
 from pipeline.keys import object_uri, uri_path
@@ -69,14 +69,17 @@ class _Unreadable(NamedTuple):
 
 
 Sorted = _Folder | _File | _Unreadable | None  # None: skipped
+# Asked before a folder out of the source is walked through a followed link: True for the first listing task that
+# asks about that folder (device, inode), so two links to it from different tasks list it once.
+Claim = Callable[[tuple[int, int]], bool]
 
 
 class _Links:
     """Sorts a folder's entries into folders to walk, files to list, unreadable entries and entries to skip."""
 
-    def __init__(self, root: str, follow: bool, suffixes: tuple[str, ...]):
+    def __init__(self, root: str, follow: bool, suffixes: tuple[str, ...], claim: Claim | None = None):
         self.root = os.path.realpath(root)
-        self.follow, self.suffixes = follow, suffixes
+        self.follow, self.suffixes, self.claim = follow, suffixes, claim
         self.seen: set[tuple[int, int]] = set()  # folders walked through followed links: a loop out there ends
 
     def inside(self, real: str) -> bool:
@@ -129,6 +132,8 @@ class _Links:
         if key in self.seen:
             return None
         self.seen.add(key)
+        if self.claim is not None and not self.claim(key):  # another listing task walks it
+            return None
         return _Folder(path, real)
 
 
@@ -151,10 +156,11 @@ def _sorted_entry(sorted_as: _File | _Unreadable, stat: bool) -> Entry | None:
 
 
 def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, root: str | None = None,
-               follow: bool = False, real: str | None = None, links: _Links | None = None) -> Iterator[Entry]:
+               follow: bool = False, real: str | None = None, links: _Links | None = None,
+               claim: Claim | None = None) -> Iterator[Entry]:
     """Every listed file under ``folder`` (``root``: the source, for telling links in from links out; ``real``:
     the folder's real path when it was reached through a followed link)."""
-    links = links or _Links(root or folder, follow, _suffixes(extensions))
+    links = links or _Links(root or folder, follow, _suffixes(extensions), claim)
     suffixes = links.suffixes
     stack: list[tuple[str, str | None]] = [(folder, real)]
     while stack:
@@ -192,10 +198,10 @@ def walk_local(folder: str, extensions: tuple[str, ...], stat: bool = True, *, r
 
 
 def local_files(folder: str, part: int, parts: int, extensions: tuple[str, ...], stat: bool = True, *,
-                follow: bool = False) -> Iterator[Entry]:
+                follow: bool = False, claim: Claim | None = None) -> Iterator[Entry]:
     """The entries directly in the source ``folder`` that are not folders of its own (files and links), split
     into ``parts`` by a hash of their names."""
-    links = _Links(folder, follow, _suffixes(extensions))
+    links = _Links(folder, follow, _suffixes(extensions), claim)
     with os.scandir(folder) as it:
         for entry in it:
             if parts > 1 and zlib.crc32(os.fsencode(entry.name)) % parts != part:

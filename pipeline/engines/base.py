@@ -138,12 +138,15 @@ class EngineSpec:
         summary: one line for ``--help``.
         options: the options it accepts; anything else is refused in the driver.
         needs_gpu: actors take one GPU each when the cluster has GPUs.
+        gpu_only: it runs nowhere else (``bulk-classify model check`` skips it on a machine without a GPU).
         decode_threads_option: the option that ``--decode-threads`` fills, if the engine decodes in the actor.
         call_threads_option: the option the job fills, unless given, with each call's compute threads on a CPU
             node: the actor's share of the cluster's cores over its calls (``pipeline.job.stages.call_threads``).
         calls_option: the option the job fills, unless given, with the calls each actor runs at once
             (``--calls-per-actor``), for a runtime that must know how many runs will share it.
         preflight: ``"module:function"`` called with the parsed options in the driver; raises ConfigError.
+        model_check: ``"module:function"`` called as ``function(bundle, options)`` in the driver, before Ray starts or
+            anything is written: refuses, with a ModelError in one line, a model this engine cannot run.
         calls_per_actor: engine calls each actor runs at once by default (``--calls-per-actor``): more than one
             for an engine whose calls mostly wait on a server, so the next batch is sent while this one finishes.
         actors_per_gpu: classify actors sharing one GPU by default (``--num-gpus-per-actor`` is 1 / this).
@@ -163,10 +166,12 @@ class EngineSpec:
     summary: str
     options: tuple[Option, ...] = ()
     needs_gpu: bool = False
+    gpu_only: bool = False
     decode_threads_option: str | None = None
     call_threads_option: str | None = None
     calls_option: str | None = None
     preflight: str | None = None
+    model_check: str | None = None
     calls_per_actor: int = 1
     actors_per_gpu: int = 1
     gpu_batch_size: int | None = None
@@ -190,13 +195,16 @@ class EngineSpec:
         if self.preflight:
             _load(self.preflight)(options)
 
-    def check_model(self, bundle: Any) -> None:
-        """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8."""
+    def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None) -> None:
+        """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8, and
+        whatever the engine's ``model_check`` refuses."""
         from pipeline.model import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
 
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
             raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
                               f"{tn.INT8_FIX}")
+        if self.model_check:
+            _load(self.model_check)(bundle, dict(options or {}))
 
     def start_node(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
         """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""

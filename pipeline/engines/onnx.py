@@ -1,4 +1,5 @@
-"""The ``onnx`` engine: ONNX Runtime on the actor's CPU cores, decoding on a thread pool; top-k softmax of logits."""
+"""The ``onnx`` engine: ONNX Runtime on the actor's CPU cores, decoding on a thread pool; top-k of the softmax of
+logits (or of the probabilities a model declares it outputs)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,13 @@ SPEC = EngineSpec(
 )
 
 
-def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def topk_softmax(logits: np.ndarray, k: int, *, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over the classes, then the k most probable per row.
 
     Args:
         logits: (N, C) array.
         k: how many classes to keep; capped at C.
+        probabilities: the rows are probabilities already (the spec's ``output``): no softmax.
 
     Returns:
         (ids (N, k) int64, probabilities (N, k) float32), probabilities descending.
@@ -67,9 +69,11 @@ def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if logits.ndim != 2:
         raise ValueError(f"logits must be (batch, classes), got shape {logits.shape}")
     k = max(1, min(int(k), logits.shape[1]))
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
-    probs = exp / exp.sum(axis=1, keepdims=True)
+    if probabilities:
+        probs = logits
+    else:
+        exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = exp / exp.sum(axis=1, keepdims=True)
     if k < probs.shape[1]:
         part = np.argpartition(-probs, k - 1, axis=1)[:, :k]
     else:
@@ -81,11 +85,28 @@ def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def results_from_logits(
-    logits: np.ndarray, labels: Sequence[str], top_k: int, sizes: Sequence[tuple[int, int]]
+    logits: np.ndarray, labels: Sequence[str], top_k: int, sizes: Sequence[tuple[int, int]], *,
+    probabilities: bool = False,
 ) -> list[Result]:
-    """OK results from a batch of logits and the original (width, height) of each image."""
-    ids, probs = topk_softmax(logits, top_k)
+    """OK results from a batch of logits (or ``probabilities``) and the original (width, height) of each image."""
+    ids, probs = topk_softmax(logits, top_k, probabilities=probabilities)
     return results_from_topk(ids, probs, labels, sizes)
+
+
+def fixed_batches(forward: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.ndarray], np.ndarray]:
+    """``forward`` for a network whose batch axis is fixed at ``size``: any batch runs in runs of exactly ``size``,
+    the last one padded with zeros whose rows are dropped."""
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        outs = []
+        for start in range(0, len(batch), size):
+            part = batch[start : start + size]
+            if len(part) < size:
+                part = np.concatenate([part, np.zeros((size - len(part), *part.shape[1:]), part.dtype)])
+            outs.append(forward(part)[: len(batch) - start])
+        return np.concatenate(outs)
+
+    return run
 
 
 class OnnxEngine:
@@ -126,6 +147,9 @@ class OnnxEngine:
         if intra_op_threads is not None and intra_op_threads < 1:
             raise ConfigError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
         self._forward = self._open_runtime(bundle, intra_op_threads)
+        if bundle.fixed_batch:  # the graph takes no other batch size: run exactly that many (the driver said so)
+            self._forward = fixed_batches(self._forward, bundle.fixed_batch)
+            self.max_batch = bundle.fixed_batch
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
         self.decode_threads = threads
         # Cumulative seconds per stage, read by the actor for the run report. decode_preprocess sums the
@@ -204,7 +228,8 @@ class OnnxEngine:
             LOG.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
             half = len(batch) // 2
             return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
-        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes)
+        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes,
+                                   probabilities=self.bundle.spec.probabilities)
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         start = time.perf_counter()

@@ -29,10 +29,10 @@ from pipeline.engines.base import (
     STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
 )
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
-from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, TritonError
+from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, PORTABLE, PROFILES, choose_profile
+from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -90,6 +90,7 @@ SPEC = EngineSpec(
     ),
     needs_gpu=True,
     preflight=f"{__name__}:check_requirements",
+    model_check=f"{__name__}:check_model",
     # Two calls per actor: the next batch is sent while this one's last requests finish. The actors of a GPU
     # share its one server (the gpu profile's share_server), so the client work spreads over their processes;
     # a call's images fill the gpu profile's requests in flight (docs/performance.md).
@@ -727,3 +728,23 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         find_tritonserver()
     except TritonError as err:
         raise ConfigError(f"--engine triton: {err}") from None
+
+
+def check_model(bundle, options: Mapping[str, Any]) -> None:
+    """The triton engine's ``EngineSpec.model_check``, in the driver: where its actors will serve the gpu profile
+    from a repository built for the model, the gpu paths must be able to run it."""
+    if options.get("url") or options.get("repository") is not None:
+        return  # a server or repository of the user's: its model is checked where it was built
+    profile = options.get("profile", AUTO)
+    if profile == AUTO:
+        from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+
+        profile = GPU if cluster_gpus()[0] > 0 else PORTABLE
+    if profile == GPU:
+        from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
+        from pipeline.model import PRECISION_INT8  # noqa: PLC0415
+
+        if bundle.precision == PRECISION_INT8:
+            raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {tn.NO_INT8}; "
+                             f"pass --engine-option profile={PORTABLE}, or the FP32 model")
+        check_runnable(bundle, "--engine triton with the gpu profile")

@@ -13,6 +13,7 @@ from ray.data import Datasource
 
 from pipeline.schema import WORK_SCHEMA, conform
 from pipeline.source import listing_blocks, open_fs, resolve_keys
+from pipeline.source_manifest import manifest_form
 
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
 
@@ -50,7 +51,9 @@ class ListingDatasource(Datasource):
         fs, _root = open_fs(self.url, self.storage_options)
         calls = _CounterCalls(self.counter)
         for block in listing_blocks(fs, group, self.extensions, done=resolve_keys(self.done),
-                                    previous=resolve_keys(self.previous), report=calls.report):
+                                    previous=resolve_keys(self.previous), report=calls.report,
+                                    claim=calls.claim if self.counter is not None else None,
+                                    named=manifest_form(self.url) is not None):
             if self.excluded is not None:
                 block = block.filter(pc.invert(pc.starts_with(block.column("uri"), self.excluded)))
             yield conform(block, WORK_SCHEMA)
@@ -82,6 +85,13 @@ class _CounterCalls:
         self.sent_at = time.monotonic()
         if len(self.pending) > 64:  # keep only the refs of calls not yet run
             _ran, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+
+    def claim(self, folder: tuple[int, int]) -> bool:
+        """Whether this task walks a folder out of the source reached through a followed link (the counter knows
+        which task asked first)."""
+        import ray
+
+        return ray.get(self.counter.claim.remote(tuple(folder)))
 
     def finish(self, index: int) -> None:
         import ray

@@ -71,15 +71,15 @@ def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
 
 
 def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: Any = None,
-                 carry_top_k: int | None = None) -> OutputIndex:
-    """Read every shard's record under ``root``.
+                 carry_top_k: int | None = None, parts: list[str] | None = None) -> OutputIndex:
+    """Read every shard's record under ``root`` (or of ``parts``: an Iceberg snapshot's shards).
 
     Args:
         hashes: collect the committed rows' uri hashes (the resume set).
         carry_model, carry_top_k: collect the identities of ok rows of this model (a ``ModelBundle``, matched by
             digest) and top-k (the carry set).
     """
-    index = OutputIndex(parts=committed_parts(fs, root))
+    index = OutputIndex(parts=committed_parts(fs, root) if parts is None else parts)
     uris: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     for _path, rec in iter_records(fs, index.parts):
@@ -117,13 +117,14 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(config: RunConfig, bundle: Any) -> OutputIndex:
-    """--previous: its shards and the identities of the rows this run may carry (same model digest and top-k, ok).
+def read_previous(config: RunConfig, bundle: Any, parts: list[str] | None = None) -> OutputIndex:
+    """--previous (``parts``: an Iceberg table's current shards): its shards and the identities of the rows this
+    run may carry (same model digest and top-k, ok).
 
     Error rows are never carried: they are retried (storage or a bad upload may have been fixed since).
     """
     fs, root = open_fs(config.previous, config.storage_options)
-    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k)
+    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k, parts=parts)
     if not index.parts:
         raise OutputError(f"--previous {config.previous!r} holds no committed output; drop the option or fix the URL")
     LOG.info("previous run %s: %d rows can be carried over", config.previous, index.identities.size)
@@ -261,28 +262,38 @@ def dedupe_output(config: RunConfig, fs: Any, root: str) -> int:
     again[1:] = key[1:] == key[:-1]
     if not again.any():
         return 0
+    # The shard that holds a URI first keeps one row of it, also when it holds the URI twice (a manifest that names
+    # an object twice): only its later rows of that URI go.
+    first_owner = owner[np.maximum.accumulate(np.where(~again, np.arange(key.size), 0))]
     dropped, written = 0, set()
     for i in np.unique(owner[again]):
         if parts[i] in written:  # holds the rows just committed under this name: those stay
             continue
-        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[again & (owner == i)]))
+        mine = again & (owner == i)
+        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[mine & (first_owner != i)]),
+                                keep_first=np.unique(key[mine & (first_owner == i)]))
         dropped += n
         written.add(new_path)
         fs.rm_file(parts[i])
-    LOG.warning("%s held %d rows of URIs another shard holds too (two runs wrote it at once); removed them",
-                config.output, dropped)
+    LOG.warning("%s held %d rows of URIs another row holds too (two runs wrote it at once, or a manifest named an "
+                "object twice); removed them", config.output, dropped)
     return dropped
 
 
-def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray) -> tuple[int, str | None]:
-    """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard; the
-    rows left out and the new shard's path (None: none left)."""
+def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray,
+              keep_first: np.ndarray | None = None) -> tuple[int, str | None]:
+    """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard, of those
+    in sorted ``keep_first`` only the first row; the rows left out and the new shard's path (None: none left)."""
     from pipeline.quality import quality_footer
 
     table, record = read_shard(fs, path)
     hashes = record.uri_hashes if record is not None and record.uri_hashes.size == table.num_rows else None
     hashes = hashes if hashes is not None else uri_hashes(table.column("uri").to_pylist())
     keep = ~member(uri_keys, hashes)
+    if keep_first is not None and keep_first.size:
+        twice = np.nonzero(member(keep_first, hashes))[0]
+        keep[twice] = False
+        keep[twice[np.unique(hashes[twice], return_index=True)[1]]] = True
     if not keep.any():
         return table.num_rows, None
     rows = table.filter(pa.array(keep))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from pipeline.config import RunConfig
 from pipeline.errors import LIST_ERROR
+from pipeline.iceberg_output import IcebergOutput, resolve_tables
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import local_ray_env
 from pipeline.engines.registry import engine_kwargs, engine_spec
@@ -20,8 +21,10 @@ from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
 )
+from pipeline.reader import committed_parts
 from pipeline.schema import REPORT, SUCCESS
 from pipeline.source import check_source, open_fs
+from pipeline.source_manifest import planned_entries
 from pipeline.stats import ShardStats
 from pipeline.writer import write_json
 
@@ -55,6 +58,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
     if not os.environ.get("RAY_ADDRESS"):
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
+    table_url = config.output
+    config, table, previous_parts = resolve_tables(config)  # iceberg://: the tables' data folders
     check_output_location(config)  # an output that is the source or holds it: refused before anything else
     config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
     config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
@@ -64,14 +69,17 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     dst_fs, dst_root = open_fs(config.output, config.storage_options)
     check_output(dst_fs, dst_root, config)
 
-    from pipeline.model import load_model
+    from pipeline.model import fixed_batch_note, load_model
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
-    engine_spec(config.engine).check_model(bundle)  # an INT8 model on an engine without INT8
+    # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
+    engine_spec(config.engine).check_model(bundle, engine_spec(config.engine).parse_options(config.engine_options))
+    if bundle.fixed_batch:
+        LOG.warning("%s", fixed_batch_note(bundle))
     check_compatible(dst_fs, dst_root, config, bundle)
     t_index = time.perf_counter()
-    previous = read_previous(config, bundle) if config.previous else None
+    previous = read_previous(config, bundle, previous_parts) if config.previous else None
     with storage_errors(config.output, dst_root):
         lease = Lease(dst_fs, dst_root, config.output).acquire()
     try:
@@ -90,12 +98,25 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
             finally:
                 run.close()
             with storage_errors(config.output, dst_root):
-                return _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
-                               t0, index_s + list_s, run.writer_actors)
+                if table is not None:
+                    commit_table(table, config, dst_fs, dst_root, lease, {
+                        "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
+                summary = _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
+                                  t0, index_s + list_s, run.writer_actors)
+                summary.output = table_url
+                return summary
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
         lease.release()
+
+
+def commit_table(table: IcebergOutput, config: RunConfig, fs: Any, root: str, lease: Lease,
+                 run: dict[str, str]) -> None:
+    """Commit the data folder's shards that the table lacks, once every URI's row is unique, under the lease."""
+    dedupe_output(config, fs, root)
+    lease.check()
+    table.commit(fs, committed_parts(fs, root), run)
 
 
 def start_node(config: RunConfig, bundle: Any) -> Any:
@@ -183,6 +204,7 @@ class _Run:
         self.metrics = JobMetrics(config.metrics_port)
         self.totals = ShardStats()
         self.listed, self.asked = 0, 0.0
+        self.planned: int | None = None  # a manifest's entries not yet done, known from its footers before listing
 
     def classify_and_carry(self, done: OutputIndex, previous: OutputIndex | None, excluded: str | None = None
                            ) -> tuple[ShardStats, int, int, float]:
@@ -197,6 +219,8 @@ class _Run:
         from pipeline.listing_counter import ListingCounter
 
         groups = without_folder(listing_groups(self.config), excluded)
+        planned = planned_entries(groups)
+        self.planned = None if planned is None else max(0, planned - done.rows)
         self.counter = ray.remote(num_cpus=0)(ListingCounter).remote(len(groups))
         # The key sets go to the object store once; listing and carry tasks map them without copying.
         done_ref = ray.put(done.uri_hashes)
@@ -283,11 +307,17 @@ class _Run:
         # Ask the counter actor for the listed total at most every PROGRESS_S, not once per batch (each ask is a
         # round trip the driver waits on).
         if ask and self.counter is not None and time.monotonic() - self.asked >= PROGRESS_S:
-            self.listed, _, _ = ray.get(self.counter.get.remote())
+            if self.planned is None:
+                self.listed, _, _ = ray.get(self.counter.get.remote())
+            else:
+                self.listed, finished = ray.get(self.counter.progress.remote())
+                self.planned = None if finished else self.planned
             self.asked = time.monotonic()
         self.metrics.set_listed(self.listed)
         if self.progress is not None:
-            self.progress(self.totals.rows, self.listed, self.totals.errors)
+            # While a manifest is being listed, the total is its count from the footers (before filtering).
+            total = self.listed if self.planned is None else max(self.listed, self.planned)
+            self.progress(self.totals.rows, total, self.totals.errors)
 
     def close(self) -> None:
         import ray

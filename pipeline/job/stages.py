@@ -151,7 +151,8 @@ def listing_groups(config: RunConfig) -> list[list]:
     # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
     cpus, _gpus = _cluster()
     list_tasks = min(config.list_tasks, cpus) if is_local(fs) else config.list_tasks
-    return plan_listing(fs, root, config.extensions, max(1, list_tasks), follow_symlinks=config.follow_symlinks)
+    return plan_listing(fs, root, config.extensions, max(1, list_tasks), follow_symlinks=config.follow_symlinks,
+                        source=config.source, source_prefix=config.source_prefix)
 
 
 def listing_task_cpus(cpus: int, tasks: int) -> float:

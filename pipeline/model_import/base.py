@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import ModelError
-
-UNIT_SCALE = 1 / 255  # 0..255 pixels to 0..1, as torchvision, timm and Hugging Face scale them
+from pipeline.spec import RESIZE_SQUASH, UNIT_SCALE
 
 
 @dataclass
@@ -35,7 +34,7 @@ def spec_fields(*, size: tuple[int, int], resize_shorter: int | None, interpolat
     fields: dict[str, Any] = {"crop": [int(size[0]), int(size[1])], "interpolation": interpolation,
                               "scale": scale, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
     if resize_shorter is None:
-        fields["resize"] = "squash"
+        fields["resize"] = RESIZE_SQUASH
     else:
         fields["resize_shorter"] = int(resize_shorter)
     return fields

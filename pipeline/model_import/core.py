@@ -26,6 +26,7 @@ import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
 from pipeline.imaging import PreprocessSpec, decode_image, load_and_preprocess
+from pipeline.model_check import read_sample
 from pipeline.model import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
 from pipeline.model_import.base import SourceModel
 
@@ -39,10 +40,7 @@ SOURCES = {
 }
 EXTRA = "import"  # the pyproject extra that brings torch, timm, torchvision, transformers and onnxslim
 OPSET = 17
-# The sample when no --images is given: the repository's photos (a checkout or an sdist has them).
-DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "tests" / "data" / "photos"
 DEFAULT_SAMPLE = 16
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 # Top-1 agreement needed on the images the framework decides clearly (top-1 minus top-2 probability at least
 # DECISIVE_MARGIN), and the median over the images of the largest logit difference, as a share of the image's logit
 # range. pipeline.imaging crops an exact box where torchvision-style transforms round the resized size and the crop
@@ -62,7 +60,7 @@ SLIM_TOLERANCE = 1e-4  # largest output change onnxslim may make, relative to th
 class ImportOptions:
     """How the written folder is checked against the source framework."""
 
-    images: str | None = None  # a local folder of sample images; DEFAULT_IMAGES when None
+    images: str | None = None  # a folder or URL of sample images; model_check.DEFAULT_IMAGES when None
     sample: int = DEFAULT_SAMPLE
     min_agreement: float = DEFAULT_MIN_AGREEMENT
     max_logit_diff: float = DEFAULT_MAX_LOGIT_DIFF
@@ -183,18 +181,6 @@ def _loader(source: str) -> Callable[..., SourceModel]:
     except ImportError as e:
         raise ConfigError(f"model import from {source} needs {e.name or 'its packages'}: pip install "
                           f"'bulk-classify[{EXTRA}]'") from None
-
-
-def read_sample(images: str | None, sample: int) -> list[tuple[str, bytes]]:
-    """Up to ``sample`` images of a local folder (sorted by name), as (name, bytes)."""
-    folder = Path(images).expanduser() if images else DEFAULT_IMAGES
-    if not folder.is_dir():
-        raise ConfigError(f"--images {folder} is not a folder; pass a local folder of sample photos like the "
-                          "catalog's")
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:sample]
-    if not files:
-        raise ConfigError(f"--images {folder} holds no image ({', '.join(IMAGE_SUFFIXES)}); pass a folder of photos")
-    return [(str(p.relative_to(folder)), p.read_bytes()) for p in files]
 
 
 def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:

@@ -2,8 +2,10 @@
 production Triton profile, CPU for tests and parity checks against the reference (pipeline.imaging).
 
 The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
-centred ``crop`` taken, resampled straight from the source region of interest (no rounded intermediate size), with the
-same interpolation and antialiasing, in the reference's two passes (horizontal, rounded to 8 bits, then vertical).
+centred ``crop`` taken (with ``resize`` "squash", the whole image resized to ``crop``), resampled straight from the
+source region of interest (no rounded intermediate size), with the same interpolation and antialiasing, in the
+reference's two passes (horizontal, rounded to 8 bits, then vertical), with the reference's weights at the image's
+edge where the crop box reaches it (``reaches_edge``).
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
@@ -21,7 +23,7 @@ import re
 import numpy as np
 
 from pipeline.triton import contract as tn
-from pipeline.imaging import PreprocessSpec
+from pipeline.imaging import FILTER_SUPPORT, RESIZE_SQUASH, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 DALI_THREADS = 4  # CPU threads of one DALI pipeline: the gpu paths' default and the production profile's
@@ -70,12 +72,15 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
-    shorter = dmath.min(height, width)
-    # The crop box in source pixels, exact as in pipeline.imaging.preprocess_image.
-    box_h = crop_h * shorter / float(spec.resize_shorter)
-    box_w = crop_w * shorter / float(spec.resize_shorter)
-    top = (height - box_h) / 2.0
-    left = (width - box_w) / 2.0
+    # The crop box in source pixels, exact as in pipeline.imaging.crop_box: squashing takes the whole image.
+    if spec.resize == RESIZE_SQUASH:
+        box_h, box_w, top, left = height, width, 0.0 * height, 0.0 * width
+    else:
+        shorter = dmath.min(height, width)
+        box_h = crop_h * shorter / float(spec.resize_shorter)
+        box_w = crop_w * shorter / float(spec.resize_shorter)
+        top = (height - box_h) / 2.0
+        left = (width - box_w) / 2.0
     resample = {"roi_relative": False, "interp_type": getattr(types, _INTERP[spec.interpolation]),
                 "antialias": spec.antialias, "dtype": types.UINT8}
     if spec.interpolation == "nearest":
@@ -85,10 +90,15 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
         # Two passes as the reference makes them (pipeline.imaging._resample): horizontal, rounded to 8 bits, then
         # vertical. One fn.resize keeps the intermediate in float and picks its own pass order; on the parity set
         # that moved pixels by up to 16 levels and cost 2.3 points of top-1 agreement.
-        mid = fn.resize(image, size=fn.stack(height, float(crop_w)), roi_start=fn.stack(0.0, left),
-                        roi_end=fn.stack(height, left + box_w), **resample)
-        resized = fn.resize(mid, size=[crop_h, crop_w], roi_start=fn.stack(top, 0.0),
-                            roi_end=fn.stack(top + box_h, float(crop_w)), **resample)
+        if not reaches_edge(spec):
+            mid = fn.resize(image, size=fn.stack(height, float(crop_w)), roi_start=fn.stack(0.0, left),
+                            roi_end=fn.stack(height, left + box_w), **resample)
+            resized = fn.resize(mid, size=[crop_h, crop_w], roi_start=fn.stack(top, 0.0),
+                                roi_end=fn.stack(top + box_h, float(crop_w)), **resample)
+        else:
+            support = FILTER_SUPPORT[spec.interpolation]
+            mid = _edge_pass(image, 1, fn.stack(height, float(crop_w)), left, box_w, width, crop_w, support, resample)
+            resized = _edge_pass(mid, 0, [crop_h, crop_w], top, box_h, height, crop_h, support, resample)
     # reference: (v * scale - mean) / std  ==  (v - mean / scale) / (std / scale)
     normalized = fn.crop_mirror_normalize(
         resized,
@@ -103,6 +113,43 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     if device == "mixed":
         out_w, out_h = out_w.gpu(), out_h.gpu()
     return normalized, out_w, out_h
+
+
+def reaches_edge(spec: PreprocessSpec) -> bool:
+    """Whether the filter reaches past the image's edge for ordinary image sizes: the whole image squashed, or a crop
+    within the filter's reach of ``resize_shorter``. There Pillow shortens the filter and renormalizes its weights,
+    while ``fn.resize`` repeats the edge pixel, so those specs take ``_edge_pass``."""
+    if spec.interpolation == "nearest":
+        return False
+    return spec.resize == RESIZE_SQUASH or (spec.resize_shorter - max(spec.crop)) / 2 <= FILTER_SUPPORT[
+        spec.interpolation]
+
+
+def _edge_pass(src, axis: int, size, start, length, extent, out_len: int, support: float, resample: dict):
+    """One resampling pass along ``axis`` (0 rows, 1 columns) of uint8 HWC ``src`` over [start, start + length),
+    weighted as Pillow weighs at the image's edge: ``src`` with a channel of ones beside each channel, zeros past
+    the edge, resampled in float; each value divided by its ones channel is the filter renormalized over the pixels
+    that exist. Rounded to 8 bits, as the reference's passes are."""
+    import nvidia.dali.fn as fn  # noqa: PLC0415
+    import nvidia.dali.math as dmath  # noqa: PLC0415
+    import nvidia.dali.types as types  # noqa: PLC0415
+
+    # The filter's reach in source pixels, with room to spare: zeros beyond it are never read.
+    margin = fn.cast(dmath.floor(support * (extent / float(out_len) + 1.0) + 2.0), dtype=types.INT32)
+    shape = src.shape(dtype=types.INT32)
+    zero = margin * 0
+    both = fn.cat(src, fn.cast(src * 0 + 1, dtype=types.UINT8), axis=2)
+    anchor = fn.stack(zero, -margin) if axis == 1 else fn.stack(-margin, zero)
+    grown = fn.stack(shape[0], shape[1] + 2 * margin) if axis == 1 else fn.stack(shape[0] + 2 * margin, shape[1])
+    padded = fn.slice(both, anchor, grown, axes=[0, 1], out_of_bounds_policy="pad", fill_values=0)
+    offset = fn.cast(margin, dtype=types.FLOAT)
+    other = fn.cast(shape[1 - axis], dtype=types.FLOAT)
+    lo, hi = start + offset, start + length + offset
+    roi_start, roi_end = (fn.stack(0.0 * offset, lo), fn.stack(other, hi)) if axis == 1 else \
+        (fn.stack(lo, 0.0 * offset), fn.stack(hi, other))
+    out = fn.resize(padded, size=size, roi_start=roi_start, roi_end=roi_end,
+                    **{**resample, "dtype": types.FLOAT})
+    return fn.cast(dmath.clamp(out[:, :, 0:3] / out[:, :, 3:6], 0.0, 255.0), dtype=types.UINT8)
 
 
 def first_line(err: Exception) -> str:

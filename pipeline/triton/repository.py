@@ -92,12 +92,12 @@ def preprocess():
 # ---- artifacts ---------------------------------------------------------------------------------------------
 
 
-def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str | None = None) -> Path:
+def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str | None = None,
+                  probabilities: bool = False) -> Path:
     """Writes the classifier with Softmax and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
 
-    Scores become probabilities inside the graph, so TensorRT (production) and ONNX Runtime (portable) return
-    only k ids and scores per image, and both run the same head.
-    """
+    Scores become probabilities inside the graph (TopK alone where the model outputs ``probabilities``, per its
+    spec), so TensorRT (production) and ONNX Runtime (portable) return only k ids and scores per image."""
     import onnx  # noqa: PLC0415
     from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
 
@@ -116,9 +116,11 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
         raise ConfigError(f"top_k={k} must be between 1 and the model's {classes} classes")
     batch = dims[0].dim_param or "batch" if dims else "batch"
     graph.initializer.append(numpy_helper.from_array(np.array([k], dtype=np.int64), "bc_top_k"))
+    scores = logits.name if probabilities else "bc_probabilities"
+    softmax = [] if probabilities else [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")]
     graph.node.extend([
-        helper.make_node("Softmax", [logits.name], ["bc_probabilities"], axis=-1, name="bc_softmax"),
-        helper.make_node("TopK", ["bc_probabilities", "bc_top_k"], [tn.OUTPUT_SCORES, "bc_indices"],
+        *softmax,
+        helper.make_node("TopK", [scores, "bc_top_k"], [tn.OUTPUT_SCORES, "bc_indices"],
                          axis=-1, largest=1, sorted=1, name="bc_topk"),
         helper.make_node("Cast", ["bc_indices"], [tn.OUTPUT_CLASS_IDS], to=TensorProto.INT32, name="bc_cast"),
     ])
@@ -302,7 +304,8 @@ def _build_portable(model, output, *, top_k, instances, max_batch_size, artifact
         from pipeline.model import load_model  # noqa: PLC0415
 
         bundle = load_model(model)
-        add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name)
+        add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name,
+                      probabilities=bundle.spec.probabilities)
         (folder / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
         (folder / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
     return out
@@ -327,7 +330,7 @@ def _build_production(model, output, *, top_k, instances, max_batch_size, artifa
     plans = {}
     if artifacts:
         head = add_topk_head(bundle.onnx_path, trt_dir / VERSION / MODEL_FILE, k=top_k,
-                             output_name=bundle.output_name)
+                             output_name=bundle.output_name, probabilities=bundle.spec.probabilities)
         (ens_dir / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
         key = build_trt_plan(head, trt_dir, bundle.spec, max_batch_size=max_batch_size)
         if key is not None:

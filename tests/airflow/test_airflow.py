@@ -71,6 +71,7 @@ print(json.dumps({{
     "local": m.entrypoint(local, "2026-11-29"),
     "downstream": sorted(dag.get_task({TASK_ID!r}).downstream_task_ids),
     "gate": m.gate_entrypoint({{**cfg, "gate_args": ["--js-max", "0.1"]}}, "2026-11-29"),
+    "check": m.check_entrypoint({{**cfg, "model_check": "/models/prod", "model_check_args": ["--sample", "8"]}}),
 }}))
 """)
     assert got["errors"] == {}
@@ -79,6 +80,7 @@ print(json.dumps({{
     assert got["downstream"] == [GATE_TASK_ID]
     assert got["gate"] == ("python -m pipeline.cli report s3://out/y/date=2026-11-29 --against previous "
                            "--js-max 0.1")
+    assert got["check"] == "python -m pipeline.cli model check /models/prod --sample 8"
     assert got["retries"] >= 1 and got["max_active_runs"] == 1 and got["catchup"] is False
     assert got["timetable"] == "0 2 * * *"
     assert got["ids"] == ["bulk-classify-nightly-2026-11-29", "bulk-classify-nightly-2026-11-29-attempt-3"]

@@ -32,9 +32,10 @@ from pipeline.engines.onnx import OnnxEngine  # noqa: E402
 from pipeline.errors import BulkClassifyError  # noqa: E402
 from pipeline.model import ONNX_INPUT, ONNX_OUTPUT, load_model_folder  # noqa: E402
 from pipeline.model_import.core import (  # noqa: E402
-    OPSET, ImportOptions, _loader, import_model, read_sample,
+    OPSET, ImportOptions, _loader, import_model,
 )
 from pipeline.imaging import decode_image  # noqa: E402
+from pipeline.model_check import read_sample  # noqa: E402
 
 # name -> (source, NAME argument, how the weights are made)
 MODELS = {

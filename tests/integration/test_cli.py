@@ -24,7 +24,7 @@ def bulk(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.
 
 @pytest.mark.parametrize("command", [[], ["run"], ["nightly"], ["engines"], ["repo"], ["repo", "build"], ["repo", "check"],
                                      ["repo", "prepare"], ["report"], ["size"], ["model"], ["model", "quantize"],
-                                     ["model", "import"]])
+                                     ["model", "check"], ["model", "import"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0, result.output

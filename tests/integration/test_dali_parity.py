@@ -269,3 +269,53 @@ def test_generated_dali_source_defines_an_autoserialized_pipeline(tmp_path):
     module_spec.loader.exec_module(module)
     assert getattr(module.preprocess, "_is_autoserialize", False)
     assert module.SPEC == load_model(None).spec
+
+
+
+# Every resize mode and resampling filter a spec can name, NHWC and BGR among them: DALI against the reference on
+# photos and tall/wide/up-/downscaled crops, in 0..255 levels, with the default spec's bounds. Where the crop box
+# reaches the image's edge (squash always, shorter with a crop close to resize_shorter), Pillow shortens the filter at
+# the edge: DALI's edge pass must do the same (one fn.resize repeats the edge pixel instead: up to 10 levels off in
+# the outer 3 pixels, measured with DALI 2.4 on the CPU).
+_MODE_SPECS = {
+    "shorter_bilinear_nhwc": {"resize_shorter": 240, "crop": 208, "interpolation": "bilinear", "layout": "NHWC"},
+    "squash_bicubic": {"resize": "squash", "crop": [160, 224], "interpolation": "bicubic"},
+    "squash_bilinear_bgr": {"resize": "squash", "crop": 192, "interpolation": "linear", "channel_order": "BGR"},
+    "timm_squash_lanczos": {"input_size": [3, 176, 176], "crop_mode": "squash", "crop_pct": 1.0,
+                            "interpolation": "lanczos"},
+    "timm_crop_pct_1_bicubic": {"input_size": [3, 200, 200], "crop_pct": 1.0, "interpolation": "bicubic"},
+}
+
+
+def _mode_jpegs() -> dict[str, bytes]:
+    jpegs = {p.stem: p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))[:4]}
+    jpegs.update({k: v for k, v in _shaped_jpegs().items() if k.startswith("astronaut")})
+    return jpegs
+
+
+@pytest.mark.parametrize("name", sorted(_MODE_SPECS))
+def test_dali_matches_the_reference_in_every_resize_mode(name):
+    spec = PreprocessSpec.from_dict({"scale": 1 / 255, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+                                     **_MODE_SPECS[name]})
+    jpegs = _mode_jpegs()
+    results = DaliPreprocessor(spec, device="cpu", batch_size=8, num_threads=2).run(list(jpegs.values()))
+    ref = np.stack([load_and_preprocess(data, spec)[0] for data in jpegs.values()])
+    ours = np.stack([r.array for r in results])
+    assert ours.shape == ref.shape == (len(jpegs), *spec.input_shape)
+    chw = (lambda x: x.transpose(0, 3, 1, 2)) if spec.layout == "NHWC" else (lambda x: x)
+    diff = np.abs(_levels(chw(ours), spec) - _levels(chw(ref), spec)).reshape(len(jpegs), -1)
+    worst = {n: int(d) for n, d in zip(jpegs, diff.max(axis=1)) if d > 1}
+    assert diff.max() <= SHAPES_MAX_LEVELS, f"{name}: levels off the reference: {worst}"
+    assert diff.mean() <= SHAPES_MEAN_LEVELS, f"{name}: mean {diff.mean():.4f} levels; worst {worst}"
+
+
+def test_squashed_inputs_give_the_reference_top1(bundle, session):
+    spec = PreprocessSpec.from_dict({**bundle.spec.to_dict(), "resize": "squash", "resize_shorter": None})
+    jpegs = _mode_jpegs()
+    ours = np.stack([r.array for r in DaliPreprocessor(spec, device="cpu", batch_size=8, num_threads=2).run(
+        list(jpegs.values()))])
+    ref = np.stack([load_and_preprocess(data, spec)[0] for data in jpegs.values()])
+    p_ref, p_dali = _probs(session, bundle, ref), _probs(session, bundle, ours)
+    for i, name in enumerate(jpegs):
+        top_ref, top_dali = int(p_ref[i].argmax()), int(p_dali[i].argmax())
+        assert top_ref == top_dali or p_ref[i][top_ref] - p_ref[i][top_dali] < TIE_MARGIN, name

@@ -157,3 +157,18 @@ def test_the_triton_repository_cache_follows_every_file_that_decides_the_answers
     (folder / TORCHSCRIPT_FILE).write_bytes(b"another network file an engine loads")
     assert load_model_folder(folder).digest != digest
     assert cached_repository(portable, load_model_folder(folder), top_k=5, cache_dir=tmp_path / "cache") != respec
+
+
+def test_a_label_count_is_checked_against_a_class_axis_the_file_leaves_unnamed(tmp_path):
+    import onnx
+
+    from pipeline.errors import ModelError
+
+    folder = write_model(tmp_path / "model", seed=1)
+    model = onnx.load(str(folder / MODEL_FILE))
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "classes"  # as some exporters write it
+    onnx.save(model, str(folder / MODEL_FILE))
+    assert load_model_folder(folder).num_classes == CLASSES
+    (folder / LABELS_FILE).write_text("".join(f"c{i}\n" for i in range(CLASSES - 1)))
+    with pytest.raises(ModelError, match=f"has {CLASSES - 1} labels but the model outputs {CLASSES} classes"):
+        load_model_folder(folder)

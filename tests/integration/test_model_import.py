@@ -141,7 +141,7 @@ def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path):
         import_model("torchvision", "resnet18", tmp_path / "a", checkpoint=str(checkpoint))
     with pytest.raises(ConfigError, match=r"is not a Hugging Face image-classification folder: it lacks config.json"):
         import_model("huggingface", str(tmp_path), tmp_path / "a")
-    with pytest.raises(ConfigError, match=r"--images .* is not a folder"):
+    with pytest.raises(ConfigError, match=r"no images .* under .*none; pass --images FOLDER"):
         import_model("timm", "test_resnet", tmp_path / "a", checkpoint=str(checkpoint),
                      options=ImportOptions(images=str(tmp_path / "none")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "labels.txt", "test_resnet.pth"]
@@ -205,3 +205,23 @@ def test_timm_checkpoints_as_training_scripts_save_them(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelError, match=r"cannot read .*junk.pth as a checkpoint .*save the weights with torch.save"):
         timm_source.read_checkpoint(tmp_path / "junk.pth")
+
+
+def test_huggingface_vit_squashes_to_its_size_and_passes_model_check(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    from pipeline.model_check import check_model_folder
+
+    torch.manual_seed(0)
+    source = tmp_path / "hf"
+    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       initializer_range=0.2, num_labels=3, id2label=dict(enumerate(SHOP)),
+                       label2id={s: i for i, s in enumerate(SHOP)})
+    ViTForImageClassification(config).save_pretrained(source)
+    ViTImageProcessor().save_pretrained(source)  # 224 x 224, no crop: a squash, bilinear, mean and std 0.5
+    result = import_model("huggingface", str(source), tmp_path / "model")
+    assert result.spec.resize == "squash" and result.spec.crop == (224, 224)
+    assert result.spec.interpolation == "bilinear" and result.spec.mean == (0.5, 0.5, 0.5)
+    assert _engine_top1(result.folder) == _framework_top1("huggingface", str(source), None)
+    report = check_model_folder(str(result.folder), engines=("onnx",))
+    assert report.passed and report.engines[0].agreement == 1.0

@@ -25,6 +25,7 @@ FLOORS = {
     "pipeline.model": 1,
     "pipeline.default_model": 1,
     "pipeline.imaging": 1,
+    "pipeline.spec": 1,
     "pipeline.errors": 0,
 }
 JOB_FLOOR = 5

@@ -51,7 +51,7 @@ def test_spec_round_trips_through_json_and_dict():
     "change, message",
     [
         ({"colour": "RGB"}, r"unknown field\(s\) colour; allowed: "),
-        ({"interpolation": "cubic"}, r"interpolation must be one of nearest, bilinear, bicubic, lanczos, got 'cubic'"),
+        ({"interpolation": "sinc"}, r"interpolation must be one of nearest, bilinear, bicubic, lanczos, got 'sinc'"),
         ({"crop": [300, 300]}, r"crop \[300, 300\] must fit inside resize_shorter 256"),
         ({"std": [1.0, 0.0, 1.0]}, r"std must have 3 positive values"),
         ({"layout": "CHW"}, r"layout must be one of NCHW, NHWC, got 'CHW'"),

@@ -19,10 +19,16 @@ Setup (Airflow 3; the task only needs the Ray job client, installed by ``infra/a
                                                               #   else /opt/bulk-classify/jobs/... (image)
        "env_vars": {"AWS_REGION": "eu-west-1"},               # the job's environment (runtime_env)
        "gate_args": ["--psi-max", "0.25"],                    # more `bulk-classify report` options
+       "model_check": "/models/prod",                         # check this model folder first (null: no check)
+       "model_check_args": ["--images", "s3://photos/sample"],  # more `bulk-classify model check` options
        "poll_s": 30}
 
 The job runs the default engine (``auto``): the triton engine's gpu profile where the Ray cluster has GPUs,
 onnx elsewhere, so ``args`` needs no engine option for the GPU path.
+
+With ``model_check`` set, the scan task first runs ``bulk-classify model check`` on that folder as a Ray job (on the
+cluster's nodes, so the GPU engines are compared too); a broken contract or an engine off the reference fails the task
+without retries and before the night's job starts.
 
 Why no operator from a provider: Airflow ships no maintained Ray provider (Astronomer's astro-provider-ray
 is deprecated), so the task calls Ray's own ``JobSubmissionClient``, the API ``ray job submit`` uses.
@@ -71,8 +77,11 @@ DEFAULTS: dict[str, Any] = {
     "working_dir": None,
     "env_vars": {},
     "gate_args": [],
+    "model_check": None,  # a model folder to check before the scan
+    "model_check_args": [],
     "poll_s": 30,
 }
+CHECK_PREFIX = "bulk-classify-model-check"
 
 
 def ray_address() -> tuple[str, dict[str, str]]:
@@ -116,7 +125,7 @@ def scan_config(variable: Mapping[str, Any] | None, params: Mapping[str, Any] | 
                                f'(JSON, e.g. {{"source": "s3://bucket/in", "output_root": "s3://bucket/out"}})')
     if not cfg.get("script"):
         cfg["script"] = DEFAULT_SCRIPT if cfg.get("working_dir") else IMAGE_SCRIPT
-    for key in ("args", "gate_args"):
+    for key in ("args", "gate_args", "model_check_args"):
         if not isinstance(cfg[key], list):
             raise AirflowException(f"{CONFIG_VARIABLE}.{key} must be a list of strings, got {cfg[key]!r}")
     return cfg
@@ -138,6 +147,12 @@ def gate_entrypoint(cfg: Mapping[str, Any], day: str) -> str:
     """The shell command of the quality gate: the night's output compared with the night it recorded."""
     argv = ["python", "-m", "pipeline.cli", "report", date_dest(cfg, day), "--against", "previous"]
     return shlex.join(argv + [str(a) for a in cfg["gate_args"]])
+
+
+def check_entrypoint(cfg: Mapping[str, Any]) -> str:
+    """The shell command of the model check run before the scan."""
+    argv = ["python", "-m", "pipeline.cli", "model", "check", str(cfg["model_check"])]
+    return shlex.join(argv + [str(a) for a in cfg["model_check_args"]])
 
 
 def date_dest(cfg: Mapping[str, Any], day: str) -> str:
@@ -194,6 +209,8 @@ def run_nightly_scan(address: str, cfg: Mapping[str, Any], day: str,
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(address, headers=dict(headers or {}))
+    if cfg.get("model_check"):
+        check_model(client, cfg, day)
     sid = submit_or_attach(client, cfg, day)
     status = wait_for(client, sid, float(cfg.get("poll_s") or 30))
     logs = client.get_job_logs(sid)
@@ -204,6 +221,20 @@ def run_nightly_scan(address: str, cfg: Mapping[str, Any], day: str,
         raise AirflowException(f"Ray job {sid} ended {status}: {info.message or ''}; "
                                f"see `ray job logs {sid}` (last lines above)")
     return {"submission_id": sid, "status": status, "date": day, "dest": date_dest(cfg, day)}
+
+
+def check_model(client: Any, cfg: Mapping[str, Any], day: str) -> None:
+    """Runs ``bulk-classify model check`` as a Ray job; AirflowFailException (no retry) when the model fails it."""
+    sid = f"{CHECK_PREFIX}-{day}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+    client.submit_job(entrypoint=check_entrypoint(cfg), submission_id=sid, runtime_env=runtime_env(cfg),
+                      metadata={"dag_id": DAG_ID, "date": day, "task": "model_check"})
+    status = wait_for(client, sid, float(cfg.get("poll_s") or 30))
+    logs = client.get_job_logs(sid)
+    LOG.info("model check of %s:\n%s", cfg["model_check"], "\n".join(logs.splitlines()[-40:]))
+    if status != "SUCCEEDED":
+        error = next((line for line in reversed(logs.splitlines()) if line.startswith("Error: ")), status)
+        raise AirflowFailException(f"model check of {cfg['model_check']} failed ({error}); fix the model folder "
+                                   f"or unset {CONFIG_VARIABLE}.model_check, then clear this task")
 
 
 def run_quality_gate(address: str, cfg: Mapping[str, Any], day: str,

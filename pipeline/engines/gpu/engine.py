@@ -41,8 +41,10 @@ SPEC = EngineSpec(
                choices=tn.CUDA_SYNC_MODES),
     ),
     needs_gpu=True,
+    gpu_only=True,
     decode_threads_option="cpu_decode_threads",
     preflight=f"{__name__}:check_requirements",
+    model_check=f"{__name__}:check_model",
     # Calls share one pipeline (RequestStream), so the next call decodes while the network runs this one;
     # three actors keep one GPU busiest (docs/performance.md).
     calls_per_actor=3,
@@ -80,7 +82,8 @@ class GpuEngine:
         self.labels = tuple(bundle.labels)
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits, **options)
+        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
+                                        fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415
@@ -128,3 +131,12 @@ def check_requirements(options: Mapping[str, Any]) -> None:
     if not importable("nvidia.dali"):
         raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
                           "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
+
+
+def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
+    """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
+    engine's gpu profile, which runs the same classifier)."""
+    from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
+
+    if options.get("network") in (None, "", "auto", "default"):  # not a benchmark network
+        check_runnable(bundle, "--engine gpu")

@@ -333,8 +333,20 @@ def load_network(bundle, network: str | None = None):
         return torch.jit.load(str(scripted), map_location="cpu").eval()
     if is_builtin(bundle):  # by digest: a fine-tuned Lite0 in a folder of that name is a user's model
         return efficientnet_lite0(load_checkpoint())
-    raise EngineError(
-        f"model {bundle.name!r} has no network the gpu engine can run: it runs the default model, or a model folder "
-        f"that also holds {TORCHSCRIPT_FILE} (torch.jit.save of the same network, NCHW float input). "
-        "For an ONNX-only model use --engine triton (TensorRT on the GPU) or --engine onnx"
-    )
+    raise EngineError(_not_runnable(bundle, "the gpu engine"))
+
+
+def check_runnable(bundle, engine: str) -> None:
+    """In the driver, before anything is written: ModelError in one line where the gpu paths cannot run ``bundle``
+    (``engine`` names the choice in the message)."""
+    onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
+    if bundle.spec.layout != "NCHW":
+        raise ModelError(f"{engine} feeds NCHW networks and {bundle.name!r} is {bundle.spec.layout}; run it with "
+                         "--engine onnx")
+    if not is_builtin(bundle) and not (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
+        raise ModelError(_not_runnable(bundle, engine))
+
+
+def _not_runnable(bundle, engine: str) -> str:
+    return (f"{engine} runs torch networks and model {bundle.name!r} has no {TORCHSCRIPT_FILE}: add one beside "
+            "model.onnx (torch.jit.save of the same network, NCHW float input), or run it with --engine onnx")

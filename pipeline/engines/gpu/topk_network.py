@@ -1,4 +1,5 @@
-"""TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k.
+"""TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k
+(top-k alone for a network whose output is probabilities already).
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
 ensemble shape runs it alone in its ``network`` model (``pipeline.triton.serve.gpu_ensemble``).
@@ -23,10 +24,13 @@ class TopKNetwork:
         batch_size: the CUDA graph's batch (smaller batches are padded into it).
         cuda_graph: capture the network per batch size (CUDA only).
         top_k: classes per image.
+        probabilities: the network outputs probabilities (the spec's ``output``): no softmax after it.
+        fixed_batch: the network takes only batches of this size (its ONNX batch axis is a number): a batch runs in
+            runs of exactly that many, the last one padded.
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
-                 top_k: int):
+                 top_k: int, probabilities: bool = False, fixed_batch: int | None = None):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -35,9 +39,11 @@ class TopKNetwork:
         self.crop = tuple(crop)
         self.half = half
         self.dtype = torch.float16 if half else torch.float32
-        self.batch_size = batch_size
+        self.batch_size = fixed_batch or batch_size
+        self.fixed_batch = fixed_batch
         self.use_graph = cuda_graph and self.is_cuda
         self.top_k = top_k
+        self.probabilities = probabilities
         # A private copy: converting dtype/layout in place would change a module another classifier holds.
         net = copy.deepcopy(network).eval().to(device)
         net = net.to(memory_format=torch.channels_last)
@@ -55,6 +61,8 @@ class TopKNetwork:
     def run(self, x):
         """Logits for a batch; a CUDA graph per padded batch size when enabled."""
         torch = self._torch
+        if self.fixed_batch and x.shape[0] != self.fixed_batch:
+            return torch.cat([self._run_padded(part) for part in x.split(self.fixed_batch)])
         with torch.inference_mode():
             if not self.use_graph:
                 return self.module(x)
@@ -68,11 +76,19 @@ class TopKNetwork:
             g.replay()
             return static_out[:n]
 
+    def _run_padded(self, part):
+        """One run of exactly ``fixed_batch`` rows (``part`` padded with zeros); only ``part``'s rows come back."""
+        n = part.shape[0]
+        if n < self.fixed_batch:
+            part = self._torch.cat([part, part.new_zeros((self.fixed_batch - n, *part.shape[1:]))])
+        return self.run(part)[:n]
+
     def scores(self, x):
         """(top-k probabilities float32 [N, k], their class ids int32 [N, k]) on the device, best first."""
         torch = self._torch
         with torch.inference_mode():
-            probs = self.run(x).float().softmax(dim=-1)
+            out = self.run(x).float()
+            probs = out if self.probabilities else out.softmax(dim=-1)
             top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
             return top.values, top.indices.to(torch.int32)
 

@@ -147,7 +147,7 @@ class NetworkModel:
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,
                                    cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-                                   top_k=self.top_k)
+                                   top_k=self.top_k, probabilities=spec.probabilities)
         self.network.warmup()
         LOG.info("network model ready on %s", self.device)
 

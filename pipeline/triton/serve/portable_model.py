@@ -71,6 +71,8 @@ class Classifier:
                 "build the repository with `bulk-classify repo build`, which appends softmax and top-k"
             )
         self.k = int(shapes[tn.OUTPUT_SCORES][-1])
+        batch = self.session.get_inputs()[0].shape[0]
+        self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None  # runs exactly that many, padded
         self.limits = limits or DecodeLimits()
         self.pool = ThreadPoolExecutor(max(1, decode_threads or (os.cpu_count() or 1)), thread_name_prefix="decode")
 
@@ -103,11 +105,17 @@ class Classifier:
         ids = np.full((n, self.k), -1, dtype=np.int32)
         if good:
             batch = np.stack([decoded[i][0] for i in good])
-            out_scores, out_ids = self.session.run(
-                [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS], {self.input_name: batch}
-            )
-            scores[good] = out_scores
-            ids[good] = out_ids
+            step = self.fixed_batch or len(batch)
+            for start in range(0, len(batch), step):
+                part = batch[start : start + step]
+                if len(part) < step:  # a fixed batch axis: pad the last run, drop its padded rows
+                    part = np.concatenate([part, np.zeros((step - len(part), *part.shape[1:]), part.dtype)])
+                out_scores, out_ids = self.session.run(
+                    [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS], {self.input_name: part}
+                )
+                rows = good[start : start + step]
+                scores[rows] = out_scores[: len(rows)]
+                ids[rows] = out_ids[: len(rows)]
         result[tn.OUTPUT_SCORES] = scores
         result[tn.OUTPUT_CLASS_IDS] = ids
         return result

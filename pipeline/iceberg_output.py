@@ -1,0 +1,202 @@
+"""An Iceberg table as the output: the catalog, the table's shard folder, and committing shards exactly once.
+
+``--output iceberg://NAMESPACE.TABLE`` writes the run's shards as any output does, into the table's data folder
+(``<table location>/data``, which also holds the run's lease and bookkeeping files), then commits every shard there
+that the table's current snapshot does not hold yet with ``add_files``, in one snapshot that carries the run's
+identity in its properties. A run killed before that commit leaves shards the rerun resumes from and commits with
+its own: no shard is lost or added twice, and a rerun of a completed run adds no snapshot. ``iceberg://NS.TABLE@ID``
+reads snapshot ``ID`` (``@parent``: the one before the current snapshot), for ``report`` and the drift gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pipeline.errors import ConfigError, OutputError
+
+LOG = logging.getLogger(__name__)
+ICEBERG_SCHEME = "iceberg://"
+CATALOG_NAME = "bulk_classify"  # pyiceberg's configuration (.pyiceberg.yaml, PYICEBERG_CATALOG__BULK_CLASSIFY__*)
+DEFAULT_WAREHOUSE = "iceberg-warehouse"  # the embedded catalog's folder, under the working directory
+CATALOG_DB = "catalog.db"
+DATA_FOLDER = "data"
+PARENT = "parent"
+RUN_PROPERTY = "bulk-classify.run"  # snapshot properties: the run that committed it
+SHARDS_PROPERTY = "bulk-classify.shards"
+_NAME_RE = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.]*)\.([A-Za-z0-9_]+)(?:@(\d+|" + PARENT + r"))?$")
+
+
+def is_iceberg(url: str | None) -> bool:
+    return bool(url) and url.startswith(ICEBERG_SCHEME)
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """``iceberg://NAMESPACE.TABLE[@SNAPSHOT]`` parsed: the namespace, the table and the snapshot (None: current)."""
+
+    namespace: str
+    name: str
+    snapshot: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> "TableRef":
+        match = _NAME_RE.match(url[len(ICEBERG_SCHEME):])
+        if match is None:
+            raise ConfigError(f"{url!r} is not an Iceberg table; write iceberg://NAMESPACE.TABLE (letters, digits, "
+                              f"'_'), optionally @SNAPSHOT_ID or @{PARENT} to read an earlier snapshot")
+        return cls(*match.groups())
+
+    @property
+    def identifier(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+
+def catalog_properties(options: Mapping[str, Any] | None) -> dict[str, str]:
+    """The catalog's properties: ``options`` (``--catalog-option``) over pyiceberg's own configuration of the
+    ``bulk_classify`` catalog; with neither a ``uri`` nor a ``type``, the embedded SQL catalog on SQLite in
+    ``warehouse`` (default: ./iceberg-warehouse), which needs no server."""
+    try:
+        from pyiceberg.utils.config import Config
+    except ImportError:
+        raise ConfigError("an iceberg:// output needs pyiceberg: pip install 'bulk-classify[iceberg]'") from None
+
+    merged = {**(Config().get_catalog_config(CATALOG_NAME) or {}), **{k: str(v) for k, v in (options or {}).items()}}
+    if "uri" in merged or "type" in merged:
+        return merged
+    warehouse = merged.pop("warehouse", DEFAULT_WAREHOUSE)
+    local = warehouse.removeprefix("file://")
+    if "://" in local:
+        raise ConfigError(f"--catalog-option warehouse={warehouse}: the embedded catalog keeps its SQLite file in a "
+                          "local folder; give a folder, or a catalog uri (and type) for a remote warehouse")
+    local = os.path.abspath(local)
+    os.makedirs(local, exist_ok=True)
+    return {"type": "sql", "uri": f"sqlite:///{local}/{CATALOG_DB}", "warehouse": f"file://{local}", **merged}
+
+
+def load_catalog(options: Mapping[str, Any] | None) -> Any:
+    from pyiceberg.catalog import load_catalog as load
+
+    properties = catalog_properties(options)
+    try:
+        return load(CATALOG_NAME, **properties)
+    except Exception as err:  # noqa: BLE001 - a catalog that cannot be reached is the user's to fix
+        raise OutputError(f"cannot open the Iceberg catalog ({properties.get('uri')}): {type(err).__name__}: "
+                          f"{err}; check --catalog-option uri=… and the catalog's credentials") from None
+
+
+class IcebergOutput:
+    """An Iceberg table an output URL names, created (with ``OUTPUT_SCHEMA``) only at the first commit."""
+
+    def __init__(self, url: str, catalog_options: Mapping[str, Any] | None = None):
+        self.url, self.ref = url, TableRef.parse(url)
+        self.catalog = load_catalog(catalog_options)
+        self.table = self._load()
+
+    def _load(self) -> Any:
+        from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+        try:
+            table = self.catalog.load_table(self.ref.identifier)
+        except (NoSuchTableError, NoSuchNamespaceError):
+            return None
+        from pipeline.schema import OUTPUT_SCHEMA
+
+        names = [f.name for f in table.schema().fields]
+        if names != OUTPUT_SCHEMA.names:
+            raise OutputError(f"Iceberg table {self.ref.identifier} has columns {names[:6]}…, not this tool's; "
+                              "choose another table for --output")
+        return table
+
+    @property
+    def location(self) -> str:
+        """The table's location: where the catalog put it, or will put it at the first commit."""
+        if self.table is not None:
+            return self.table.location()
+        # The namespace is made here, not the table: its location is the one the table will get.
+        self.catalog.create_namespace_if_not_exists(self.ref.namespace)
+        return self.catalog._resolve_table_location(None, self.ref.namespace, self.ref.name).rstrip("/")
+
+    @property
+    def data_folder(self) -> str:
+        """The folder that receives the shards (and the run's lease and bookkeeping files)."""
+        return f"{self.location.rstrip('/')}/{DATA_FOLDER}"
+
+    def snapshot_id(self) -> int | None:
+        """The snapshot ``@…`` names, else the current one; None for a table with none yet."""
+        if self.table is None:
+            return None
+        current = self.table.current_snapshot()
+        if self.ref.snapshot is None or current is None:
+            return None if current is None else current.snapshot_id
+        if self.ref.snapshot == PARENT:
+            if current.parent_snapshot_id is None:
+                raise OutputError(f"{self.url}: the current snapshot has no parent; give a snapshot id")
+            return current.parent_snapshot_id
+        wanted = int(self.ref.snapshot)
+        if self.table.snapshot_by_id(wanted) is None:
+            ids = [s.snapshot_id for s in self.table.metadata.snapshots][-5:]
+            raise OutputError(f"{self.url}: no snapshot {wanted}; the table's latest ones are {ids}")
+        return wanted
+
+    def files(self, snapshot_id: int | None = None) -> list[str]:
+        """The data files of a snapshot (default: the one the URL names), as the catalog records them (URIs)."""
+        sid = self.snapshot_id() if snapshot_id is None else snapshot_id
+        if sid is None:
+            return []
+        return sorted(task.file.file_path for task in self.table.scan(snapshot_id=sid).plan_files())
+
+    def commit(self, fs: Any, parts: list[str], run: Mapping[str, str]) -> int:
+        """Add every shard of ``parts`` (paths on ``fs``) that the current snapshot lacks, in one snapshot with
+        ``run`` in its properties; the shards added (0: no snapshot)."""
+        held = set(self.files()) if self.table is not None and self.ref.snapshot is None else set()
+        new = [uri for uri in (fs.unstrip_protocol(p) for p in parts) if uri not in held]
+        if not new:
+            return 0
+        if self.table is None:
+            from pipeline.schema import OUTPUT_SCHEMA
+
+            self.table = self.catalog.create_table_if_not_exists(self.ref.identifier, schema=OUTPUT_SCHEMA,
+                                                                 location=self.location)
+        properties = {**{f"bulk-classify.{k}": str(v) for k, v in run.items()}, SHARDS_PROPERTY: str(len(new))}
+        try:
+            self.table.add_files(file_paths=new, snapshot_properties=properties, check_duplicate_files=False)
+        except Exception as err:  # noqa: BLE001 - a refused commit changes nothing: the rerun commits these shards
+            text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
+            raise OutputError(f"cannot commit {len(new)} shards to Iceberg table {self.ref.identifier}: {text}; "
+                              "fix the catalog, then rerun (it resumes and commits them)") from None
+        LOG.info("committed %d shards to %s in snapshot %s", len(new), self.ref.identifier,
+                 self.table.current_snapshot().snapshot_id)
+        return len(new)
+
+
+def table_parts(url: str, catalog_options: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None
+                ) -> tuple[Any, str, list[str]]:
+    """``(fs, data folder, shard paths)`` of the snapshot an ``iceberg://`` URL names, for readers of an output."""
+    from pipeline.source import open_fs
+
+    output = IcebergOutput(url, catalog_options)
+    if output.table is None:
+        raise OutputError(f"Iceberg table {output.ref.identifier} does not exist; check the name and "
+                          "--catalog-option")
+    fs, root = open_fs(output.data_folder, storage_options)
+    return fs, root, [fs._strip_protocol(uri) for uri in output.files()]
+
+
+def resolve_tables(config: Any) -> tuple[Any, IcebergOutput | None, list[str] | None]:
+    """``config`` with an ``iceberg://`` output and previous replaced by their tables' data folders; the output
+    table (None: a folder output) and the previous table's current shards (None: a folder, listed as usual)."""
+    import dataclasses
+
+    output = previous_parts = None
+    changes: dict[str, Any] = {}
+    if is_iceberg(config.output):
+        output = IcebergOutput(config.output, config.catalog_options)
+        changes["output"] = output.data_folder
+    if is_iceberg(config.previous):
+        fs, root, previous_parts = table_parts(config.previous, config.catalog_options, config.storage_options)
+        changes["previous"] = fs.unstrip_protocol(root)
+    return (dataclasses.replace(config, **changes) if changes else config), output, previous_parts

@@ -1,0 +1,244 @@
+"""``bulk-classify model check``: a model folder's contract, then sample images through the reference and each engine.
+
+The contract is what ``pipeline.model.load_model`` and each engine's ``model_check`` refuse (labels against the output,
+the input's rank, size and layout against the spec, 0..1 mean/std with scale 1, an undeclared Softmax); on top, the
+outputs of the sample must not already sum to 1 unless the spec declares probabilities. Then every engine available
+here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.imaging +
+ONNX Runtime, softmax per the spec).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from pipeline.config import DEFAULT_EXTENSIONS
+from pipeline.errors import BulkClassifyError, ConfigError, ImageError, ModelError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+LOG = logging.getLogger(__name__)
+
+# The sample when no --images is given: the repository's photos (a checkout or an sdist has them).
+DEFAULT_IMAGES = Path(__file__).resolve().parents[1] / "tests" / "data" / "photos"
+DEFAULT_SAMPLE = 16
+DEFAULT_MIN_AGREEMENT = 0.9  # top-1 agreement with the reference an engine needs over the sample
+DEFAULT_MAX_SCORE_DIFF = 0.05  # the largest |engine score - reference probability| of the same class allowed
+SUMS_TO_ONE_TOLERANCE = 1e-3  # a row of non-negative outputs within this of 1 is a probability distribution
+CHECK_TOP_K = 5
+
+
+@dataclass
+class EngineCheck:
+    """One engine's line: agreement with the reference, or why it did not run."""
+
+    engine: str
+    images: int = 0
+    agreement: float | None = None
+    max_score_diff: float | None = None
+    problem: str = ""  # the engine refused the model, or failed
+    skipped: str = ""  # not available on this machine
+
+    @property
+    def passed(self) -> bool:
+        return not self.problem
+
+
+@dataclass
+class CheckReport:
+    """What ``check_model_folder`` found."""
+
+    model: str
+    notes: list[str] = field(default_factory=list)
+    images: int = 0
+    engines: list[EngineCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(e.passed for e in self.engines)
+
+
+def check_model_folder(folder: str, *, images: str | None = None, engines: Sequence[str] = (),
+                       sample: int = DEFAULT_SAMPLE, min_agreement: float = DEFAULT_MIN_AGREEMENT,
+                       max_score_diff: float = DEFAULT_MAX_SCORE_DIFF,
+                       storage_options: Mapping[str, Any] | None = None) -> CheckReport:
+    """Checks ``folder``'s contract (ModelError, one line, on the first problem), then runs the sample.
+
+    Args:
+        images: folder or URL of sample images (default: DEFAULT_IMAGES).
+        engines: the engines to compare (default: every registered engine available here).
+        sample: at most this many images.
+        min_agreement, max_score_diff: an engine below / above these fails the check.
+
+    Raises:
+        ModelError: the contract is broken. ConfigError: no usable sample images, or an unknown engine.
+    """
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
+    from pipeline.engines.registry import ENGINE_NAMES, engine_spec
+    from pipeline.model import fixed_batch_note, load_model
+
+    bundle = load_model(folder)
+    report = CheckReport(model=str(folder))
+    if bundle.fixed_batch:
+        report.notes.append(fixed_batch_note(bundle))
+    blobs = read_sample(images, sample, storage_options)
+    arrays = []
+    for name, data in blobs:
+        try:
+            arrays.append(_reference_input(data, bundle))
+        except ImageError as err:
+            raise ConfigError(f"sample image {name} cannot be used ({err}); pass --images with ordinary photos")
+    raw = reference_outputs(bundle, np.stack(arrays))
+    check_output_kind(bundle, raw)
+    probs = raw.astype(np.float64) if bundle.spec.probabilities else _softmax(raw)
+    report.images = len(blobs)
+    for name in engines or ENGINE_NAMES:
+        spec = engine_spec(name)
+        line = EngineCheck(name)
+        report.engines.append(line)
+        reason = _unavailable(spec)
+        if reason:
+            if engines:  # asked for by name: not running it is a failure
+                line.problem = reason
+            else:
+                line.skipped = reason
+            continue
+        try:
+            spec.check_model(bundle, {})
+            results = _classify(name, bundle, [data for _, data in blobs])
+        except BulkClassifyError as err:
+            line.problem = str(err)
+            continue
+        _compare(line, results, probs, min_agreement, max_score_diff)
+    report.engines = [e for e in report.engines if not e.skipped] + [e for e in report.engines if e.skipped]
+    return report
+
+
+def read_sample(images: str | None, sample: int, storage_options: Mapping[str, Any] | None = None
+                ) -> list[tuple[str, bytes]]:
+    """(name, bytes) of up to ``sample`` images under ``images``, in name order."""
+    from pipeline.source import open_fs
+
+    source = str(images) if images else str(DEFAULT_IMAGES)
+    fs, root = open_fs(source, storage_options)
+    try:
+        suffixes = tuple(f".{e}" for e in DEFAULT_EXTENSIONS)
+        paths = sorted(p for p in fs.find(root) if p.lower().endswith(suffixes))[:sample]
+        blobs = [(p.rsplit("/", 1)[-1], fs.cat_file(p)) for p in paths]
+    except OSError as err:
+        raise ConfigError(f"cannot read sample images under {source}: {err}; pass --images FOLDER") from None
+    if not blobs:
+        raise ConfigError(f"no images ({', '.join(DEFAULT_EXTENSIONS)}) under {source}; pass --images FOLDER")
+    return blobs
+
+
+def reference_outputs(bundle: Any, batch: np.ndarray) -> np.ndarray:
+    """The network's raw outputs on ``batch`` by ONNX Runtime, run in the fixed batch size where it has one."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
+    import onnxruntime as ort
+
+    from pipeline.engines.onnx import fixed_batches
+
+    session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        return session.run([bundle.output_name], {bundle.input_name: x})[0]
+
+    try:
+        out = (fixed_batches(forward, bundle.fixed_batch) if bundle.fixed_batch else forward)(batch)
+    except Exception as err:  # ORT's own types: the model cannot run the spec's input
+        raise ModelError(f"{bundle.onnx_path} fails on the spec's input in ONNX Runtime: {err}") from None
+    if out.ndim != 2 or out.shape[1] != bundle.num_classes:
+        raise ModelError(f"{bundle.onnx_path} returns shape {list(out.shape)} for {len(batch)} images; "
+                         f"expected [{len(batch)}, {bundle.num_classes}] (one column per line of labels.txt)")
+    return out
+
+
+def check_output_kind(bundle: Any, raw: np.ndarray) -> None:
+    """ModelError where the outputs contradict the spec's ``output``: rows of probabilities declared as logits (they
+    would get a second softmax), or declared probabilities that are not."""
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
+    sums_to_one = bool((raw >= 0).all() and np.abs(raw.sum(axis=1) - 1).max() <= SUMS_TO_ONE_TOLERANCE)
+    where = Path(bundle.onnx_path).parent / "preprocess.json"
+    if sums_to_one and not bundle.spec.probabilities:
+        raise ModelError(f'{bundle.onnx_path}: every output row is non-negative and sums to 1 (probabilities), but '
+                         f'{where} declares logits (the default); add "output": "probabilities" to it so that no '
+                         "second softmax is applied")
+    if bundle.spec.probabilities and not sums_to_one:
+        worst = float(np.abs(raw.sum(axis=1) - 1).max())
+        raise ModelError(f'{where} declares "output": "probabilities" but {bundle.onnx_path}\'s rows are not '
+                         f"(min {float(raw.min()):.3g}, a row sum off 1 by {worst:.3g}); drop the field if they "
+                         "are logits")
+
+
+def _reference_input(data: bytes, bundle: Any) -> np.ndarray:
+    from pipeline.imaging import load_and_preprocess
+
+    return load_and_preprocess(data, bundle.spec)[0]
+
+
+def _softmax(raw: np.ndarray) -> np.ndarray:
+    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
+    x = raw.astype(np.float64)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _unavailable(spec: Any) -> str:
+    """Why engine ``spec`` cannot run on this machine, or ""."""
+    if spec.gpu_only:
+        from pipeline.triton.profiles import node_gpus
+
+        if node_gpus() == 0:
+            return "needs a GPU"
+    try:
+        spec.check({})
+    except BulkClassifyError as err:
+        return str(err)
+    return ""
+
+
+def _classify(name: str, bundle: Any, blobs: list[bytes]) -> list[Any]:
+    from pipeline.engines.registry import make_engine
+
+    engine = make_engine(name, bundle, top_k=CHECK_TOP_K)
+    try:
+        return engine.classify(blobs)
+    finally:
+        engine.close()
+
+
+def _compare(line: EngineCheck, results: list[Any], probs: np.ndarray, min_agreement: float,
+             max_score_diff: float) -> None:
+    """Fills ``line`` from an engine's results against the reference probabilities."""
+    ok = [(i, r) for i, r in enumerate(results) if r.status == "ok" and r.class_ids]
+    line.images = len(results)
+    if len(ok) < len(results):
+        bad = next(r for r in results if not (r.status == "ok" and r.class_ids))
+        line.problem = f"{len(results) - len(ok)} of {len(results)} images failed: {bad.error}"
+        return
+    agree = sum(int(r.class_ids[0] == int(probs[i].argmax())) for i, r in ok)
+    line.agreement = agree / len(ok)
+    line.max_score_diff = max(abs(s - probs[i][c]) for i, r in ok for c, s in zip(r.class_ids, r.scores))
+    if line.agreement < min_agreement:
+        line.problem = f"top-1 agrees with the reference on {line.agreement:.0%} of the images (< {min_agreement:.0%})"
+    elif line.max_score_diff > max_score_diff:
+        line.problem = f"a score differs from the reference by {line.max_score_diff:.3g} (> {max_score_diff:g})"
+
+
+def format_report(report: CheckReport) -> str:
+    """The table the CLI prints: one line per engine."""
+    lines = [f"model {report.model}: contract ok; {report.images} sample images"]
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"{'engine':10s} {'images':>6s} {'top-1 agree':>11s} {'max score diff':>14s}  result")
+    for e in report.engines:
+        if e.skipped:
+            lines.append(f"{e.engine:10s} {'-':>6s} {'-':>11s} {'-':>14s}  skipped: {e.skipped}")
+            continue
+        agree = "-" if e.agreement is None else f"{e.agreement:.1%}"
+        diff = "-" if e.max_score_diff is None else f"{e.max_score_diff:.2e}"
+        lines.append(f"{e.engine:10s} {e.images:6d} {agree:>11s} {diff:>14s}  {'ok' if e.passed else 'FAIL: ' + e.problem}")
+    return "\n".join(lines)
