@@ -10,7 +10,9 @@ import json
 
 import numpy as np
 import pytest
+import timm
 import torch
+import torchvision
 from click.testing import CliRunner
 
 from conftest import PHOTOS
@@ -21,10 +23,6 @@ from pipeline.imaging import PreprocessSpec, decode_image
 from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model_folder
 from pipeline.model_import import core, timm_source
 from pipeline.model_import.core import ImportOptions, ParityFailed, import_model
-
-timm = pytest.importorskip("timm")
-torchvision = pytest.importorskip("torchvision")
-transformers = pytest.importorskip("transformers")
 
 SHOP = ("shoe", "bag", "hat")  # a user's own taxonomy
 
