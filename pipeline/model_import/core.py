@@ -293,5 +293,6 @@ def format_result(result: ImportResult) -> str:
         f"{p.export_diff:.1e}",
     ]
     lines += [f"note: {note}" for note in result.notes]
-    lines.append(f"written: {result.folder}")
+    lines.append(f"written: {result.folder} (bulk-classify model check {result.folder} runs it through every engine "
+                 "available here)")
     return "\n".join(lines)
