@@ -32,7 +32,7 @@ from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_re
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile
+from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile, visible_gpus
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -717,6 +717,9 @@ def check_requirements(options: Mapping[str, Any]) -> None:
                               f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
     if options.get("url"):
         return
+    if repository is None and options.get("profile") == GPU and not visible_gpus():
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
+                          f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
         from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
 
