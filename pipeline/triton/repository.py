@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -394,7 +393,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
             (version / SHIM_FILE).write_text(shim, encoding="utf-8")
             (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
         for path in network_files:
-            _place(path, out / tn.NETWORK_MODEL / VERSION / path.name)
+            shutil.copyfile(path, out / tn.NETWORK_MODEL / VERSION / path.name)
         (out / tn.MODEL_NAME / VERSION).mkdir(parents=True, exist_ok=True)
         stale = out / tn.MODEL_NAME / VERSION / SHIM_FILE  # a single shape built here before
         stale.unlink(missing_ok=True)
@@ -404,21 +403,12 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
     version = out / tn.MODEL_NAME / VERSION
     version.mkdir(parents=True, exist_ok=True)
     for path in network_files:
-        _place(path, version / path.name)
+        shutil.copyfile(path, version / path.name)
     (out / tn.MODEL_NAME / CONFIG_FILE).write_text(gpu_config(**options), encoding="utf-8")
     (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
                                      encoding="utf-8")
     (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
     return out
-
-
-def _place(src: Path, dest: Path) -> None:
-    """``src`` at ``dest``: a hard link where both are on one file system (a model can be hundreds of MB)."""
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ if [[ ${1:-} == net ]]; then
   echo "onnx engine rc=$?"
   python3 tests/benchmarks/device/compare_runs.py "$HOME/par-cpu" "$HOME/par-gpu" | tee "$OUT/parity.txt"
   tail -5 "$OUT/par-gpu.log"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_user_model_on_gpu.py 2>&1 | tail -5
   exit 0
 fi
 
