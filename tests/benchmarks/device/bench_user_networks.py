@@ -81,9 +81,9 @@ def main() -> None:
     from pipeline.engines.gpu.onnx_torch import convert_onnx
     from pipeline.engines.gpu.precision import choose_half
     from pipeline.model import load_model
-    from pipeline.triton import contract as tn
+    from pipeline.triton.configs import GPU_TRITON_BATCH_SIZE
 
-    batch = opts.batch or tn.GPU_DEFAULT_BATCH_SIZE
+    batch = opts.batch or GPU_TRITON_BATCH_SIZE
     print(f"card: {torch.cuda.get_device_name()}, torch {torch.__version__}, batch {batch}", flush=True)
     rows = []
     if opts.reference:
