@@ -83,7 +83,6 @@ class _FolderBundle:
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
         from pipeline.model import BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir  # noqa: PLC0415
 
-        self.name = BUILTIN_NAME
         self.onnx_path = folder / MODEL_FILE
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
