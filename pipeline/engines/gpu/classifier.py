@@ -163,6 +163,8 @@ class GpuClassifier:
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
         half: run the network, and DALI's output, in FP16; None: FP16 on CUDA where the precision gate
             (``pipeline.engines.gpu.precision``) passes, else FP32; FP32 on the CPU.
+        precision_gate: run the gate where ``half`` is None (False: FP16 on CUDA unchecked, for the built-in
+            network, whose FP16 answers were measured against the reference).
         cpu_decode_threads: Pillow threads for inputs DALI does not take.
         pipeline: prepare the next batches while the network runs this one.
         prep_workers: threads preparing batches ahead of the network, each with its own CUDA stream (at least
@@ -192,6 +194,7 @@ class GpuClassifier:
         device: str | None = None,
         cuda_graph: bool = True,
         half: bool | None = None,
+        precision_gate: bool = True,
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
         prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
@@ -224,7 +227,7 @@ class GpuClassifier:
         self.top_k = top_k
         self.limits = limits
         self.batch_size = batch_size
-        if half is None and self.is_cuda and network is not None:
+        if half is None and self.is_cuda and network is not None and precision_gate:
             half = _gated_half(network, spec, self.device)
         self.half = self.is_cuda if half is None else half
         self.dtype = torch.float16 if self.half else torch.float32

@@ -19,6 +19,7 @@ from pipeline.engines.auto import importable
 from pipeline.engines.gpu.classifier import RawResults
 from pipeline.errors import ConfigError, EngineError
 from pipeline.imaging import DecodeLimits
+from pipeline.model import is_builtin
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import node_gpus
 
@@ -85,6 +86,7 @@ class GpuEngine:
         self.labels = tuple(bundle.labels)
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
+        options.setdefault("precision_gate", not is_builtin(bundle))
         self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
                                         fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None

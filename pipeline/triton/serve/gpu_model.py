@@ -97,7 +97,7 @@ class _FolderBundle:
 
 
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
-                     batch_size: int, half: bool | None = None):
+                     batch_size: int, half: bool | None = None, precision_gate: bool = True):
     """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
 
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
@@ -126,6 +126,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
+        precision_gate=precision_gate,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
     )
@@ -181,8 +182,11 @@ class TritonPythonModel:
                           batch_size: int):
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - torch
 
-        return build_classifier(config, spec, load_network(_FolderBundle(folder, spec, 1000), net_name),
-                                device=device, top_k=self.top_k, limits=self.limits, batch_size=batch_size)
+        from pipeline.model import is_builtin  # noqa: PLC0415
+
+        bundle = _FolderBundle(folder, spec, 1000)
+        return build_classifier(config, spec, load_network(bundle, net_name), device=device, top_k=self.top_k,
+                                limits=self.limits, batch_size=batch_size, precision_gate=not is_builtin(bundle))
 
     def execute(self, requests):
         """Queues each request's images for the pipeline and returns at once: the responses are sent by the

