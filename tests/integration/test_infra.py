@@ -131,8 +131,8 @@ def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_12_builds():
     assert set(GPU_STACK) <= set(providers) and {providers[m] for m in GPU_STACK} <= set(extra)
     assert {"nvidia-nvtiff-cu12", "nvidia-nvjpeg2k-cu12"} <= set(extra)
     # No CUDA 13 package: torch and torchvision pinned to the CUDA 12 release, the rest CUDA 12 builds or pure Python.
-    pure = {"onnx2torch", "onnxslim"}
-    assert all(name in ("torch", "torchvision") or name in pure or re.search(r"-cu(da)?12", name) for name in extra), extra
+    allowed = {"torch", "torchvision", "onnx2torch", "onnxslim"}
+    assert all(name in allowed or re.search(r"-cu(da)?12", name) for name in extra), extra
     assert "0.25.0" in SpecifierSet(extra["torchvision"]) and "0.26.0" not in SpecifierSet(extra["torchvision"])
     assert not any(name.startswith("tensorrt") for name in extra)  # not installable from the package index
     torch = SpecifierSet(extra["torch"])

@@ -6,9 +6,9 @@ precision gate, and img/s of the candidates at the served batch, side by side in
 For each folder (``export_models.py`` writes them): the time ``onnx_torch.convert_onnx`` takes; on 8 seeded random
 inputs, the converted network's FP32 and FP16 logits on the GPU against ONNX Runtime's FP32 on the CPU
 (||a - b|| / ||b||, the largest absolute difference, top-1 agreement); the precision gate's verdict; then img/s of
-``TopKNetwork`` (FP16, channels-last, one CUDA graph at the served batch: the classifier's own network step), and with
-``--compile`` (folder names) the same after ``torch.compile``. ``--reference`` adds torchvision's ResNet-50 built in torch (the
-built-in path's ``network=resnet50``) for the ratio. Steady windows of ``--seconds`` each; a table last.
+``TopKNetwork`` (FP16, channels-last, one CUDA graph at the served batch: the classifier's own network step), and
+with ``--compile`` (folder names) the same after ``torch.compile``. ``--reference`` adds torchvision's ResNet-50
+built in torch (the built-in path's ``network=resnet50``) for the ratio. Steady windows of ``--seconds`` each; a table last.
 """
 
 from __future__ import annotations
