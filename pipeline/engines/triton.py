@@ -738,11 +738,15 @@ def check_model(bundle, options: Mapping[str, Any]) -> None:
     from a repository built for the model, the gpu paths must be able to run it."""
     if options.get("url") or options.get("repository") is not None:
         return  # a server or repository of the user's: its model is checked where it was built
-    profile = options.get("profile", AUTO)
-    if profile == AUTO:
-        from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
 
-        profile = GPU if cluster_gpus()[0] > 0 else PORTABLE
+    profile = options.get("profile", AUTO)
+    gpus, where = cluster_gpus()
+    if profile == AUTO:
+        profile = GPU if gpus > 0 else PORTABLE
+    elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
+                          f"use --engine onnx, or --engine-option profile={PORTABLE}")
     if profile == GPU:
         from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
         from pipeline.model import PRECISION_INT8  # noqa: PLC0415
