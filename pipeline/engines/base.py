@@ -159,8 +159,6 @@ class EngineSpec:
             ``function(bundle, top_k=, limits=, options=)``: it starts in the background what the node's actors
             will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
             job is done) and ``events``, or None.
-        model_check: ``"module:function"`` the driver calls with the loaded model bundle and the parsed options
-            before anything is written; raises ModelError or ConfigError for a model the engine cannot run.
     """
 
     name: str
@@ -181,7 +179,6 @@ class EngineSpec:
     int8: str = "INT8 models: yes (ONNX Runtime's integer kernels)"
     actor_env: Mapping[str, str] = field(default_factory=dict)
     node_start: str | None = None
-    model_check: str | None = None
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
