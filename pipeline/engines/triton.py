@@ -32,7 +32,7 @@ from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_re
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
 from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile
+from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile, visible_gpus
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
 
@@ -717,6 +717,9 @@ def check_requirements(options: Mapping[str, Any]) -> None:
                               f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
     if options.get("url"):
         return
+    if repository is None and options.get("profile") == GPU and not visible_gpus():
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
+                          f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
         from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
 
@@ -735,11 +738,15 @@ def check_model(bundle, options: Mapping[str, Any]) -> None:
     from a repository built for the model, the gpu paths must be able to run it."""
     if options.get("url") or options.get("repository") is not None:
         return  # a server or repository of the user's: its model is checked where it was built
-    profile = options.get("profile", AUTO)
-    if profile == AUTO:
-        from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
 
-        profile = GPU if cluster_gpus()[0] > 0 else PORTABLE
+    profile = options.get("profile", AUTO)
+    gpus, where = cluster_gpus()
+    if profile == AUTO:
+        profile = GPU if gpus > 0 else PORTABLE
+    elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
+                          f"use --engine onnx, or --engine-option profile={PORTABLE}")
     if profile == GPU:
         from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
         from pipeline.model import PRECISION_INT8  # noqa: PLC0415

@@ -351,7 +351,8 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
     ``preprocess_instances`` and ``network_instances``).
 
     The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
-    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.torchscript``.
+    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.onnx`` (each
+    instance converts it to torch) and any ``model.torchscript``.
     ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, network, ...).
 
     Returns:
@@ -359,7 +360,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
 
     Raises:
         ConfigError: an unknown ``shape``, or an option the shape does not have (before anything is written).
-        ModelError: a user's model without ``model.torchscript``.
+        ModelError: an INT8 model.
     """
     from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
 
@@ -371,7 +372,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
         other = tn.SHAPE_SINGLE if shape == tn.SHAPE_ENSEMBLE else tn.SHAPE_ENSEMBLE
         raise ConfigError(f"the gpu profile's {shape} shape has no {', '.join(extra)}; drop it, or use shape {other}")
     spec = DEFAULT_SPEC
-    scripted = None
+    network_files: list[Path] = []  # a user's model: copied into the network's version folder
     if model not in (None, "", "default"):
         from pipeline.model import PRECISION_INT8, load_model  # noqa: PLC0415
 
@@ -379,12 +380,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
         if bundle.precision == PRECISION_INT8:
             raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
                              "portable for it, or pass the FP32 model")
-        scripted = Path(model) / TORCHSCRIPT_FILE
-        if not scripted.is_file():
-            raise ModelError(
-                f"the gpu profile runs torch networks: {model} has no {TORCHSCRIPT_FILE}. Add one "
-                "(torch.jit.save of the network) or use --profile production (TensorRT) / portable"
-            )
+        network_files = [p for p in (Path(bundle.onnx_path), Path(model) / TORCHSCRIPT_FILE) if p.is_file()]
         spec = bundle.spec
     out = Path(output).expanduser()
     if shape == tn.SHAPE_ENSEMBLE:
@@ -396,8 +392,8 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
                              "--profile gpu --shape ensemble")
             (version / SHIM_FILE).write_text(shim, encoding="utf-8")
             (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
-        if scripted is not None:
-            shutil.copyfile(scripted, out / tn.NETWORK_MODEL / VERSION / TORCHSCRIPT_FILE)
+        for path in network_files:
+            shutil.copyfile(path, out / tn.NETWORK_MODEL / VERSION / path.name)
         (out / tn.MODEL_NAME / VERSION).mkdir(parents=True, exist_ok=True)
         stale = out / tn.MODEL_NAME / VERSION / SHIM_FILE  # a single shape built here before
         stale.unlink(missing_ok=True)
@@ -406,8 +402,8 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
         return out
     version = out / tn.MODEL_NAME / VERSION
     version.mkdir(parents=True, exist_ok=True)
-    if scripted is not None:
-        shutil.copyfile(scripted, version / TORCHSCRIPT_FILE)
+    for path in network_files:
+        shutil.copyfile(path, version / path.name)
     (out / tn.MODEL_NAME / CONFIG_FILE).write_text(gpu_config(**options), encoding="utf-8")
     (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
                                      encoding="utf-8")

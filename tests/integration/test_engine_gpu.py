@@ -128,29 +128,6 @@ def test_committed_gpu_profile_passes_the_repository_check():
     assert check_repository(repo) == [tn.MODEL_NAME]
 
 
-def test_gpu_repository_refuses_an_onnx_only_model(tmp_path):
-    from pipeline.errors import ModelError
-    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
-
-    folder = tmp_path / "m"
-    folder.mkdir()
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Flatten", ["input"], ["flat"]), helper.make_node("Slice", ["flat", "s", "e"], ["logits"])],
-        "tiny",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 224, 224])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 2])],
-        [helper.make_tensor("s", TensorProto.INT64, [1], [0]), helper.make_tensor("e", TensorProto.INT64, [1], [2])],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / MODEL_FILE)
-    (folder / LABELS_FILE).write_text("a\nb\n")
-    (folder / SPEC_FILE).write_text(DEFAULT_SPEC.to_json())
-    with pytest.raises(ModelError, match="has no model.torchscript"):
-        build_gpu_repository(str(folder), tmp_path / "repo")
-
-
 # ---- torch code on the CPU (skipped where torch is not installed) -----------------------------------------
 
 

@@ -130,7 +130,10 @@ def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_12_builds():
     providers = {"torch": "torch", "nvidia.dali": "nvidia-dali-cuda120"}
     assert set(GPU_STACK) <= set(providers) and {providers[m] for m in GPU_STACK} <= set(extra)
     assert {"nvidia-nvtiff-cu12", "nvidia-nvjpeg2k-cu12"} <= set(extra)
-    assert all(name == "torch" or re.search(r"-cu(da)?12", name) for name in extra), extra  # no CUDA 13 package
+    # No CUDA 13 package: torch and torchvision pinned to the CUDA 12 release, the rest CUDA 12 builds or pure Python.
+    allowed = {"torch", "torchvision", "onnx2torch", "onnxslim"}
+    assert all(name in allowed or re.search(r"-cu(da)?12", name) for name in extra), extra
+    assert "0.25.0" in SpecifierSet(extra["torchvision"]) and "0.26.0" not in SpecifierSet(extra["torchvision"])
     assert not any(name.startswith("tensorrt") for name in extra)  # not installable from the package index
     torch = SpecifierSet(extra["torch"])
     assert "2.10.0" in torch and "2.11.0" not in torch  # PyPI's torch is a CUDA 13 build from 2.11 on

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from pipeline.engines.auto import importable
 from support.paths import PHOTOS
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
@@ -77,9 +78,13 @@ def _one_error_line(stderr: str, message: str) -> None:
     assert all(line.startswith(("Usage:", "Try ")) for line in others), stderr
 
 
-# Where torch is installed the gpu engine's requirement is met (it runs on DALI's CPU backend and torch's CPU): its
-# refusal is checked in process, with torch hidden (test_the_gpu_engine_without_torch_is_refused_in_one_line).
+# Where torch is installed the gpu engine's torch requirement is met and this machine's lack of a GPU is what it
+# refuses; the torch refusal is checked in process, with torch hidden
+# (test_the_gpu_engine_without_torch_is_refused_in_one_line).
 REAL_PROCESS = [c for c in MUST_SHOW if not (c[0][:2] == ["--engine", "gpu"] and _has_torch())]
+if _has_torch() and importable("nvidia.dali"):
+    REAL_PROCESS.append((["--engine", "gpu"], "--engine gpu runs on a GPU and this machine has none that it can "
+                                              "use; use --engine onnx, or --engine-option device=cpu"))
 
 
 @pytest.mark.parametrize("dest_exists", [False, True], ids=["no-dest", "dest-with-files"])

@@ -161,7 +161,10 @@ class GpuClassifier:
         batch_size: images per network call; also the CUDA graph's batch.
         device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests).
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
-        half: run the network, and DALI's output, in FP16 (default on CUDA).
+        half: run the network, and DALI's output, in FP16; None: FP16 on CUDA where the precision gate
+            (``pipeline.engines.gpu.precision``) passes, else FP32; FP32 on the CPU.
+        precision_gate: run the gate where ``half`` is None (False: FP16 on CUDA unchecked, for the built-in
+            network, whose FP16 answers were measured against the reference).
         cpu_decode_threads: Pillow threads for inputs DALI does not take.
         pipeline: prepare the next batches while the network runs this one.
         prep_workers: threads preparing batches ahead of the network, each with its own CUDA stream (at least
@@ -191,6 +194,7 @@ class GpuClassifier:
         device: str | None = None,
         cuda_graph: bool = True,
         half: bool | None = None,
+        precision_gate: bool = True,
         cpu_decode_threads: int | None = None,
         pipeline: bool = True,
         prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
@@ -223,6 +227,8 @@ class GpuClassifier:
         self.top_k = top_k
         self.limits = limits
         self.batch_size = batch_size
+        if half is None and self.is_cuda and network is not None and precision_gate:
+            half = _gated_half(network, spec, self.device)
         self.half = self.is_cuda if half is None else half
         self.dtype = torch.float16 if self.half else torch.float32
         self.use_graph = cuda_graph and self.is_cuda
@@ -537,6 +543,17 @@ class GpuClassifier:
                 done.record(self._net_stream)
                 return idx_h, vals_h, done
             return idx, vals, None
+
+
+def _gated_half(network, spec: PreprocessSpec, device) -> bool:
+    """The precision gate's verdict for ``network`` on ``device``, said in the log when it is FP32."""
+    from pipeline.engines.gpu.precision import choose_half  # noqa: PLC0415
+
+    gate = choose_half(network, spec, device)
+    if not gate.half:
+        LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine-option half=true forces FP16",
+                    gate.describe())
+    return gate.half
 
 
 def _torch():

@@ -17,9 +17,11 @@ from pipeline.engines.base import (
 )
 from pipeline.engines.auto import importable
 from pipeline.engines.gpu.classifier import RawResults
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, EngineError
 from pipeline.imaging import DecodeLimits
+from pipeline.model import is_builtin
 from pipeline.triton import contract as tn
+from pipeline.triton.profiles import node_gpus
 
 SPEC = EngineSpec(
     name="gpu",
@@ -30,9 +32,10 @@ SPEC = EngineSpec(
         positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
         positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
         positive_int("batch_size", "images per network call, e.g. 256"),
-        Option("device", str, "a torch device, e.g. cuda:0"),
+        Option("device", str, "a torch device, e.g. cuda:0; cpu runs DALI's CPU backend and torch on the CPU (slow, "
+                              "for tests)"),
         Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
-        Option("half", bool, "FP16 network: true or false"),
+        Option("half", bool, "FP16 network: true or false (default: FP16 where the precision gate passes)"),
         positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
         Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
         positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
@@ -60,9 +63,8 @@ class GpuEngine:
 
     Args:
         bundle: the model (``pipeline.model.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
-            built from its checkpoint. A user's model runs if its folder holds ``model.torchscript`` (TorchScript
-            of the same network); ONNX alone cannot run here (PyTorch does not execute ONNX): use
-            ``--engine triton`` (TensorRT) or ``--engine onnx`` for those.
+            built from its checkpoint; a user's model as its ``model.onnx`` converted to torch
+            (``pipeline.engines.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
@@ -76,12 +78,15 @@ class GpuEngine:
         from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
+        if options.get("device") is None:
+            _require_cuda()
         network = options.pop("network", None)
         if network is None or isinstance(network, str):
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
+        options.setdefault("precision_gate", not is_builtin(bundle))
         self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
                                         fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None
@@ -113,6 +118,18 @@ class GpuEngine:
         self.close()
 
 
+NO_GPU = ("--engine gpu runs on a GPU and {where} has none that it can use; use --engine onnx, or "
+          "--engine-option device=cpu to run DALI's CPU backend and torch on the CPU (slow; for tests)")
+
+
+def _require_cuda() -> None:
+    """An actor without a CUDA device refuses, rather than running the GPU pipeline on its CPU unasked."""
+    import torch  # noqa: PLC0415 - the gpu engine's own requirement
+
+    if not torch.cuda.is_available():
+        raise EngineError(NO_GPU.format(where="this actor"))
+
+
 def _respond(done: Future, raw: RawResults, n: int) -> None:
     done.set_result(raw)
 
@@ -124,7 +141,8 @@ def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
 
 
 def check_requirements(options: Mapping[str, Any]) -> None:
-    """The gpu engine's preflight (its ``EngineSpec.preflight``): PyTorch and DALI importable here."""
+    """The gpu engine's preflight (its ``EngineSpec.preflight``): PyTorch and DALI importable here, and a GPU unless
+    the ``device`` option names one (``cpu`` for tests)."""
     if importlib.util.find_spec("torch") is None:
         raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
                           "or use --engine onnx or --engine triton")
@@ -136,7 +154,12 @@ def check_requirements(options: Mapping[str, Any]) -> None:
 def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
     """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
     engine's gpu profile, which runs the same classifier)."""
+    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
     from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
 
+    if options.get("device") is None:  # on a cluster too, where the preflight is skipped
+        gpus, where = cluster_gpus()
+        if gpus <= 0:
+            raise ConfigError(NO_GPU.format(where=where))
     if options.get("network") in (None, "", "auto", "default"):  # not a benchmark network
         check_runnable(bundle, "--engine gpu")

@@ -1,4 +1,4 @@
-"""Torch networks for the gpu engine: EfficientNet-Lite0 from the default checkpoint, TorchScript folders, ResNet-50.
+"""Torch networks for the GPU paths: EfficientNet-Lite0 from the default checkpoint, a folder's ONNX, ResNet-50.
 
 The default model is rebuilt here as a plain torch module from the same checkpoint arrays that
 ``pipeline.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
@@ -10,6 +10,7 @@ same logits; ``DEFAULT_LITE0_LAYOUT`` is the one both the gpu engine and the gpu
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,14 @@ from pipeline.default_model import (
     _same_pads,
     load_checkpoint,
 )
-from pipeline.errors import EngineError, ModelError
-from pipeline.model import TORCHSCRIPT_FILE, is_builtin
+from pipeline.errors import ConfigError, EngineError, ModelError
+from pipeline.model import MODEL_FILE, TORCHSCRIPT_FILE, is_builtin
 
 LOG = logging.getLogger(__name__)
 
 BENCHMARK_NETWORKS = ("resnet50",)
+CONVERTER_MISSING = ("the GPU paths convert model.onnx to torch with onnx2torch and onnxslim, which are not "
+                     "installed here: pip install 'bulk-classify[gpu]', or use --engine onnx")
 MIRROR = "mirror"
 
 
@@ -308,12 +311,14 @@ def resnet50_random(num_classes: int = 1000, seed: int = 0):
 def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 
-    ``network``: None picks by the bundle (the default model, or the folder's ``model.torchscript``);
+    ``network``: None picks by the bundle: the folder's ``model.torchscript`` where it has one, the default model's
+    hand-tuned layout, else the folder's ``model.onnx`` converted to torch (``pipeline.engines.gpu.onnx_torch``);
     "resnet50" gives a random-weight ResNet-50 for benchmarks, a ``LITE0_LAYOUTS`` name the default model in that
     layout.
 
     Raises:
-        EngineError: the model has no torch form the gpu engine can run (with what to do instead).
+        EngineError: torch, or the converter, is not installed (with what to do instead).
+        ModelError: the converter cannot convert the model's graph (the operator, and ``--engine onnx``).
     """
     try:
         import torch  # noqa: PLC0415
@@ -333,20 +338,34 @@ def load_network(bundle, network: str | None = None):
         return torch.jit.load(str(scripted), map_location="cpu").eval()
     if is_builtin(bundle):  # by digest: a fine-tuned Lite0 in a folder of that name is a user's model
         return efficientnet_lite0(load_checkpoint())
-    raise EngineError(_not_runnable(bundle, "the gpu engine"))
+    if onnx_path is None or not onnx_path.is_file():
+        raise EngineError(f"model {bundle.name!r} has no {MODEL_FILE} for the GPU paths to convert; pass its folder")
+    try:
+        from pipeline.engines.gpu.onnx_torch import convert_onnx  # noqa: PLC0415 - onnx2torch: the gpu extra
+    except ImportError:
+        raise EngineError(CONVERTER_MISSING) from None
+    started = time.perf_counter()
+    network = convert_onnx(onnx_path)
+    LOG.info("converted %s to torch in %.1f s", onnx_path, time.perf_counter() - started)
+    return network
 
 
 def check_runnable(bundle, engine: str) -> None:
     """In the driver, before anything is written: ModelError in one line where the gpu paths cannot run ``bundle``
-    (``engine`` names the choice in the message)."""
+    (``engine`` names the choice in the message): a layout other than NCHW, or an operator of its ``model.onnx`` that
+    the ONNX-to-torch converter lacks (the built-in model and a folder's ``model.torchscript`` are not converted).
+
+    Raises:
+        ConfigError: the converter is not installed here.
+    """
     onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
     if bundle.spec.layout != "NCHW":
         raise ModelError(f"{engine} feeds NCHW networks and {bundle.name!r} is {bundle.spec.layout}; run it with "
                          "--engine onnx")
-    if not is_builtin(bundle) and not (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
-        raise ModelError(_not_runnable(bundle, engine))
-
-
-def _not_runnable(bundle, engine: str) -> str:
-    return (f"{engine} runs torch networks and model {bundle.name!r} has no {TORCHSCRIPT_FILE}: add one beside "
-            "model.onnx (torch.jit.save of the same network, NCHW float input), or run it with --engine onnx")
+    if is_builtin(bundle) or (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
+        return
+    try:
+        from pipeline.engines.gpu.onnx_torch import check_convertible  # noqa: PLC0415 - onnx2torch: the gpu extra
+    except ImportError:
+        raise ConfigError(CONVERTER_MISSING) from None
+    check_convertible(bundle)

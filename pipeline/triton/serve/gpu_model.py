@@ -1,7 +1,8 @@
 """The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engines.gpu.classifier) behind the contract.
 
 Runs inside tritonserver on a GPU (KIND_GPU instances). Its version folder holds ``preprocess.json`` and, for a
-user's model, ``model.torchscript``; without one it serves the default EfficientNet-Lite0 from its checkpoint.
+user's model, its ``model.onnx`` (converted to torch at start) and any ``model.torchscript``; with neither it serves
+the default EfficientNet-Lite0 from its checkpoint.
 It serves ``pipeline.triton.contract``' contract: a bad image gives an ``ERROR`` string for that image only.
 
 The dynamic batcher may hand ``execute`` several requests at once: ``IMAGE`` is declared ragged
@@ -76,18 +77,19 @@ def request_tags(pb, request, n: int) -> np.ndarray:
 
 
 class _FolderBundle:
-    """What ``pipeline.engines.gpu.networks.load_network`` needs from a bundle, read from the version folder."""
+    """What ``pipeline.engines.gpu.networks.load_network`` needs from a bundle, read from the version folder: a
+    user's model has its ``model.onnx`` (and any ``model.torchscript``) there, the default model neither."""
 
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
         from pipeline.model import BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir  # noqa: PLC0415
 
-        self.name = BUILTIN_NAME
-        self.onnx_path = folder / MODEL_FILE  # only its folder is used: model.torchscript beside it
+        self.onnx_path = folder / MODEL_FILE
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
-        # The repository builder leaves the network file out only for the built-in model (pipeline.model.is_builtin).
-        scripted = (folder / TORCHSCRIPT_FILE).is_file()
-        self.digest = "" if scripted else builtin_digest(str(default_cache_dir()))
+        # The repository builder leaves the network files out only for the built-in model (pipeline.model.is_builtin).
+        user = (folder / MODEL_FILE).is_file() or (folder / TORCHSCRIPT_FILE).is_file()
+        self.name = f"user model in {folder}" if user else BUILTIN_NAME
+        self.digest = "" if user else builtin_digest(str(default_cache_dir()))
 
     @property
     def num_classes(self) -> int:
@@ -95,7 +97,7 @@ class _FolderBundle:
 
 
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
-                     batch_size: int, half: bool | None = None):
+                     batch_size: int, half: bool | None = None, precision_gate: bool = True):
     """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
 
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
@@ -124,6 +126,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
+        precision_gate=precision_gate,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
     )
@@ -179,8 +182,11 @@ class TritonPythonModel:
                           batch_size: int):
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - torch
 
-        return build_classifier(config, spec, load_network(_FolderBundle(folder, spec, 1000), net_name),
-                                device=device, top_k=self.top_k, limits=self.limits, batch_size=batch_size)
+        from pipeline.model import is_builtin  # noqa: PLC0415
+
+        bundle = _FolderBundle(folder, spec, 1000)
+        return build_classifier(config, spec, load_network(bundle, net_name), device=device, top_k=self.top_k,
+                                limits=self.limits, batch_size=batch_size, precision_gate=not is_builtin(bundle))
 
     def execute(self, requests):
         """Queues each request's images for the pipeline and returns at once: the responses are sent by the

@@ -1,0 +1,149 @@
+"""A user's ONNX model on the GPU paths, on the CPU: the conversion to torch, the precision gate, the driver's
+refusals, and the gpu engine (DALI's CPU backend) and the gpu profile in a real tritonserver (KIND_CPU) answering
+like ONNX Runtime. The GPU tier's counterpart is tests/gpu/test_user_model_on_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.errors import EngineError, ModelError
+from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
+from pipeline.triton import contract as tn
+from support.oddities import photo_set
+from support.paths import PHOTOS
+from support.user_models import CLASSES, SPEC, TinyNet, model_folder
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnx2torch")
+pytest.importorskip("onnxslim")
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return model_folder(tmp_path_factory.mktemp("user") / "tiny", TinyNet(scale=20.0))  # decided answers
+
+
+def ort_logits(bundle, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
+    return session.run(None, {bundle.input_name: x})[0]
+
+
+def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_host(folder):
+    import onnx2torch
+
+    from pipeline.engines.gpu.onnx_torch import HostShape, HostShapes, convert_onnx
+
+    bundle = load_model(folder)
+    x = np.random.default_rng(1).standard_normal((3, 3, 64, 64)).astype(np.float32)
+    ref = ort_logits(bundle, x)
+    # convert_onnx slims first (the dynamic flatten becomes one Reshape); unslimmed, Shape/Gather/Concat remain.
+    for net in (convert_onnx(bundle.onnx_path), HostShapes(onnx2torch.convert(str(bundle.onnx_path)))):
+        with torch.inference_mode():
+            got = net(torch.from_numpy(x)).numpy()
+        assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+        assert any(not b.is_floating_point() for b in net.buffers())  # the Reshape's target, Gather's index
+        net.to("meta")  # any other device: the integer constants stay where the shape arithmetic runs
+        assert all(b.device.type == "cpu" for b in net.buffers() if not b.is_floating_point())
+        assert all(b.device.type == "meta" for b in net.buffers() if b.is_floating_point())
+    shape = next(m for m in net.modules() if isinstance(m, HostShape))
+    assert shape(torch.empty(3, 2, device="meta")).device.type == "cpu"
+
+
+def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folder, tmp_path):
+    from pipeline.engines.gpu.onnx_torch import convert_onnx
+    from pipeline.engines.gpu.precision import GATE_IMAGES, choose_half
+
+    bundle = load_model(folder)
+    good = choose_half(convert_onnx(bundle.onnx_path), bundle.spec, torch.device("cpu"))
+    assert good.half and good.rel_l2 < 0.02 and good.top1_differ == 0 and good.images == GATE_IMAGES
+    huge = load_model(model_folder(tmp_path / "huge", TinyNet(scale=1e6)))  # logits far beyond FP16's 65504
+    bad = choose_half(convert_onnx(huge.onnx_path), huge.spec, torch.device("cpu"))
+    assert not bad.half and bad.rel_l2 == float("inf")
+    assert "relative L2" in bad.describe()
+
+
+def unsupported_folder(path):
+    """A model whose graph has Hardmax, which onnx2torch cannot convert."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    path.mkdir(parents=True)
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["flat"]), helper.make_node("Hardmax", ["flat"], ["logits"])],
+        "odd",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 64, 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path / MODEL_FILE)
+    (path / LABELS_FILE).write_text("r\ng\nb\n")
+    (path / SPEC_FILE).write_text(json.dumps(SPEC))
+    return path
+
+
+@pytest.mark.parametrize("engine", ["gpu", "triton"])
+def test_an_operator_the_converter_lacks_is_refused_in_the_driver(tmp_path, monkeypatch, engine):
+    from pipeline.engines.registry import engine_spec
+
+    folder = unsupported_folder(tmp_path / "odd")
+    monkeypatch.setattr("pipeline.engines.auto.cluster_gpus", lambda: (1, "this machine"))  # as on a GPU node
+    with pytest.raises(ModelError, match=r"its graph uses Hardmax \(opset 17\), which the ONNX-to-torch converter "
+                                         r"\(onnx2torch\) lacks; use --engine onnx"):
+        engine_spec(engine).check_model(load_model(folder), {"profile": "gpu"} if engine == "triton" else {})
+    monkeypatch.undo()
+    # Through the CLI: one line, and nothing written.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dest = tmp_path / "dest"
+    result = CliRunner().invoke(main, ["run", str(PHOTOS), "--output", str(dest), "--model", str(folder),
+                                       "--engine", "gpu", "--engine-option", "device=cpu"])
+    assert result.exit_code != 0 and not dest.exists()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "Hardmax" in errors[0] and "--engine onnx" in errors[0], result.stderr
+
+
+def test_the_gpu_engine_refuses_an_actor_without_a_gpu_unless_told_cpu(folder, monkeypatch):
+    from pipeline.engines.gpu.engine import GpuEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EngineError, match=r"^--engine gpu runs on a GPU and this actor has none that it can use; "
+                                          r"use --engine onnx, or --engine-option device=cpu"):
+        GpuEngine(load_model(folder))
+
+
+def test_a_users_model_answers_like_onnx_runtime_in_process_and_in_tritonserver(folder, tmp_path):
+    """The gpu engine (DALI's CPU backend, torch on the CPU) and the gpu profile's python model in a real
+    tritonserver run the converted network: their top-1 is ONNX Runtime's wherever its margin is no near-tie."""
+    pytest.importorskip("nvidia.dali")
+    from pipeline.engines.gpu.engine import GpuEngine
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.triton.server import TritonServer
+
+    bundle = load_model(folder)
+    images = photo_set()[:8]
+    with OnnxEngine(bundle, top_k=CLASSES) as reference:
+        expected = reference.classify(images)
+    with GpuEngine(bundle, top_k=CLASSES, device="cpu", batch_size=4) as local:
+        in_process = local.classify(images)
+    repo = build_gpu_repository(str(folder), tmp_path / "repo", instances=1, batch_size=4, max_batch_size=16)
+    assert (repo / tn.MODEL_NAME / "1" / MODEL_FILE).read_bytes() == bundle.onnx_path.read_bytes()
+    config = repo / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    with TritonServer(repo) as server:
+        engine = TritonEngine(bundle, url=server.grpc_url, top_k=CLASSES, request_batch=4, concurrency=2)
+        served = engine.classify(images)
+        engine.close()
+    decided = [i for i, r in enumerate(expected) if r.scores[0] - r.scores[1] > 0.02]
+    assert len(decided) >= 4
+    for rows in (in_process, served):
+        assert all(r.status == "ok" for r in rows)
+        assert [rows[i].class_ids[0] for i in decided] == [expected[i].class_ids[0] for i in decided]
+        # DALI's resize is not Pillow's to the last bit: probabilities close, not equal.
+        assert max(abs(a.scores[0] - b.scores[0]) for a, b in zip(rows, expected)) < 0.05

@@ -1,0 +1,41 @@
+"""A small user model made in the test: a torch CNN exported to ONNX as a user would, in a model folder."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+
+CLASSES = 5
+# Small input, so that FP16 on the CPU (the gate) stays quick.
+SPEC = {"resize_shorter": 72, "crop": [64, 64], "mean": [123.7, 116.3, 103.5], "std": [58.4, 57.1, 57.4]}
+
+
+class TinyNet(torch.nn.Module):
+    """Conv, BatchNorm, pooling and a flatten whose shape is computed from the input (Shape/Gather/Concat/Reshape in
+    ONNX, as real exports have), then a classifier; ``scale`` multiplies the logits (huge: overflows FP16)."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(2))
+        self.fc = torch.nn.Linear(32 * 4, CLASSES)
+        self.scale = scale
+
+    def forward(self, x):
+        x = self.features(x)
+        return self.fc(x.reshape(x.shape[0], -1)) * self.scale
+
+
+def model_folder(path, net: torch.nn.Module | None = None):
+    path.mkdir(parents=True)
+    torch.onnx.export((net or TinyNet()).eval(), torch.randn(2, 3, 64, 64), str(path / MODEL_FILE),
+                      input_names=["input"], output_names=["logits"], opset_version=17, dynamo=False,
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+    (path / LABELS_FILE).write_text("".join(f"class{i}\n" for i in range(CLASSES)))
+    (path / SPEC_FILE).write_text(json.dumps(SPEC))
+    return path
