@@ -173,6 +173,11 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
     )
 
 
+def onnx_fixed_batch(path: Path, spec: PreprocessSpec) -> int | None:
+    """The batch size an ONNX file fixes (None: a dynamic batch axis), for a served copy of a folder's network."""
+    return _inspect_onnx(Path(path), spec)[4]
+
+
 def fixed_batch_note(bundle: ModelBundle) -> str:
     """The one line said where a model's batch axis is fixed."""
     return (f"{bundle.onnx_path}: the batch axis is fixed at {bundle.fixed_batch}: every engine runs batches of "

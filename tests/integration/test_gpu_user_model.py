@@ -147,3 +147,31 @@ def test_a_users_model_answers_like_onnx_runtime_in_process_and_in_tritonserver(
         assert [rows[i].class_ids[0] for i in decided] == [expected[i].class_ids[0] for i in decided]
         # DALI's resize is not Pillow's to the last bit: probabilities close, not equal.
         assert max(abs(a.scores[0] - b.scores[0]) for a, b in zip(rows, expected)) < 0.05
+
+
+def test_the_served_gpu_profile_runs_a_fixed_batch_model_in_batches_of_exactly_that_size(tmp_path):
+    """A model exported with batch 3 as a number, asked for 8 images in requests of 4: every answer is ONNX
+    Runtime's (which runs it in batches of 3 too), none fails and none is split off."""
+    pytest.importorskip("nvidia.dali")
+    from pipeline.engines.onnx import OnnxEngine
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.triton.server import TritonServer
+
+    folder = model_folder(tmp_path / "fixed", TinyNet(scale=20.0), fixed_batch=3)
+    bundle = load_model(folder)
+    assert bundle.fixed_batch == 3
+    images = photo_set()[:8]
+    with OnnxEngine(bundle, top_k=CLASSES) as reference:
+        expected = reference.classify(images)
+    repo = build_gpu_repository(str(folder), tmp_path / "repo", instances=1, batch_size=4, max_batch_size=16)
+    config = repo / tn.MODEL_NAME / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    with TritonServer(repo) as server:
+        engine = TritonEngine(bundle, url=server.grpc_url, top_k=CLASSES, request_batch=4, concurrency=2)
+        served = engine.classify(images)
+        engine.close()
+    assert all(r.status == "ok" for r in served)
+    decided = [i for i, r in enumerate(expected) if r.scores[0] - r.scores[1] > 0.02]
+    assert len(decided) >= 4
+    assert [served[i].class_ids[0] for i in decided] == [expected[i].class_ids[0] for i in decided]

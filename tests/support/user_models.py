@@ -31,11 +31,13 @@ class TinyNet(torch.nn.Module):
         return self.fc(x.reshape(x.shape[0], -1)) * self.scale
 
 
-def model_folder(path, net: torch.nn.Module | None = None):
+def model_folder(path, net: torch.nn.Module | None = None, *, fixed_batch: int | None = None):
+    """``fixed_batch``: export with that batch size as a number (no dynamic batch axis), as some exports come."""
     path.mkdir(parents=True)
-    torch.onnx.export((net or TinyNet()).eval(), torch.randn(2, 3, 64, 64), str(path / MODEL_FILE),
+    dynamic = None if fixed_batch else {"input": {0: "batch"}, "logits": {0: "batch"}}
+    torch.onnx.export((net or TinyNet()).eval(), torch.randn(fixed_batch or 2, 3, 64, 64), str(path / MODEL_FILE),
                       input_names=["input"], output_names=["logits"], opset_version=17, dynamo=False,
-                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+                      dynamic_axes=dynamic)
     (path / LABELS_FILE).write_text("".join(f"class{i}\n" for i in range(CLASSES)))
     (path / SPEC_FILE).write_text(json.dumps(SPEC))
     return path

@@ -81,7 +81,9 @@ class _FolderBundle:
     user's model has its ``model.onnx`` (and any ``model.torchscript``) there, the default model neither."""
 
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
-        from pipeline.model import BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir  # noqa: PLC0415
+        from pipeline.model import (  # noqa: PLC0415
+            BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir, onnx_fixed_batch,
+        )
 
         self.onnx_path = folder / MODEL_FILE
         self.labels = tuple(str(i) for i in range(classes))
@@ -90,6 +92,7 @@ class _FolderBundle:
         user = (folder / MODEL_FILE).is_file() or (folder / TORCHSCRIPT_FILE).is_file()
         self.name = f"user model in {folder}" if user else BUILTIN_NAME
         self.digest = "" if user else builtin_digest(str(default_cache_dir()))
+        self.fixed_batch = onnx_fixed_batch(self.onnx_path, spec) if self.onnx_path.is_file() else None
 
     @property
     def num_classes(self) -> int:
@@ -97,7 +100,8 @@ class _FolderBundle:
 
 
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
-                     batch_size: int, half: bool | None = None, precision_gate: bool = True):
+                     batch_size: int, half: bool | None = None, precision_gate: bool = True,
+                     fixed_batch: int | None = None):
     """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
 
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
@@ -127,6 +131,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
         precision_gate=precision_gate,
+        fixed_batch=fixed_batch,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
     )
@@ -186,7 +191,8 @@ class TritonPythonModel:
 
         bundle = _FolderBundle(folder, spec, 1000)
         return build_classifier(config, spec, load_network(bundle, net_name), device=device, top_k=self.top_k,
-                                limits=self.limits, batch_size=batch_size, precision_gate=not is_builtin(bundle))
+                                limits=self.limits, batch_size=batch_size, precision_gate=not is_builtin(bundle),
+                                fixed_batch=bundle.fixed_batch)
 
     def execute(self, requests):
         """Queues each request's images for the pipeline and returns at once: the responses are sent by the
