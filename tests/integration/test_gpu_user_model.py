@@ -122,9 +122,6 @@ def test_a_users_model_answers_like_onnx_runtime_in_process_and_in_tritonserver(
     pytest.importorskip("nvidia.dali")
     from pipeline.engines.gpu.engine import GpuEngine
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.engines.triton import TritonEngine
-    from pipeline.triton.repository import build_gpu_repository
-    from pipeline.triton.server import TritonServer
 
     bundle = load_model(folder)
     images = photo_set()[:8]
@@ -132,14 +129,7 @@ def test_a_users_model_answers_like_onnx_runtime_in_process_and_in_tritonserver(
         expected = reference.classify(images)
     with GpuEngine(bundle, top_k=CLASSES, device="cpu", batch_size=4) as local:
         in_process = local.classify(images)
-    repo = build_gpu_repository(str(folder), tmp_path / "repo", instances=1, batch_size=4, max_batch_size=16)
-    assert (repo / tn.MODEL_NAME / "1" / MODEL_FILE).read_bytes() == bundle.onnx_path.read_bytes()
-    config = repo / tn.MODEL_NAME / "config.pbtxt"
-    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
-    with TritonServer(repo) as server:
-        engine = TritonEngine(bundle, url=server.grpc_url, top_k=CLASSES, request_batch=4, concurrency=2)
-        served = engine.classify(images)
-        engine.close()
+    served = served_on_cpu(folder, bundle, images, tmp_path)
     decided = [i for i, r in enumerate(expected) if r.scores[0] - r.scores[1] > 0.02]
     assert len(decided) >= 4
     for rows in (in_process, served):
@@ -154,9 +144,6 @@ def test_the_served_gpu_profile_runs_a_fixed_batch_model_in_batches_of_exactly_t
     Runtime's (which runs it in batches of 3 too), none fails and none is split off."""
     pytest.importorskip("nvidia.dali")
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.engines.triton import TritonEngine
-    from pipeline.triton.repository import build_gpu_repository
-    from pipeline.triton.server import TritonServer
 
     folder = model_folder(tmp_path / "fixed", TinyNet(scale=20.0), fixed_batch=3)
     bundle = load_model(folder)
@@ -164,14 +151,26 @@ def test_the_served_gpu_profile_runs_a_fixed_batch_model_in_batches_of_exactly_t
     images = photo_set()[:8]
     with OnnxEngine(bundle, top_k=CLASSES) as reference:
         expected = reference.classify(images)
+    served = served_on_cpu(folder, bundle, images, tmp_path)
+    assert all(r.status == "ok" for r in served)
+    decided = [i for i, r in enumerate(expected) if r.scores[0] - r.scores[1] > 0.02]
+    assert len(decided) >= 4
+    assert [served[i].class_ids[0] for i in decided] == [expected[i].class_ids[0] for i in decided]
+
+
+def served_on_cpu(folder, bundle, images, tmp_path):
+    """The answers of the gpu profile's python model for ``folder``, in a real tritonserver on the CPU, asked in
+    requests of 4."""
+    from pipeline.engines.triton import TritonEngine
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.triton.server import TritonServer
+
     repo = build_gpu_repository(str(folder), tmp_path / "repo", instances=1, batch_size=4, max_batch_size=16)
+    assert (repo / tn.MODEL_NAME / "1" / MODEL_FILE).read_bytes() == bundle.onnx_path.read_bytes()
     config = repo / tn.MODEL_NAME / "config.pbtxt"
     config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
     with TritonServer(repo) as server:
         engine = TritonEngine(bundle, url=server.grpc_url, top_k=CLASSES, request_batch=4, concurrency=2)
         served = engine.classify(images)
         engine.close()
-    assert all(r.status == "ok" for r in served)
-    decided = [i for i, r in enumerate(expected) if r.scores[0] - r.scores[1] > 0.02]
-    assert len(decided) >= 4
-    assert [served[i].class_ids[0] for i in decided] == [expected[i].class_ids[0] for i in decided]
+    return served
