@@ -74,7 +74,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
     # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
-    engine_spec(config.engine).check_model(bundle, engine_spec(config.engine).parse_options(config.engine_options))
+    spec = engine_spec(config.engine)
+    spec.check_model(bundle, spec.parse_options(config.engine_options))
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
     check_compatible(dst_fs, dst_root, config, bundle)
@@ -98,8 +99,9 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
             finally:
                 run.close()
             with storage_errors(config.output, dst_root):
+                dedupe_output(config, dst_fs, dst_root)  # every URI's row unique, before a table commit and the counts
                 if table is not None:
-                    commit_table(table, config, dst_fs, dst_root, lease, {
+                    commit_table(table, dst_fs, dst_root, lease, {
                         "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
                 summary = _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
                                   t0, index_s + list_s, run.writer_actors)
@@ -111,10 +113,8 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
         lease.release()
 
 
-def commit_table(table: IcebergOutput, config: RunConfig, fs: Any, root: str, lease: Lease,
-                 run: dict[str, str]) -> None:
-    """Commit the data folder's shards that the table lacks, once every URI's row is unique, under the lease."""
-    dedupe_output(config, fs, root)
+def commit_table(table: IcebergOutput, fs: Any, root: str, lease: Lease, run: dict[str, str]) -> None:
+    """Commit the data folder's shards that the table lacks (every URI's row already unique), under the lease."""
     lease.check()
     table.commit(fs, committed_parts(fs, root), run)
 
@@ -131,11 +131,10 @@ def start_node(config: RunConfig, bundle: Any) -> Any:
 
 def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
             bundle: Any, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
-    """Make every URI's row unique, count the committed rows, and write ``_REPORT.json`` and then ``_SUCCESS``."""
-    dedupe_output(config, dst_fs, dst_root)
+    """Count the committed rows (each URI's row already unique) and write ``_REPORT.json`` and then ``_SUCCESS``."""
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    report = assemble_report(config, totals, model=bundle, already_done=skipped, list_s=list_s,
+    report = assemble_report(config, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
     from pipeline.quality import committed_quality
@@ -163,7 +162,7 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(config: RunConfig, totals: ShardStats, *, model: Any, already_done: int, list_s: float,
+def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
@@ -174,8 +173,8 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, model: Any, alread
         "already_done": already_done,
         "elapsed_s": elapsed_s,
         "stage_seconds": totals.stage_seconds(list_s),
-        "model": model.name,
-        "model_digest": model.digest,
+        "model": bundle.name,
+        "model_digest": bundle.digest,
         "engine": config.engine,
         "writer_actors": writer_actors,
         "started_at": started_at.isoformat(),
