@@ -57,15 +57,52 @@ def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_ho
 
 def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folder, tmp_path):
     from pipeline.engines.gpu.onnx_torch import convert_onnx
-    from pipeline.engines.gpu.precision import GATE_IMAGES, choose_half
+    from pipeline.engines.gpu.precision import GATE_IMAGES, GATE_REL_L2, choose_half
 
     bundle = load_model(folder)
     good = choose_half(convert_onnx(bundle.onnx_path), bundle.spec, torch.device("cpu"))
-    assert good.half and good.rel_l2 < 0.02 and good.top1_differ == 0 and good.images == GATE_IMAGES
+    assert good.half and good.rel_l2 < GATE_REL_L2 and good.top1_differ == 0 and good.images == GATE_IMAGES
     huge = load_model(model_folder(tmp_path / "huge", TinyNet(scale=1e6)))  # logits far beyond FP16's 65504
     bad = choose_half(convert_onnx(huge.onnx_path), huge.spec, torch.device("cpu"))
     assert not bad.half and bad.rel_l2 == float("inf")
     assert "relative L2" in bad.describe()
+
+
+def test_a_converted_network_runs_compiled_where_its_logits_match_and_eager_where_not(folder, monkeypatch, caplog):
+    """TopKNetwork compiles a converted model.onnx (on CUDA by default; asked for here on the CPU), checks the
+    compiled logits against the eager network's at warmup, and keeps the eager network where compiling fails or
+    answers otherwise, saying so once."""
+    from pipeline.engines.gpu.onnx_torch import convert_onnx
+    from pipeline.engines.gpu.topk_network import TopKNetwork
+
+    bundle = load_model(folder)
+    net = convert_onnx(bundle.onnx_path)
+    assert net.compile_by_default
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((4, 3, 64, 64)).astype(np.float32))
+    with torch.inference_mode():
+        want = net(x)
+
+    def make(**kw):
+        return TopKNetwork(net, crop=(64, 64), device=torch.device("cpu"), half=False, batch_size=4,
+                           cuda_graph=False, top_k=2, **kw)
+
+    assert not make().compiled  # the default compiles on CUDA only
+    compiled = make(compile=True)
+    compiled.warmup()
+    assert compiled.compiled
+    assert torch.allclose(compiled.run(x), want, atol=1e-4)
+
+    real_compile = torch.compile
+    for fake, said in ((lambda module, **kw: (lambda x: module(x) * 2), "differ from the eager network's"),
+                       (lambda module, **kw: (lambda x: 1 / 0), "compiling failed (ZeroDivisionError")):
+        monkeypatch.setattr(torch, "compile", fake)
+        caplog.clear()
+        top = make(compile=True)
+        top.warmup()
+        assert not top.compiled and torch.allclose(top.run(x), want, atol=1e-6)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and said in warnings[0] and "runs uncompiled" in warnings[0], warnings
+    monkeypatch.setattr(torch, "compile", real_compile)
 
 
 def unsupported_folder(path):

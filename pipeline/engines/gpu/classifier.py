@@ -178,6 +178,7 @@ class GpuClassifier:
         cudnn_autotune: let cuDNN time its algorithms for each conv at the first batch (a longer build, a
             slightly faster network).
         fixed_batch: the model's fixed batch size, if its batch axis is a number (``ModelBundle.fixed_batch``).
+        compile: ``torch.compile`` the network (None: a converted ``model.onnx`` on CUDA; ``TopKNetwork``).
 
     Raises:
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
@@ -204,6 +205,7 @@ class GpuClassifier:
         cuda_sync: str = DEFAULT_CUDA_SYNC,
         cudnn_autotune: bool = True,
         fixed_batch: int | None = None,
+        compile: bool | None = None,
     ):
         check_cuda_sync(cuda_sync)
         if not dali_available():
@@ -240,7 +242,8 @@ class GpuClassifier:
         # None: preparation only (the ensemble shape's preprocess model), no network on this device.
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
-            cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=fixed_batch)
+            cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=fixed_batch,
+            compile=compile)
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.

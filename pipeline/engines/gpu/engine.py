@@ -36,6 +36,8 @@ SPEC = EngineSpec(
                               "for tests)"),
         Option("cuda_graph", bool, "capture the network in a CUDA graph: true or false"),
         Option("half", bool, "FP16 network: true or false (default: FP16 where the precision gate passes)"),
+        Option("compile", bool, "torch.compile the network: true or false (default: a converted model.onnx on "
+                                "CUDA)"),
         positive_int("cpu_decode_threads", "Pillow threads decoding what DALI does not take, e.g. 4"),
         Option("pipeline", bool, "prepare the next batches while the network runs: true or false"),
         positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
@@ -69,7 +71,7 @@ class GpuEngine:
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
             ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
-            prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync.
+            prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync, compile.
     """
 
     name = "gpu"

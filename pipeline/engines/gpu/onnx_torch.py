@@ -21,6 +21,7 @@ import onnx2torch
 import onnxslim
 import torch
 from onnx2torch.node_converters.registry import get_converter
+from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
 
 from pipeline.errors import ModelError
@@ -99,15 +100,30 @@ class HostShape(OnnxShape):
         return torch.tensor(input_tensor.shape[self._start : self._end], dtype=torch.int64)
 
 
+class HostReshape(OnnxReshape):
+    """onnx2torch's ``Reshape`` with its target read as Python ints (``torch.Size`` of a traced tensor fails under
+    torch.compile; the target is on the CPU, so reading it waits for nothing)."""
+
+    def forward(self, input_tensor, shape):
+        dims = [int(d) for d in shape.tolist()]
+        return torch.reshape(input_tensor, [input_tensor.shape[i] if d == 0 else d for i, d in enumerate(dims)])
+
+
 class HostShapes(torch.nn.Module):
     """A converted graph whose integer constants (shapes, axes, indices) and ``Shape`` results stay on the CPU when
     the module moves to a GPU, so that its shape arithmetic never waits for the GPU."""
+
+    # onnx2torch runs the graph one module per ONNX node; on the GPU ``TopKNetwork`` compiles it with torch.compile,
+    # which fuses them (ResNet-50 alone: twice the eager rate, docs/performance.md).
+    compile_by_default = True
 
     def __init__(self, graph):
         super().__init__()
         for module in graph.modules():
             if type(module) is OnnxShape:
                 module.__class__ = HostShape
+            elif type(module) is OnnxReshape:
+                module.__class__ = HostReshape
         self.graph = graph
 
     def _apply(self, fn, recurse=True):

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 LOG = logging.getLogger(__name__)
+
+# The compiled network is kept where its logits on seeded random inputs are within this of the eager network's
+# (||compiled - eager|| / ||eager||): fused kernels reorder sums, a wrong graph moves logits by far more.
+COMPILE_REL_L2 = 1e-2
+COMPILE_CHECK_SEED = 44
 
 
 class TopKNetwork:
@@ -27,10 +33,15 @@ class TopKNetwork:
         probabilities: the network outputs probabilities (the spec's ``output``): no softmax after it.
         fixed_batch: the network takes only batches of this size (its ONNX batch axis is a number): a batch runs in
             runs of exactly that many, the last one padded.
+        compile: run the network through ``torch.compile`` (None: on CUDA, for a network that asks for it with a
+            true ``compile_by_default`` attribute, as a converted ``model.onnx`` does). The compiled network's
+            logits are checked against the eager network's at warmup; a failure or a difference beyond
+            ``COMPILE_REL_L2`` keeps the eager network and says so once.
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
-                 top_k: int, probabilities: bool = False, fixed_batch: int | None = None):
+                 top_k: int, probabilities: bool = False, fixed_batch: int | None = None,
+                 compile: bool | None = None):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -49,6 +60,12 @@ class TopKNetwork:
         net = net.to(memory_format=torch.channels_last)
         self.module = net.half() if half else net.float()
         self._graphs: dict[int, tuple] = {}
+        if compile is None:
+            compile = self.is_cuda and bool(getattr(network, "compile_by_default", False))
+        self._eager = self.module if compile else None
+        if compile:
+            self.module = torch.compile(self.module, dynamic=False)
+        self.compiled = bool(compile)  # until warmup's check says otherwise
 
     def warmup(self) -> None:
         """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
@@ -58,9 +75,36 @@ class TopKNetwork:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def _check_compiled(self) -> None:
+        """Compiles (at the full batch) and compares the compiled network's logits with the eager network's on seeded
+        inputs; keeps the eager network where compiling fails or the logits differ beyond ``COMPILE_REL_L2``."""
+        torch = self._torch
+        gen = torch.Generator(device="cpu").manual_seed(COMPILE_CHECK_SEED)
+        x = torch.randn(self.batch_size, 3, *self.crop, generator=gen).to(self.device, self.dtype)
+        x = x.contiguous(memory_format=torch.channels_last)
+        eager, self._eager = self._eager, None
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                want = eager(x).float()
+                got = self.module(x).float()
+            rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
+            problem = "" if rel <= COMPILE_REL_L2 else f"its logits differ from the eager network's by {rel:.2e}"
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager network still runs
+            problem = f"compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+        if problem:
+            LOG.warning("torch.compile of the network: %s; it runs uncompiled (slower)", problem)
+            self.module, self.compiled = eager, False
+            torch._dynamo.reset()
+            return
+        LOG.info("compiled the network with torch.compile in %.1f s (logits within %.1e of eager)",
+                 time.perf_counter() - started, rel)
+
     def run(self, x):
         """Logits for a batch; a CUDA graph per padded batch size when enabled."""
         torch = self._torch
+        if self._eager is not None:
+            self._check_compiled()
         if self.fixed_batch and x.shape[0] != self.fixed_batch:
             return torch.cat([self._run_padded(part) for part in x.split(self.fixed_batch)])
         with torch.inference_mode():
