@@ -66,6 +66,7 @@ class TopKNetwork:
         if compile:
             self.module = torch.compile(self.module, dynamic=False)
         self.compiled = bool(compile)  # until warmup's check says otherwise
+        self.compile_problem = ""  # why the compiled network was not kept
 
     def warmup(self) -> None:
         """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
@@ -94,7 +95,7 @@ class TopKNetwork:
             problem = f"compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
         if problem:
             LOG.warning("torch.compile of the network: %s; it runs uncompiled (slower)", problem)
-            self.module, self.compiled = eager, False
+            self.module, self.compiled, self.compile_problem = eager, False, problem
             torch._dynamo.reset()
             return
         LOG.info("compiled the network with torch.compile in %.1f s (logits within %.1e of eager)",
