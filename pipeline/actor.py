@@ -35,8 +35,8 @@ class ClassifyActor:
         model_digest: str | None = None,
     ):
         from pipeline.errors import ModelError
-        from pipeline.imaging import DecodeLimits
-        from pipeline.model import load_model
+        from pipeline.model.imaging import DecodeLimits
+        from pipeline.model.folder import load_model
 
         self.bundle = load_model(model)
         if model_digest is not None and self.bundle.digest != model_digest:

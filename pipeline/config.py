@@ -11,8 +11,8 @@ from typing import Any, Mapping
 from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
 from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
-from pipeline.iceberg_output import TableRef, is_iceberg
-from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from pipeline.io.iceberg_output import TableRef, is_iceberg
+from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 ENV_PREFIX = "BULK_CLASSIFY_"
@@ -82,7 +82,7 @@ class RunConfig:
         source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
             starts with it.
         catalog_options: properties of the Iceberg catalog of an ``iceberg://NAMESPACE.TABLE`` output or previous
-            (``pipeline.iceberg_output.catalog_properties``).
+            (``pipeline.io.iceberg_output.catalog_properties``).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
             ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
@@ -121,7 +121,7 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
-        from pipeline.source_manifest import manifest_form  # noqa: PLC0415 - pyarrow, only when options are built
+        from pipeline.io.source_manifest import manifest_form  # noqa: PLC0415 - pyarrow, only when options are built
 
         if self.source_prefix is not None and manifest_form(self.source) is None:
             raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "

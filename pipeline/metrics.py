@@ -32,7 +32,7 @@ from pipeline.errors import ConfigError
 from pipeline.triton.server import LOOPBACK
 
 if TYPE_CHECKING:
-    from pipeline.stats import ShardStats
+    from pipeline.io.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
 

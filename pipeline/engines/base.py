@@ -198,7 +198,7 @@ class EngineSpec:
     def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None) -> None:
         """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8, and
         whatever the engine's ``model_check`` refuses."""
-        from pipeline.model import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
+        from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
 
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
             raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "

@@ -16,10 +16,10 @@ from pipeline.engines.base import (
     DEFAULT_TOP_K, STAGE_INFER, EngineSpec, Option, Result, positive_int, results_from_topk,
 )
 from pipeline.engines.auto import importable
-from pipeline.engines.gpu.classifier import RawResults
+from pipeline.gpu.classifier import RawResults
 from pipeline.errors import ConfigError, EngineError
-from pipeline.imaging import DecodeLimits
-from pipeline.model import is_builtin
+from pipeline.model.imaging import DecodeLimits
+from pipeline.model.folder import is_builtin
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import node_gpus
 
@@ -62,9 +62,9 @@ class GpuEngine:
     """The ``gpu`` engine: ``GpuClassifier`` in this process, returning ``Result`` rows.
 
     Args:
-        bundle: the model (``pipeline.model.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
+        bundle: the model (``pipeline.model.folder.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
             built from its checkpoint; a user's model as its ``model.onnx`` converted to torch
-            (``pipeline.engines.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
+            (``pipeline.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
@@ -75,8 +75,8 @@ class GpuEngine:
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
-        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
+        from pipeline.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
+        from pipeline.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         if options.get("device") is None:
             _require_cuda()
@@ -91,7 +91,7 @@ class GpuEngine:
                                         fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None
         if self.classifier.pipeline:
-            from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415
+            from pipeline.gpu.stream import RequestStream  # noqa: PLC0415
 
             self._stream = RequestStream(self.classifier, _respond, top_k=top_k)
 
@@ -155,7 +155,7 @@ def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
     """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
     engine's gpu profile, which runs the same classifier)."""
     from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
-    from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
+    from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
 
     if options.get("device") is None:  # on a cluster too, where the preflight is skipped
         gpus, where = cluster_gpus()

@@ -17,8 +17,8 @@ from pipeline.engines.base import (
     results_from_topk,
 )
 from pipeline.errors import ConfigError, EngineError, ImageError
-from pipeline.imaging import DecodeLimits, load_and_preprocess
-from pipeline.model import ModelBundle
+from pipeline.model.imaging import DecodeLimits, load_and_preprocess
+from pipeline.model.folder import ModelBundle
 
 LOG = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class OnnxEngine:
     """Classifies encoded images with ONNX Runtime on the CPU; decoding runs on a thread pool.
 
     Args:
-        bundle: the model (see ``pipeline.model.load_model``).
+        bundle: the model (see ``pipeline.model.folder.load_model``).
         top_k: classes per result.
         limits: caps on encoded bytes and header pixels.
         decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default the CPU count, at most MAX_DECODE_THREADS.

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 
 # Requests are padded to their longest file: cap the padded size so one big file does not make a 2 GB message.

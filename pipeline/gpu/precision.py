@@ -39,7 +39,7 @@ def gate_sample(spec, images: int = GATE_IMAGES, seed: int = GATE_SEED) -> np.nd
     """Fixed sample images (smooth colour fields with edges, seeded), preprocessed by the reference: float32 NCHW."""
     from PIL import Image  # noqa: PLC0415
 
-    from pipeline.imaging import preprocess_image  # noqa: PLC0415
+    from pipeline.model.imaging import preprocess_image  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     out = []

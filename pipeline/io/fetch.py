@@ -13,10 +13,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ImageError
 from pipeline.engines.base import STATUS_ERROR
-from pipeline.keys import uri_path
+from pipeline.io.keys import uri_path
 from pipeline.schema import DATA, FETCH_S
-from pipeline.source import open_fs
-from pipeline.source_manifest import manifest_form
+from pipeline.io.source import open_fs
+from pipeline.io.source_manifest import manifest_form
 
 LOG = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.25

@@ -176,7 +176,7 @@ class IcebergOutput:
 def table_parts(url: str, catalog_options: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None
                 ) -> tuple[Any, str, list[str]]:
     """``(fs, data folder, shard paths)`` of the snapshot an ``iceberg://`` URL names, for readers of an output."""
-    from pipeline.source import open_fs
+    from pipeline.io.source import open_fs
 
     output = IcebergOutput(url, catalog_options)
     if output.table is None:

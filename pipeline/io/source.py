@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 
 from pipeline.engines.base import STATUS_ERROR
 from pipeline.errors import ConfigError, EmptySourceError, SourceError
-from pipeline.keys import done_mask, identity_hashes, member, object_uri
-from pipeline.source_manifest import (
+from pipeline.io.keys import done_mask, identity_hashes, member, object_uri
+from pipeline.io.source_manifest import (
     INVENTORY_FORM, InventoryFile, UriListFile, canonical_uri, manifest_form, plan_manifest, read_inventory_manifest,
 )
-from pipeline.source_local import Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
+from pipeline.io.source_local import Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -175,7 +175,7 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
     Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
     by a hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
     after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
-    A manifest ``source`` (``pipeline.source_manifest``): its data files, with ``source_prefix`` (a URI prefix).
+    A manifest ``source`` (``pipeline.io.source_manifest``): its data files, with ``source_prefix`` (a URI prefix).
     """
     tasks = max(1, tasks)
     form = manifest_form(source or "")
@@ -441,7 +441,7 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: Unit, extensions: tuple[str, 
 
     ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
     needs them only for some (``listing_blocks`` stats the objects that are not done already). ``claim``: asked
-    before a folder out of the source is walked through a followed link (``pipeline.source_local.Claim``).
+    before a folder out of the source is walked through a followed link (``pipeline.io.source_local.Claim``).
     """
     if claim is not None and isinstance(unit, (LocalDir, LocalFiles)):
         unit = replace(unit, claim=claim)

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import ConfigError, SourceError
-from pipeline.keys import object_uri, uri_path
-from pipeline.source_local import Entry, list_error
+from pipeline.io.keys import object_uri, uri_path
+from pipeline.io.source_local import Entry, list_error
 
 URIS_FORM = "uris+"  # SOURCE = uris+URL: a text, CSV or Parquet file (or a folder of them) with one URI per row
 INVENTORY_FORM = "inventory+"  # SOURCE = inventory+s3://bucket/…/manifest.json: an S3 Inventory report

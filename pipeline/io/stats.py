@@ -73,7 +73,7 @@ class ShardStats:
             yield cls(**rec)
 
     def report_fields(self) -> dict[str, Any]:
-        """This run's part of the report input (``pipeline.report.build_run_report``)."""
+        """This run's part of the report input (``pipeline.quality.report.build_run_report``)."""
         return {
             "counts": {STATUS_OK: self.ok, STATUS_ERROR: self.errors},
             "error_kinds": dict(self.error_kinds),

@@ -1,5 +1,5 @@
 """Writing output: each shard's rows committed atomically under a name derived from its content, with its record in
-the footer, and the JSON bookkeeping files; ``pipeline.reader`` reads them back."""
+the footer, and the JSON bookkeeping files; ``pipeline.io.reader`` reads them back."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from pipeline.schema import (
     PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform,
 )
 from pipeline.engines.base import STATUS_OK
-from pipeline.keys import identity_hashes, uri_hashes
-from pipeline.source import is_local, open_fs
-from pipeline.stats import ShardStats
+from pipeline.io.keys import identity_hashes, uri_hashes
+from pipeline.io.source import is_local, open_fs
+from pipeline.io.stats import ShardStats
 
 SHARD_ID_BYTES = 12
 # Temporary names this tool writes before a rename: "." + the final name + "." + 32 hex digits + ".tmp".

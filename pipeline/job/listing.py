@@ -12,8 +12,8 @@ import pyarrow.compute as pc
 from ray.data import Datasource
 
 from pipeline.schema import WORK_SCHEMA, conform
-from pipeline.source import listing_blocks, open_fs, resolve_keys
-from pipeline.source_manifest import manifest_form
+from pipeline.io.source import listing_blocks, open_fs, resolve_keys
+from pipeline.io.source_manifest import manifest_form
 
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
 

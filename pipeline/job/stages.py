@@ -16,8 +16,8 @@ from pipeline.engines.base import STATUS_OK
 from pipeline.engines.registry import engine_spec
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
-from pipeline.keys import member, uri_hashes
-from pipeline.source import is_local, open_fs, plan_listing
+from pipeline.io.keys import member, uri_hashes
+from pipeline.io.source import is_local, open_fs, plan_listing
 from pipeline.triton.server import LOOPBACK
 from pipeline.triton.profiles import node_gpus
 
@@ -180,7 +180,7 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     from pipeline.actor import ClassifyActor
-    from pipeline.fetch import fetch_batch
+    from pipeline.io.fetch import fetch_batch
     from pipeline.job.listing import ListingDatasource
 
     cpus, gpus = _cluster()
@@ -290,8 +290,8 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, m
 def _write(ds: Any, config: RunConfig, cpus: int):
     from ray.data import ActorPoolStrategy
 
-    from pipeline.quality import quality_footer
-    from pipeline.writer import ShardWriter
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.writer import ShardWriter
 
     if not writer_actors(cpus):
         return ds
@@ -313,7 +313,7 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None, *, mode
 
     ``model_digest`` is this run's: a row is carried only when its model's digest is this one, so the rows say so
     (rows written before digests were recorded have none)."""
-    from pipeline.writer import row_identities
+    from pipeline.io.writer import row_identities
 
     ok = pc.fill_null(pc.equal(table.column("status"), STATUS_OK), False)
     n = table.num_rows
@@ -342,10 +342,10 @@ def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous:
     The shards written depend only on ``paths`` and ``carried``, so a retried task rewrites the same content-named
     shards instead of adding rows.
     """
-    from pipeline.quality import quality_footer
-    from pipeline.stats import STATS_SCHEMA
-    from pipeline.reader import read_shard
-    from pipeline.writer import ShardRecord, write_shard
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.stats import STATS_SCHEMA
+    from pipeline.io.reader import read_shard
+    from pipeline.io.writer import ShardRecord, write_shard
 
     fs, _root = open_fs(previous, storage_options)
     held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pipeline.errors import ModelError
-from pipeline.imaging import PreprocessSpec
+from pipeline.model.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import ConfigError, ImageError
-from pipeline.spec import (  # noqa: F401 - the spec's names, re-exported where callers look
+from pipeline.model.spec import (  # noqa: F401 - the spec's names, re-exported where callers look
     CHANNEL_ORDERS, INTERPOLATIONS, LAYOUTS, OUTPUT_KINDS, OUTPUT_LOGITS, OUTPUT_PROBABILITIES, RESIZE_MODES,
     RESIZE_SHORTER, RESIZE_SQUASH, PreprocessSpec,
 )

@@ -82,7 +82,7 @@ GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_DALI_DEPTH = "dali_depth"  # DALI: batches in flight on one pipeline (1: a pipeline per preparing thread)
 GPU_PARAM_DALI_THREADS = "dali_threads"  # DALI: CPU threads per pipeline
 GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: one of CUDA_SYNC_MODES
-# How the gpu paths' threads wait for the GPU (pipeline.engines.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
+# How the gpu paths' threads wait for the GPU (pipeline.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
 CUDA_SYNC_MODES = ("auto", "spin", "yield", "block")
 # Batches' worth of images one model instance holds before its execute() waits (so the server gives the next
 # requests to another instance); "0": never waits.

@@ -102,8 +102,8 @@ def measure(source: str) -> None:
     import numpy as np
 
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.source import check_source, listing_blocks, open_fs, plan_listing
-    from pipeline.source_manifest import manifest_form
+    from pipeline.io.source import check_source, listing_blocks, open_fs, plan_listing
+    from pipeline.io.source_manifest import manifest_form
 
     fs, root = open_fs(source)
     fs.ls(root.split("/", 1)[0])  # the client is made and connected before the clock starts

@@ -58,7 +58,7 @@ def main() -> None:
 
     import pipeline.job.run as run
     import pipeline.job.stages as stages
-    import pipeline.model as model
+    import pipeline.model.folder as model
     from pipeline.cli import main as cli
 
     trace = Path(tempfile.mkdtemp(prefix="probe-start-")) / "timeline.json"

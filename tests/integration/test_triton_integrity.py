@@ -24,7 +24,7 @@ from conftest import make_jpeg
 from pipeline.engines import triton as triton_engine
 from pipeline.engines.registry import make_engine
 from pipeline.errors import ModelError, TritonError
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton import server as triton_server
 from pipeline.triton import sharing
@@ -167,9 +167,9 @@ def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_an
     import psutil
 
     from pipeline.actor import ClassifyActor
-    from pipeline.report import build_run_report, format_run_report
-    from pipeline.stats import ShardStats
-    from pipeline.writer import write_shard
+    from pipeline.quality.report import build_run_report, format_run_report
+    from pipeline.io.stats import ShardStats
+    from pipeline.io.writer import write_shard
 
     batch = _work_batch  # the job's working rows of _images(start, n)
 
@@ -274,7 +274,7 @@ import json, sys
 sys.path[:0] = [sys.argv[1]]
 from conftest import make_jpeg
 from pipeline.engines.registry import make_engine
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 repo, start, n, timeout_s, hold = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 size = lambda i: (24 + i % 97, 20 + i // 97)
 engine = make_engine("triton", load_model(None), top_k=5, repository=repo, share_server=True, request_batch=2,
@@ -547,7 +547,7 @@ EXITING_OWNER = '''
 import atexit, json, sys
 sys.path[:0] = [sys.argv[1]]
 from pipeline.engines.registry import make_engine
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 engine = make_engine("triton", load_model(None), top_k=5, repository=sys.argv[2], share_server=True, request_batch=2)
 atexit.register(engine.close)
 print(json.dumps({"ready": engine.server is not None}), flush=True)

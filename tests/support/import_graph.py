@@ -22,10 +22,10 @@ FLOORS = {
     "pipeline.triton.serve": 4,
     "pipeline.engines": 3,
     "pipeline.triton": 2,
-    "pipeline.model": 1,
-    "pipeline.default_model": 1,
-    "pipeline.imaging": 1,
-    "pipeline.spec": 1,
+    "pipeline.model.folder": 1,
+    "pipeline.model.default_model": 1,
+    "pipeline.model.imaging": 1,
+    "pipeline.model.spec": 1,
     "pipeline.errors": 0,
 }
 JOB_FLOOR = 5

@@ -32,7 +32,7 @@ def test_every_registered_option_is_a_constructor_argument(name):
     spec = REGISTRY[name]
     factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
     if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
-        from pipeline.engines.gpu.classifier import GpuClassifier
+        from pipeline.gpu.classifier import GpuClassifier
 
         params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
     else:
