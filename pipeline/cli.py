@@ -15,14 +15,18 @@ from pipeline import __version__
 from pipeline.config import (
     CPUS_PER_CPU_ACTOR, ENV_PREFIX, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS, STATUS_ERROR, STATUS_OK
 from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
+from pipeline.engines.base import DEFAULT_BATCH_SIZE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.int8.gate import GateThresholds
+from pipeline.int8.quantize import (
+    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
+    QuantizeOptions,
+)
 from pipeline.io.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
-from pipeline.io.source_manifest import INVENTORY_FORM, URIS_FORM
 from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model.imaging import MAX_DECODE_THREADS
 from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.model_import.core import (
     DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT as IMPORT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES,
@@ -30,17 +34,15 @@ from pipeline.model_import.core import (
 )
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
 from pipeline.quality.statistics import DriftThresholds
-from pipeline.int8.quantize import (
-    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
-    QuantizeOptions,
-)
+from pipeline.schema import DEFAULT_TOP_K, MIB, STATUS_ERROR, STATUS_OK
 from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
+from pipeline.storage import INVENTORY_FORM, URIS_FORM
+from pipeline.terminal import quiet_ray
+from pipeline.triton import contract as tn
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
+from pipeline.triton.profiles import GPU, PORTABLE
 from pipeline.triton.repository import REPOSITORY_PROFILES
-from pipeline.triton import contract as tn
-from pipeline.triton.profiles import GPU, MIB, PORTABLE
-from pipeline.terminal import quiet_ray
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
@@ -318,8 +320,7 @@ def engines_command() -> None:
         click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
         click.echo(f"  {spec.int8}")
         for option in spec.options:
-            kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
-            click.echo(f"  {option.name}={kind}  {option.help}")
+            click.echo(f"  {option.name}={option.kind}  {option.help}")
 
 
 def _nightly_progress(every_s: float = NIGHTLY_PROGRESS_EVERY_S) -> Callable[[int, "int | None", int], None]:

@@ -27,9 +27,9 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import ConfigError
-from pipeline.triton.server import LOOPBACK
+from pipeline.node import LOOPBACK
+from pipeline.schema import STATUS_ERROR, STATUS_OK
 
 if TYPE_CHECKING:
     from pipeline.io.stats import ShardStats

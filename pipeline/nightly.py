@@ -174,7 +174,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
 
 
 def _open(url: str, storage_options: Mapping[str, Any] | None):
-    from pipeline.io.source import open_fs
+    from pipeline.storage import open_fs
 
     return open_fs(url, storage_options)
 

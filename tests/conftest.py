@@ -88,7 +88,7 @@ def ray_local(s3_server):
     """One local Ray for the in-process job tests (started after the S3 variables are set, so workers see them)."""
     import ray
 
-    from pipeline.job import local_ray_env
+    from pipeline.node import local_ray_env
 
     local_ray_env()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")

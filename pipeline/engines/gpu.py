@@ -12,16 +12,15 @@ import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import (
-    DEFAULT_TOP_K, STAGE_INFER, EngineSpec, Option, Result, positive_int, results_from_topk,
-)
-from pipeline.engines.auto import importable
-from pipeline.gpu.classifier import RawResults
+from pipeline.engines.base import EngineSpec, Option, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError
-from pipeline.model.imaging import DecodeLimits
+from pipeline.gpu.classifier import RawResults
+from pipeline.gpu.dali import DALI_INSTALL
 from pipeline.model.folder import is_builtin
+from pipeline.model.imaging import DecodeLimits
+from pipeline.node import importable
+from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import node_gpus
 
 SPEC = EngineSpec(
     name="gpu",
@@ -147,8 +146,7 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
                           "or use --engine onnx or --engine triton")
     if not importable("nvidia.dali"):
-        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
-                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
+        raise ConfigError(f"--engine gpu {DALI_INSTALL} (the gpu extra includes it), or use --engine onnx")
 
 
 def check_model(bundle: Any, options: Mapping[str, Any]) -> None:

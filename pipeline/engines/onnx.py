@@ -12,13 +12,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import (
-    DEFAULT_TOP_K, MAX_DECODE_THREADS, STAGE_DECODE, STAGE_INFER, STATUS_OK, EngineSpec, Result, positive_int,
-    results_from_topk,
-)
+from pipeline.engines.base import EngineSpec, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError, ImageError
-from pipeline.model.imaging import DecodeLimits, load_and_preprocess
 from pipeline.model.folder import ModelBundle
+from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, load_and_preprocess
+from pipeline.schema import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK
 
 LOG = logging.getLogger(__name__)
 

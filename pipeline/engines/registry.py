@@ -11,9 +11,10 @@ import importlib
 from typing import Any, Mapping
 
 from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
-from pipeline.engines.base import DEFAULT_TOP_K, Engine, EngineSpec
+from pipeline.engines.base import Engine, EngineSpec
 from pipeline.errors import ConfigError
 from pipeline.model.imaging import DecodeLimits
+from pipeline.schema import DEFAULT_TOP_K
 
 # The engine modules, each exporting ``SPEC``, in the order --help and `bulk-classify engines` list them.
 ENGINE_MODULES = (

@@ -25,12 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import (
-    STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
-)
+from pipeline.engines.base import EngineSpec, Option, Result, positive_float, positive_int, results_from_topk
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
 from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
+from pipeline.schema import STAGE_INFER
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile, visible_gpus
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver

@@ -37,22 +37,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import MAX_DECODE_THREADS
 from pipeline.errors import EngineError, ImageError
-from pipeline.triton import contract as tn
-from pipeline.model.imaging import DecodeLimits, PreprocessSpec
-from pipeline.gpu.dali import (
-    DALI_MISSING,
-    DEFAULT_DALI_DEPTH,
-    DEFAULT_HW_DECODER_LOAD,
-    DaliPrep,
-    dali_available,
-    host_array,
-)
-from pipeline.triton.dali_pipeline import DALI_THREADS
 from pipeline.gpu.cuda_sync import check_cuda_sync, use_cuda_device
+from pipeline.gpu.dali import (
+    DALI_MISSING, DEFAULT_DALI_DEPTH, DEFAULT_HW_DECODER_LOAD, DaliPrep, dali_available, host_array,
+)
 from pipeline.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.gpu.topk_network import TopKNetwork
+from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, PreprocessSpec
+from pipeline.triton import contract as tn
+from pipeline.triton.dali_pipeline import DALI_THREADS
 
 LOG = logging.getLogger(__name__)
 

@@ -43,9 +43,10 @@ DEFAULT_HW_DECODER_LOAD = 1.0
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
 # alone); a deeper pipeline keeps the hardware decoders busy while the network runs.
 DEFAULT_DALI_DEPTH = 3
-# The one line a gpu classifier fails with where DALI is not installed (pyproject's ``dali`` and ``gpu`` extras).
-DALI_MISSING = ("the gpu engine decodes and resizes with DALI, which is not installed here: "
-                "pip install 'bulk-classify[dali]' (nvidia-dali-cuda120; the gpu extra includes it)")
+# What to install where DALI is missing (pyproject's ``dali`` and ``gpu`` extras), and the one line a gpu classifier
+# fails with then; the gpu engine's preflight says the same before a run.
+DALI_INSTALL = "decodes and resizes with DALI, which is not installed here: pip install 'bulk-classify[dali]'"
+DALI_MISSING = f"the gpu engine {DALI_INSTALL} (nvidia-dali-cuda120; the gpu extra includes it)"
 
 
 def dali_available() -> bool:

@@ -12,9 +12,9 @@ from typing import Any, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schema import GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform
-from pipeline.io.source import is_local
 from pipeline.io.writer import ShardRecord
+from pipeline.schema import GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform
+from pipeline.storage import is_local
 
 LOG = logging.getLogger(__name__)
 GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")

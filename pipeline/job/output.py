@@ -20,15 +20,15 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import RunConfig
-from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.io.keys import member, uri_hashes
-from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
-from pipeline.io.source import LocalDir, is_local, open_fs, storage_failure
 from pipeline.io.reader import (
     GROUP_RE, committed_parts, is_committed_shard, iter_records, read_json, read_record, read_shard,
 )
+from pipeline.io.source import LocalDir
 from pipeline.io.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
+from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, STATUS_ERROR, STATUS_OK, SUCCESS
+from pipeline.storage import is_local, open_fs, storage_failure
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it

@@ -12,21 +12,22 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
+from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.errors import LIST_ERROR
 from pipeline.io.iceberg_output import IcebergOutput, resolve_tables
+from pipeline.io.reader import committed_parts
+from pipeline.io.source import check_source
+from pipeline.io.source_manifest import planned_entries
+from pipeline.io.stats import ShardStats
+from pipeline.io.writer import write_json
 from pipeline.job.lease import Lease
-from pipeline.job.local_ray import local_ray_env
-from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
 )
-from pipeline.io.reader import committed_parts
+from pipeline.node import local_ray_env
 from pipeline.schema import REPORT, SUCCESS
-from pipeline.io.source import check_source, open_fs
-from pipeline.io.source_manifest import planned_entries
-from pipeline.io.stats import ShardStats
-from pipeline.io.writer import write_json
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]

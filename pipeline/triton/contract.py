@@ -25,6 +25,8 @@ Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tens
 format for every profile keeps the engine profile-agnostic.
 """
 
+from pipeline.schema import DEFAULT_TOP_K  # noqa: F401 - the top-k a repository serves unless told otherwise
+
 # Where INT8 models run: ONNX Runtime's integer kernels (the onnx engine, the portable profile); the GPU paths run
 # torch networks in FP32/FP16 and would need TensorRT for INT8.
 NO_INT8 = "no INT8 on the GPU paths without TensorRT"
@@ -69,8 +71,6 @@ OUTPUTS = {
 REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT, OUTPUT_ECHO)
 # A TAG is (request id << TAG_INDEX_BITS) | the image's index in its request; requests hold fewer images than this.
 TAG_INDEX_BITS = 24
-
-DEFAULT_TOP_K = 5
 
 # The gpu profile's config.pbtxt `parameters` (string values, also accepted as request parameters), written by
 # pipeline.triton.configs and read by the gpu profile's models.

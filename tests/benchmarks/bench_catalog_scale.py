@@ -290,8 +290,9 @@ def bench_faults(n: int, layout: str, work: Path, seeds: list[Path], model_dir: 
 
 
 def listing_rate(root: Path) -> float:
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.io.source import list_unit, open_fs, plan_listing
+    from pipeline.schema import DEFAULT_EXTENSIONS
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     fs, path = open_fs(str(root))
     start = time.perf_counter()
@@ -396,8 +397,9 @@ def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_ma
     from conftest import MotoServer, free_port
 
     import pipeline.io.source as source
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.io.source import list_unit, open_fs, plan_listing
+    from pipeline.schema import DEFAULT_EXTENSIONS
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     server = None
     if port is None:

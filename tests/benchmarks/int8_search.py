@@ -39,11 +39,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from pipeline.config import DEFAULT_EXTENSIONS  # noqa: E402
 from pipeline.int8.gate import GateThresholds, gate  # noqa: E402
-from pipeline.model.folder import load_model  # noqa: E402
 from pipeline.int8.quantize import EVAL_BATCH, QuantizeOptions, draw_sample, load_tensors, quantize_onnx  # noqa: E402
 from pipeline.int8.quantize_nodes import CALIBRATION_BATCH, layer_errors  # noqa: E402
+from pipeline.model.folder import load_model  # noqa: E402
+from pipeline.schema import DEFAULT_EXTENSIONS  # noqa: E402
 
 EVAL_MODES = ("simulate", "cpu")
 DEFAULT_CANDIDATES = ("default=",)

@@ -51,7 +51,7 @@ def main() -> None:
         raise SystemExit(__doc__)
     src, out, *options = sys.argv[1:]
     shutil.rmtree(out, ignore_errors=True)
-    from pipeline.job.local_ray import local_ray_env
+    from pipeline.node import local_ray_env
 
     local_ray_env()  # before Ray is imported, as the CLI does
     import ray

@@ -22,8 +22,7 @@ from conftest import free_port, make_jpeg
 from pipeline.config import RunConfig
 from pipeline.io.fetch import fetch_batch
 from pipeline.job import run_job
-from pipeline.io.source import LISTING_SCHEMA
-from pipeline.schema import WORK_SCHEMA, conform
+from pipeline.schema import LISTING_SCHEMA, WORK_SCHEMA, conform
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 OUTAGE_OBJECTS = 1500  # objects behind the S3 outage test

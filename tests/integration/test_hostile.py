@@ -26,14 +26,14 @@ import pytest
 from conftest import make_jpeg
 from support.ray_cluster import LocalRayCluster
 from pipeline.config import RunConfig
+from pipeline.io.keys import legacy_uri, uri_path
+from pipeline.io.reader import committed_parts
+from pipeline.io.writer import write_json, write_shard
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
 from pipeline.job.output import dedupe_output, remove_owned
-from pipeline.io.keys import legacy_uri, uri_path
 from pipeline.schema import LEASE, OUTPUT_SCHEMA, SUCCESS, conform
-from pipeline.io.source import open_fs
-from pipeline.io.reader import committed_parts
-from pipeline.io.writer import write_json, write_shard
+from pipeline.storage import open_fs
 from support.paths import REPO
 
 PHOTOS = REPO / "tests" / "data" / "photos"
@@ -100,7 +100,8 @@ def _expected(src: Path, follow: bool) -> tuple[set[str], dict[str, str]]:
 
 def _listed(src: Path, tasks: int, follow: bool) -> list[tuple]:
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.io.source import list_unit, open_fs, plan_listing
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     fs, root = open_fs(str(src))
     groups = plan_listing(fs, root, DEFAULT_EXTENSIONS, tasks, follow_symlinks=follow)
@@ -128,7 +129,8 @@ def test_a_rerun_finds_every_entry_and_list_error_row_done(tmp_path):
 
     from pipeline.config import DEFAULT_EXTENSIONS
     from pipeline.io.keys import uri_hashes
-    from pipeline.io.source import listing_blocks, open_fs, plan_listing
+    from pipeline.io.source import listing_blocks, plan_listing
+    from pipeline.storage import open_fs
 
     src, _outside = _hostile_tree(tmp_path)
     fs, root = open_fs(str(src))
@@ -311,7 +313,7 @@ def _legacy_copy(out: Path, legacy: Path) -> int:
     from pipeline.io.reader import committed_parts
     from pipeline.io.writer import write_shard
 
-    from pipeline.io.source import open_fs
+    from pipeline.storage import open_fs
 
     fs, root = open_fs(str(out))
     changed = 0
@@ -361,7 +363,8 @@ def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_s
     from pipeline.config import DEFAULT_EXTENSIONS
     from pipeline.io.fetch import fetch_batch
     from pipeline.schema import DATA, WORK_SCHEMA, conform
-    from pipeline.io.source import entries_table, list_unit, open_fs, plan_listing
+    from pipeline.io.source import entries_table, list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     s3.create_bucket(Bucket="hostile-keys")
     bodies = {key: f"body of {key}".encode() for key in S3_KEYS}
@@ -384,7 +387,8 @@ def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_s
 
 def test_s3_prefix_without_images_is_refused_before_any_work(s3, s3_server):
     from pipeline.errors import EmptySourceError
-    from pipeline.io.source import check_source, open_fs
+    from pipeline.io.source import check_source
+    from pipeline.storage import open_fs
 
     s3.create_bucket(Bucket="hostile-empty")
     s3.put_object(Bucket="hostile-empty", Key="p/notes.txt", Body=b"no")

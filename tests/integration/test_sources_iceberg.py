@@ -20,9 +20,10 @@ import pipeline.io.source as source
 from conftest import free_port, make_jpeg
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig
 from pipeline.io.iceberg_output import IcebergOutput
+from pipeline.io.source import list_unit, plan_listing
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
-from pipeline.io.source import list_unit, open_fs, plan_listing
+from pipeline.storage import open_fs
 
 LIVE = [f"photos/{i:02d}.jpg" for i in range(10)] + ["photos/b c.jpg"]
 VANISHED = "photos/vanished.jpg"  # in the inventory, deleted from the bucket since

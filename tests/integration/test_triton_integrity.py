@@ -25,9 +25,7 @@ from pipeline.engines import triton as triton_engine
 from pipeline.engines.registry import make_engine
 from pipeline.errors import ModelError, TritonError
 from pipeline.model.folder import load_model
-from pipeline.triton import contract as tn
-from pipeline.triton import server as triton_server
-from pipeline.triton import sharing
+from pipeline.triton import contract as tn, server as triton_server, sharing
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import build_repository
 from support.paths import TESTS
@@ -603,7 +601,7 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     from pipeline.engines.registry import engine_spec
     from pipeline.job.stages import classify_actor_options
     from pipeline.schema import ENGINE_EVENTS
-    from pipeline.triton.workdirs import pid_alive
+    from pipeline.node import pid_alive
 
     repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
     for key in engine_spec("triton").actor_env:  # this session's Ray was started without it: the options carry it

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.engines.auto import importable
+from pipeline.node import importable
 from support.paths import PHOTOS
 
 CLI = [sys.executable, "-m", "pipeline.cli"]

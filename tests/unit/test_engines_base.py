@@ -7,15 +7,10 @@ import inspect
 import numpy as np
 import pytest
 
-from pipeline.engines.base import (
-    STATUS_ERROR,
-    STATUS_OK,
-    Option,
-    _load,
-    results_from_topk,
-)
+from pipeline.engines.base import Option, _load, results_from_topk
 from pipeline.engines.registry import DEFAULT_ENGINE, ENGINE_NAMES, REGISTRY, engine_kwargs, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.schema import STATUS_ERROR, STATUS_OK
 
 
 def test_registry_names_every_engine_once():

@@ -12,15 +12,13 @@ import pytest
 
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
-from pipeline.job.output import (
-    RecordCounter, begin_output, check_output, index_output, read_previous,
-)
-from pipeline.quality.statistics import committed_quality
-from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.io.keys import uri_hash
-from pipeline.io.source import open_fs
 from pipeline.io.reader import committed_parts
 from pipeline.io.writer import write_shard
+from pipeline.job.output import RecordCounter, begin_output, check_output, index_output, read_previous
+from pipeline.quality.statistics import committed_quality
+from pipeline.schema import OUTPUT_SCHEMA, conform
+from pipeline.storage import open_fs
 from test_writer import M_DIGEST, rows
 
 M = SimpleNamespace(name="m", digest=M_DIGEST, short_digest=M_DIGEST[:12])  # the model that wrote ``rows``

@@ -9,7 +9,8 @@ import numpy as np
 import pipeline.io.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
 from pipeline.io.keys import identity_hash, member, uri_hash
-from pipeline.io.source import LocalFiles, list_unit, listing_blocks, open_fs, plan_listing
+from pipeline.io.source import LocalFiles, list_unit, listing_blocks, plan_listing
+from pipeline.storage import open_fs
 
 EXT = DEFAULT_EXTENSIONS
 

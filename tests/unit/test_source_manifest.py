@@ -14,9 +14,10 @@ import pytest
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig
 from pipeline.errors import ConfigError, SourceError
 from pipeline.io.keys import identity_hashes
-from pipeline.io.source import check_source, list_unit, listing_blocks, open_fs, plan_listing
+from pipeline.io.source import check_source, list_unit, listing_blocks, plan_listing
 from pipeline.io.source_local import walk_local
 from pipeline.io.source_manifest import InventoryFile, UriListFile, _footer_rows, planned_entries
+from pipeline.storage import open_fs
 
 EXT = DEFAULT_EXTENSIONS
 INVENTORY_COLUMNS = ("Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag")
