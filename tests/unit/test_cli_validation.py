@@ -106,7 +106,7 @@ def test_bad_option_fails_fast_in_one_line_and_writes_nothing(tmp_path, args, me
 def test_the_gpu_engine_without_torch_is_refused_in_one_line(tmp_path, monkeypatch):
     import importlib.util
 
-    from pipeline.gpu import engine as gpu_engine
+    from pipeline.engines import gpu as gpu_engine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(gpu_engine.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else
