@@ -190,7 +190,8 @@ def test_unreadable_sub_folder_is_a_list_error_row_and_an_unreadable_source_one_
     (src / "locked").chmod(0)
     try:
         # the local listing, and fsspec's walk as other stores are listed (it leaves such a folder out unless told)
-        script = ("import json, sys; from pipeline.io.source import FsDir, list_unit, open_fs, plan_listing; "
+        script = ("import json, sys; from pipeline.io.source import FsDir, list_unit, plan_listing; "
+                  "from pipeline.storage import open_fs; "
                   "fs, root = open_fs(sys.argv[1]); ext = ('jpg',); "
                   "print(json.dumps([[list(e) for g in plan_listing(fs, root, ext, 2) for u in g "
                   "for e in list_unit(fs, u, ext)], [list(e) for e in list_unit(fs, FsDir(root), ext)]]))")
