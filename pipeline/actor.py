@@ -12,9 +12,11 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_ERROR, STATUS_OK
 from pipeline.engines.registry import engine_kwargs, engine_spec
-from pipeline.schema import CALLS, DATA, DECODE_S, ENGINE_EVENTS, INFER_S
+from pipeline.schema import (
+    CALLS, CARRIED, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
+    MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -35,8 +37,8 @@ class ClassifyActor:
         model_digest: str | None = None,
     ):
         from pipeline.errors import ModelError
-        from pipeline.imaging import DecodeLimits
-        from pipeline.model import load_model
+        from pipeline.model.imaging import DecodeLimits
+        from pipeline.model.folder import load_model
 
         self.bundle = load_model(model)
         if model_digest is not None and self.bundle.digest != model_digest:
@@ -58,20 +60,20 @@ class ClassifyActor:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         data = batch.column(DATA).to_pylist()
-        status = batch.column("status").to_pylist()
-        error = batch.column("error").to_pylist()
-        carried = batch.column("carried").to_pylist()
+        status = batch.column(STATUS).to_pylist()
+        error = batch.column(ERROR).to_pylist()
+        carried = batch.column(CARRIED).to_pylist()
         todo = [i for i in range(len(data)) if not carried[i] and status[i] is None and data[i] is not None]
         n = len(data)
-        class_ids = batch.column("class_ids").to_pylist()
-        labels = batch.column("labels").to_pylist()
-        scores = batch.column("scores").to_pylist()
-        width = batch.column("width").to_pylist()
-        height = batch.column("height").to_pylist()
-        model = batch.column("model").to_pylist()
-        digest = batch.column("model_digest").to_pylist()
-        engine = batch.column("engine").to_pylist()
-        when = batch.column("classified_at").to_pylist()
+        class_ids = batch.column(CLASS_IDS).to_pylist()
+        labels = batch.column(LABELS).to_pylist()
+        scores = batch.column(SCORES).to_pylist()
+        width = batch.column(WIDTH).to_pylist()
+        height = batch.column(HEIGHT).to_pylist()
+        model = batch.column(MODEL).to_pylist()
+        digest = batch.column(MODEL_DIGEST).to_pylist()
+        engine = batch.column(ENGINE).to_pylist()
+        when = batch.column(CLASSIFIED_AT).to_pylist()
         now = datetime.now(timezone.utc)
         infer_s = [0.0] * n
         decode_s: list[float | None] = [None] * n
@@ -108,10 +110,10 @@ class ClassifyActor:
                 error[i] = None
         out = batch
         for name, values in (
-            ("status", status), ("error", error), ("class_ids", class_ids), ("labels", labels),
-            ("scores", scores), ("width", width), ("height", height), ("model", model), ("model_digest", digest),
-            ("engine", engine),
-            ("classified_at", when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
+            (STATUS, status), (ERROR, error), (CLASS_IDS, class_ids), (LABELS, labels),
+            (SCORES, scores), (WIDTH, width), (HEIGHT, height), (MODEL, model), (MODEL_DIGEST, digest),
+            (ENGINE, engine),
+            (CLASSIFIED_AT, when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
             (ENGINE_EVENTS, events),
         ):
             idx = out.schema.get_field_index(name)

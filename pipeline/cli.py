@@ -15,32 +15,34 @@ from pipeline import __version__
 from pipeline.config import (
     CPUS_PER_CPU_ACTOR, ENV_PREFIX, FETCH_AHEAD_PER_ACTOR, FETCH_AHEAD_PER_CPU_ACTOR, RunConfig, parse_option,
 )
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K, MAX_DECODE_THREADS, STATUS_ERROR, STATUS_OK
 from pipeline.engines.auto import CPU_CHOICE, GPU_CHOICE
+from pipeline.engines.base import DEFAULT_BATCH_SIZE
 from pipeline.engines.registry import AUTO_ENGINE, ENGINE_CHOICES, REGISTRY
 from pipeline.errors import BulkClassifyError, EmptySourceError
-from pipeline.gate import GateThresholds
-from pipeline.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
-from pipeline.source_manifest import INVENTORY_FORM, URIS_FORM
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.int8.gate import GateThresholds
+from pipeline.int8.quantize import (
+    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
+    QuantizeOptions,
+)
+from pipeline.io.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model.imaging import MAX_DECODE_THREADS
 from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.model_import.core import (
     DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT as IMPORT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES,
     ImportOptions,
 )
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
-from pipeline.quality import DriftThresholds
-from pipeline.quantize import (
-    CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
-    QuantizeOptions,
-)
+from pipeline.quality.statistics import DriftThresholds
+from pipeline.schema import DEFAULT_TOP_K, MIB, STATUS_ERROR, STATUS_OK
 from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
+from pipeline.storage import INVENTORY_FORM, URIS_FORM
+from pipeline.terminal import quiet_ray
+from pipeline.triton import contract as tn
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
+from pipeline.triton.profiles import GPU, PORTABLE
 from pipeline.triton.repository import REPOSITORY_PROFILES
-from pipeline.triton import contract as tn
-from pipeline.triton.profiles import GPU, MIB, PORTABLE
-from pipeline.terminal import quiet_ray
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
@@ -208,7 +210,7 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     except BulkClassifyError as err:
         raise Failure(str(err)) from None
     from pipeline.job import run_job
-    from pipeline.report import format_run_report
+    from pipeline.quality.report import format_run_report
 
     progress = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
@@ -277,7 +279,7 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
         _echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
               f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
         return
-    from pipeline.report import format_run_report
+    from pipeline.quality.report import format_run_report
 
     summary = result.summary
     if result.resumed_shards:
@@ -318,8 +320,7 @@ def engines_command() -> None:
         click.echo(f"{spec.name}: {spec.summary}{' (takes a GPU per actor where the cluster has GPUs)' if spec.needs_gpu else ''}")
         click.echo(f"  {spec.int8}")
         for option in spec.options:
-            kind = {int: "int", float: "number", bool: "true|false", list: "list", str: "text"}[option.type]
-            click.echo(f"  {option.name}={kind}  {option.help}")
+            click.echo(f"  {option.name}={option.kind}  {option.help}")
 
 
 def _nightly_progress(every_s: float = NIGHTLY_PROGRESS_EVERY_S) -> Callable[[int, "int | None", int], None]:
@@ -433,7 +434,7 @@ def model_quantize(source: str, output: str, model: str | None, samples: int, ca
     \b
     Exit status: 0 written, 3 the gate failed (no model written; the report goes to a side file), 1 an error.
     """
-    from pipeline.quantize import GateFailed, format_gate, quantize_model
+    from pipeline.int8.quantize import GateFailed, format_gate, quantize_model
 
     try:
         options = QuantizeOptions(method=method, percentile=percentile, per_channel=per_channel,
@@ -505,7 +506,7 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
 
     \b
     SOURCE NAME: timm ARCHITECTURE --checkpoint FILE; torchvision MODEL --checkpoint FILE; huggingface FOLDER.
-    Nothing is downloaded. The written folder runs through pipeline.imaging and ONNX Runtime on the sample photos,
+    Nothing is downloaded. The written folder runs through pipeline.model.imaging and ONNX Runtime on the sample photos,
     against the framework's own transform and forward.
     Exit status: 0 written, 3 parity failed (nothing written), 1 an error.
     """
@@ -544,7 +545,7 @@ def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[s
     """
     import json
 
-    from pipeline.report import format_summary, summarize_output
+    from pipeline.quality.report import format_summary, summarize_output
 
     options = _options(storage_options)
     catalog = _options(catalog_options, "--catalog-option", "warehouse=DIR")
@@ -558,7 +559,7 @@ def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[s
         _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
         return
 
-    from pipeline.quality import DRIFT_EXIT_CODE, compare_outputs, format_comparison
+    from pipeline.quality.statistics import DRIFT_EXIT_CODE, compare_outputs, format_comparison
 
     try:
         limits = DriftThresholds(**{k: v for k, v in thresholds.items() if v is not None})
@@ -567,7 +568,7 @@ def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[s
     try:
         result = compare_outputs(dest, against, limits, options, catalog)
         if html_file:
-            from pipeline.quality_html import write_html
+            from pipeline.quality.html import write_html
 
             write_html(result, html_file)
     except BulkClassifyError as err:

@@ -8,18 +8,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engines.base import DEFAULT_BATCH_SIZE, DEFAULT_TOP_K
+from pipeline.engines.base import DEFAULT_BATCH_SIZE
 from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
-from pipeline.iceberg_output import TableRef, is_iceberg
-from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from pipeline.io.iceberg_output import TableRef, is_iceberg
+from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from pipeline.node import local_ray_env
+from pipeline.schema import DEFAULT_EXTENSIONS, DEFAULT_TOP_K, MIB
+from pipeline.storage import manifest_form
 
-DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 ENV_PREFIX = "BULK_CLASSIFY_"
 # Fetch-ahead: bytes fetched but not yet classified wait in Ray's object store. The default budget is sized per
 # classify actor to hold some seconds of its work (docs/output.md#large-catalogs).
-FETCH_AHEAD_PER_ACTOR = 256 * 1024 * 1024
-FETCH_AHEAD_PER_CPU_ACTOR = 64 * 1024 * 1024
+FETCH_AHEAD_PER_ACTOR = 256 * MIB
+FETCH_AHEAD_PER_CPU_ACTOR = 64 * MIB
 # ...and never less than a few actor batches of typical images: with a budget below one actor batch Ray Data
 # feeds the actor a trickle.
 FETCH_AHEAD_BATCHES = 3
@@ -82,7 +84,7 @@ class RunConfig:
         source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
             starts with it.
         catalog_options: properties of the Iceberg catalog of an ``iceberg://NAMESPACE.TABLE`` output or previous
-            (``pipeline.iceberg_output.catalog_properties``).
+            (``pipeline.io.iceberg_output.catalog_properties``).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's
             ``calls_per_actor`` in ``pipeline.engines.registry.REGISTRY``.
     """
@@ -121,7 +123,6 @@ class RunConfig:
             raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
-        from pipeline.source_manifest import manifest_form  # noqa: PLC0415 - pyarrow, only when options are built
 
         if self.source_prefix is not None and manifest_form(self.source) is None:
             raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
@@ -154,7 +155,7 @@ class RunConfig:
             raise ConfigError(f"--num-actors must be at least 1, got {self.num_actors}")
         if self.decode_threads is not None and self.decode_threads < 1:
             raise ConfigError(f"--decode-threads must be at least 1, got {self.decode_threads}")
-        if self.fetch_ahead_bytes is not None and self.fetch_ahead_bytes < 16 * 1024 * 1024:
+        if self.fetch_ahead_bytes is not None and self.fetch_ahead_bytes < 16 * MIB:
             raise ConfigError(f"--fetch-ahead-bytes {self.fetch_ahead_bytes} is below 16 MiB (16777216); "
                               "give a larger budget or leave it unset")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -179,8 +180,6 @@ class RunConfig:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
             if not os.environ.get("RAY_ADDRESS"):
-                from pipeline.job.local_ray import local_ray_env  # noqa: PLC0415
-
                 local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
             gpus, where = cluster_gpus()
         engine = choose(gpus, where).engine if self.engine == AUTO_ENGINE else self.engine

@@ -27,12 +27,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import ConfigError
-from pipeline.triton.server import LOOPBACK
+from pipeline.node import LOOPBACK
+from pipeline.schema import STATUS_ERROR, STATUS_OK
 
 if TYPE_CHECKING:
-    from pipeline.stats import ShardStats
+    from pipeline.io.stats import ShardStats
 
 LOG = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """``bulk-classify model check``: a model folder's contract, then sample images through the reference and each engine.
 
-The contract is what ``pipeline.model.load_model`` and each engine's ``model_check`` refuse (labels against the output,
+The contract is what ``pipeline.model.folder.load_model`` and each engine's ``model_check`` refuse (labels against the output,
 the input's rank, size and layout against the spec, 0..1 mean/std with scale 1, an undeclared Softmax); on top, the
 outputs of the sample must not already sum to 1 unless the spec declares probabilities. Then every engine available
-here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.imaging +
+here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.model.imaging +
 ONNX Runtime, softmax per the spec).
 """
 
@@ -14,8 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from pipeline.config import DEFAULT_EXTENSIONS
+from pipeline.engines.onnx import fixed_batches
+from pipeline.engines.registry import ENGINE_NAMES, engine_spec, make_engine
 from pipeline.errors import BulkClassifyError, ConfigError, ImageError, ModelError
+from pipeline.model.folder import fixed_batch_note, load_model
+from pipeline.model.imaging import load_and_preprocess
+from pipeline.node import node_gpus
+from pipeline.schema import DEFAULT_EXTENSIONS
+from pipeline.storage import open_fs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -77,8 +83,6 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
         ModelError: the contract is broken. ConfigError: no usable sample images, or an unknown engine.
     """
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs
-    from pipeline.engines.registry import ENGINE_NAMES, engine_spec
-    from pipeline.model import fixed_batch_note, load_model
 
     bundle = load_model(folder)
     report = CheckReport(model=str(folder))
@@ -120,7 +124,6 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
 def read_sample(images: str | None, sample: int, storage_options: Mapping[str, Any] | None = None
                 ) -> list[tuple[str, bytes]]:
     """(name, bytes) of up to ``sample`` images under ``images``, in name order."""
-    from pipeline.source import open_fs
 
     source = str(images) if images else str(DEFAULT_IMAGES)
     fs, root = open_fs(source, storage_options)
@@ -140,7 +143,6 @@ def reference_outputs(bundle: Any, batch: np.ndarray) -> np.ndarray:
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs
     import onnxruntime as ort
 
-    from pipeline.engines.onnx import fixed_batches
 
     session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
 
@@ -175,8 +177,6 @@ def check_output_kind(bundle: Any, raw: np.ndarray) -> None:
 
 
 def _reference_input(data: bytes, bundle: Any) -> np.ndarray:
-    from pipeline.imaging import load_and_preprocess
-
     return load_and_preprocess(data, bundle.spec)[0]
 
 
@@ -190,8 +190,6 @@ def _softmax(raw: np.ndarray) -> np.ndarray:
 def _unavailable(spec: Any) -> str:
     """Why engine ``spec`` cannot run on this machine, or ""."""
     if spec.gpu_only:
-        from pipeline.triton.profiles import node_gpus
-
         if node_gpus() == 0:
             return "needs a GPU"
     try:
@@ -202,8 +200,6 @@ def _unavailable(spec: Any) -> str:
 
 
 def _classify(name: str, bundle: Any, blobs: list[bytes]) -> list[Any]:
-    from pipeline.engines.registry import make_engine
-
     engine = make_engine(name, bundle, top_k=CHECK_TOP_K)
     try:
         return engine.classify(blobs)

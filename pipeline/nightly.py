@@ -8,7 +8,7 @@
 * The latest earlier completed ``date=`` folder is passed as ``previous``, so objects unchanged since
   then (same URI, ETag, size and mtime) are carried over instead of reclassified (``--no-previous`` off).
 * The finished date is compared with the previous completed date (top-1 confidence PSI, label JS divergence,
-  error rates; ``pipeline/quality.py``) and the comparison recorded as ``drift`` in its ``_REPORT.json``; the
+  error rates; ``pipeline/quality/statistics.py``) and the comparison recorded as ``drift`` in its ``_REPORT.json``; the
   exit status does not depend on it: ``bulk-classify report DEST --against previous`` is the gate.
 * ``--config FILE`` (YAML) may hold any of these options (``output_root``, ``date``, ...) and any run
   option (``batch_size``, ``num_actors``, ``storage_options``, ...); the command line wins over the file,
@@ -140,7 +140,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     config.check_requirements()
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
-    from pipeline.reader import committed_parts, read_json  # noqa: PLC0415
+    from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
 
     fs, root = _open(dest, storage_options)
     try:
@@ -165,7 +165,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     from pipeline.job import run_job  # noqa: PLC0415 - Ray and pyarrow: only for a run
 
     summary = run_job(config, progress=progress)
-    from pipeline.quality import record_drift  # noqa: PLC0415
+    from pipeline.quality.statistics import record_drift  # noqa: PLC0415
 
     # The quality gate's comparison: against the previous completed date, even when nothing was carried from it.
     drift = record_drift(dest, previous or find_previous(output_root, day, storage_options), storage_options)
@@ -174,7 +174,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
 
 
 def _open(url: str, storage_options: Mapping[str, Any] | None):
-    from pipeline.source import open_fs
+    from pipeline.storage import open_fs
 
     return open_fs(url, storage_options)
 

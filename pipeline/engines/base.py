@@ -13,16 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import ConfigError
+from pipeline.schema import STATUS_ERROR, STATUS_OK
 from pipeline.triton import contract as tn  # stdlib only: names
-from pipeline.triton.contract import DEFAULT_TOP_K  # noqa: F401 - the engines' default, re-exported
 
 DEFAULT_BATCH_SIZE = 64
-# Threads decoding in an actor by default (--decode-threads): the CPU count, at most this; past it threads only wait.
-MAX_DECODE_THREADS = 8
-STATUS_OK = "ok"
-STATUS_ERROR = "error"
-STAGE_DECODE = "decode_preprocess"
-STAGE_INFER = "infer"
 
 
 @dataclass
@@ -92,6 +86,10 @@ def results_from_topk(
 
 # ---- what an engine registers ------------------------------------------------------------------------------------
 
+# How an option's type reads: its kind in `bulk-classify engines`, and what a bad value "is not" in an error.
+TYPE_WORDS = {int: ("int", "an integer"), float: ("number", "a number"), bool: ("true|false", "true or false"),
+              list: ("list", "a list"), str: ("text", "text")}
+
 
 @dataclass(frozen=True)
 class Option:
@@ -102,6 +100,11 @@ class Option:
     help: str
     minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The type's word in ``bulk-classify engines`` (``int``, ``number``, ``true|false``, ``list``, ``text``)."""
+        return TYPE_WORDS[self.type][0]
 
     def parse(self, engine: str, value: Any) -> Any:
         """``value`` (from the CLI, the environment or a YAML file) as this option's type; ConfigError names the fix."""
@@ -118,7 +121,7 @@ class Option:
             else:
                 parsed = self.type(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where} is not {_type_name(self.type)}; {self.help}") from None
+            raise ConfigError(f"{where} is not {TYPE_WORDS[self.type][1]}; {self.help}") from None
         if self.minimum is not None and self.type is float and parsed <= self.minimum:
             raise ConfigError(f"{where} must be more than {self.minimum:g}; {self.help}")
         if self.minimum is not None and parsed < self.minimum:
@@ -198,7 +201,7 @@ class EngineSpec:
     def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None) -> None:
         """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8, and
         whatever the engine's ``model_check`` refuses."""
-        from pipeline.model import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
+        from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
 
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
             raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
@@ -240,6 +243,3 @@ def _as_bool(value: Any) -> bool:
         return False
     raise ValueError(value)
 
-
-def _type_name(kind: type) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", list: "a list", str: "text"}[kind]

@@ -12,13 +12,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import (
-    DEFAULT_TOP_K, MAX_DECODE_THREADS, STAGE_DECODE, STAGE_INFER, STATUS_OK, EngineSpec, Result, positive_int,
-    results_from_topk,
-)
+from pipeline.engines.base import EngineSpec, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError, ImageError
-from pipeline.imaging import DecodeLimits, load_and_preprocess
-from pipeline.model import ModelBundle
+from pipeline.model.folder import ModelBundle
+from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, load_and_preprocess
+from pipeline.schema import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK
 
 LOG = logging.getLogger(__name__)
 
@@ -113,7 +111,7 @@ class OnnxEngine:
     """Classifies encoded images with ONNX Runtime on the CPU; decoding runs on a thread pool.
 
     Args:
-        bundle: the model (see ``pipeline.model.load_model``).
+        bundle: the model (see ``pipeline.model.folder.load_model``).
         top_k: classes per result.
         limits: caps on encoded bytes and header pixels.
         decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default the CPU count, at most MAX_DECODE_THREADS.

@@ -12,11 +12,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from pipeline.engines.base import DEFAULT_TOP_K, EngineSpec, positive_int
+from pipeline.engines.base import EngineSpec, positive_int
 from pipeline.engines.onnx import CALL_THREADS_DEFAULT, DECODE_THREADS_OPTION, DEFAULT_MAX_BATCH, OnnxEngine
 from pipeline.errors import ConfigError, EngineError
-from pipeline.imaging import DecodeLimits
-from pipeline.model import ModelBundle
+from pipeline.model.folder import ModelBundle
+from pipeline.model.imaging import DecodeLimits
+from pipeline.schema import DEFAULT_TOP_K
 
 MISSING_OPENVINO = ("--engine openvino needs the openvino package: pip install 'bulk-classify[openvino]', or use "
                     "--engine onnx")

@@ -11,16 +11,17 @@ import importlib
 from typing import Any, Mapping
 
 from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
-from pipeline.engines.base import DEFAULT_TOP_K, Engine, EngineSpec
+from pipeline.engines.base import Engine, EngineSpec
 from pipeline.errors import ConfigError
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
+from pipeline.schema import DEFAULT_TOP_K
 
 # The engine modules, each exporting ``SPEC``, in the order --help and `bulk-classify engines` list them.
 ENGINE_MODULES = (
     "pipeline.engines.onnx",
     "pipeline.engines.openvino",
     "pipeline.engines.triton",
-    "pipeline.engines.gpu.engine",
+    "pipeline.engines.gpu",
 )
 REGISTRY: dict[str, EngineSpec] = {
     spec.name: spec for spec in (importlib.import_module(module).SPEC for module in ENGINE_MODULES)

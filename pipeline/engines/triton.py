@@ -25,12 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import (
-    STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
-)
+from pipeline.engines.base import EngineSpec, Option, Result, positive_float, positive_int, results_from_topk
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
-from pipeline.imaging import DecodeLimits, decode_image, follow_pixel_cap
+from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
+from pipeline.schema import STAGE_INFER
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile, visible_gpus
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
@@ -748,8 +747,8 @@ def check_model(bundle, options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
                           f"use --engine onnx, or --engine-option profile={PORTABLE}")
     if profile == GPU:
-        from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
-        from pipeline.model import PRECISION_INT8  # noqa: PLC0415
+        from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
+        from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415
 
         if bundle.precision == PRECISION_INT8:
             raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {tn.NO_INT8}; "

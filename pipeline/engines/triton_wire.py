@@ -14,11 +14,12 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
+from pipeline.schema import MIB
 from pipeline.triton import contract as tn
 
 # Requests are padded to their longest file: cap the padded size so one big file does not make a 2 GB message.
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_REQUEST_BYTES = 64 * MIB
 
 
 def pack(blobs: Sequence[bytes]) -> tuple[bytes, int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from pipeline.errors import OutputError
 from pipeline.schema import LEASE
-from pipeline.source import is_local
+from pipeline.storage import is_local
 
 LOG = logging.getLogger(__name__)
 LEASE_TTL_S = 120.0  # a lease not renewed for this long belongs to a run that is gone

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasource
 
+from pipeline.io.source import listing_blocks, resolve_keys
 from pipeline.schema import WORK_SCHEMA, conform
-from pipeline.source import listing_blocks, open_fs, resolve_keys
-from pipeline.source_manifest import manifest_form
+from pipeline.storage import manifest_form, open_fs
 
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
 

@@ -10,41 +10,15 @@ import re
 import signal
 from pathlib import Path
 
+from pipeline.node import pid_alive
+from pipeline.triton.workdirs import sweep_stale_temp_folders
+
 LOG = logging.getLogger(__name__)
 
-# Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
-# worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
-# TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
-# Ray we start ourselves has no dashboard to read those metrics, so it runs without them.
-# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's single-machine switch: the node IP becomes
-# 127.0.0.1, so GCS, raylet, workers, agents and the autoscaler/dashboard metrics all
-# listen on loopback only (Ray reads it when ray is imported). Set any of them yourself
-# to override; a cluster given by RAY_ADDRESS is left as is.
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
-                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 LOCAL_ADDRESS = "local"  # ray.init's address for "start a new local Ray", never a `ray start` cluster found on disk
 OWNER_FILE = "bulk_classify_owner.json"  # in the session folder of a local Ray we started: the driver's pid
 # Ray names a session folder session_<date>_<time>_<microseconds>_<pid>; every process of a session names it.
 SESSION_DIR = re.compile(r"/[^\s=:,]*/session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
-
-
-def local_ray_env() -> None:
-    """Set the environment a local Ray we start needs (workers inherit it); call before ``import ray``."""
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-
-
-def owner_alive(pid: int, started: float | None = None) -> bool:
-    """Whether process ``pid`` still runs (and, given its start time, is the same process, not a reused pid)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return started is None or abs(proc.create_time() - started) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def mark_session(session_dir: str) -> None:
@@ -61,7 +35,7 @@ def mark_session(session_dir: str) -> None:
 def _dead_owner(session_dir: str) -> bool:
     try:
         record = json.loads((Path(session_dir) / OWNER_FILE).read_text())
-        return not owner_alive(int(record["pid"]), float(record["started"]))
+        return not pid_alive(int(record["pid"]), float(record["started"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False  # not a session we started, or not readable: never ours to end
 
@@ -107,7 +81,6 @@ def sweep_dead_sessions() -> list[int]:
 
 def sweep_before_start() -> None:
     """Clean up what runs killed with SIGKILL on this machine left: their Ray's processes, their Triton temp folders."""
-    from pipeline.triton.workdirs import sweep_stale_temp_folders
 
     sweep_dead_sessions()
     sweep_stale_temp_folders()

@@ -20,15 +20,15 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import RunConfig
-from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import BulkClassifyError, OutputError
-from pipeline.keys import member, uri_hashes
-from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, SUCCESS
-from pipeline.source import LocalDir, is_local, open_fs, storage_failure
-from pipeline.reader import (
+from pipeline.io.keys import member, uri_hashes
+from pipeline.io.reader import (
     GROUP_RE, committed_parts, is_committed_shard, iter_records, read_json, read_record, read_shard,
 )
-from pipeline.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
+from pipeline.io.source import LocalDir
+from pipeline.io.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
+from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, STATUS_ERROR, STATUS_OK, SUCCESS
+from pipeline.storage import is_local, open_fs, storage_failure
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
@@ -63,7 +63,7 @@ def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
     the built-in model's (so they still resume and carry over with it); any other model's cannot be told apart and
     never match.
     """
-    from pipeline.model import BUILTIN_NAME, is_builtin
+    from pipeline.model.folder import BUILTIN_NAME, is_builtin
 
     if digest:
         return digest == bundle.digest
@@ -284,7 +284,7 @@ def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray,
               keep_first: np.ndarray | None = None) -> tuple[int, str | None]:
     """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard, of those
     in sorted ``keep_first`` only the first row; the rows left out and the new shard's path (None: none left)."""
-    from pipeline.quality import quality_footer
+    from pipeline.quality.statistics import quality_footer
 
     table, record = read_shard(fs, path)
     hashes = record.uri_hashes if record is not None and record.uri_hashes.size == table.num_rows else None

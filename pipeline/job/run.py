@@ -12,21 +12,22 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
-from pipeline.errors import LIST_ERROR
-from pipeline.iceberg_output import IcebergOutput, resolve_tables
-from pipeline.job.lease import Lease
-from pipeline.job.local_ray import local_ray_env
 from pipeline.engines.registry import engine_kwargs, engine_spec
+from pipeline.errors import LIST_ERROR
+from pipeline.io.iceberg_output import IcebergOutput, resolve_tables
+from pipeline.io.reader import committed_parts
+from pipeline.io.source import check_source
+from pipeline.io.source_manifest import planned_entries
+from pipeline.io.stats import ShardStats
+from pipeline.io.writer import write_json
+from pipeline.job.lease import Lease
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
     excluded_prefix, index_output, read_previous, storage_errors, without_folder,
 )
-from pipeline.reader import committed_parts
+from pipeline.node import local_ray_env
 from pipeline.schema import REPORT, SUCCESS
-from pipeline.source import check_source, open_fs
-from pipeline.source_manifest import planned_entries
-from pipeline.stats import ShardStats
-from pipeline.writer import write_json
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
@@ -69,7 +70,7 @@ def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> R
     dst_fs, dst_root = open_fs(config.output, config.storage_options)
     check_output(dst_fs, dst_root, config)
 
-    from pipeline.model import fixed_batch_note, load_model
+    from pipeline.model.folder import fixed_batch_note, load_model
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
@@ -122,7 +123,7 @@ def commit_table(table: IcebergOutput, fs: Any, root: str, lease: Lease, run: di
 def start_node(config: RunConfig, bundle: Any) -> Any:
     """What the engine starts in the driver of a local Ray for the node's actors (``EngineSpec.node_start``: the
     triton engine's shared servers), begun before Ray starts; None for most engines."""
-    from pipeline.imaging import DecodeLimits
+    from pipeline.model.imaging import DecodeLimits
 
     return engine_spec(config.engine).start_node(
         bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
@@ -137,7 +138,7 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
     report = assemble_report(config, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
-    from pipeline.quality import committed_quality
+    from pipeline.quality.statistics import committed_quality
 
     counter = RecordCounter(dst_fs)
     # every committed row, shard by shard; the final counts come from the same footers, read once
@@ -166,7 +167,7 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, alrea
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
-    from pipeline.report import build_run_report
+    from pipeline.quality.report import build_run_report
 
     return build_run_report({
         **totals.report_fields(),
@@ -215,7 +216,7 @@ class _Run:
         import ray
 
         from pipeline.job.stages import carry_tasks, classify_dataset, listing_groups
-        from pipeline.listing_counter import ListingCounter
+        from pipeline.io.listing_counter import ListingCounter
 
         groups = without_folder(listing_groups(self.config), excluded)
         planned = planned_entries(groups)
@@ -264,8 +265,8 @@ class _Run:
     def _drain(self, ds: Any, *, writes: bool) -> None:
         """Take the pipeline's output: the writers' shard stats or, where the driver ``writes``, the classified rows,
         committed here in shards of ``shard_size`` on DRIVER_WRITE_THREADS threads while the next batch arrives."""
-        from pipeline.quality import quality_footer
-        from pipeline.writer import write_shard
+        from pipeline.quality.statistics import quality_footer
+        from pipeline.io.writer import write_shard
 
         with ThreadPoolExecutor(DRIVER_WRITE_THREADS, thread_name_prefix="write") as pool:
             writing: deque[Future] = deque()

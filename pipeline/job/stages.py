@@ -12,14 +12,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
-from pipeline.engines.base import STATUS_OK
 from pipeline.engines.registry import engine_spec
-from pipeline.schema import OUTPUT_SCHEMA, conform
-from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
-from pipeline.keys import member, uri_hashes
-from pipeline.source import is_local, open_fs, plan_listing
-from pipeline.triton.server import LOOPBACK
-from pipeline.triton.profiles import node_gpus
+from pipeline.io.keys import member, uri_hashes
+from pipeline.io.source import plan_listing
+from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
+from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, local_ray_env, node_gpus
+from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
+from pipeline.storage import is_local, open_fs
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -27,7 +26,7 @@ IO_TASK_CPUS = 0.25  # listing, fetch and write tasks wait on storage, not on a 
 MIN_ACTOR_CPUS = 0.25  # the smallest CPU share a classify actor is given when actors outnumber CPUs
 CARRY_PARTS_PER_TASK = 16  # previous shards one carry task reads, one after another
 FETCH_AHEAD_BLOCKS = 16  # blocks of fetched images the fetch-ahead budget holds at least
-FETCH_BLOCK_MIN = 1024 * 1024
+FETCH_BLOCK_MIN = MIB
 PIPELINE_OPERATORS = 4  # listing, fetch, classify, write: Ray Data splits its CPU reservation among them
 # One writer actor per this many CPUs. A smaller cluster has none: there the driver commits the shards, because a
 # writer's process costs a 2-core node about a second of its start for work the driver does between batches
@@ -61,7 +60,7 @@ def init_ray(config: RunConfig) -> None:
             mark_session(context.address_info["session_dir"])
             if context.address_info.get("node_ip_address") != LOOPBACK:
                 LOG.warning("the local Ray listens on %s, not only on %s: set %s before ray is imported "
-                            "(pipeline.job.local_ray_env())", context.address_info.get("node_ip_address"), LOOPBACK,
+                            "(pipeline.node.local_ray_env())", context.address_info.get("node_ip_address"), LOOPBACK,
                             " ".join(f"{k}={v}" for k, v in LOCAL_RAY_ENV.items()))
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -180,7 +179,7 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     from pipeline.actor import ClassifyActor
-    from pipeline.fetch import fetch_batch
+    from pipeline.io.fetch import fetch_batch
     from pipeline.job.listing import ListingDatasource
 
     cpus, gpus = _cluster()
@@ -290,8 +289,8 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, m
 def _write(ds: Any, config: RunConfig, cpus: int):
     from ray.data import ActorPoolStrategy
 
-    from pipeline.quality import quality_footer
-    from pipeline.writer import ShardWriter
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.writer import ShardWriter
 
     if not writer_actors(cpus):
         return ds
@@ -313,9 +312,9 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None, *, mode
 
     ``model_digest`` is this run's: a row is carried only when its model's digest is this one, so the rows say so
     (rows written before digests were recorded have none)."""
-    from pipeline.writer import row_identities
+    from pipeline.io.writer import row_identities
 
-    ok = pc.fill_null(pc.equal(table.column("status"), STATUS_OK), False)
+    ok = pc.fill_null(pc.equal(table.column(STATUS), STATUS_OK), False)
     n = table.num_rows
     table = table.filter(ok)
     if record is not None and record.row_order and record.uri_hashes.size == n and \
@@ -325,10 +324,10 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None, *, mode
         uri_keys, ids = None, row_identities(table)
     keep = member(carried, ids)
     table = table.filter(pa.array(keep))
-    uri_keys = uri_keys[keep] if uri_keys is not None else uri_hashes(table.column("uri").to_pylist())
-    table = table.set_column(table.schema.get_field_index("carried"), "carried", pa.array(np.ones(table.num_rows, bool)))
+    uri_keys = uri_keys[keep] if uri_keys is not None else uri_hashes(table.column(URI).to_pylist())
+    table = table.set_column(table.schema.get_field_index(CARRIED), CARRIED, pa.array(np.ones(table.num_rows, bool)))
     if model_digest is not None:
-        table = table.set_column(table.schema.get_field_index("model_digest"), "model_digest",
+        table = table.set_column(table.schema.get_field_index(MODEL_DIGEST), "model_digest",
                                  pa.array([model_digest] * table.num_rows, pa.string()))
     return conform(table, OUTPUT_SCHEMA), uri_keys, ids[keep]
 
@@ -342,10 +341,10 @@ def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous:
     The shards written depend only on ``paths`` and ``carried``, so a retried task rewrites the same content-named
     shards instead of adding rows.
     """
-    from pipeline.quality import quality_footer
-    from pipeline.stats import STATS_SCHEMA
-    from pipeline.reader import read_shard
-    from pipeline.writer import ShardRecord, write_shard
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.stats import STATS_SCHEMA
+    from pipeline.io.reader import read_shard
+    from pipeline.io.writer import ShardRecord, write_shard
 
     fs, _root = open_fs(previous, storage_options)
     held: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []

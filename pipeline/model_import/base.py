@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import ModelError
-from pipeline.spec import RESIZE_SQUASH, UNIT_SCALE
+from pipeline.model.spec import RESIZE_SQUASH, UNIT_SCALE
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A source module (``SOURCES``) turns what the user trained into a ``SourceModel``: the torch network, the framework's
 own eval transform, the labels and the preprocess.json fields that should make the same input tensor. This module
 exports the network, writes the folder beside ``output``, loads it like every engine does, and runs the sample
-images both ways: the framework's transform and forward against ``pipeline.imaging`` and ONNX Runtime on the written
+images both ways: the framework's transform and forward against ``pipeline.model.imaging`` and ONNX Runtime on the written
 folder. Below the thresholds the folder is removed and nothing is written.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Callable
 import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
-from pipeline.imaging import PreprocessSpec, decode_image, load_and_preprocess
+from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
-from pipeline.model import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
 from pipeline.model_import.base import SourceModel
 
 LOG = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ OPSET = 17
 DEFAULT_SAMPLE = 16
 # Top-1 agreement needed on the images the framework decides clearly (top-1 minus top-2 probability at least
 # DECISIVE_MARGIN), and the median over the images of the largest logit difference, as a share of the image's logit
-# range. pipeline.imaging crops an exact box where torchvision-style transforms round the resized size and the crop
+# range. pipeline.model.imaging crops an exact box where torchvision-style transforms round the resized size and the crop
 # offset: up to half a pixel apart, which moves a random-weight network's nearly flat logits by a median 1-3 % of the
 # range (single images up to 25 % on a random ConvNeXt); a wrong mean or std moves the median 20 % or more
 # (tests/benchmarks/bench_model_import.py measures them).
@@ -77,7 +77,7 @@ class ImportOptions:
 
 @dataclass(frozen=True)
 class Parity:
-    """The written folder (pipeline.imaging + ONNX Runtime) against the framework's transform and forward."""
+    """The written folder (pipeline.model.imaging + ONNX Runtime) against the framework's transform and forward."""
 
     images: int
     top1_agreement: float

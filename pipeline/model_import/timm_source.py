@@ -14,7 +14,8 @@ import torch
 from timm.models import load_state_dict
 
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import read_labels
+from pipeline.model.default_model import labels_path
+from pipeline.model.folder import read_labels
 from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
 
 # Where a checkpoint may keep its class names (timm's own train.py keeps none; many fine-tuning scripts do).
@@ -47,7 +48,6 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     if labels is None:
         if classes != IMAGENET_CLASSES or timm.data.infer_imagenet_subset(network) != "imagenet-1k":
             raise ConfigError(f"{checkpoint} holds no class names; pass --labels FILE (one per line, {classes} lines)")
-        from pipeline.default_model import labels_path
 
         labels = read_labels(labels_path())
         notes.append("labels: ImageNet-1k's, as the architecture's pretrained_cfg says; pass --labels for your own")

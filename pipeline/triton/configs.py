@@ -12,7 +12,7 @@ PRODUCTION_TRT_INSTANCES = 2
 QUEUE_DELAY_US = 2000
 PLAN_DEFAULT = "model.plan"
 GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts them into batch_size network calls
-# Stub processes per GPU, each with its own request stream (pipeline.engines.gpu.stream), classifier and CUDA
+# Stub processes per GPU, each with its own request stream (pipeline.gpu.stream), classifier and CUDA
 # context: in one process DALI and the network take turns on the GPU, several keep it busy (docs/performance.md).
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
@@ -26,7 +26,7 @@ GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 # batches from several instances under MPS keep the GPU busier than one instance's large ones.
 GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
-# hands the next requests to an instance with less work (pipeline.engines.gpu.stream; 0: never waits); with it more
+# hands the next requests to an instance with less work (pipeline.gpu.stream; 0: never waits); with it more
 # instances pay under MPS.
 GPU_MAX_BACKLOG = 6
 
@@ -165,7 +165,7 @@ def gpu_config(
     wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
     it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
     ``max_backlog``: network batches' worth of images one instance takes before its ``execute()`` waits (0: never),
-    so the server hands the next requests to the other instances (``pipeline.engines.gpu.stream``).
+    so the server hands the next requests to the other instances (``pipeline.gpu.stream``).
 
     Raises:
         ConfigError: a negative ``max_backlog``.
@@ -188,7 +188,7 @@ def gpu_config(
                               cuda_sync=cuda_sync),
         tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
         tn.GPU_PARAM_MAX_DELAY_MS: max_delay_ms,
-        tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.engines.gpu.classifier)
+        tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
         tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
         tn.GPU_PARAM_MAX_BACKLOG: f"{max_backlog:g}",
     })
@@ -246,7 +246,7 @@ def gpu_ensemble_configs(
     option). ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any
     device), "false" FP32. ``error_output``: as for ``gpu_config``; the preprocess model then sends ``ERROR``.
     ``network`` "none" is the Triton hop alone: no DALI, no torch; each image's tensor carries a number derived from
-    its bytes, which the network model turns into its classes (``pipeline.engines.gpu.stream.echo_ids``).
+    its bytes, which the network model turns into its classes (``pipeline.gpu.stream.echo_ids``).
 
     Raises:
         ConfigError: an unknown ``half``, or instance counts below 1.

@@ -25,6 +25,8 @@ Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tens
 format for every profile keeps the engine profile-agnostic.
 """
 
+from pipeline.schema import DEFAULT_TOP_K  # noqa: F401 - the top-k a repository serves unless told otherwise
+
 # Where INT8 models run: ONNX Runtime's integer kernels (the onnx engine, the portable profile); the GPU paths run
 # torch networks in FP32/FP16 and would need TensorRT for INT8.
 NO_INT8 = "no INT8 on the GPU paths without TensorRT"
@@ -70,8 +72,6 @@ REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT
 # A TAG is (request id << TAG_INDEX_BITS) | the image's index in its request; requests hold fewer images than this.
 TAG_INDEX_BITS = 24
 
-DEFAULT_TOP_K = 5
-
 # The gpu profile's config.pbtxt `parameters` (string values, also accepted as request parameters), written by
 # pipeline.triton.configs and read by the gpu profile's models.
 GPU_PARAM_NETWORK = "network"  # "auto" (the version folder's model, else the default), "resnet50", a layout
@@ -82,7 +82,7 @@ GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_DALI_DEPTH = "dali_depth"  # DALI: batches in flight on one pipeline (1: a pipeline per preparing thread)
 GPU_PARAM_DALI_THREADS = "dali_threads"  # DALI: CPU threads per pipeline
 GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: one of CUDA_SYNC_MODES
-# How the gpu paths' threads wait for the GPU (pipeline.engines.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
+# How the gpu paths' threads wait for the GPU (pipeline.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
 CUDA_SYNC_MODES = ("auto", "spin", "yield", "block")
 # Batches' worth of images one model instance holds before its execute() waits (so the server gives the next
 # requests to another instance); "0": never waits.

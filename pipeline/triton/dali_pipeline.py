@@ -1,5 +1,5 @@
 """The DALI preprocessing pipeline (decode, resize, crop, normalize per a PreprocessSpec): GPU "mixed" for the
-production Triton profile, CPU for tests and parity checks against the reference (pipeline.imaging).
+production Triton profile, CPU for tests and parity checks against the reference (pipeline.model.imaging).
 
 The geometry is the reference's exactly: the shorter side scaled to ``resize_shorter`` by an exact factor and the
 centred ``crop`` taken (with ``resize`` "squash", the whole image resized to ``crop``), resampled straight from the
@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from pipeline.triton import contract as tn
-from pipeline.imaging import FILTER_SUPPORT, RESIZE_SQUASH, PreprocessSpec
+from pipeline.model.imaging import FILTER_SUPPORT, RESIZE_SQUASH, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 DALI_THREADS = 4  # CPU threads of one DALI pipeline: the gpu paths' default and the production profile's
@@ -55,7 +55,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     """Decode + resize + crop + normalize of a DataNode of encoded files; returns (PREPROCESSED, WIDTH, HEIGHT).
 
     The one definition shared by the production ensemble's DALI model (``pipeline_graph``) and the gpu profile
-    (``pipeline.engines.gpu.dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
+    (``pipeline.gpu.dali``, which feeds unpadded files). ``hw_decoder_load``: the share of each batch the
     "mixed" decoder gives the hardware JPEG engines (DALI's default when None). ``half``: FP16 output.
     ``layout``: "CHW" or "HWC" (default: the spec's layout). ``fancy_upsampling``: the reference's chroma
     upsampling on the GPU (False only to measure what it costs)."""
@@ -72,7 +72,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
-    # The crop box in source pixels, exact as in pipeline.imaging.crop_box: squashing takes the whole image.
+    # The crop box in source pixels, exact as in pipeline.model.imaging.crop_box: squashing takes the whole image.
     if spec.resize == RESIZE_SQUASH:
         box_h, box_w, top, left = height, width, 0.0 * height, 0.0 * width
     else:
@@ -87,7 +87,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
         resized = fn.resize(image, size=[crop_h, crop_w], roi_start=fn.stack(top, left),
                             roi_end=fn.stack(top + box_h, left + box_w), **resample)
     else:
-        # Two passes as the reference makes them (pipeline.imaging._resample): horizontal, rounded to 8 bits, then
+        # Two passes as the reference makes them (pipeline.model.imaging._resample): horizontal, rounded to 8 bits, then
         # vertical. One fn.resize keeps the intermediate in float and picks its own pass order; on the parity set
         # that moved pixels by up to 16 levels and cost 2.3 points of top-1 agreement.
         if not reaches_edge(spec):

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pipeline.triton.workdirs import pid_alive
+from pipeline.node import pid_alive
 
 LOG = logging.getLogger(__name__)
 

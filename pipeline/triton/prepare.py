@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import ModelError, TritonError
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE

@@ -11,12 +11,13 @@ import os
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
+from pipeline.node import node_gpus
+from pipeline.schema import MIB
 
 AUTO = "auto"
 PORTABLE = "portable"
 GPU = "gpu"
 PRODUCTION = "production"  # TensorRT behind DALI, built per GPU by `repo prepare`; the engine does not serve it
-MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,22 +80,6 @@ def visible_gpus() -> list[str]:
     if visible is not None:
         return [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
     return [str(i) for i in range(node_gpus())]
-
-
-def node_gpus() -> int:
-    """GPUs on this node as Ray counts them when it starts here (0 without Ray, a driver or a GPU): the node's, at
-    most as many as ``CUDA_VISIBLE_DEVICES`` names (``""`` hides them all)."""
-    try:
-        from ray._private.accelerators import get_accelerator_manager_for_resource  # noqa: PLC0415
-    except ImportError:
-        return 0
-    try:
-        manager = get_accelerator_manager_for_resource("GPU")
-        count = int(manager.get_current_node_num_accelerators() or 0)
-        visible = manager.get_current_process_visible_accelerator_ids()
-    except Exception:  # noqa: BLE001 - no driver, no NVML: no GPU to use
-        return 0
-    return count if visible is None else min(count, len(visible))
 
 
 def choose_profile(profile: str) -> ServingProfile:

@@ -13,14 +13,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE
+from pipeline.model.default_model import DEFAULT_SPEC
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_PORTABLE_INSTANCES,
-    gpu_config,
-    gpu_ensemble_configs,
-    portable_config,
+    DEFAULT_MAX_BATCH_SIZE, DEFAULT_PORTABLE_INSTANCES, gpu_config, gpu_ensemble_configs, portable_config,
     production_configs,
 )
 from pipeline.triton.dali_pipeline import DALI_THREADS
@@ -77,7 +74,7 @@ from nvidia.dali.plugin.triton import autoserialize
 sys.path[:0] = [p for p in os.environ.get("{stub_env}", "").split(os.pathsep) if p and p not in sys.path]
 
 from pipeline.triton.dali_pipeline import pipeline_graph  # noqa: E402
-from pipeline.imaging import PreprocessSpec  # noqa: E402
+from pipeline.model.imaging import PreprocessSpec  # noqa: E402
 
 SPEC = PreprocessSpec.from_json((Path(__file__).parent / "{spec_file}").read_text(encoding="utf-8"))
 
@@ -301,8 +298,6 @@ def _build_portable(model, output, *, top_k, instances, max_batch_size, artifact
     (folder / VERSION / SHIM_FILE).write_text(
         shim_text("portable profile", "portable_model", TRITON_ENTRY, "--profile portable"), encoding="utf-8")
     if artifacts:
-        from pipeline.model import load_model  # noqa: PLC0415
-
         bundle = load_model(model)
         add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name,
                       probabilities=bundle.spec.probabilities)
@@ -313,7 +308,6 @@ def _build_portable(model, output, *, top_k, instances, max_batch_size, artifact
 
 def _build_production(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, shape,
                       max_backlog) -> Path:
-    from pipeline.model import load_model  # noqa: PLC0415
 
     _gpu_only(shape, max_backlog)
     max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
@@ -362,7 +356,6 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
         ConfigError: an unknown ``shape``, or an option the shape does not have (before anything is written).
         ModelError: an INT8 model.
     """
-    from pipeline.default_model import DEFAULT_SPEC  # noqa: PLC0415
 
     if shape not in tn.GPU_SHAPES:
         raise ConfigError(f"gpu shape {shape!r} is unknown; use {' or '.join(tn.GPU_SHAPES)}")
@@ -374,8 +367,6 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
     spec = DEFAULT_SPEC
     network_files: list[Path] = []  # a user's model: copied into the network's version folder
     if model not in (None, "", "default"):
-        from pipeline.model import PRECISION_INT8, load_model  # noqa: PLC0415
-
         bundle = load_model(model)
         if bundle.precision == PRECISION_INT8:
             raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.model import BUILD_LOCK_TIMEOUT_S
+from pipeline.model.folder import BUILD_LOCK_TIMEOUT_S, default_cache_dir, is_builtin, load_model
 from pipeline.triton.repository import build_repository
 
 LOG = logging.getLogger(__name__)
@@ -31,7 +31,6 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
     """
     from filelock import FileLock  # noqa: PLC0415
 
-    from pipeline.model import default_cache_dir, is_builtin, load_model  # noqa: PLC0415
 
     bundle = bundle if bundle is not None else load_model(None)
     model_dir = Path(bundle.onnx_path).parent.resolve()

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.errors import TritonError
-from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, pid_alive, sweep_dead_owner_folders
+from pipeline.node import LOOPBACK, pid_alive
+from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 40
 STOPPED_LOG_LINES = 200  # kept in TritonServer.stopped_log once a server has stopped

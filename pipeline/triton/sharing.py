@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.triton.workdirs import pid_alive
+from pipeline.node import pid_alive
 
 LOG = logging.getLogger(__name__)
 

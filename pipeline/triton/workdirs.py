@@ -8,23 +8,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.node import pid_alive
+
 LOG = logging.getLogger(__name__)
 
 # Each is followed by the owner's pid and "-" (owned_temp_folder), under the temp folder of the node.
 REPOSITORY_PREFIX = "bulk-classify-repo-"  # the portable repository a Triton engine builds for its own server
 WORKDIR_PREFIX = "bulk-classify-triton-"  # a tritonserver's work folder: its log and backends
-
-
-def pid_alive(pid: int) -> bool:
-    """Is ``pid`` a running process? A zombie (exited, not yet reaped) is not; one we may not inspect is."""
-    import psutil  # noqa: PLC0415
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def owned_temp_folder(prefix: str) -> Path:

@@ -84,7 +84,7 @@ def tiny_model(folder: Path) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+    from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE
 
     folder.mkdir(parents=True, exist_ok=True)
     w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(3, 10)).astype(np.float32), "w")
@@ -127,8 +127,8 @@ def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], 
                 keep=lambda i: True, changed=lambda i: False) -> None:
     """Rows with the real schema for the objects ``keep`` selects, committed by the real writer."""
     from pipeline.schema import WORK_SCHEMA, conform
-    from pipeline.quality import quality_footer
-    from pipeline.writer import write_shard
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.writer import write_shard
 
     if (dest / ".done").exists():
         return
@@ -290,8 +290,9 @@ def bench_faults(n: int, layout: str, work: Path, seeds: list[Path], model_dir: 
 
 
 def listing_rate(root: Path) -> float:
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.source import list_unit, open_fs, plan_listing
+    from pipeline.schema import DEFAULT_EXTENSIONS
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     fs, path = open_fs(str(root))
     start = time.perf_counter()
@@ -395,9 +396,10 @@ def bench_s3(keys: int, tasks: int, work: Path, port: int | None = None, fill_ma
     import boto3
     from conftest import MotoServer, free_port
 
-    import pipeline.source as source
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.source import list_unit, open_fs, plan_listing
+    import pipeline.io.source as source
+    from pipeline.schema import DEFAULT_EXTENSIONS
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     server = None
     if port is None:
@@ -515,7 +517,7 @@ def main() -> None:
             seeds.append(p)
         model_dir = tiny_model(work / "tiny-model")
         sys.path.insert(0, str(REPO))
-        from pipeline.model import load_model
+        from pipeline.model.folder import load_model
 
         model = load_model(str(model_dir)).name
         for n in sizes:

@@ -2,7 +2,7 @@
 
 The graph is ``pipeline.triton.dali_pipeline.preprocess_graph`` (the one definition behind the production ensemble's
 DALI model and the gpu engine's ``GpuClassifier``), built with DALI's CPU backend; the reference is
-``pipeline.imaging`` (Pillow). DALI's CPU decoder is libjpeg-turbo like Pillow's (the "decode" row checks that they
+``pipeline.model.imaging`` (Pillow). DALI's CPU decoder is libjpeg-turbo like Pillow's (the "decode" row checks that they
 give the same pixels), so on the CPU every difference left is resize, crop and normalize. The set is image_sets.py's
 520-image parity set (``make_set(520, "varied", 10_000)``: JPEGs of 160-1,100 px cut from tests/data/photos, 30%
 portrait, 10% gray, about a third of them upscaled to 256).
@@ -12,7 +12,7 @@ both sides):
 
 - before: one ``fn.resize`` over the region of interest (float intermediate, DALI's own pass order) against one
   ``Image.resize`` call (Pillow 13 picks its own pass order too);
-- after: ``preprocess_graph`` against ``pipeline.imaging`` (both: horizontal pass, rounded to 8 bits, vertical pass);
+- after: ``preprocess_graph`` against ``pipeline.model.imaging`` (both: horizontal pass, rounded to 8 bits, vertical pass);
 - reference before vs after: how far the reference itself moved.
 
 With ``--time-s S`` it also times both graphs on DALI's CPU backend over the same files (img/s and their ratio, same
@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from image_sets import make_set  # noqa: E402
 
-from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.imaging import PreprocessSpec, decode_image, normalize_array, preprocess_image  # noqa: E402
-from pipeline.model import load_model  # noqa: E402
+from pipeline.model.default_model import DEFAULT_SPEC  # noqa: E402
+from pipeline.model.imaging import PreprocessSpec, decode_image, normalize_array, preprocess_image  # noqa: E402
+from pipeline.model.folder import load_model  # noqa: E402
 from pipeline.triton.dali_pipeline import _INTERP, preprocess_graph  # noqa: E402
 
 LOG = logging.getLogger("bench_dali_parity")
@@ -76,13 +76,13 @@ def legacy_graph(encoded, spec: PreprocessSpec, device: str = "cpu"):
 
 
 def legacy_reference(data: bytes, spec: PreprocessSpec) -> np.ndarray:
-    """pipeline.imaging before the fix: one Image.resize call (the pass order is the installed Pillow's)."""
+    """pipeline.model.imaging before the fix: one Image.resize call (the pass order is the installed Pillow's)."""
     return legacy_reference_image(decode_image(data), spec)
 
 
 def legacy_reference_image(img, spec: PreprocessSpec) -> np.ndarray:
     """preprocess_image before the fix, on a decoded image."""
-    from pipeline.imaging import _PIL_FILTERS
+    from pipeline.model.imaging import _PIL_FILTERS
 
     crop_h, crop_w = spec.crop
     w, h = img.size
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "mixed"), default="cpu",
                    help="DALI's decoder: cpu (libjpeg-turbo) or mixed (nvJPEG / hardware engines, GPU 0)")
     p.add_argument("--onnx", type=Path, default=None,
-                   help="the default model's ONNX file (default: built or found by pipeline.model.load_model)")
+                   help="the default model's ONNX file (default: built or found by pipeline.model.folder.load_model)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import onnxruntime as ort
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         compare("before: one fn.resize vs one Image.resize", spec, dali_before, ref_before, probs["dali_before"],
                 probs["ref_before"]),
-        compare("after: preprocess_graph vs pipeline.imaging", spec, dali_after, ref_after, probs["dali_after"],
+        compare("after: preprocess_graph vs pipeline.model.imaging", spec, dali_after, ref_after, probs["dali_after"],
                 probs["ref_after"]),
         compare("reference before vs after", spec, ref_before, ref_after, probs["ref_before"], probs["ref_after"]),
         compare("before graph vs reference after", spec, dali_before, ref_after, probs["dali_before"],

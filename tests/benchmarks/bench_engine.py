@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from pipeline.engines.onnx import OnnxEngine  # noqa: E402
-from pipeline.model import ONNX_INPUT, load_model  # noqa: E402
-from pipeline.imaging import load_and_preprocess  # noqa: E402
+from pipeline.model.folder import ONNX_INPUT, load_model  # noqa: E402
+from pipeline.model.imaging import load_and_preprocess  # noqa: E402
 
 PHOTOS = REPO / "tests" / "data" / "photos"
 

@@ -106,7 +106,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     import torch
 
-    from pipeline.engines.gpu.classifier import GpuClassifier
+    from pipeline.gpu.classifier import GpuClassifier
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()

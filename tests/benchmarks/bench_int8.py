@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
 from pipeline.engines.onnx import OnnxEngine  # noqa: E402
-from pipeline.imaging import load_and_preprocess  # noqa: E402
-from pipeline.model import load_model  # noqa: E402
+from pipeline.model.imaging import load_and_preprocess  # noqa: E402
+from pipeline.model.folder import load_model  # noqa: E402
 
 CALL_IMAGES = 64  # images per classify() call, the job's default --batch-size
 

@@ -349,7 +349,7 @@ def main() -> None:
 
     from bench_scaleout import SmiSampler, make_images
 
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     load_model(None)  # the default model's ONNX in the cache, as after a user's first run
     images = make_images(opts.work, opts.images, opts.unique, opts.set)

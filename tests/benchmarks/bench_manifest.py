@@ -101,9 +101,10 @@ def measure(source: str) -> None:
     """Plan and list ``source`` with the job's listing code on one core; print one JSON line."""
     import numpy as np
 
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.source import check_source, listing_blocks, open_fs, plan_listing
-    from pipeline.source_manifest import manifest_form
+    from pipeline.schema import DEFAULT_EXTENSIONS
+    from pipeline.io.source import check_source, listing_blocks, plan_listing
+    from pipeline.storage import open_fs
+    from pipeline.storage import manifest_form
 
     fs, root = open_fs(source)
     fs.ls(root.split("/", 1)[0])  # the client is made and connected before the clock starts

@@ -27,14 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.paths import PARITY  # noqa: E402
 
-from pipeline.default_model import read_legacy_checkpoint  # noqa: E402
+from pipeline.model.default_model import read_legacy_checkpoint  # noqa: E402
 from pipeline.engines.onnx import OnnxEngine  # noqa: E402
 from pipeline.errors import BulkClassifyError  # noqa: E402
-from pipeline.model import ONNX_INPUT, ONNX_OUTPUT, load_model_folder  # noqa: E402
+from pipeline.model.folder import ONNX_INPUT, ONNX_OUTPUT, load_model_folder  # noqa: E402
 from pipeline.model_import.core import (  # noqa: E402
     OPSET, ImportOptions, _loader, import_model,
 )
-from pipeline.imaging import decode_image  # noqa: E402
+from pipeline.model.imaging import decode_image  # noqa: E402
 from pipeline.model_check import check_model_folder, read_sample  # noqa: E402
 
 # name -> (source, NAME argument, how the weights are made)
@@ -92,7 +92,7 @@ def make_source(name: str, work: Path) -> tuple[str, str | None]:
     else:
         from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
-        from pipeline.default_model import labels_path
+        from pipeline.model.default_model import labels_path
 
         labels = labels_path().read_text(encoding="utf-8").splitlines()
         # initializer_range 0.2 instead of 0.02: at the default a random ViT answers nearly the same for every image

@@ -1,6 +1,6 @@
 """The default network alone: each EfficientNet-Lite0 layout against timm's, img/s and top-1 parity, in one run.
 
-The layouts are ``pipeline.engines.gpu.networks.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
+The layouts are ``pipeline.gpu.networks.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
 in how TF's "SAME" padding is computed ("explicit" writes every pad out with ``F.pad``; the others fold the pads into
 the convs). For each layout, and for timm's ``efficientnet_lite0`` and ``tf_efficientnet_lite0`` (random weights,
 the same architecture: reference rates only), it prints:
@@ -12,7 +12,7 @@ the same architecture: reference rates only), it prints:
   on the device (FP32, no TF32, the whole parity set), and max |logit - ONNX Runtime's| on the device;
 - parity: top-1 agreement of the FP16 network (batch 128 CUDA graph) with ONNX Runtime on the CPU (the repository's
   ONNX build of the default model) over image_sets.py's 520-image parity set (``make_set(520, "varied", 10_000)``),
-  both fed the reference preprocessing (``pipeline.imaging``), so only the network differs; each disagreement's
+  both fed the reference preprocessing (``pipeline.model.imaging``), so only the network differs; each disagreement's
   margin is ONNX Runtime's probability of its own top-1 minus its probability of the network's top-1 (a near-tie
   is < 0.01).
 
@@ -44,14 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from image_sets import make_set  # noqa: E402
 
-from pipeline.default_model import DEFAULT_SPEC, load_checkpoint  # noqa: E402
-from pipeline.engines.gpu.networks import (  # noqa: E402
+from pipeline.model.default_model import DEFAULT_SPEC, load_checkpoint  # noqa: E402
+from pipeline.gpu.networks import (  # noqa: E402
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
     efficientnet_lite0,
 )
-from pipeline.imaging import decode_image, preprocess_image  # noqa: E402
+from pipeline.model.imaging import decode_image, preprocess_image  # noqa: E402
 
 LOG = logging.getLogger("bench_network")
 TIMM_MODELS = ("efficientnet_lite0", "tf_efficientnet_lite0")
@@ -69,12 +69,12 @@ def reference_inputs(blobs: list[bytes]) -> np.ndarray:
 
 
 def onnx_file_or_export(torch, onnx_file: Path | None, weights, folder: Path) -> tuple[Path, str]:
-    """The default model's ONNX build (pipeline.model.load_model), or where that cannot run (no ``onnx`` package),
+    """The default model's ONNX build (pipeline.model.folder.load_model), or where that cannot run (no ``onnx`` package),
     torch's export of the explicit layout; with a line saying which."""
     if onnx_file is not None:
         return onnx_file, f"{onnx_file} (--onnx)"
     try:
-        from pipeline.model import load_model
+        from pipeline.model.folder import load_model
 
         path = load_model(None).onnx_path
         return path, f"{path} (the repository's ONNX build)"
@@ -121,7 +121,7 @@ def rate(torch, device, step, images_per_step: int, min_s: float) -> float:
 
 
 def topk_network(torch, net, device, *, batch: int, half: bool):
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.topk_network import TopKNetwork
 
     tk = TopKNetwork(net, crop=DEFAULT_SPEC.crop, device=device, half=half, batch_size=batch,
                      cuda_graph=device.type == "cuda", top_k=TOP_K)
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC
-    from pipeline.engines.gpu.cuda_sync import use_cuda_device
+    from pipeline.gpu.classifier import DEFAULT_CUDA_SYNC
+    from pipeline.gpu.cuda_sync import use_cuda_device
 
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
     use_cuda_device(torch, device, DEFAULT_CUDA_SYNC, autotune=args.cudnn == "benchmark")
@@ -377,7 +377,7 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
     for name, (first, again) in drift.items():
         print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
-    print(f"to make another layout the default: DEFAULT_LITE0_LAYOUT in pipeline/engines/gpu/networks.py; "
+    print(f"to make another layout the default: DEFAULT_LITE0_LAYOUT in pipeline/gpu/networks.py; "
           f"wall {wall_s:.0f} s")
 
 

@@ -66,9 +66,9 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
     """One interpreter's timings (and, when asked, its preprocessed inputs)."""
     from pipeline.config import RunConfig
     from pipeline.engines.onnx import SPEC, OnnxEngine
-    from pipeline.imaging import DecodeLimits, decode_image, load_and_preprocess
+    from pipeline.model.imaging import DecodeLimits, decode_image, load_and_preprocess
     from pipeline.job.stages import actor_engine_options, actor_plan
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     bundle = load_model(None)
     blobs = [p.read_bytes() for p in files]
@@ -99,7 +99,7 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
 
 def top1_and_margin(arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     engine = OnnxEngine(load_model(None))
     logits = np.concatenate([engine._run(arrays[i : i + 32]) for i in range(0, len(arrays), 32)])

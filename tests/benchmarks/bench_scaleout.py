@@ -370,7 +370,7 @@ def main() -> None:
     root = args.work or Path(tempfile.mkdtemp(prefix="scaleout-"))
     root.mkdir(parents=True, exist_ok=True)
 
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     t0 = time.perf_counter()
     load_model(None)  # builds the default model's ONNX into the cache once, before any actor

@@ -66,7 +66,7 @@ def main() -> None:
     rows = []
     if args.baseline == "onnx":
         from pipeline.engines.registry import make_engine
-        from pipeline.model import load_model
+        from pipeline.model.folder import load_model
 
         bundle = load_model(None)
         onnx = make_engine("onnx", bundle, top_k=5)

@@ -16,7 +16,7 @@ all the machine's CPUs (same ``num_cpus`` for both):
   atomic Parquet shards, report).
 * naive: ``ray.data.read_images(SRC, mode="RGB")`` (decode in read tasks) -> ``map_batches`` with a callable class
   holding an onnxruntime session (default session options), preprocessing each decoded array with the reference
-  ``pipeline.imaging.preprocess_image`` and the model's spec -> top-k softmax -> ``write_parquet``.
+  ``pipeline.model.imaging.preprocess_image`` and the model's spec -> top-k softmax -> ``write_parquet``.
   ``--naive-actors`` actors of 1 CPU each (default 1, as our job uses on 2 CPUs: CPUs // 4, at least 1).
 
 Printed: per run wall seconds (the subprocess: Ray start and stop included), job seconds (ours: elapsed_s from
@@ -98,7 +98,7 @@ class NaiveClassifier:
     def __init__(self, top_k: int):
         import onnxruntime as ort
 
-        from pipeline.model import load_model
+        from pipeline.model.folder import load_model
 
         self.bundle = load_model(None)
         options = ort.SessionOptions()
@@ -114,7 +114,7 @@ class NaiveClassifier:
 
     def __call__(self, batch: dict) -> dict:
         from pipeline.engines.onnx import topk_softmax
-        from pipeline.imaging import preprocess_image
+        from pipeline.model.imaging import preprocess_image
 
         x = np.stack([preprocess_image(Image.fromarray(a), self.bundle.spec) for a in batch["image"]])
         logits = self.session.run([self.bundle.output_name], {self.bundle.input_name: x})[0]

@@ -7,7 +7,7 @@ import threading
 import time
 
 from gpu_timing import model_only, rate
-from pipeline.imaging import PreprocessSpec
+from pipeline.model.imaging import PreprocessSpec
 
 DALI_LOADS = (0.65, 0.9, 1.0)  # the hardware JPEG engines' share of each batch
 
@@ -18,8 +18,8 @@ def dali_only(images: list[bytes], spec: PreprocessSpec, batch: int, min_s: floa
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from pipeline.engines.gpu.dali import DaliPrep
-    from pipeline.imaging import DecodeLimits
+    from pipeline.gpu.dali import DaliPrep
+    from pipeline.model.imaging import DecodeLimits
 
     out = {}
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
@@ -73,7 +73,7 @@ def dali_pipelined_rate(images: list[bytes], spec: PreprocessSpec, batch: int, m
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from pipeline.engines.gpu.dali import DaliPrep
+    from pipeline.gpu.dali import DaliPrep
 
     batches = [images[i : i + batch] for i in range(0, len(images) - batch + 1, batch)]
     crop_h, crop_w = spec.crop

@@ -14,8 +14,8 @@ def oddities_part(results: dict, net, spec) -> None:
     from support.oddities import oddities
 
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.engines.gpu.classifier import GpuClassifier
-    from pipeline.model import load_model
+    from pipeline.gpu.classifier import GpuClassifier
+    from pipeline.model.folder import load_model
 
     odd = oddities()
     names = list(odd)
@@ -35,7 +35,7 @@ def oddities_part(results: dict, net, spec) -> None:
 
 def parity(results: dict, clf_default, clf_fp32=None) -> None:
     """Top-1 agreement of the gpu engine (FP16, GPU decode and resize) with the ONNX Runtime CPU reference."""
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     parity_set = make_set(520, "varied", 10_000)
     bundle = load_model(None)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from pipeline.default_model import DEFAULT_SPEC
-from pipeline.imaging import PreprocessSpec
+from pipeline.model.default_model import DEFAULT_SPEC
+from pipeline.model.imaging import PreprocessSpec
 
 IMAGENET_SPEC = PreprocessSpec(
     resize_shorter=256,
@@ -42,8 +42,8 @@ def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
 
 
 def networks():
-    from pipeline.default_model import load_checkpoint
-    from pipeline.engines.gpu.networks import efficientnet_lite0, resnet50_random
+    from pipeline.model.default_model import load_checkpoint
+    from pipeline.gpu.networks import efficientnet_lite0, resnet50_random
 
     return {
         "resnet50": (resnet50_random(), IMAGENET_SPEC),

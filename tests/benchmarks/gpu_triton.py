@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from gpu_timing import IMAGENET_SPEC, rate
-from pipeline.imaging import PreprocessSpec
-from pipeline.model import SPEC_FILE
+from pipeline.model.imaging import PreprocessSpec
+from pipeline.model.folder import SPEC_FILE
 
 
 def metrics(url: str) -> dict[str, dict[str, float]]:

@@ -6,12 +6,12 @@ Usage:
 
 The sample is drawn as the command draws it (``draw_sample``: ranked by sha256(seed:uri), the first
 ``--calibration-images`` calibrate, the rest are held out and never calibrate); the images are read once. Each
-candidate is a ``QuantizeOptions`` of ``pipeline/quantize.py`` written as ``KEY=VALUE`` words (``types=s8s8
+candidate is a ``QuantizeOptions`` of ``pipeline/int8/quantize.py`` written as ``KEY=VALUE`` words (``types=s8s8
 method=percentile percentile=99.99 per_channel=false exclude=classifier,depthwise exclude_worst=4
 calibration_images=96 quant_format=qoperator``; ``x.NAME=VALUE`` is an ONNX Runtime ``extra_options`` entry, e.g.
 ``x.ActivationSymmetric=true``; ``pre_process=true`` quantizes the output of ONNX Runtime's ``quant_pre_process``
 instead of the FP32 model itself); its model is quantized by ``quantize_onnx`` and compared with FP32 by
-``pipeline/gate.py``'s ``gate`` on the held-out images, in each ``--eval`` mode:
+``pipeline/int8/gate.py``'s ``gate`` on the held-out images, in each ``--eval`` mode:
 
 * ``cpu``: ONNX Runtime with its default graph optimizations, as the command's gate runs it: the integer kernels of
   the CPU in use (on x86 without VNNI, u8s8 and s8s8 saturate);
@@ -39,11 +39,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from pipeline.config import DEFAULT_EXTENSIONS  # noqa: E402
-from pipeline.gate import GateThresholds, gate  # noqa: E402
-from pipeline.model import load_model  # noqa: E402
-from pipeline.quantize import EVAL_BATCH, QuantizeOptions, draw_sample, load_tensors, quantize_onnx  # noqa: E402
-from pipeline.quantize_nodes import CALIBRATION_BATCH, layer_errors  # noqa: E402
+from pipeline.int8.gate import GateThresholds, gate  # noqa: E402
+from pipeline.int8.quantize import EVAL_BATCH, QuantizeOptions, draw_sample, load_tensors, quantize_onnx  # noqa: E402
+from pipeline.int8.quantize_nodes import CALIBRATION_BATCH, layer_errors  # noqa: E402
+from pipeline.model.folder import load_model  # noqa: E402
+from pipeline.schema import DEFAULT_EXTENSIONS  # noqa: E402
 
 EVAL_MODES = ("simulate", "cpu")
 DEFAULT_CANDIDATES = ("default=",)

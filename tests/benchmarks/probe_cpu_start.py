@@ -51,14 +51,14 @@ def main() -> None:
         raise SystemExit(__doc__)
     src, out, *options = sys.argv[1:]
     shutil.rmtree(out, ignore_errors=True)
-    from pipeline.job.local_ray import local_ray_env
+    from pipeline.node import local_ray_env
 
     local_ray_env()  # before Ray is imported, as the CLI does
     import ray
 
     import pipeline.job.run as run
     import pipeline.job.stages as stages
-    import pipeline.model as model
+    import pipeline.model.folder as model
     from pipeline.cli import main as cli
 
     trace = Path(tempfile.mkdtemp(prefix="probe-start-")) / "timeline.json"

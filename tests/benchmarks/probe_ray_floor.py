@@ -27,7 +27,7 @@ def one_run(mode: str) -> tuple[float, float]:
     """(seconds to Ray's start, seconds to the last row) of one pipeline, in this process."""
     start = time.perf_counter()
     sys.path.insert(0, str(REPO))
-    from pipeline.job.local_ray import local_ray_env
+    from pipeline.node import local_ray_env
 
     local_ray_env()
     import logging

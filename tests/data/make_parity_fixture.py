@@ -22,8 +22,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pipeline.default_model import DEFAULT_SPEC  # noqa: E402
-from pipeline.imaging import decode_image, load_and_preprocess, normalize_array  # noqa: E402
+from pipeline.model.default_model import DEFAULT_SPEC  # noqa: E402
+from pipeline.model.imaging import decode_image, load_and_preprocess, normalize_array  # noqa: E402
 
 INPUTS = REPO / "tests" / "data" / "parity" / "inputs"
 PHOTOS = REPO / "tests" / "data" / "photos"
@@ -105,7 +105,7 @@ def main(out: Path) -> None:
     try:
         import onnxruntime as ort
 
-        from pipeline.default_model import build_onnx, load_checkpoint
+        from pipeline.model.default_model import build_onnx, load_checkpoint
 
         onnx_bytes = build_onnx(load_checkpoint(Path(weights)), input_name="input", output_name="logits")
         session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])

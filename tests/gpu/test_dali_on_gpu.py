@@ -13,10 +13,10 @@ def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
     """tests/support/oddities.py through GpuClassifier on the GPU (one batch, DALI and the reference mixed): the onnx
     engine's status and error kind for every input, the same top-1 for the ok ones (seen 20/20 on an H200)."""
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.classifier import GpuClassifier
-    from pipeline.engines.gpu.networks import load_network
+    from pipeline.gpu.classifier import GpuClassifier
+    from pipeline.gpu.networks import load_network
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     bundle = load_model(None)
     odd = oddities()

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.default_model import DEFAULT_SPEC
-from pipeline.engines.gpu.classifier import GpuClassifier
-from pipeline.engines.gpu.engine import GpuEngine
-from pipeline.imaging import load_and_preprocess
+from pipeline.model.default_model import DEFAULT_SPEC
+from pipeline.gpu.classifier import GpuClassifier
+from pipeline.engines.gpu import GpuEngine
+from pipeline.model.imaging import load_and_preprocess
 from support.oddities import photo_set
 
 
 def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     bundle = load_model(None)
     datas = photo_set()
@@ -30,7 +30,7 @@ def test_gpu_engine_agrees_with_the_onnx_engine_on_photos():
 
 def test_blocking_sync_is_in_force_and_classifies_the_same():
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     bundle = load_model(None)
     datas = photo_set()
@@ -45,7 +45,7 @@ def test_blocking_sync_is_in_force_and_classifies_the_same():
 def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     """DALI's "mixed" decode (hardware JPEG engines, nvJPEG) and resize against the reference, row by row."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.classifier import Chunk, triage
+    from pipeline.gpu.classifier import Chunk, triage
 
     clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, cuda_graph=False, half=False, pipeline=False)
     datas = photo_set()

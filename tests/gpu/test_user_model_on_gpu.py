@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.model import MODEL_FILE, load_model
+from pipeline.model.folder import MODEL_FILE, load_model
 from pipeline.triton import contract as tn
 from support.oddities import photo_set
 
@@ -25,7 +25,7 @@ def _decided(expected):
 
 
 def test_a_users_model_on_both_gpu_paths_answers_like_onnx_runtime(folder, tmp_path):
-    from pipeline.engines.gpu.engine import GpuEngine
+    from pipeline.engines.gpu import GpuEngine
     from pipeline.engines.onnx import OnnxEngine
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.repository import build_gpu_repository
@@ -66,12 +66,12 @@ SPECS = {  # every interpolation, both channel orders, a non-square crop, scale,
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_dali_on_the_gpu_follows_every_spec_field_like_the_reference(name):
-    """DALI's "mixed" decode and resize per a user's spec against the reference (pipeline.imaging), row by row, in
+    """DALI's "mixed" decode and resize per a user's spec against the reference (pipeline.model.imaging), row by row, in
     the spec's own levels (value * std / scale)."""
     import numpy as np
 
-    from pipeline.engines.gpu.classifier import Chunk, GpuClassifier, triage
-    from pipeline.imaging import PreprocessSpec, load_and_preprocess
+    from pipeline.gpu.classifier import Chunk, GpuClassifier, triage
+    from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
 
     spec = PreprocessSpec(**SPECS[name])
     clf = GpuClassifier(torch.nn.Identity(), spec, cuda_graph=False, half=False, pipeline=False)

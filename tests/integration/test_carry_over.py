@@ -16,9 +16,9 @@ from test_faults import previous_rows
 
 
 def test_unchanged_rows_are_committed_while_the_new_objects_are_still_classified(tmp_path, ray_local):
-    from pipeline.model import load_model
-    from pipeline.quality import quality_footer
-    from pipeline.writer import write_shard
+    from pipeline.model.folder import load_model
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.writer import write_shard
 
     src, prev, out = tmp_path / "src", tmp_path / "prev", tmp_path / "out"
     seed = tmp_path / "seed.jpg"

@@ -1,4 +1,4 @@
-"""DALI parity: the production preprocessing graph, built for the CPU, against the reference (pipeline.imaging)
+"""DALI parity: the production preprocessing graph, built for the CPU, against the reference (pipeline.model.imaging)
 on real photos and the odd inputs; the tensor difference and its effect on top-1 are measured and bounded."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from support.oddities import EXPECTED_SIZES, oddities
 from PIL import Image
 
 from pipeline.errors import ImageError
-from pipeline.imaging import PreprocessSpec, load_and_preprocess
-from pipeline.model import load_model
+from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
+from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 
 pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda120 (the test extra)")

@@ -18,8 +18,8 @@ from conftest import PHOTOS, REPO
 from pipeline.cli import main
 from pipeline.config import RunConfig
 from pipeline.job import run_job
-from pipeline.quality import DRIFT_EXIT_CODE, quality_of_parts
-from pipeline.reader import committed_parts
+from pipeline.quality.statistics import DRIFT_EXIT_CODE, quality_of_parts
+from pipeline.io.reader import committed_parts
 
 pytestmark = pytest.mark.slow
 

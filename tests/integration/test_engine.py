@@ -141,7 +141,7 @@ def test_make_engine(default_bundle):
 
 
 def test_engine_applies_its_decode_limits(default_bundle, photo_bytes):
-    from pipeline.imaging import DecodeLimits
+    from pipeline.model.imaging import DecodeLimits
 
     with OnnxEngine(default_bundle, limits=DecodeLimits(max_bytes=40_000, max_pixels=200_000)) as engine:
         chelsea, coffee, astronaut = engine.classify([photo_bytes[n] for n in ("chelsea", "coffee", "astronaut")])

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from support.oddities import EXPECTED_SIZES, oddities
-from pipeline.engines.base import STAGE_INFER, STATUS_OK, Engine
+from pipeline.engines.base import Engine
 from pipeline.engines.registry import REGISTRY, make_engine
 from pipeline.errors import ConfigError
+from pipeline.schema import STAGE_INFER, STATUS_OK
 
 TOP_K = 3
 # Engines that decode with the reference code (Pillow here, in the server for triton): same top-1 as onnx.

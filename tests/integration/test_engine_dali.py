@@ -1,4 +1,4 @@
-"""The gpu engine's DALI preparation (pipeline.engines.gpu.dali) where it runs without a GPU: DALI's CPU backend
+"""The gpu engine's DALI preparation (pipeline.gpu.dali) where it runs without a GPU: DALI's CPU backend
 through the same graph and the same triage / refusal / reference fallback the GPU runs (the classifier around it:
 tests/integration/test_engine_gpu.py, with torch on the CPU; on a GPU: tests/gpu/test_dali_on_gpu.py)."""
 
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from support.oddities import EXPECTED_SIZES, oddities
 
-from pipeline.default_model import DEFAULT_SPEC
-from pipeline.engines.gpu.classifier import triage
+from pipeline.model.default_model import DEFAULT_SPEC
+from pipeline.gpu.classifier import triage
 from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits, load_and_preprocess
+from pipeline.model.imaging import DecodeLimits, load_and_preprocess
 
 pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda120 (the test extra)")
-from pipeline.engines.gpu.dali import DaliPrep, DaliRefused, host_array  # noqa: E402
+from pipeline.gpu.dali import DaliPrep, DaliRefused, host_array  # noqa: E402
 from support.paths import PHOTOS
 
 DALI_UNDECODABLE_ALPHA = {"rgba_png", "palette_png_transparent"}

@@ -11,15 +11,15 @@ import pytest
 from PIL import Image
 
 from pipeline.triton import contract as tn
-from pipeline.default_model import DEFAULT_SPEC
-from pipeline.engines.gpu.classifier import GpuClassifier
-from pipeline.engines.gpu.engine import GpuEngine
-from pipeline.engines.gpu.jpeg import parse_jpeg_header
+from pipeline.model.default_model import DEFAULT_SPEC
+from pipeline.gpu.classifier import GpuClassifier
+from pipeline.engines.gpu import GpuEngine
+from pipeline.gpu.jpeg import parse_jpeg_header
 from pipeline.triton.configs import gpu_config
-from pipeline.model import SPEC_FILE
+from pipeline.model.folder import SPEC_FILE
 from pipeline.triton.repository import SHIM_FILE, build_gpu_repository
 from pipeline.errors import ConfigError, EngineError, ImageError
-from pipeline.imaging import PreprocessSpec, load_and_preprocess
+from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
 from pipeline.triton.checks import check_repository
 from support.oddities import photo_set
 from support.paths import PHOTOS, REPO
@@ -82,7 +82,7 @@ def test_header_rejects_non_jpeg_and_cut_headers():
 
 
 def test_without_dali_the_classifier_names_the_extra_to_install(monkeypatch):
-    monkeypatch.setattr("pipeline.engines.gpu.classifier.dali_available", lambda: False)
+    monkeypatch.setattr("pipeline.gpu.classifier.dali_available", lambda: False)
     with pytest.raises(EngineError, match=r"^the gpu engine decodes and resizes with DALI, which is not installed "
                                           r"here: pip install 'bulk-classify\[dali\]' \(nvidia-dali-cuda120; "
                                           r"the gpu extra includes it\)$"):
@@ -134,17 +134,17 @@ def test_committed_gpu_profile_passes_the_repository_check():
 @pytest.fixture(scope="module")
 def lite0():
     pytest.importorskip("torch")
-    from pipeline.default_model import load_checkpoint
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.model.default_model import load_checkpoint
+    from pipeline.gpu.networks import efficientnet_lite0
 
     return efficientnet_lite0(load_checkpoint())
 
 
 def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     """What reaches the network: DALI's rows (JPEGs, one EXIF-rotated) and the reference's (a PNG), each in its
-    caller's place, against ``pipeline.imaging``'s own preprocessing of the same file."""
+    caller's place, against ``pipeline.model.imaging``'s own preprocessing of the same file."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.classifier import Chunk, triage
+    from pipeline.gpu.classifier import Chunk, triage
 
     clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
     datas = photo_set()
@@ -170,7 +170,7 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
 
 def test_lite0_torch_module_equals_the_onnx_graph(lite0):
     torch = pytest.importorskip("torch")
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
     import onnxruntime as ort
 
     bundle = load_model(None)
@@ -207,7 +207,7 @@ def test_concurrent_calls_share_one_stream_with_dali_at_depth_two(lite0):
     import threading
 
     pytest.importorskip("nvidia.dali")
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     bundle = load_model(None)
     good = photo_set()[:6]
@@ -239,7 +239,7 @@ def test_gpu_profile_through_tritonserver_on_the_cpu(tmp_path):
     import urllib.request
 
     from pipeline.engines.triton import TritonEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
     from pipeline.triton.server import TritonServer
 
     repo = build_gpu_repository(None, tmp_path / "repo", instances=1, batch_size=8,

@@ -18,8 +18,8 @@ from pipeline.triton import contract as tn
 from pipeline.engines.registry import make_engine
 from pipeline.engines.triton import plan_requests
 from pipeline.errors import ConfigError
-from pipeline.model import MODEL_FILE, SPEC_FILE, load_model
-from pipeline.imaging import DecodeLimits
+from pipeline.model.folder import MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton.configs import portable_config
 from pipeline.triton.repository import CONFIG_FILE, SHIM_FILE, add_topk_head
 from pipeline.triton.server import SHM_DIR, TritonServer
@@ -141,7 +141,7 @@ def test_encoded_request_is_the_protobuf_message_byte_for_byte_in_meaning():
     from tritonclient.grpc import service_pb2
 
     from pipeline.engines.triton_wire import build_request, encode_request
-    from pipeline.imaging import DecodeLimits
+    from pipeline.model.imaging import DecodeLimits
 
     limits = DecodeLimits(max_bytes=123_456_789, max_pixels=7)
     for blobs in ([b"x"], [b"ab", b"c" * 300, b"\0" * 17], [bytes([i % 256]) * (40_000 + i) for i in range(5)]):

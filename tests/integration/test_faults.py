@@ -20,10 +20,9 @@ import pytest
 
 from conftest import free_port, make_jpeg
 from pipeline.config import RunConfig
-from pipeline.fetch import fetch_batch
+from pipeline.io.fetch import fetch_batch
 from pipeline.job import run_job
-from pipeline.source import LISTING_SCHEMA
-from pipeline.schema import WORK_SCHEMA, conform
+from pipeline.schema import LISTING_SCHEMA, WORK_SCHEMA, conform
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 OUTAGE_OBJECTS = 1500  # objects behind the S3 outage test
@@ -240,9 +239,9 @@ def previous_rows(paths: list[Path], model: str) -> pa.Table:
 @pytest.mark.slow
 def test_kill_minus_nine_mid_carry_over_then_rerun_and_resume_give_every_object_one_row(tmp_path):
     """A nightly scan with 1 % changed, killed while it copies the unchanged rows, then rerun and rerun again."""
-    from pipeline.model import load_model
-    from pipeline.quality import quality_footer
-    from pipeline.writer import write_shard
+    from pipeline.model.folder import load_model
+    from pipeline.quality.statistics import quality_footer
+    from pipeline.io.writer import write_shard
 
     n, per_shard = 4000, 50
     src, prev, out = tmp_path / "src", tmp_path / "prev", tmp_path / "out"

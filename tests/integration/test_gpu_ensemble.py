@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.engines.triton import TritonEngine
 from pipeline.errors import ConfigError
-from pipeline.model import SPEC_FILE, load_model
+from pipeline.model.folder import SPEC_FILE, load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer

@@ -1,4 +1,4 @@
-"""The gpu profile's request stream (pipeline.engines.gpu.stream) in a real tritonserver, on the CPU.
+"""The gpu profile's request stream (pipeline.gpu.stream) in a real tritonserver, on the CPU.
 
 The profile's model with ``network: "none"`` runs the whole Triton side - execute() queueing requests, the stream
 cutting them into batches across requests, responses sent from the stream's thread - with a classifier that does no
@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pipeline.engines.gpu.stream import RequestStream
+from pipeline.gpu.stream import RequestStream
 from pipeline.triton.serve.hop import NullClassifier, echo_ids
 from pipeline.engines.triton import TritonEngine
-from pipeline.imaging import DecodeLimits
-from pipeline.model import load_model
+from pipeline.model.imaging import DecodeLimits
+from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer

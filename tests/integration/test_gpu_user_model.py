@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.errors import EngineError, ModelError
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
 from pipeline.triton import contract as tn
 from support.oddities import photo_set
 from support.paths import PHOTOS
@@ -37,7 +37,7 @@ def ort_logits(bundle, x: np.ndarray) -> np.ndarray:
 def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_host(folder):
     import onnx2torch
 
-    from pipeline.engines.gpu.onnx_torch import HostShape, HostShapes, convert_onnx
+    from pipeline.gpu.onnx_torch import HostShape, HostShapes, convert_onnx
 
     bundle = load_model(folder)
     x = np.random.default_rng(1).standard_normal((3, 3, 64, 64)).astype(np.float32)
@@ -56,8 +56,8 @@ def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_ho
 
 
 def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folder, tmp_path):
-    from pipeline.engines.gpu.onnx_torch import convert_onnx
-    from pipeline.engines.gpu.precision import GATE_IMAGES, GATE_REL_L2, choose_half
+    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.precision import GATE_IMAGES, GATE_REL_L2, choose_half
 
     bundle = load_model(folder)
     good = choose_half(convert_onnx(bundle.onnx_path), bundle.spec, torch.device("cpu"))
@@ -72,8 +72,8 @@ def test_a_converted_network_runs_compiled_where_its_logits_match_and_eager_wher
     """TopKNetwork compiles a converted model.onnx (on CUDA by default; asked for here on the CPU), checks the
     compiled logits against the eager network's at warmup, and keeps the eager network where compiling fails or
     answers otherwise, saying so once."""
-    from pipeline.engines.gpu.onnx_torch import convert_onnx
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.topk_network import TopKNetwork
 
     bundle = load_model(folder)
     net = convert_onnx(bundle.onnx_path)
@@ -145,7 +145,7 @@ def test_an_operator_the_converter_lacks_is_refused_in_the_driver(tmp_path, monk
 
 
 def test_the_gpu_engine_refuses_an_actor_without_a_gpu_unless_told_cpu(folder, monkeypatch):
-    from pipeline.engines.gpu.engine import GpuEngine
+    from pipeline.engines.gpu import GpuEngine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(EngineError, match=r"^--engine gpu runs on a GPU and this actor has none that it can use; "
@@ -157,7 +157,7 @@ def test_a_users_model_answers_like_onnx_runtime_in_process_and_in_tritonserver(
     """The gpu engine (DALI's CPU backend, torch on the CPU) and the gpu profile's python model in a real
     tritonserver run the converted network: their top-1 is ONNX Runtime's wherever its margin is no near-tie."""
     pytest.importorskip("nvidia.dali")
-    from pipeline.engines.gpu.engine import GpuEngine
+    from pipeline.engines.gpu import GpuEngine
     from pipeline.engines.onnx import OnnxEngine
 
     bundle = load_model(folder)

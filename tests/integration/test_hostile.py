@@ -26,14 +26,14 @@ import pytest
 from conftest import make_jpeg
 from support.ray_cluster import LocalRayCluster
 from pipeline.config import RunConfig
+from pipeline.io.keys import legacy_uri, uri_path
+from pipeline.io.reader import committed_parts
+from pipeline.io.writer import write_json, write_shard
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
 from pipeline.job.output import dedupe_output, remove_owned
-from pipeline.keys import legacy_uri, uri_path
 from pipeline.schema import LEASE, OUTPUT_SCHEMA, SUCCESS, conform
-from pipeline.source import open_fs
-from pipeline.reader import committed_parts
-from pipeline.writer import write_json, write_shard
+from pipeline.storage import open_fs
 from support.paths import REPO
 
 PHOTOS = REPO / "tests" / "data" / "photos"
@@ -100,7 +100,8 @@ def _expected(src: Path, follow: bool) -> tuple[set[str], dict[str, str]]:
 
 def _listed(src: Path, tasks: int, follow: bool) -> list[tuple]:
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.source import list_unit, open_fs, plan_listing
+    from pipeline.io.source import list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     fs, root = open_fs(str(src))
     groups = plan_listing(fs, root, DEFAULT_EXTENSIONS, tasks, follow_symlinks=follow)
@@ -127,8 +128,9 @@ def test_a_rerun_finds_every_entry_and_list_error_row_done(tmp_path):
     import numpy as np
 
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.keys import uri_hashes
-    from pipeline.source import listing_blocks, open_fs, plan_listing
+    from pipeline.io.keys import uri_hashes
+    from pipeline.io.source import listing_blocks, plan_listing
+    from pipeline.storage import open_fs
 
     src, _outside = _hostile_tree(tmp_path)
     fs, root = open_fs(str(src))
@@ -188,7 +190,8 @@ def test_unreadable_sub_folder_is_a_list_error_row_and_an_unreadable_source_one_
     (src / "locked").chmod(0)
     try:
         # the local listing, and fsspec's walk as other stores are listed (it leaves such a folder out unless told)
-        script = ("import json, sys; from pipeline.source import FsDir, list_unit, open_fs, plan_listing; "
+        script = ("import json, sys; from pipeline.io.source import FsDir, list_unit, plan_listing; "
+                  "from pipeline.storage import open_fs; "
                   "fs, root = open_fs(sys.argv[1]); ext = ('jpg',); "
                   "print(json.dumps([[list(e) for g in plan_listing(fs, root, ext, 2) for u in g "
                   "for e in list_unit(fs, u, ext)], [list(e) for e in list_unit(fs, FsDir(root), ext)]]))")
@@ -239,7 +242,7 @@ def test_max_pixels_above_pillows_own_limit_applies(monkeypatch):
     from PIL import Image
 
     from pipeline.errors import ImageError
-    from pipeline.imaging import DecodeLimits, decode_image
+    from pipeline.model.imaging import DecodeLimits, decode_image
 
     buf = io.BytesIO()
     Image.new("RGB", (200, 100), (9, 9, 9)).save(buf, format="PNG")
@@ -254,7 +257,7 @@ def test_report_escapes_control_characters_of_labels_and_paths(tmp_path):
     from datetime import datetime, timezone
 
     from pipeline.schema import OUTPUT_SCHEMA, conform
-    from pipeline.writer import write_shard
+    from pipeline.io.writer import write_shard
 
     out = tmp_path / f"out{ESC_TITLE}"
     now = datetime.now(timezone.utc)
@@ -308,10 +311,10 @@ def test_hostile_source_end_to_end_gives_one_row_per_entry_and_counts_list_error
 def _legacy_copy(out: Path, legacy: Path) -> int:
     """``out`` rewritten as today's release wrote it: ``file://`` + the raw path; the rows whose URI changed."""
     from pipeline.schema import REPORT, RUN_INFO, SUCCESS
-    from pipeline.reader import committed_parts
-    from pipeline.writer import write_shard
+    from pipeline.io.reader import committed_parts
+    from pipeline.io.writer import write_shard
 
-    from pipeline.source import open_fs
+    from pipeline.storage import open_fs
 
     fs, root = open_fs(str(out))
     changed = 0
@@ -359,9 +362,10 @@ S3_KEYS = ["k/a#b.jpg", "k/q?x=1.jpg", "k/%20.jpg", "k/sp ace.jpg", "k/caf\u00e9
 
 def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_server):
     from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.fetch import fetch_batch
+    from pipeline.io.fetch import fetch_batch
     from pipeline.schema import DATA, WORK_SCHEMA, conform
-    from pipeline.source import entries_table, list_unit, open_fs, plan_listing
+    from pipeline.io.source import entries_table, list_unit, plan_listing
+    from pipeline.storage import open_fs
 
     s3.create_bucket(Bucket="hostile-keys")
     bodies = {key: f"body of {key}".encode() for key in S3_KEYS}
@@ -384,7 +388,8 @@ def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_s
 
 def test_s3_prefix_without_images_is_refused_before_any_work(s3, s3_server):
     from pipeline.errors import EmptySourceError
-    from pipeline.source import check_source, open_fs
+    from pipeline.io.source import check_source
+    from pipeline.storage import open_fs
 
     s3.create_bucket(Bucket="hostile-empty")
     s3.put_object(Bucket="hostile-empty", Key="p/notes.txt", Body=b"no")

@@ -6,10 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import pipeline.source as source
+import pipeline.io.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
-from pipeline.keys import object_uri, uri_path
-from pipeline.source import S3Keys, S3Range, list_unit, open_fs, plan_listing
+from pipeline.io.keys import object_uri, uri_path
+from pipeline.io.source import S3Keys, S3Range, list_unit, plan_listing
+from pipeline.storage import open_fs
 
 EXT = DEFAULT_EXTENSIONS
 

@@ -11,10 +11,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from pipeline import default_model
-from pipeline.default_model import DEFAULT_SPEC
+from pipeline.model import default_model
+from pipeline.model.default_model import DEFAULT_SPEC
 from pipeline.errors import ModelError
-from pipeline.model import (
+from pipeline.model.folder import (
     LABELS_FILE,
     MODEL_FILE,
     ONNX_INPUT,
@@ -23,7 +23,7 @@ from pipeline.model import (
     ensure_default_model,
     load_model,
 )
-from pipeline.imaging import decode_image, normalize_array
+from pipeline.model.imaging import decode_image, normalize_array
 from support.paths import PARITY
 
 # Largest |ONNX logit - torch logit| allowed. Measured 2.2e-5 over the 200 parity inputs (ORT 1.30 on the H200's

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
 from pipeline.job import run_job
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE, is_builtin, load_model_folder
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, TORCHSCRIPT_FILE, is_builtin, load_model_folder
 from support.paths import DATA
 
 PHOTOS = DATA / "photos"

@@ -19,8 +19,8 @@ from conftest import PHOTOS
 from pipeline.cli import main
 from pipeline.engines.onnx import OnnxEngine
 from pipeline.errors import ConfigError, ModelError
-from pipeline.imaging import PreprocessSpec, decode_image
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model_folder
+from pipeline.model.imaging import PreprocessSpec, decode_image
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model_folder
 from pipeline.model_import import core, timm_source
 from pipeline.model_import.core import ImportOptions, ParityFailed, import_model
 

@@ -1,4 +1,4 @@
-"""The default network's layouts (pipeline.engines.gpu.networks.LITE0_LAYOUTS): TF "SAME" padding folded into the
+"""The default network's layouts (pipeline.gpu.networks.LITE0_LAYOUTS): TF "SAME" padding folded into the
 convs computes what the explicit pads compute, on real photos and the parity inputs, in FP32 on the CPU."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.default_model import DEFAULT_SPEC, IMAGE_SIZE, LITE0_BLOCKS
-from pipeline.engines.gpu.networks import (
+from pipeline.model.default_model import DEFAULT_SPEC, IMAGE_SIZE, LITE0_BLOCKS
+from pipeline.gpu.networks import (
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
@@ -18,8 +18,8 @@ from pipeline.engines.gpu.networks import (
     pad_plan,
 )
 from pipeline.errors import EngineError
-from pipeline.imaging import decode_image, load_and_preprocess, normalize_array
-from pipeline.model import load_model
+from pipeline.model.imaging import decode_image, load_and_preprocess, normalize_array
+from pipeline.model.folder import load_model
 from support.paths import BENCHMARKS, DATA
 
 # FP32 on the CPU the layouts gave bit-identical logits (torch 2.13, the photos and all 200 parity inputs); the bound
@@ -122,7 +122,7 @@ def test_the_mirror_plan_equals_tf_same_padding_on_the_turned_input():
 @pytest.fixture(scope="module")
 def weights():
     pytest.importorskip("torch")
-    from pipeline.default_model import load_checkpoint
+    from pipeline.model.default_model import load_checkpoint
 
     return load_checkpoint()
 
@@ -140,7 +140,7 @@ def inputs() -> np.ndarray:
 @pytest.fixture(scope="module")
 def reference_logits(weights, inputs):
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.networks import efficientnet_lite0
 
     with torch.inference_mode():
         return efficientnet_lite0(weights, REFERENCE_LITE0_LAYOUT)(torch.from_numpy(inputs)).numpy()
@@ -161,7 +161,7 @@ def test_the_reference_layout_matches_the_original_torch_model(inputs, reference
 ])
 def test_each_layout_gives_the_reference_logits(name, weights, inputs, reference_logits):
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.networks import efficientnet_lite0
 
     net = efficientnet_lite0(weights, name)
     assert net.layout == LITE0_LAYOUTS[name]
@@ -174,8 +174,8 @@ def test_each_layout_gives_the_reference_logits(name, weights, inputs, reference
 def test_the_default_layout_in_channels_last_as_the_engine_runs_it(weights, inputs, reference_logits):
     """TopKNetwork's copy (channels-last, FP32 on the CPU): the slices and in-place activations keep the logits."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import efficientnet_lite0
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.topk_network import TopKNetwork
 
     tk = TopKNetwork(efficientnet_lite0(weights), crop=DEFAULT_SPEC.crop, device=torch.device("cpu"), half=False,
                      batch_size=8, cuda_graph=False, top_k=5)
@@ -190,7 +190,7 @@ def test_the_gemm_layout_cut_into_several_gemms_gives_the_reference_logits(weigh
                                                                          monkeypatch):
     """GEMMs past ``GEMM_ROWS`` rows are cut; the pieces together give the same logits as one GEMM (channels-last)."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu import networks
+    from pipeline.gpu import networks
 
     monkeypatch.setattr(networks, "GEMM_ROWS", 1000)  # the 112x112 layers of these inputs: many pieces
     net = networks.efficientnet_lite0(weights, "mirror_gemm").to(memory_format=torch.channels_last)
@@ -203,7 +203,7 @@ def test_the_gemm_layout_cut_into_several_gemms_gives_the_reference_logits(weigh
 def test_the_gemm_layout_folds_every_depthwise_bias(weights):
     """No depthwise conv keeps a bias, and every 1x1 conv is a GEMM: no bias pass is left but the stem's."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.networks import efficientnet_lite0
 
     net = efficientnet_lite0(weights, "mirror_gemm")
     convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -214,7 +214,7 @@ def test_the_gemm_layout_folds_every_depthwise_bias(weights):
 def test_kernel_layout_keeps_the_checkpoint_weights(weights):
     """The zero taps go in front; the folded checkpoint weights are the rest, unchanged."""
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import _fold, efficientnet_lite0
+    from pipeline.gpu.networks import _fold, efficientnet_lite0
 
     net = efficientnet_lite0(weights, "kernel")
     stem = net.stem.conv.weight.detach().numpy()
@@ -230,7 +230,7 @@ def test_kernel_layout_keeps_the_checkpoint_weights(weights):
 def test_both_gpu_paths_load_the_default_layout(tmp_path):
     """The in-process engine (a ModelBundle) and the gpu profile's Triton models (a version folder) get one network."""
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import load_network
+    from pipeline.gpu.networks import load_network
     from pipeline.triton.serve.gpu_model import _FolderBundle
 
     assert load_network(load_model(None)).layout == LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]
@@ -240,7 +240,7 @@ def test_both_gpu_paths_load_the_default_layout(tmp_path):
 
 def test_a_layout_name_loads_the_default_model_in_that_layout():
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import load_network
+    from pipeline.gpu.networks import load_network
 
     assert load_network(load_model(None), "mirror").layout == LITE0_LAYOUTS["mirror"]
     with pytest.raises(EngineError, match="unknown network 'nope'; leave it unset, or use one of resnet50, explicit"):
@@ -249,7 +249,7 @@ def test_a_layout_name_loads_the_default_model_in_that_layout():
 
 def test_an_unknown_layout_names_the_known_ones(weights):
     pytest.importorskip("torch")
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.networks import efficientnet_lite0
 
     with pytest.raises(EngineError, match="unknown EfficientNet-Lite0 layout 'fast'; use one of explicit, "):
         efficientnet_lite0(weights, "fast")

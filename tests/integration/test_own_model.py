@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.engines.onnx import OnnxEngine
-from pipeline.imaging import load_and_preprocess
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
-from pipeline.spec import UNIT_SCALE
+from pipeline.model.imaging import load_and_preprocess
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.spec import UNIT_SCALE
 from support.paths import PHOTOS
 
 torch = pytest.importorskip("torch")
@@ -171,7 +171,7 @@ def test_case5_declared_probabilities_are_written_as_the_model_gives_them(models
 
 
 def test_case5_the_triton_head_and_the_gpu_network_skip_softmax_for_probabilities(tmp_path, models, photos):
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.topk_network import TopKNetwork
     from pipeline.triton.repository import add_topk_head
     from pipeline.triton.serve.portable_model import Classifier
 
@@ -242,7 +242,7 @@ def test_case6_a_fixed_batch_is_used_without_failures(models, photos, name, capl
 
 
 def test_case6_the_gpu_network_runs_only_the_fixed_batch_size():
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.topk_network import TopKNetwork
 
     net, sizes = _Net(), []
     net.register_forward_pre_hook(lambda _module, args: sizes.append(args[0].shape[0]))
@@ -302,7 +302,7 @@ def test_case8_scalars_timm_fields_and_squash_give_the_reference_rows(models, ph
 
 
 def test_case9_calibration_images_under_hive_style_folders_are_read(tmp_path):
-    from pipeline.quantize import draw_sample, load_tensors
+    from pipeline.int8.quantize import draw_sample, load_tensors
 
     src = tmp_path / "calib"
     folders = ["part=0", "date=2026-12-05#1", "x%41y", "with space"]

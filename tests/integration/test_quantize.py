@@ -52,7 +52,7 @@ def int8_model(tmp_path_factory, cli_env, default_bundle):
 
 def test_quantize_writes_a_model_folder_that_loads_as_int8_and_classifies(int8_model, photo_bytes):
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     out, result = int8_model
     assert result.exit_code == 0, result.output
@@ -117,7 +117,7 @@ def test_an_existing_output_is_left_as_it_was(tmp_path, cli_env):
 
 def test_gpu_paths_refuse_an_int8_model_and_say_where_it_runs(int8_model, tmp_path, cli_env):
     from pipeline.engines.registry import engine_spec
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     out, _ = int8_model
     bundle = load_model(out)
@@ -139,7 +139,7 @@ def test_gpu_paths_refuse_an_int8_model_and_say_where_it_runs(int8_model, tmp_pa
 
 def test_openvino_runs_the_int8_model(int8_model, photo_bytes):
     from pipeline.engines.openvino import OpenVinoEngine
-    from pipeline.model import load_model
+    from pipeline.model.folder import load_model
 
     with OpenVinoEngine(load_model(int8_model[0]), top_k=5, threads=1, streams=1) as engine:
         results = engine.classify(list(photo_bytes.values()))

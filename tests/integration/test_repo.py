@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.triton import contract as tn
 from pipeline.errors import ConfigError, ModelError
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import (
     CONFIG_FILE,

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.errors import ConfigError, OutputError
-from pipeline.report import build_run_report, format_run_report, format_summary, summarize_output
+from pipeline.quality.report import build_run_report, format_run_report, format_summary, summarize_output
 from pipeline.schema import OUTPUT_SCHEMA
 
 STATS = {

@@ -16,13 +16,14 @@ from urllib.parse import quote_plus
 
 import pytest
 
-import pipeline.source as source
+import pipeline.io.source as source
 from conftest import free_port, make_jpeg
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig
-from pipeline.iceberg_output import IcebergOutput
+from pipeline.io.iceberg_output import IcebergOutput
+from pipeline.io.source import list_unit, plan_listing
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
-from pipeline.source import list_unit, open_fs, plan_listing
+from pipeline.storage import open_fs
 
 LIVE = [f"photos/{i:02d}.jpg" for i in range(10)] + ["photos/b c.jpg"]
 VANISHED = "photos/vanished.jpg"  # in the inventory, deleted from the bucket since
@@ -108,8 +109,8 @@ def test_inventory_into_iceberg_one_row_per_live_object_rerun_adds_no_snapshot_a
     assert Counter(r["carried"] for r in table_rows("iceberg://catalog.night2", warehouse)) == Counter(
         {True: len(LIVE), False: 2})
 
-    from pipeline.quality import compare_outputs
-    from pipeline.report import summarize_output
+    from pipeline.quality.statistics import compare_outputs
+    from pipeline.quality.report import summarize_output
 
     assert summarize_output("iceberg://catalog.night2", catalog_options={"warehouse": str(warehouse)})["rows"] == \
         len(rows)

@@ -24,10 +24,8 @@ from conftest import make_jpeg
 from pipeline.engines import triton as triton_engine
 from pipeline.engines.registry import make_engine
 from pipeline.errors import ModelError, TritonError
-from pipeline.model import load_model
-from pipeline.triton import contract as tn
-from pipeline.triton import server as triton_server
-from pipeline.triton import sharing
+from pipeline.model.folder import load_model
+from pipeline.triton import contract as tn, server as triton_server, sharing
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import build_repository
 from support.paths import TESTS
@@ -167,9 +165,9 @@ def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_an
     import psutil
 
     from pipeline.actor import ClassifyActor
-    from pipeline.report import build_run_report, format_run_report
-    from pipeline.stats import ShardStats
-    from pipeline.writer import write_shard
+    from pipeline.quality.report import build_run_report, format_run_report
+    from pipeline.io.stats import ShardStats
+    from pipeline.io.writer import write_shard
 
     batch = _work_batch  # the job's working rows of _images(start, n)
 
@@ -274,7 +272,7 @@ import json, sys
 sys.path[:0] = [sys.argv[1]]
 from conftest import make_jpeg
 from pipeline.engines.registry import make_engine
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 repo, start, n, timeout_s, hold = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 size = lambda i: (24 + i % 97, 20 + i // 97)
 engine = make_engine("triton", load_model(None), top_k=5, repository=repo, share_server=True, request_batch=2,
@@ -547,7 +545,7 @@ EXITING_OWNER = '''
 import atexit, json, sys
 sys.path[:0] = [sys.argv[1]]
 from pipeline.engines.registry import make_engine
-from pipeline.model import load_model
+from pipeline.model.folder import load_model
 engine = make_engine("triton", load_model(None), top_k=5, repository=sys.argv[2], share_server=True, request_batch=2)
 atexit.register(engine.close)
 print(json.dumps({"ready": engine.server is not None}), flush=True)
@@ -603,7 +601,7 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     from pipeline.engines.registry import engine_spec
     from pipeline.job.stages import classify_actor_options
     from pipeline.schema import ENGINE_EVENTS
-    from pipeline.triton.workdirs import pid_alive
+    from pipeline.node import pid_alive
 
     repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
     for key in engine_spec("triton").actor_env:  # this session's Ray was started without it: the options carry it

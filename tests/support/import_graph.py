@@ -1,47 +1,65 @@
-"""The import graph of ``pipeline/``: every ``pipeline.*`` import (top-level or inside a function), its cycles,
-and the layers that imports must respect. ``python tests/support/import_graph.py`` prints cycles, upward imports and
-module sizes; ``tests/unit/test_layout.py`` asserts there are none. The python files of the committed repositories
-(``model_repository/*/*/1/*.py``, the shims tritonserver loads) are in the graph too, on the top floor."""
+"""The import graph of ``pipeline/`` by room, and the floors the rooms stand on.
+
+A room is a package folder of ``pipeline/`` (``pipeline.io``, ``pipeline.triton.serve``) or a top-level module
+(``pipeline.cli``); the shims tritonserver loads (``model_repository/*/*/1/*.py``) are one room on the top floor.
+Every ``pipeline.*`` import counts, at the top of a module or inside a function, and so does a string that names a
+module (``"pipeline.engines.onnx"``) or a ``"module:attr"`` ref, which ``importlib`` imports.
+
+``python tests/support/import_graph.py`` prints the room graph, the longest chain of room imports and anything that
+breaks the floors; ``tests/unit/test_layout.py`` asserts there is nothing.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
-REPOSITORIES = PACKAGE.parent / "model_repository"
-# Lower floors never import higher ones (STYLE.md 16): the shims tritonserver loads and the CLI on top, then the job
-# (its stages, the Ray actor), the code Triton serves (which runs the gpu engine's parts), the engines, the Triton
-# process/contract/repositories, and the model/imaging/errors at the bottom. Modules not listed here (the job's own
-# modules) sit on the job's floor.
+SHIMS = "model_repository"
+# Each room's floor (docs/architecture.md): a room imports rooms on its own floor or lower, never higher, and a room
+# that is not listed here fails the check until it is given a floor.
 FLOORS = {
-    "model_repository": 7,
-    "pipeline.cli": 6,
-    "pipeline.nightly": 6,
-    "pipeline.triton.serve": 4,
-    "pipeline.engines": 3,
-    "pipeline.triton": 2,
-    "pipeline.model": 1,
-    "pipeline.default_model": 1,
-    "pipeline.imaging": 1,
-    "pipeline.spec": 1,
     "pipeline.errors": 0,
+    "pipeline.schema": 1,
+    "pipeline.node": 1,
+    "pipeline.terminal": 1,
+    "pipeline.storage": 2,
+    "pipeline.io": 3,
+    "pipeline.model": 3,
+    "pipeline.quality": 4,
+    "pipeline.int8": 4,
+    "pipeline.metrics": 4,
+    "pipeline.sizing": 4,
+    "pipeline.triton": 4,
+    "pipeline.gpu": 5,
+    "pipeline.engines": 6,
+    "pipeline.triton.serve": 7,
+    "pipeline.actor": 7,
+    "pipeline.model_check": 7,
+    "pipeline.model_import": 8,
+    "pipeline.config": 8,
+    "pipeline.job": 9,
+    "pipeline.nightly": 10,
+    "pipeline.cli": 11,
+    SHIMS: 12,
 }
-JOB_FLOOR = 5
-MAX_LINES = 400
+# The longest chain of room imports allowed (a list -> fetch -> classify -> write job included).
+MAX_CHAIN = 10
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    if parts[0] == REPOSITORIES.name:  # a shim: named by its folders (model_repository.gpu.classifier.1.model)
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    if parts[0] == SHIMS:  # a shim: named by its folders (model_repository.gpu.classifier.1.model)
         return ".".join(parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
+def imports(path: Path, modules: set[str], packages: frozenset[str] = frozenset()) -> set[str]:
     """The pipeline modules ``path`` imports anywhere in its body: lazy imports count too, and so does a string that
-    names a module (``"pipeline.engines.onnx"``) or a ``"module:attr"`` ref, which ``importlib`` imports."""
+    names a module (``"pipeline.engines.onnx"``) or a ``"module:attr"`` ref, which ``importlib`` imports. A string that
+    names a package is a name (where the repositories' shims import from), not an import."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names = []
@@ -51,31 +69,61 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             names = [node.value.partition(":")[0]]
+            names = [n for n in names if n not in packages]
         for name in names:
             if name in modules:
                 found.add(name)
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    """module -> the pipeline modules it imports; packages' ``__init__`` only document, so they are not targets."""
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    modules = {name for name, path in files.items() if path.name != "__init__.py"}
-    files.update({module_name(p): p for p in REPOSITORIES.glob("*/*/*/*.py")})
-    return {name: imports(path, modules) - {name} for name, path in files.items()}
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the pipeline modules it imports (the shims' too); a package counts as a module (its ``__init__``)."""
+    files = {module_name(p, package): p for p in package.rglob("*.py")}
+    modules = set(files)
+    packages = frozenset(name for name, path in files.items() if path.name == "__init__.py")
+    files.update({module_name(p, package): p for p in (package.parent / SHIMS).glob("*/*/*/*.py")})
+    return {name: imports(path, modules, packages) - {name} for name, path in files.items()}
 
 
-def floor(module: str) -> int:
-    best = None
-    for prefix, level in FLOORS.items():
-        if module == prefix or module.startswith(prefix + "."):
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, level)
-    return JOB_FLOOR if best is None else best[1]
+@functools.cache
+def _packages() -> frozenset[str]:
+    return frozenset(module_name(p) for p in PACKAGE.rglob("__init__.py"))
+
+
+def room(module: str) -> str:
+    """The package folder that holds ``module`` (a package is its own room), or the top-level module itself."""
+    if module.split(".")[0] == SHIMS:
+        return SHIMS
+    packages = _packages()
+    while module not in packages and module.count(".") > 1:
+        module = module.rsplit(".", 1)[0]
+    if module not in packages and module.count(".") == 1:
+        parent = module.rsplit(".", 1)[0]
+        return module if parent == "pipeline" else parent
+    return module
+
+
+def rooms(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """room -> the other rooms its modules import."""
+    out: dict[str, set[str]] = {}
+    for a, deps in edges.items():
+        if a == PACKAGE.name:  # pipeline/__init__.py: the version
+            continue
+        out.setdefault(room(a), set()).update(room(b) for b in deps if b != PACKAGE.name)
+    return {r: deps - {r} for r, deps in out.items()}
+
+
+def floor(module_or_room: str) -> int | None:
+    return FLOORS.get(room(module_or_room))
+
+
+def unplaced(edges: dict[str, set[str]]) -> list[str]:
+    """Modules whose room has no floor."""
+    return sorted(m for m in edges if m != PACKAGE.name and floor(m) is None)
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
+    """Strongly connected components with more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -110,26 +158,52 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """Imports from a lower floor to a higher one."""
-    return sorted((a, b) for a, deps in edges.items() for b in deps if floor(b) > floor(a))
+    """Imports from a lower floor to a higher one (modules whose room has no floor are ``unplaced``)."""
+    return sorted((a, b) for a, deps in edges.items() for b in deps
+                  if floor(a) is not None and floor(b) is not None and floor(b) > floor(a))
 
 
-def sizes() -> dict[str, int]:
-    return {module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in PACKAGE.rglob("*.py")}
+def longest_chain(room_edges: dict[str, set[str]]) -> list[str]:
+    """The longest chain of room imports (the room graph must have no cycle)."""
+    best: dict[str, list[str]] = {}
+
+    def chain(r: str) -> list[str]:
+        if r not in best:
+            best[r] = [r] + max((chain(d) for d in sorted(room_edges.get(r, ()))), key=len, default=[])
+        return best[r]
+
+    return max((chain(r) for r in sorted(room_edges)), key=len, default=[])
+
+
+def problems(edges: dict[str, set[str]]) -> list[str]:
+    """Everything that breaks the floors, one line each; empty when the layout holds."""
+    found = [f"no floor: {m} (its room {room(m)} is not in FLOORS)" for m in unplaced(edges)]
+    found += [f"upward import: {a} (floor {floor(a)}) imports {b} (floor {floor(b)})" for a, b in upward(edges)]
+    room_edges = rooms(edges)
+    room_cycles = cycles(room_edges)
+    found += ["room cycle: " + " <-> ".join(c) for c in room_cycles]
+    found += ["module cycle: " + " <-> ".join(c) for c in cycles(edges)]
+    if not room_cycles:
+        chain = longest_chain(room_edges)
+        if len(chain) > MAX_CHAIN:
+            found.append(f"chain of {len(chain)} rooms (at most {MAX_CHAIN}): " + " -> ".join(chain))
+    return found
 
 
 def main() -> int:
     edges = graph()
-    found, up = cycles(edges), upward(edges)
-    for component in found:
-        print("cycle:", " <-> ".join(component))
-    for a, b in up:
-        print(f"upward import: {a} (floor {floor(a)}) imports {b} (floor {floor(b)})")
-    for name, lines in sorted(sizes().items(), key=lambda kv: -kv[1]):
-        if lines > MAX_LINES:
-            print(f"over {MAX_LINES} lines: {name} ({lines})")
-    print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, {len(found)} cycles, {len(up)} upward")
-    return 1 if found or up else 0
+    room_edges = rooms(edges)
+    for r in sorted(room_edges, key=lambda r: (FLOORS.get(r, -1), r)):
+        print(f"{FLOORS.get(r, '?'):>2} {r} -> {', '.join(sorted(room_edges[r], key=lambda d: (-FLOORS.get(d, -1), d)))}")
+    found = problems(edges)
+    if not cycles(room_edges):
+        chain = longest_chain(room_edges)
+        print(f"longest chain ({len(chain)} rooms): {' -> '.join(chain)}")
+    for line in found:
+        print(line)
+    print(f"{len(edges)} modules in {len(room_edges)} rooms, {sum(map(len, edges.values()))} imports, "
+          f"{len(found)} problems")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

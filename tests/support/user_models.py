@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE
 
 CLASSES = 5
 # Small input, so that FP16 on the CPU (the gate) stays quick.

@@ -8,6 +8,7 @@ from pipeline.config import RunConfig
 from pipeline.engines import auto
 from pipeline.engines.base import DEFAULT_BATCH_SIZE
 from pipeline.engines.registry import REGISTRY
+from pipeline import node
 from pipeline.errors import ConfigError
 from pipeline.triton import profiles
 
@@ -36,7 +37,7 @@ def test_auto_on_a_gpu_machine_without_the_gpu_stack_stays_on_the_cpu(monkeypatc
 
 def test_this_machine_has_no_gpu_here():
     """The CPU machines that run CI: auto must resolve to onnx, the quick start's engine."""
-    assert profiles.node_gpus() == 0
+    assert node.node_gpus() == 0
     assert auto.choose().engine == "onnx"
 
 
@@ -48,10 +49,10 @@ def test_a_nodes_gpus_are_counted_as_ray_counts_them_within_cuda_visible_devices
     manager = get_accelerator_manager_for_resource("GPU")
     monkeypatch.setattr(manager, "get_current_node_num_accelerators", staticmethod(lambda: 2))  # the node's NVML count
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert profiles.node_gpus() == 2
+    assert node.node_gpus() == 2
     for visible, counted in (("", 0), ("1", 1), ("0,1", 2), ("0,1,2", 2)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        assert profiles.node_gpus() == counted, visible
+        assert node.node_gpus() == counted, visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert auto.choose().engine == "onnx"
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.engines.auto import importable
+from pipeline.node import importable
 from support.paths import PHOTOS
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
@@ -106,7 +106,7 @@ def test_bad_option_fails_fast_in_one_line_and_writes_nothing(tmp_path, args, me
 def test_the_gpu_engine_without_torch_is_refused_in_one_line(tmp_path, monkeypatch):
     import importlib.util
 
-    from pipeline.engines.gpu import engine as gpu_engine
+    from pipeline.engines import gpu as gpu_engine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(gpu_engine.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else
@@ -149,7 +149,7 @@ def test_nightly_checks_options_before_reading_storage(tmp_path, monkeypatch, ar
 def test_help_shows_the_defaults_of_the_modules_that_own_them():
     from pipeline.cli import nightly, report, run
     from pipeline.config import RunConfig
-    from pipeline.quality import DriftThresholds
+    from pipeline.quality.statistics import DriftThresholds
 
     options = {p.name: p for p in run.params}
     for name in ("top_k", "shard_size", "fetch_threads", "retries", "list_tasks"):

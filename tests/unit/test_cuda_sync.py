@@ -1,4 +1,4 @@
-"""pipeline/engines/gpu/cuda_sync.py: how the gpu classifier's threads wait for the GPU, and its repository option."""
+"""pipeline/gpu/cuda_sync.py: how the gpu classifier's threads wait for the GPU, and its repository option."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from pipeline.engines.gpu.cuda_sync import SYNC_FLAGS, check_cuda_sync, set_cuda_sync
+from pipeline.gpu.cuda_sync import SYNC_FLAGS, check_cuda_sync, set_cuda_sync
 from pipeline.errors import EngineError
 from pipeline.triton import contract as tn
 

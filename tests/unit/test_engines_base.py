@@ -7,15 +7,10 @@ import inspect
 import numpy as np
 import pytest
 
-from pipeline.engines.base import (
-    STATUS_ERROR,
-    STATUS_OK,
-    Option,
-    _load,
-    results_from_topk,
-)
+from pipeline.engines.base import Option, _load, results_from_topk
 from pipeline.engines.registry import DEFAULT_ENGINE, ENGINE_NAMES, REGISTRY, engine_kwargs, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.schema import STATUS_ERROR, STATUS_OK
 
 
 def test_registry_names_every_engine_once():
@@ -32,7 +27,7 @@ def test_every_registered_option_is_a_constructor_argument(name):
     spec = REGISTRY[name]
     factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
     if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
-        from pipeline.engines.gpu.classifier import GpuClassifier
+        from pipeline.gpu.classifier import GpuClassifier
 
         params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
     else:

@@ -1,4 +1,4 @@
-"""pipeline/fetch.py: retries of transient storage errors, permanent errors as rows, the byte cap.
+"""pipeline/io/fetch.py: retries of transient storage errors, permanent errors as rows, the byte cap.
 
 The storage is fsspec's in-memory file system with failures injected per path; the S3 outage itself is covered
 end to end against moto's server in tests/integration/test_faults.py.
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from pipeline import fetch
+from pipeline.io import fetch
 from pipeline.errors import ImageError
 from pipeline.schema import DATA, FETCH_S, WORK_SCHEMA
 

@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from support.oddities import EXPECTED_SIZES, bomb_png, encode, exif_rotated_jpeg, oddities, photo
-from pipeline.default_model import DEFAULT_SPEC, spec_path
+from pipeline.model.default_model import DEFAULT_SPEC, spec_path
 from pipeline.errors import ImageError, ModelError
-from pipeline.imaging import (
+from pipeline.model.imaging import (
     DecodeLimits,
     PreprocessSpec,
     decode_image,

@@ -12,15 +12,13 @@ import pytest
 
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
-from pipeline.job.output import (
-    RecordCounter, begin_output, check_output, index_output, read_previous,
-)
-from pipeline.quality import committed_quality
+from pipeline.io.keys import uri_hash
+from pipeline.io.reader import committed_parts
+from pipeline.io.writer import write_shard
+from pipeline.job.output import RecordCounter, begin_output, check_output, index_output, read_previous
+from pipeline.quality.statistics import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
-from pipeline.keys import uri_hash
-from pipeline.source import open_fs
-from pipeline.reader import committed_parts
-from pipeline.writer import write_shard
+from pipeline.storage import open_fs
 from test_writer import M_DIGEST, rows
 
 M = SimpleNamespace(name="m", digest=M_DIGEST, short_digest=M_DIGEST[:12])  # the model that wrote ``rows``
@@ -47,7 +45,7 @@ def test_index_reads_counts_and_sorted_hashes_from_records_without_ray(tmp_path)
 
 
 def test_the_job_library_below_the_ray_stages_imports_no_ray():
-    code = "import sys, pipeline.job, pipeline.job.output, pipeline.writer, pipeline.reader, pipeline.source; print('ray' in sys.modules)"
+    code = "import sys, pipeline.job, pipeline.job.output, pipeline.io.writer, pipeline.io.reader, pipeline.io.source; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

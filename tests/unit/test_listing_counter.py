@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from pipeline.listing_counter import ListingCounter
+from pipeline.io.listing_counter import ListingCounter
 
 
 def test_carried_keys_wait_for_every_planned_listing_task():

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.errors import ConfigError, OutputError
-from pipeline.quality import (
+from pipeline.quality.statistics import (
     DRIFT_EXIT_CODE, DriftThresholds, QualityStats, compare_outputs, compare_quality, js_divergence,
     population_stability_index, quality_of_parts,
 )
@@ -37,7 +37,7 @@ RUN = {"counts": {"ok": 90, "error": 2}, "images": 92, "elapsed_s": 4.0, "engine
 
 
 def write_output(path, shards: list[list[dict]], success: bool = True) -> None:
-    from pipeline.report import build_run_report
+    from pipeline.quality.report import build_run_report
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "_REPORT.json").write_text(json.dumps(build_run_report(RUN)))
@@ -173,7 +173,7 @@ def test_cli_report_against_exit_codes_json_and_page(tmp_path):
 
 
 def test_recorded_quality_is_used_only_when_it_covers_every_row(tmp_path):
-    from pipeline.quality import output_quality
+    from pipeline.quality.statistics import output_quality
 
     write_output(tmp_path / "d", [NIGHT])
     real = QualityStats().add_table(table(NIGHT)).to_dict()

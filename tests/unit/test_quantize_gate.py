@@ -1,4 +1,4 @@
-"""pipeline/quantize.py's gate: agreement, decisive images, top-5 overlap, per-class agreement, sample checks."""
+"""pipeline/int8/quantize.py's gate: agreement, decisive images, top-5 overlap, per-class agreement, sample checks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.gate import GateThresholds, gate, held_out_figures, pixel_noise, softmax
-from pipeline.imaging import PreprocessSpec
-from pipeline.quantize import QuantizeOptions, side_report_path
+from pipeline.int8.gate import GateThresholds, gate, held_out_figures, pixel_noise, softmax
+from pipeline.model.imaging import PreprocessSpec
+from pipeline.int8.quantize import QuantizeOptions, side_report_path
 
 CLASSES = 10
 LOOSE = GateThresholds(min_held_out=1, min_decisive_images=1, max_class_share=1.0)

@@ -1,4 +1,4 @@
-"""pipeline/quantize.py's node choices on a small real ONNX model: the exclusion keywords, the per-layer error and
+"""pipeline/int8/quantize.py's node choices on a small real ONNX model: the exclusion keywords, the per-layer error and
 ``exclude_worst``, each quantized by ONNX Runtime's own tooling."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.quantize import QuantizeOptions, quantize_onnx
-from pipeline.quantize_nodes import layer_errors, resolve_exclusions
+from pipeline.int8.quantize import QuantizeOptions, quantize_onnx
+from pipeline.int8.quantize_nodes import layer_errors, resolve_exclusions
 
 WEIGHTED = ["stem", "dw1", "pw1", "dw2", "head", "fc"]
 

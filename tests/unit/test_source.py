@@ -1,4 +1,4 @@
-"""Fast unit tests of pipeline.source: planning and listing local key ranges, dropping done and carried objects."""
+"""Fast unit tests of pipeline.io.source: planning and listing local key ranges, dropping done and carried objects."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import os
 
 import numpy as np
 
-import pipeline.source as source
+import pipeline.io.source as source
 from pipeline.config import DEFAULT_EXTENSIONS
-from pipeline.keys import identity_hash, member, uri_hash
-from pipeline.source import LocalFiles, list_unit, listing_blocks, open_fs, plan_listing
+from pipeline.io.keys import identity_hash, member, uri_hash
+from pipeline.io.source import LocalFiles, list_unit, listing_blocks, plan_listing
+from pipeline.storage import open_fs
 
 EXT = DEFAULT_EXTENSIONS
 

@@ -13,10 +13,11 @@ import pytest
 
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig
 from pipeline.errors import ConfigError, SourceError
-from pipeline.keys import identity_hashes
-from pipeline.source import check_source, list_unit, listing_blocks, open_fs, plan_listing
-from pipeline.source_local import walk_local
-from pipeline.source_manifest import InventoryFile, UriListFile, _footer_rows, planned_entries
+from pipeline.io.keys import identity_hashes
+from pipeline.io.source import check_source, list_unit, listing_blocks, plan_listing
+from pipeline.io.source_local import walk_local
+from pipeline.io.source_manifest import InventoryFile, UriListFile, _footer_rows, planned_entries
+from pipeline.storage import open_fs
 
 EXT = DEFAULT_EXTENSIONS
 INVENTORY_COLUMNS = ("Bucket", "Key", "VersionId", "IsLatest", "IsDeleteMarker", "Size", "LastModifiedDate", "ETag")
@@ -155,7 +156,7 @@ def test_an_object_a_manifest_names_twice_keeps_one_row_when_the_output_is_made_
     import pyarrow.dataset as pads
 
     from pipeline.job.output import dedupe_output
-    from pipeline.writer import write_shard
+    from pipeline.io.writer import write_shard
 
     out = str(tmp_path / "out")
     # one shard holds a.jpg twice (a manifest's duplicate line); c.jpg is in two shards

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.default_model import DEFAULT_SPEC, spec_path
+from pipeline.model.default_model import DEFAULT_SPEC, spec_path
 from pipeline.errors import ModelError
-from pipeline.imaging import preprocess_image
-from pipeline.spec import UNIT_SCALE, PreprocessSpec
+from pipeline.model.imaging import preprocess_image
+from pipeline.model.spec import UNIT_SCALE, PreprocessSpec
 
 IMAGENET = {"scale": UNIT_SCALE, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 

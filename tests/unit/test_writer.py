@@ -1,4 +1,4 @@
-"""Fast unit tests of pipeline.writer, pipeline.reader and pipeline.stats: shards, their records, the grouped layout (no Ray)."""
+"""Fast unit tests of pipeline.io.writer, pipeline.io.reader and pipeline.io.stats: shards, their records, the grouped layout (no Ray)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.io.keys import identity_hash, uri_hash
+from pipeline.io.reader import committed_parts, iter_records, read_record
+from pipeline.io.stats import ShardStats
+from pipeline.io.writer import ShardRecord, part_name, shard_id, write_shard
 from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA, conform
-from pipeline.keys import identity_hash, uri_hash
-from pipeline.source import open_fs
-from pipeline.stats import ShardStats
-from pipeline.reader import committed_parts, iter_records, read_record
-from pipeline.writer import ShardRecord, part_name, shard_id, write_shard
+from pipeline.storage import open_fs
 
 WHEN = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
 
@@ -96,7 +96,7 @@ def test_record_round_trips_through_json():
 
 def test_carried_rows_take_their_hashes_from_a_row_order_record_or_are_hashed_from_an_older_one(tmp_path):
     from pipeline.job.stages import carry_rows
-    from pipeline.reader import read_shard
+    from pipeline.io.reader import read_shard
 
     batch = rows(10, errors=2)
     write_shard(batch, output=str(tmp_path), storage_options={})
@@ -132,7 +132,7 @@ def test_shard_stats_sum_and_round_trip():
 
 
 def test_quality_counters_in_footers_add_up_to_the_quality_of_the_rows(tmp_path):
-    from pipeline.quality import QualityStats, quality_footer, quality_of_parts
+    from pipeline.quality.statistics import QualityStats, quality_footer, quality_of_parts
 
     batches = [rows(10, errors=2, carried=3), rows(7, 100, errors=1)]
     for b in batches:

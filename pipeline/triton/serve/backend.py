@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 
 

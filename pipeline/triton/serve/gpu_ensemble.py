@@ -22,8 +22,8 @@ import logging
 
 import numpy as np
 
-from pipeline.engines.gpu.classifier import Preprocessed
-from pipeline.imaging import DecodeLimits
+from pipeline.gpu.classifier import Preprocessed
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
 from pipeline.triton.serve.gpu_model import (
@@ -134,10 +134,10 @@ class NetworkModel:
             return
         import torch  # noqa: PLC0415 - the gpu profile's models run where torch is
 
-        from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC  # noqa: PLC0415
-        from pipeline.engines.gpu.cuda_sync import use_cuda_device  # noqa: PLC0415
-        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415
-        from pipeline.engines.gpu.topk_network import TopKNetwork  # noqa: PLC0415
+        from pipeline.gpu.classifier import DEFAULT_CUDA_SYNC  # noqa: PLC0415
+        from pipeline.gpu.cuda_sync import use_cuda_device  # noqa: PLC0415
+        from pipeline.gpu.networks import load_network  # noqa: PLC0415
+        from pipeline.gpu.topk_network import TopKNetwork  # noqa: PLC0415
 
         self.torch = torch
         self.device = torch.device(instance_device(args))

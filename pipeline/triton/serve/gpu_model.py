@@ -1,4 +1,4 @@
-"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.engines.gpu.classifier) behind the contract.
+"""The gpu profile's Triton python-backend model: ``GpuClassifier`` (pipeline.gpu.classifier) behind the contract.
 
 Runs inside tritonserver on a GPU (KIND_GPU instances). Its version folder holds ``preprocess.json`` and, for a
 user's model, its ``model.onnx`` (converted to torch at start) and any ``model.torchscript``; with neither it serves
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.gpu.stream import RequestStream
-from pipeline.imaging import DecodeLimits, PreprocessSpec
-from pipeline.model import MODEL_FILE, SPEC_FILE
+from pipeline.gpu.stream import RequestStream
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec
+from pipeline.model.folder import MODEL_FILE, SPEC_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
 from pipeline.triton.serve.hop import NETWORK_NONE, NullClassifier
@@ -77,18 +77,18 @@ def request_tags(pb, request, n: int) -> np.ndarray:
 
 
 class _FolderBundle:
-    """What ``pipeline.engines.gpu.networks.load_network`` needs from a bundle, read from the version folder: a
+    """What ``pipeline.gpu.networks.load_network`` needs from a bundle, read from the version folder: a
     user's model has its ``model.onnx`` (and any ``model.torchscript``) there, the default model neither."""
 
     def __init__(self, folder: Path, spec: PreprocessSpec, classes: int):
-        from pipeline.model import (  # noqa: PLC0415
+        from pipeline.model.folder import (  # noqa: PLC0415
             BUILTIN_NAME, TORCHSCRIPT_FILE, builtin_digest, default_cache_dir, onnx_fixed_batch,
         )
 
         self.onnx_path = folder / MODEL_FILE
         self.labels = tuple(str(i) for i in range(classes))
         self.spec = spec
-        # The repository builder leaves the network files out only for the built-in model (pipeline.model.is_builtin).
+        # The repository builder leaves the network files out only for the built-in model (pipeline.model.folder.is_builtin).
         user = (folder / MODEL_FILE).is_file() or (folder / TORCHSCRIPT_FILE).is_file()
         self.name = f"user model in {folder}" if user else BUILTIN_NAME
         self.digest = "" if user else builtin_digest(str(default_cache_dir()))
@@ -107,8 +107,8 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
     with the reference as often as FP32 (docs/performance.md); FP32 on the CPU).
     """
-    from pipeline.engines.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
-    from pipeline.engines.gpu.dali import (  # noqa: PLC0415
+    from pipeline.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
+    from pipeline.gpu.dali import (  # noqa: PLC0415
         DEFAULT_DALI_DEPTH,
         DEFAULT_HW_DECODER_LOAD,
     )
@@ -185,9 +185,9 @@ class TritonPythonModel:
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
-        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - torch
+        from pipeline.gpu.networks import load_network  # noqa: PLC0415 - torch
 
-        from pipeline.model import is_builtin  # noqa: PLC0415
+        from pipeline.model.folder import is_builtin  # noqa: PLC0415
 
         bundle = _FolderBundle(folder, spec, 1000)
         return build_classifier(config, spec, load_network(bundle, net_name), device=device, top_k=self.top_k,

@@ -11,9 +11,9 @@ import zlib
 
 import numpy as np
 
-from pipeline.engines.gpu.classifier import STOP, triage
+from pipeline.gpu.classifier import STOP, triage
 from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 
 NETWORK_NONE = "none"  # the gpu profile's network parameter that selects the hop

@@ -1,4 +1,4 @@
-"""The portable profile's Triton python-backend model: reference decode (pipeline.imaging) + ONNX Runtime top-k.
+"""The portable profile's Triton python-backend model: reference decode (pipeline.model.imaging) + ONNX Runtime top-k.
 
 Runs inside the tritonserver of the ``nvidia-pytriton`` wheel (no GPU needed). Its folder holds
 ``model.onnx`` (the classifier with softmax and top-k appended, see ``pipeline.triton.repository.add_topk_head``) and
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
-from pipeline.model import MODEL_FILE, SPEC_FILE
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.model.folder import MODEL_FILE, SPEC_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: bool = False, row=None) -> float:
     import torch
 
-    from pipeline.engines.gpu.topk_network import TopKNetwork
+    from pipeline.gpu.topk_network import TopKNetwork
 
     net = TopKNetwork(network, crop=crop, device=torch.device("cuda"), half=half, batch_size=batch, cuda_graph=True,
                       top_k=5, compile=compile)
@@ -81,10 +81,10 @@ def main() -> None:
 
     import torch
 
-    from pipeline.engines.gpu.networks import resnet50_random
-    from pipeline.engines.gpu.onnx_torch import convert_onnx
-    from pipeline.engines.gpu.precision import choose_half
-    from pipeline.model import load_model
+    from pipeline.gpu.networks import resnet50_random
+    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.precision import choose_half
+    from pipeline.model.folder import load_model
     from pipeline.triton.configs import GPU_TRITON_BATCH_SIZE
 
     batch = opts.batch or GPU_TRITON_BATCH_SIZE

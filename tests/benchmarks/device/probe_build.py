@@ -29,7 +29,7 @@ logging.basicConfig(level=logging.INFO, handlers=[Mark()])
 import os
 import torch
 t["import torch"] = time.perf_counter()
-import pipeline.engines.gpu.classifier as classifier_module
+import pipeline.gpu.classifier as classifier_module
 cudnn = os.environ.get("PROBE_CUDNN", "benchmark")
 _use = classifier_module.use_cuda_device
 def use_cuda_device(torch_, device, mode):
@@ -42,12 +42,12 @@ def use_cuda_device(torch_, device, mode):
 classifier_module.use_cuda_device = use_cuda_device
 torch.zeros(1, device="cuda").sum().item()
 t["cuda context"] = time.perf_counter()
-from pipeline.model import load_model
-from pipeline.engines.gpu.networks import load_network
+from pipeline.model.folder import load_model
+from pipeline.gpu.networks import load_network
 bundle = load_model(None)
 network = load_network(bundle)
 t["network + weights"] = time.perf_counter()
-from pipeline.engines.gpu.engine import GpuEngine
+from pipeline.engines.gpu import GpuEngine
 engine = GpuEngine(bundle, top_k=5, network=network)
 t["classifier (graph, DALI)"] = time.perf_counter()
 net = engine.classifier.network

@@ -63,8 +63,8 @@ def print_kernels(title: str, times: collections.Counter, per: float, unit: str,
 def network_part(torch, args) -> None:
     from bench_network import throughput
 
-    from pipeline.default_model import load_checkpoint
-    from pipeline.engines.gpu.networks import efficientnet_lite0
+    from pipeline.model.default_model import load_checkpoint
+    from pipeline.gpu.networks import efficientnet_lite0
 
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
@@ -92,10 +92,10 @@ def network_part(torch, args) -> None:
 def classifier_part(torch, args) -> None:
     from image_sets import make_set
 
-    from pipeline.default_model import DEFAULT_SPEC
-    from pipeline.engines.gpu.networks import load_network
-    from pipeline.imaging import DecodeLimits
-    from pipeline.model import load_model
+    from pipeline.model.default_model import DEFAULT_SPEC
+    from pipeline.gpu.networks import load_network
+    from pipeline.model.imaging import DecodeLimits
+    from pipeline.model.folder import load_model
     from pipeline.triton.serve.gpu_model import build_classifier
 
     blobs = make_set(args.images, "imagenet", 0)

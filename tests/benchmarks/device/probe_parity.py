@@ -2,7 +2,7 @@
 
     python tests/benchmarks/device/probe_parity.py MODEL_DIR [IMAGES_DIR]   (default tests/data/parity/inputs)
 
-The reference is ONNX Runtime FP32 on the CPU over the reference preprocessing (``pipeline.imaging``, Pillow). Each
+The reference is ONNX Runtime FP32 on the CPU over the reference preprocessing (``pipeline.model.imaging``, Pillow). Each
 JPEG is preprocessed four ways: the reference, and DALI with the hardware JPEG decoders (the GPU paths' default),
 with CUDA nvJPEG (``hw_decoder_load=0``) and on the CPU (libjpeg-turbo). Each tensor set is given to the model's
 converted network on the GPU in FP32 (TF32 off), FP32 with TF32 and FP16, and to ONNX Runtime (the tensors' effect
@@ -24,10 +24,10 @@ def main() -> None:
     import onnxruntime as ort
     import torch
 
-    from pipeline.engines.gpu.dali import DaliPrep, host_array
-    from pipeline.engines.gpu.onnx_torch import convert_onnx
-    from pipeline.imaging import DecodeLimits, load_and_preprocess
-    from pipeline.model import load_model_folder
+    from pipeline.gpu.dali import DaliPrep, host_array
+    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.model.imaging import DecodeLimits, load_and_preprocess
+    from pipeline.model.folder import load_model_folder
 
     folder = Path(sys.argv[1])
     images = Path(sys.argv[2]) if len(sys.argv) > 2 else REPO / "tests/data/parity/inputs"

@@ -11,12 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-for module in ("torch", "nvidia.dali", "tritonclient.grpc", "ray", "ray.data", "pipeline.engines.gpu.classifier"):
+for module in ("torch", "nvidia.dali", "tritonclient.grpc", "ray", "ray.data", "pipeline.gpu.classifier"):
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
     print(f"import {module}: {time.perf_counter() - t:.2f} s (a fresh process)")
 
-from pipeline.model import load_model  # noqa: E402
+from pipeline.model.folder import load_model  # noqa: E402
 from pipeline.triton.mps import MpsDaemon  # noqa: E402
 from pipeline.triton.profiles import PROFILES  # noqa: E402
 from pipeline.triton.repository_cache import cached_repository  # noqa: E402

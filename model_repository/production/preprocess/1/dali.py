@@ -15,7 +15,7 @@ from nvidia.dali.plugin.triton import autoserialize
 sys.path[:0] = [p for p in os.environ.get("BULK_CLASSIFY_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 
 from pipeline.triton.dali_pipeline import pipeline_graph  # noqa: E402
-from pipeline.imaging import PreprocessSpec  # noqa: E402
+from pipeline.model.imaging import PreprocessSpec  # noqa: E402
 
 SPEC = PreprocessSpec.from_json((Path(__file__).parent / "preprocess.json").read_text(encoding="utf-8"))
 

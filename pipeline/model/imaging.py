@@ -14,14 +14,17 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import ConfigError, ImageError
-from pipeline.spec import (  # noqa: F401 - the spec's names, re-exported where callers look
+from pipeline.model.spec import (  # noqa: F401 - the spec's names, re-exported where callers look
     CHANNEL_ORDERS, INTERPOLATIONS, LAYOUTS, OUTPUT_KINDS, OUTPUT_LOGITS, OUTPUT_PROBABILITIES, RESIZE_MODES,
     RESIZE_SHORTER, RESIZE_SQUASH, PreprocessSpec,
 )
+from pipeline.schema import MIB
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+# Threads decoding in an actor by default (--decode-threads): the CPU count, at most this; past it threads only wait.
+MAX_DECODE_THREADS = 8
+DEFAULT_MAX_BYTES = 64 * MIB
 DEFAULT_MAX_PIXELS = 100_000_000
 # Transparent pixels are composited on this background: catalog cut-outs are meant to be seen on white,
 # and the RGB under fully transparent pixels is arbitrary (often black), so dropping alpha misleads the model.

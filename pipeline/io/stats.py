@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from pipeline.engines.base import STAGE_DECODE, STAGE_INFER, STATUS_ERROR, STATUS_OK
+from pipeline.schema import STAGE_DECODE, STAGE_INFER, STATUS_ERROR, STATUS_OK
 
 # The run's stages, in pipeline order: the keys of ``stage_seconds`` in the report, the table and the drift page.
 STAGES = ("list", "fetch", STAGE_DECODE, STAGE_INFER, "write")
@@ -73,7 +73,7 @@ class ShardStats:
             yield cls(**rec)
 
     def report_fields(self) -> dict[str, Any]:
-        """This run's part of the report input (``pipeline.report.build_run_report``)."""
+        """This run's part of the report input (``pipeline.quality.report.build_run_report``)."""
         return {
             "counts": {STATUS_OK: self.ok, STATUS_ERROR: self.errors},
             "error_kinds": dict(self.error_kinds),

@@ -7,11 +7,11 @@ import math
 from collections import Counter
 from typing import Any, Mapping
 
-from pipeline.engines.base import STATUS_ERROR, STATUS_OK
 from pipeline.errors import LIST_ERROR, ConfigError, OutputError
-from pipeline.stats import STAGES, value_counts
-from pipeline.schema import PART_PREFIX, REPORT, SUCCESS
-from pipeline.reader import committed_parts, read_json
+from pipeline.io.iceberg_output import is_iceberg, table_parts
+from pipeline.io.reader import committed_parts, read_json
+from pipeline.io.stats import STAGES, value_counts
+from pipeline.schema import PART_PREFIX, REPORT, STATUS_ERROR, STATUS_OK, SUCCESS
 
 LOG = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipeline.iceberg_output import is_iceberg, table_parts
 
     try:
         if is_iceberg(dest):

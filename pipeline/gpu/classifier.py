@@ -7,8 +7,8 @@ The hot path per batch, with no per-image Python loop on the GPU side:
 
 1. triage on the CPU: size limits and the JPEG header (dimensions, EXIF orientation) read by a small parser;
    baseline/progressive 8-bit JPEGs go to DALI, anything else (PNG, CMYK, truncated, ...) to the reference
-   (``pipeline.imaging``, Pillow);
-2. DALI (``pipeline.engines.gpu.dali.DaliPrep``, the production ensemble's graph): "mixed" decode (the hardware JPEG
+   (``pipeline.model.imaging``, Pillow);
+2. DALI (``pipeline.gpu.dali.DaliPrep``, the production ensemble's graph): "mixed" decode (the hardware JPEG
    engines take ``hw_decoder_load`` of each batch, CUDA nvJPEG the rest), resize + crop + normalize per the model's
    ``PreprocessSpec``, FP16 or FP32 NHWC on the GPU; the reference's arrays join the batch as uploads;
 3. the batch is copied on the GPU into the network's input (channels-last), the network (a CUDA graph captured at
@@ -37,26 +37,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import MAX_DECODE_THREADS
 from pipeline.errors import EngineError, ImageError
-from pipeline.triton import contract as tn
-from pipeline.imaging import DecodeLimits, PreprocessSpec
-from pipeline.engines.gpu.dali import (
-    DALI_MISSING,
-    DEFAULT_DALI_DEPTH,
-    DEFAULT_HW_DECODER_LOAD,
-    DaliPrep,
-    dali_available,
-    host_array,
+from pipeline.gpu.cuda_sync import check_cuda_sync, use_cuda_device
+from pipeline.gpu.dali import (
+    DALI_MISSING, DEFAULT_DALI_DEPTH, DEFAULT_HW_DECODER_LOAD, DaliPrep, dali_available, host_array,
 )
+from pipeline.gpu.jpeg import JpegInfo, parse_jpeg_header
+from pipeline.gpu.topk_network import TopKNetwork
+from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, PreprocessSpec
+from pipeline.triton import contract as tn
 from pipeline.triton.dali_pipeline import DALI_THREADS
-from pipeline.engines.gpu.cuda_sync import check_cuda_sync, use_cuda_device
-from pipeline.engines.gpu.jpeg import JpegInfo, parse_jpeg_header
-from pipeline.engines.gpu.topk_network import TopKNetwork
 
 LOG = logging.getLogger(__name__)
 
-# How the classifier's threads wait for the GPU (pipeline.engines.gpu.cuda_sync).
+# How the classifier's threads wait for the GPU (pipeline.gpu.cuda_sync).
 DEFAULT_CUDA_SYNC = "auto"
 # What a stream's source gives when the stream ends (GpuClassifier.run_stream).
 STOP = object()
@@ -162,7 +156,7 @@ class GpuClassifier:
         device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests).
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
         half: run the network, and DALI's output, in FP16; None: FP16 on CUDA where the precision gate
-            (``pipeline.engines.gpu.precision``) passes, else FP32; FP32 on the CPU.
+            (``pipeline.gpu.precision``) passes, else FP32; FP32 on the CPU.
         precision_gate: run the gate where ``half`` is None (False: FP16 on CUDA unchecked, for the built-in
             network, whose FP16 answers were measured against the reference).
         cpu_decode_threads: Pillow threads for inputs DALI does not take.
@@ -172,9 +166,9 @@ class GpuClassifier:
         hw_decoder_load: the share of each batch DALI gives the hardware JPEG engines; the rest goes to CUDA nvJPEG on
             the SMs (1.0: all to the engines, which leaves the SMs to the network).
         dali_threads: DALI's CPU threads per pipeline.
-        dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.engines.gpu.dali_runner``).
+        dali_depth: batches scheduled at once on one DALI pipeline (``pipeline.gpu.dali_runner``).
         cuda_sync: how threads wait for the GPU: "block" sleeps, "spin" and CUDA's "auto" spin on a core
-            (``pipeline.engines.gpu.cuda_sync``).
+            (``pipeline.gpu.cuda_sync``).
         cudnn_autotune: let cuDNN time its algorithms for each conv at the first batch (a longer build, a
             slightly faster network).
         fixed_batch: the model's fixed batch size, if its batch axis is a number (``ModelBundle.fixed_batch``).
@@ -550,7 +544,7 @@ class GpuClassifier:
 
 def _gated_half(network, spec: PreprocessSpec, device) -> bool:
     """The precision gate's verdict for ``network`` on ``device``, said in the log when it is FP32."""
-    from pipeline.engines.gpu.precision import choose_half  # noqa: PLC0415
+    from pipeline.gpu.precision import choose_half  # noqa: PLC0415
 
     gate = choose_half(network, spec, device)
     if not gate.half:

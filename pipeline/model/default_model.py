@@ -15,7 +15,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pipeline.errors import ModelError
-from pipeline.imaging import PreprocessSpec
+from pipeline.model.imaging import PreprocessSpec
+from pipeline.schema import MIB
 
 LOG = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def checkpoint_path() -> Path:
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(MIB), b""):
             h.update(chunk)
     return h.hexdigest()
 

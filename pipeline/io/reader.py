@@ -1,5 +1,5 @@
 """Reading output back: the committed shards of DEST, their footers and records, a few of their columns, and the
-JSON bookkeeping files that ``pipeline.writer`` writes."""
+JSON bookkeeping files that ``pipeline.io.writer`` writes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.io.writer import ShardRecord
 from pipeline.schema import GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform
-from pipeline.source import is_local
-from pipeline.writer import ShardRecord
+from pipeline.storage import is_local
 
 LOG = logging.getLogger(__name__)
 GROUP_RE = re.compile(rf"^[0-9a-f]{{{GROUP_CHARS}}}$")

@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.engines.gpu.classifier import STOP, RawResults, Chunk, triage
+from pipeline.gpu.classifier import STOP, RawResults, Chunk, triage
 from pipeline.errors import ImageError
-from pipeline.imaging import DecodeLimits
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
 
 LOG = logging.getLogger(__name__)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pipeline.errors import ConfigError, OutputError
+from pipeline.schema import OUTPUT_SCHEMA
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 ICEBERG_SCHEME = "iceberg://"
@@ -103,7 +105,6 @@ class IcebergOutput:
             table = self.catalog.load_table(self.ref.identifier)
         except (NoSuchTableError, NoSuchNamespaceError):
             return None
-        from pipeline.schema import OUTPUT_SCHEMA
 
         names = [f.name for f in table.schema().fields]
         if names != OUTPUT_SCHEMA.names:
@@ -157,8 +158,6 @@ class IcebergOutput:
         if not new:
             return 0
         if self.table is None:
-            from pipeline.schema import OUTPUT_SCHEMA
-
             self.table = self.catalog.create_table_if_not_exists(self.ref.identifier, schema=OUTPUT_SCHEMA,
                                                                  location=self.location)
         properties = {**{f"bulk-classify.{k}": str(v) for k, v in run.items()}, SHARDS_PROPERTY: str(len(new))}
@@ -176,7 +175,6 @@ class IcebergOutput:
 def table_parts(url: str, catalog_options: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None
                 ) -> tuple[Any, str, list[str]]:
     """``(fs, data folder, shard paths)`` of the snapshot an ``iceberg://`` URL names, for readers of an output."""
-    from pipeline.source import open_fs
 
     output = IcebergOutput(url, catalog_options)
     if output.table is None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.model.imaging import preprocess_image
+
 # FP16 is kept when, on GATE_IMAGES sample images, its logits are within GATE_REL_L2 of FP32's
 # (||fp16 - fp32|| / ||fp32||) and every top-1 class whose FP32 margin over the second is at least GATE_NEAR_TIE
 # (in probability) is the same. GATE_REL_L2 is measured: EfficientNet-Lite2 at 4.6e-3 on this sample flips 4 of 200
@@ -41,7 +43,6 @@ def gate_sample(spec, images: int = GATE_IMAGES, seed: int = GATE_SEED) -> np.nd
     """Fixed sample images (smooth colour fields with edges, seeded), preprocessed by the reference: float32 NCHW."""
     from PIL import Image  # noqa: PLC0415
 
-    from pipeline.imaging import preprocess_image  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     out = []

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ModelError
-from pipeline.imaging import PreprocessSpec
+from pipeline.model import default_model
+from pipeline.model.default_model import file_sha256
+from pipeline.model.imaging import PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -77,7 +79,6 @@ class ModelBundle:
 def model_digest(folder: Path, labels: tuple[str, ...], spec: PreprocessSpec) -> str:
     """sha256 (hex) of what decides a model's answers: every network file's bytes, the labels in order, and the
     canonical preprocessing spec; never its folder's name, path or times."""
-    from pipeline.default_model import file_sha256
 
     h = hashlib.sha256(f"bulk-classify model digest v{DIGEST_VERSION}\n".encode())
     for name in NETWORK_FILES:
@@ -98,8 +99,6 @@ def is_builtin(bundle: ModelBundle) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def default_model_spec() -> PreprocessSpec:
-    from pipeline import default_model
-
     return PreprocessSpec.from_json(default_model.spec_path().read_text(encoding="utf-8"))
 
 
@@ -295,7 +294,6 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """
     from filelock import FileLock, Timeout
 
-    from pipeline import default_model
 
     checkpoint = default_model.checkpoint_path()
     digest = default_model.file_sha256(checkpoint)[:12]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from pipeline.errors import OutputError
-from pipeline.stats import STAGES
+from pipeline.io.stats import STAGES
 
 PREVIOUS_COLOR = "#9aa5b1"
 CURRENT_COLOR = "#1f6feb"
@@ -41,7 +41,7 @@ def write_html(result: Mapping[str, Any], path: str) -> None:
 
 
 def render_html(result: Mapping[str, Any]) -> str:
-    """The page of a :func:`pipeline.quality.compare_outputs` result."""
+    """The page of a :func:`pipeline.quality.statistics.compare_outputs` result."""
     if result.get("against") is None:
         body = f"<h1>Quality gate</h1><p class='sub'>{_e(result.get('dest'))}</p>" \
                f"<div class='verdict pass'>{_e(result.get('message', 'nothing to compare with'))}: passes</div>"

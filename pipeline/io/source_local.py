@@ -14,7 +14,7 @@ import zlib
 from typing import Callable, Iterator, NamedTuple
 
 from pipeline.errors import LIST_ERROR, ImageError
-from pipeline.keys import object_uri, uri_path
+from pipeline.io.keys import object_uri, uri_path
 
 # One listed object, kept a plain tuple because a listing holds millions: (uri, size_bytes, etag, mtime_us); an
 # entry the listing could not read is (uri, None, None, None, error), told apart by its length (``is_error``).

@@ -27,12 +27,20 @@ if TYPE_CHECKING:
     import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
-from pipeline.gate import (
+from pipeline.int8.gate import (
     GateThresholds, class_noise, gate, held_out_figures, noise_summary, pixel_noise, sample_failures,
 )
-from pipeline.quantize_nodes import (
+from pipeline.int8.quantize_nodes import (
     CALIBRATION_BATCH, EXCLUDE_KEYWORDS, LAYER_ERROR_IMAGES, calibration_reader, layer_errors, resolve_exclusions,
 )
+from pipeline.io.fetch import read_with_retries
+from pipeline.io.keys import uri_path
+from pipeline.io.source import check_source, list_unit, plan_listing
+from pipeline.model.default_model import file_sha256
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.imaging import load_and_preprocess
+from pipeline.schema import DEFAULT_EXTENSIONS
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 
@@ -148,7 +156,6 @@ def draw_sample(source: str, storage_options: Mapping[str, Any], *, samples: int
         SourceError: the source cannot be listed. ConfigError: it has too few images for a calibration part and
         a held-out part.
     """
-    from pipeline.source import check_source, list_unit, open_fs, plan_listing
 
     fs, root = open_fs(source, storage_options)
     check_source(fs, root, source)
@@ -172,10 +179,6 @@ def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: 
     error of each image that could not be used (``{uri: "kind: detail"}``)."""
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs, not for every CLI call
 
-    from pipeline.fetch import read_with_retries
-    from pipeline.imaging import load_and_preprocess
-    from pipeline.keys import uri_path  # a listed URI percent-encodes its key (part%3D1 for part=1)
-    from pipeline.source import open_fs
 
     if not uris:
         return np.zeros((0, *spec.input_shape), np.float32), [], {}
@@ -332,9 +335,6 @@ def quantize_model(source: str, output: str, *, model: str | None = None, sample
         ConfigError / SourceError / ModelError: bad arguments, storage or model, before anything is written.
         GateFailed: the gate failed and ``force`` is off; the full report is at ``.result.report_path``.
     """
-    from pipeline.config import DEFAULT_EXTENSIONS
-    from pipeline.default_model import file_sha256
-    from pipeline.model import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
 
     if not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"--samples {samples!r} must be a positive number of images, e.g. {DEFAULT_SAMPLES}")

@@ -22,9 +22,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from pipeline.engines.base import STATUS_OK
 from pipeline.errors import ConfigError, OutputError
-from pipeline.stats import value_counts
+from pipeline.io.iceberg_output import is_iceberg, table_parts
+from pipeline.io.reader import committed_parts, iter_footers, read_json
+from pipeline.io.stats import value_counts
+from pipeline.io.writer import write_json
+from pipeline.schema import QUALITY_KEY, STATUS_OK
+from pipeline.storage import open_fs
 
 QUALITY_VERSION = 1
 # Fixed bins, so two nights' histograms always line up: 20 bins of 0.05 over [0, 1].
@@ -197,7 +201,6 @@ def quality_footer(rows: Any) -> dict[bytes, bytes]:
     """The footer entry the writer adds to a shard: its quality counters (``QualityStats.to_state``)."""
     import json
 
-    from pipeline.schema import QUALITY_KEY
 
     return {QUALITY_KEY: json.dumps(QualityStats().add_table(rows).to_state(), separators=(",", ":")).encode()}
 
@@ -215,8 +218,6 @@ def quality_of_parts(fs: Any, parts: Iterable[str],
 
     import pyarrow.parquet as pq
 
-    from pipeline.schema import QUALITY_KEY
-    from pipeline.reader import iter_footers
 
     stats = QualityStats()
     for path, footer in iter_footers(fs, list(parts)):
@@ -240,7 +241,6 @@ def committed_quality(fs: Any, root: str,
 
     Listing caches are dropped first: other processes wrote the shards, and s3fs would list from its cache.
     """
-    from pipeline.reader import committed_parts
 
     fs.invalidate_cache()
     return quality_of_parts(fs, committed_parts(fs, root), on_footer)
@@ -258,8 +258,6 @@ def output_quality(dest: str, storage_options: Mapping[str, Any] | None = None, 
     Raises:
         OutputError: DEST cannot be read or holds no committed shard.
     """
-    from pipeline.iceberg_output import is_iceberg, table_parts
-    from pipeline.reader import committed_parts, read_json
 
     try:
         if is_iceberg(dest):
@@ -382,8 +380,6 @@ def record_drift(dest: str, against: str | None, storage_options: Mapping[str, A
     compared with (``report DEST --against previous`` reads that back). ``against=None`` (the first night)
     records ``drift: null``. Returns the record.
     """
-    from pipeline.reader import read_json
-    from pipeline.writer import write_json
 
     record = None
     if against is not None:
@@ -480,6 +476,4 @@ def _bin(values: np.ndarray) -> np.ndarray:
 
 
 def _open(url: str, storage_options: Mapping[str, Any] | None):
-    from pipeline.source import open_fs
-
     return open_fs(url, storage_options)

@@ -18,13 +18,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.engines.base import STATUS_ERROR
-from pipeline.errors import ConfigError, EmptySourceError, SourceError
-from pipeline.keys import done_mask, identity_hashes, member, object_uri
-from pipeline.source_manifest import (
-    INVENTORY_FORM, InventoryFile, UriListFile, canonical_uri, manifest_form, plan_manifest, read_inventory_manifest,
+from pipeline.errors import EmptySourceError, SourceError
+from pipeline.io.keys import done_mask, identity_hashes, member, object_uri
+from pipeline.io.source_local import (
+    Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local,
 )
-from pipeline.source_local import Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local
+from pipeline.io.source_manifest import (
+    InventoryFile, UriListFile, canonical_uri, plan_manifest, read_inventory_manifest,
+)
+from pipeline.schema import LISTING_SCHEMA, STATUS_ERROR
+from pipeline.storage import INVENTORY_FORM, is_local, manifest_form, storage_failure
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -39,51 +42,6 @@ S3_RANGES_PER_TASK = 4  # key ranges planned per listing task, so uneven ranges 
 MAX_CHAR = "\U0010ffff"  # sorts after every character a key can hold next (S3 orders keys by UTF-8 bytes)
 CARRY_FLUSH = 100_000  # carried identities a listing task sends to the counter at once
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-LISTING_SCHEMA = pa.schema(
-    [
-        ("uri", pa.string()),
-        ("size_bytes", pa.int64()),
-        ("etag", pa.string()),
-        ("mtime", pa.timestamp("us", tz="UTC")),
-        ("carried", pa.bool_()),
-        ("status", pa.string()), ("error", pa.string()),  # set only on a list_error row
-    ]
-)
-
-
-def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Resolve a folder or fsspec URL to (filesystem, path); an unknown scheme fails with the package to install.
-
-    A manifest SOURCE (``uris+URL``, ``inventory+URL``) resolves to the manifest's file system and path.
-    """
-    form = manifest_form(url)
-    url = form[1] if form else url
-    try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-    except ImportError as err:
-        raise ConfigError(f"cannot open {url!r}: {err}; install the fsspec package for that scheme") from None
-    except ValueError as err:
-        if "Protocol not known" in str(err):
-            scheme = url.split("://", 1)[0]
-            raise ConfigError(f"cannot open {url!r}: unknown scheme {scheme!r}; use a folder, file:// or s3://, "
-                              "or install the fsspec package for that scheme") from None
-        raise ConfigError(f"cannot open {url!r}: {err}; check the URL and --storage-option values") from None
-    except TypeError as err:
-        raise ConfigError(f"bad --storage-option for {url!r}: {err}") from None
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protocols or "local" in protocols
-
-
-def storage_failure(url: str, err: BaseException) -> str:
-    """One line for a storage error that stops a run before it starts, with the usual fixes."""
-    text = f"{type(err).__name__}: {err}".strip().replace("\n", " ")
-    hint = "check the URL, credentials (AWS_* environment or --storage-option) and AWS_ENDPOINT_URL"
-    if isinstance(err, PermissionError):
-        hint = "check the credentials and the bucket policy (AWS_* environment or --storage-option)"
-    return f"cannot read {url!r}: {text[:300]}; {hint}"
 
 
 def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
@@ -175,7 +133,7 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
     Local folders: sub-folders are spread over the tasks; the files and links directly in a large folder are split
     by a hash of their names. S3: the key space of the prefix is split at real keys found by probing the characters
     after the prefix with ``StartAfter`` (nested or flat alike). Other fsspec stores: sub-prefixes, as before.
-    A manifest ``source`` (``pipeline.source_manifest``): its data files, with ``source_prefix`` (a URI prefix).
+    A manifest ``source`` (``pipeline.io.source_manifest``): its data files, with ``source_prefix`` (a URI prefix).
     """
     tasks = max(1, tasks)
     form = manifest_form(source or "")
@@ -441,7 +399,7 @@ def list_unit(fs: fsspec.AbstractFileSystem, unit: Unit, extensions: tuple[str, 
 
     ``stat=False``: local files come without size and mtime (``(uri, None, None, None)``), for a caller that
     needs them only for some (``listing_blocks`` stats the objects that are not done already). ``claim``: asked
-    before a folder out of the source is walked through a followed link (``pipeline.source_local.Claim``).
+    before a folder out of the source is walked through a followed link (``pipeline.io.source_local.Claim``).
     """
     if claim is not None and isinstance(unit, (LocalDir, LocalFiles)):
         unit = replace(unit, claim=claim)

@@ -12,16 +12,15 @@ import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import (
-    DEFAULT_TOP_K, STAGE_INFER, EngineSpec, Option, Result, positive_int, results_from_topk,
-)
-from pipeline.engines.auto import importable
-from pipeline.engines.gpu.classifier import RawResults
+from pipeline.engines.base import EngineSpec, Option, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError
-from pipeline.imaging import DecodeLimits
-from pipeline.model import is_builtin
+from pipeline.gpu.classifier import RawResults
+from pipeline.gpu.dali import DALI_INSTALL
+from pipeline.model.folder import is_builtin
+from pipeline.model.imaging import DecodeLimits
+from pipeline.node import importable
+from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import node_gpus
 
 SPEC = EngineSpec(
     name="gpu",
@@ -64,9 +63,9 @@ class GpuEngine:
     """The ``gpu`` engine: ``GpuClassifier`` in this process, returning ``Result`` rows.
 
     Args:
-        bundle: the model (``pipeline.model.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
+        bundle: the model (``pipeline.model.folder.ModelBundle``). The default EfficientNet-Lite0 runs as a torch module
             built from its checkpoint; a user's model as its ``model.onnx`` converted to torch
-            (``pipeline.engines.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
+            (``pipeline.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
@@ -77,8 +76,8 @@ class GpuEngine:
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
-        from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
+        from pipeline.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
+        from pipeline.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         if options.get("device") is None:
             _require_cuda()
@@ -93,7 +92,7 @@ class GpuEngine:
                                         fixed_batch=getattr(bundle, "fixed_batch", None), **options)
         self._stream = None
         if self.classifier.pipeline:
-            from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415
+            from pipeline.gpu.stream import RequestStream  # noqa: PLC0415
 
             self._stream = RequestStream(self.classifier, _respond, top_k=top_k)
 
@@ -149,15 +148,14 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError("--engine gpu needs PyTorch with CUDA (the GPU worker image has it); install torch, "
                           "or use --engine onnx or --engine triton")
     if not importable("nvidia.dali"):
-        raise ConfigError("--engine gpu decodes and resizes with DALI, which is not installed here: "
-                          "pip install 'bulk-classify[dali]' (the gpu extra includes it), or use --engine onnx")
+        raise ConfigError(f"--engine gpu {DALI_INSTALL} (the gpu extra includes it), or use --engine onnx")
 
 
 def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
     """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
     engine's gpu profile, which runs the same classifier)."""
     from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
-    from pipeline.engines.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
+    from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
 
     if options.get("device") is None:  # on a cluster too, where the preflight is skipped
         gpus, where = cluster_gpus()

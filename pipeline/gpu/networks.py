@@ -1,7 +1,7 @@
 """Torch networks for the GPU paths: EfficientNet-Lite0 from the default checkpoint, a folder's ONNX, ResNet-50.
 
 The default model is rebuilt here as a plain torch module from the same checkpoint arrays that
-``pipeline.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
+``pipeline.model.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
 GPU and the ONNX reference compute the same function; the ``efficientnet-lite-pytorch`` package's code is not used.
 Its layouts (``LITE0_LAYOUTS``) compute TF's padding inside the convs instead of as separate pad kernels, with the
 same logits; ``DEFAULT_LITE0_LAYOUT`` is the one both the gpu engine and the gpu profile's Triton models run.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.default_model import (
+from pipeline.model.default_model import (
     BN_EPS,
     HEAD_CHANNELS,
     IMAGE_SIZE,
@@ -25,7 +25,7 @@ from pipeline.default_model import (
     load_checkpoint,
 )
 from pipeline.errors import ConfigError, EngineError, ModelError
-from pipeline.model import MODEL_FILE, TORCHSCRIPT_FILE, is_builtin
+from pipeline.model.folder import MODEL_FILE, TORCHSCRIPT_FILE, is_builtin
 
 LOG = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 
     ``network``: None picks by the bundle: the folder's ``model.torchscript`` where it has one, the default model's
-    hand-tuned layout, else the folder's ``model.onnx`` converted to torch (``pipeline.engines.gpu.onnx_torch``);
+    hand-tuned layout, else the folder's ``model.onnx`` converted to torch (``pipeline.gpu.onnx_torch``);
     "resnet50" gives a random-weight ResNet-50 for benchmarks, a ``LITE0_LAYOUTS`` name the default model in that
     layout.
 
@@ -341,7 +341,7 @@ def load_network(bundle, network: str | None = None):
     if onnx_path is None or not onnx_path.is_file():
         raise EngineError(f"model {bundle.name!r} has no {MODEL_FILE} for the GPU paths to convert; pass its folder")
     try:
-        from pipeline.engines.gpu.onnx_torch import convert_onnx  # noqa: PLC0415 - onnx2torch: the gpu extra
+        from pipeline.gpu.onnx_torch import convert_onnx  # noqa: PLC0415 - onnx2torch: the gpu extra
     except ImportError:
         raise EngineError(CONVERTER_MISSING) from None
     started = time.perf_counter()
@@ -365,7 +365,7 @@ def check_runnable(bundle, engine: str) -> None:
     if is_builtin(bundle) or (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
         return
     try:
-        from pipeline.engines.gpu.onnx_torch import check_convertible  # noqa: PLC0415 - onnx2torch: the gpu extra
+        from pipeline.gpu.onnx_torch import check_convertible  # noqa: PLC0415 - onnx2torch: the gpu extra
     except ImportError:
         raise ConfigError(CONVERTER_MISSING) from None
     check_convertible(bundle)

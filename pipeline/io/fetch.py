@@ -12,11 +12,9 @@ import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ImageError
-from pipeline.engines.base import STATUS_ERROR
-from pipeline.keys import uri_path
-from pipeline.schema import DATA, FETCH_S
-from pipeline.source import open_fs
-from pipeline.source_manifest import manifest_form
+from pipeline.io.keys import uri_path
+from pipeline.schema import CARRIED, DATA, ERROR, FETCH_S, SIZE_BYTES, STATUS, STATUS_ERROR, URI
+from pipeline.storage import manifest_form, open_fs
 
 LOG = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.25
@@ -98,11 +96,11 @@ def fetch_batch(
     # A manifest names objects on any store: each row is read through its own scheme's file system.
     fs_of = (lambda uri: _filesystem(uri.partition("://")[0] + "://", storage_options)) if manifest_form(source) \
         else (lambda uri, fs=_filesystem(source, storage_options): fs)
-    uris = batch.column("uri").to_pylist()
-    sizes = batch.column("size_bytes").to_pylist()
-    carried = batch.column("carried").to_pylist()
-    status = batch.column("status").to_pylist()
-    error = batch.column("error").to_pylist()
+    uris = batch.column(URI).to_pylist()
+    sizes = batch.column(SIZE_BYTES).to_pylist()
+    carried = batch.column(CARRIED).to_pylist()
+    status = batch.column(STATUS).to_pylist()
+    error = batch.column(ERROR).to_pylist()
     data: list[bytes | None] = [None] * len(uris)
 
     def one(i: int) -> None:
@@ -122,8 +120,8 @@ def fetch_batch(
     per_row = (time.perf_counter() - start) / max(1, len(uris))
     out = batch
     for name, values, typ in (
-        ("status", status, pa.string()),
-        ("error", error, pa.string()),
+        (STATUS, status, pa.string()),
+        (ERROR, error, pa.string()),
         (DATA, data, pa.binary()),
         (FETCH_S, [per_row] * len(uris), pa.float64()),
     ):

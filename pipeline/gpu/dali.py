@@ -1,10 +1,10 @@
 """The gpu engine's preprocessing on DALI: the production ensemble's DALI graph, fed in process, torch-free.
 
 ``DaliPrep`` runs ``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's
-DALI model uses) over one batch of unpadded encoded files, and the reference (``pipeline.imaging``, Pillow) over what
+DALI model uses) over one batch of unpadded encoded files, and the reference (``pipeline.model.imaging``, Pillow) over what
 DALI does not take:
 
-1. the caller's CPU triage (``pipeline.engines.gpu.classifier.triage``) marks the JPEGs DALI decodes; anything else
+1. the caller's CPU triage (``pipeline.gpu.classifier.triage``) marks the JPEGs DALI decodes; anything else
    (PNG, CMYK, 12-bit, truncated, ...) goes to the reference;
 2. DALI, "mixed" decoder with ``hw_decoder_load`` (the hardware JPEG engines take that share, CUDA
    nvJPEG the rest), resize + crop + normalize per the model's ``PreprocessSpec``, FP16 or FP32, NHWC on the GPU;
@@ -13,7 +13,7 @@ DALI does not take:
 
 A file DALI refuses fails DALI's whole batch: that batch is then decoded by the reference, so a bad file is that
 file's error row (the reference's status and kind, as the onnx engine gives) and its neighbours are classified.
-With ``depth`` > 1 callers share one DALI pipeline kept that many batches ahead (``pipeline.engines.gpu.dali_runner``);
+With ``depth`` > 1 callers share one DALI pipeline kept that many batches ahead (``pipeline.gpu.dali_runner``);
 with 1, each takes one of as many built pipelines, run one batch at a time. CI runs it with DALI's CPU backend
 (tests/integration/test_engine_dali.py).
 """
@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pipeline.errors import EngineError, ImageError
-from pipeline.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
 from pipeline.triton import contract as tn
-from pipeline.engines.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
+from pipeline.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
 from pipeline.triton.dali_pipeline import DALI_THREADS, first_line, preprocess_graph
 
 LOG = logging.getLogger(__name__)
@@ -43,9 +43,10 @@ DEFAULT_HW_DECODER_LOAD = 1.0
 # Batches scheduled at once on the classifier's one DALI pipeline (1: one pipeline per preparing thread, each run
 # alone); a deeper pipeline keeps the hardware decoders busy while the network runs.
 DEFAULT_DALI_DEPTH = 3
-# The one line a gpu classifier fails with where DALI is not installed (pyproject's ``dali`` and ``gpu`` extras).
-DALI_MISSING = ("the gpu engine decodes and resizes with DALI, which is not installed here: "
-                "pip install 'bulk-classify[dali]' (nvidia-dali-cuda120; the gpu extra includes it)")
+# What to install where DALI is missing (pyproject's ``dali`` and ``gpu`` extras), and the one line a gpu classifier
+# fails with then; the gpu engine's preflight says the same before a run.
+DALI_INSTALL = "decodes and resizes with DALI, which is not installed here: pip install 'bulk-classify[dali]'"
+DALI_MISSING = f"the gpu engine {DALI_INSTALL} (nvidia-dali-cuda120; the gpu extra includes it)"
 
 
 def dali_available() -> bool:

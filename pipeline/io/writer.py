@@ -1,5 +1,5 @@
 """Writing output: each shard's rows committed atomically under a name derived from its content, with its record in
-the footer, and the JSON bookkeeping files; ``pipeline.reader`` reads them back."""
+the footer, and the JSON bookkeeping files; ``pipeline.io.reader`` reads them back."""
 
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.io.keys import identity_hashes, uri_hashes
+from pipeline.io.stats import ShardStats
 from pipeline.schema import (
     BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, OUTPUT_SCHEMA, PART_PREFIX,
-    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform,
+    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, STATUS_OK, conform,
 )
-from pipeline.engines.base import STATUS_OK
-from pipeline.keys import identity_hashes, uri_hashes
-from pipeline.source import is_local, open_fs
-from pipeline.stats import ShardStats
+from pipeline.storage import is_local, open_fs
 
 SHARD_ID_BYTES = 12
 # Temporary names this tool writes before a rename: "." + the final name + "." + 32 hex digits + ".tmp".

@@ -20,13 +20,12 @@ from urllib.parse import unquote_plus
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.errors import ConfigError, SourceError
-from pipeline.keys import object_uri, uri_path
-from pipeline.source_local import Entry, list_error
+from pipeline.errors import SourceError
+from pipeline.io.keys import object_uri, uri_path
+from pipeline.io.source_local import Entry, list_error
+from pipeline.schema import MIB
+from pipeline.storage import INVENTORY_FORM
 
-URIS_FORM = "uris+"  # SOURCE = uris+URL: a text, CSV or Parquet file (or a folder of them) with one URI per row
-INVENTORY_FORM = "inventory+"  # SOURCE = inventory+s3://bucket/…/manifest.json: an S3 Inventory report
-MANIFEST_FORMS = (URIS_FORM, INVENTORY_FORM)
 URI_COLUMN = "uri"
 # Optional columns of a URI list, by the names they may go by; with them, carry-over works as for a listing.
 SIZE_COLUMNS = ("size_bytes", "size")
@@ -36,17 +35,6 @@ READ_ROWS = 8192  # rows read from a data file at a time: memory stays flat what
 INVENTORY_FORMATS = ("CSV", "Parquet", "ORC")
 _TEXT_SUFFIXES = (".txt", ".txt.gz", ".lst")
 _CSV_SUFFIXES = (".csv", ".csv.gz")
-
-
-def manifest_form(source: str) -> tuple[str, str] | None:
-    """``(form, url)`` of a manifest SOURCE (``uris+…``, ``inventory+…``); None for a folder or prefix."""
-    for form in MANIFEST_FORMS:
-        if source.startswith(form):
-            url = source[len(form):]
-            if not url:
-                raise ConfigError(f"SOURCE {source!r} names no file; write e.g. {form}s3://bucket/list.parquet")
-            return form, url
-    return None
 
 
 def _norm(name: str) -> str:
@@ -147,7 +135,7 @@ def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iter
 
         with fs.open(path, "rb") as raw:
             stream = _unzipped(raw)
-            reader = pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=1 << 20, use_threads=False),
+            reader = pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=MIB, use_threads=False),
                                    convert_options=pcsv.ConvertOptions(strings_can_be_null=True))
             yield from reader
         return
@@ -217,7 +205,7 @@ def _inventory_batches(fs: Any, unit: InventoryFile) -> Iterator[pa.RecordBatch]
             stream = _unzipped(raw)
             names = [_norm(c) for c in unit.columns]
             reader = pcsv.open_csv(
-                stream, read_options=pcsv.ReadOptions(column_names=names, block_size=1 << 20, use_threads=False),
+                stream, read_options=pcsv.ReadOptions(column_names=names, block_size=MIB, use_threads=False),
                 convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names},
                                                     strings_can_be_null=True))
             yield from reader

@@ -1,0 +1,1 @@
+"""The model: its folder and contract, the preprocessing spec, the reference decoding, and the default model."""
