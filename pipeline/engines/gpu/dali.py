@@ -45,7 +45,7 @@ DEFAULT_HW_DECODER_LOAD = 1.0
 DEFAULT_DALI_DEPTH = 3
 # The one line a gpu classifier fails with where DALI is not installed (pyproject's ``dali`` and ``gpu`` extras).
 DALI_MISSING = ("the gpu engine decodes and resizes with DALI, which is not installed here: "
-                "pip install 'bulk-classify[dali]' (nvidia-dali-cuda120; the gpu extra includes it)")
+                "pip install 'bulk-classify[dali]' (nvidia-dali-cuda130; the gpu extra includes it)")
 
 
 def dali_available() -> bool:
