@@ -13,7 +13,7 @@ LONG_MODULES = {
     # The quality counters, their merge over shards and the drift comparison: one concern (#13), one module.
     "pipeline.quality",
     # The Triton client's request path: isolating bad inputs, restarts, shared-server failover and the answer checks
-    # retry the same request, so they share its loop.
+    # retry the same request, so they share its loop (the server's supervision and the checks are modules of their own).
     "pipeline.engines.triton",
     # Planning and listing local folders, S3 key ranges and other fsspec stores, with the rows of what cannot be read.
     "pipeline.source",
