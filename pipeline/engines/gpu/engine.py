@@ -68,14 +68,14 @@ class GpuEngine:
         top_k: classes per image.
         limits: decode limits.
         **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
-            ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
+            ``ClassifierOptions`` fields: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
             prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync.
     """
 
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.engines.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
+        from pipeline.engines.gpu.classifier import ClassifierOptions, GpuClassifier  # noqa: PLC0415 - torch, DALI
         from pipeline.engines.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         if options.get("device") is None:
@@ -87,8 +87,8 @@ class GpuEngine:
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
         options.setdefault("precision_gate", not is_builtin(bundle))
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
-                                        fixed_batch=getattr(bundle, "fixed_batch", None), **options)
+        self.classifier = GpuClassifier(network, bundle.spec, ClassifierOptions(
+            top_k=top_k, limits=limits, fixed_batch=getattr(bundle, "fixed_batch", None), **options))
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.engines.gpu.stream import RequestStream  # noqa: PLC0415
