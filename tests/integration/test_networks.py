@@ -239,10 +239,20 @@ def test_both_gpu_paths_load_the_default_layout(tmp_path):
         DEFAULT_LITE0_LAYOUT]
 
 
-def test_a_layout_name_loads_the_default_model_in_that_layout():
+def test_a_layout_name_loads_the_default_model_in_that_layout(monkeypatch):
+    """The benchmarks' networks (tests/benchmarks/gpu_networks.py) through the library's registry."""
     pytest.importorskip("torch")
+    from pipeline.engines.gpu import networks
     from pipeline.engines.gpu.networks import load_network
 
+    monkeypatch.setattr(networks, "_NETWORKS", {})
+    with pytest.raises(EngineError, match="unknown network 'mirror'; leave it unset, or use one of the networks "
+                                          "registered with register_network"):
+        load_network(load_model(None), "mirror")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_networks
+
+    gpu_networks.register()
     assert load_network(load_model(None), "mirror").layout == LITE0_LAYOUTS["mirror"]
     with pytest.raises(EngineError, match="unknown network 'nope'; leave it unset, or use one of resnet50, explicit"):
         load_network(load_model(None), "nope")

@@ -28,7 +28,8 @@ SPEC = EngineSpec(
     factory=f"{__name__}:GpuEngine",
     summary="DALI decode + resize and a PyTorch network on the actor's GPU",
     options=(
-        Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
+        Option("network", str, "'auto' (the model's) or a network registered with "
+               "pipeline.engines.gpu.networks.register_network"),
         positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
         positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
         positive_int("batch_size", "images per network call, e.g. 256"),
@@ -67,7 +68,7 @@ class GpuEngine:
             (``pipeline.engines.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
-        **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
+        **options: ``network`` (a torch module, or a name ``networks.register_network`` knows), and the
             ``ClassifierOptions`` fields: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
             prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync.
     """

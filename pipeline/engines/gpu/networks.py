@@ -1,4 +1,5 @@
-"""Torch networks for the GPU paths: EfficientNet-Lite0 from the default checkpoint, a folder's ONNX, ResNet-50.
+"""Torch networks for the GPU paths: EfficientNet-Lite0 from the default checkpoint, a folder's ONNX or TorchScript,
+and the networks a caller registers (``register_network``).
 
 The default model is rebuilt here as a plain torch module from the same checkpoint arrays that
 ``pipeline.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
@@ -9,9 +10,11 @@ same logits; ``DEFAULT_LITE0_LAYOUT`` is the one both the gpu engine and the gpu
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,7 +25,8 @@ from pipeline.model import MODEL_FILE, TORCHSCRIPT_FILE, is_builtin
 
 LOG = logging.getLogger(__name__)
 
-BENCHMARK_NETWORKS = ("resnet50",)
+# network=NAME -> a factory of a torch module from the model bundle (register_network); none by default.
+_NETWORKS: dict[str, Callable[[Any], Any]] = {}
 CONVERTER_MISSING = ("the GPU paths convert model.onnx to torch with onnx2torch and onnxslim, which are not "
                      "installed here: pip install 'bulk-classify[gpu]', or use --engine onnx")
 
@@ -46,22 +50,37 @@ def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout
         raise ModelError(f"the checkpoint lacks tensor {e}; is it an EfficientNet-Lite0 checkpoint?") from None
 
 
-def resnet50_random(num_classes: int = 1000, seed: int = 0):
-    """torchvision's ResNet-50 with random weights (seeded): the benchmark's reference network, not a classifier."""
-    import torch  # noqa: PLC0415
-    from torchvision.models import resnet50  # noqa: PLC0415
+def register_network(name: str, factory: Callable[[Any], Any]) -> None:
+    """Make ``network=NAME`` (the gpu engine's option, the gpu profile's ``network`` parameter) select
+    ``factory(bundle)``, a torch module, instead of the model's own network.
 
-    torch.manual_seed(seed)
-    return resnet50(weights=None, num_classes=num_classes).eval()
+    The library registers none: this is where a caller that runs other networks through the GPU paths (the
+    benchmarks: tests/benchmarks/gpu_networks.py) adds them. A registry lives in one process; a served model's stub
+    process finds a factory by a ``"module:function"`` name instead, which it imports.
+    """
+    _NETWORKS[name] = factory
+
+
+def _named_network(name: str) -> Callable[[Any], Any] | None:
+    if name in _NETWORKS:
+        return _NETWORKS[name]
+    module, _, attr = name.partition(":")
+    if module and attr:
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise EngineError(f"network {name!r} cannot be imported here ({err}); put its module on the "
+                              "PYTHONPATH, or leave network unset") from None
+    return None
 
 
 def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 
-    ``network``: None picks by the bundle: the folder's ``model.torchscript`` where it has one, the default model's
-    hand-tuned layout, else the folder's ``model.onnx`` converted to torch (``pipeline.engines.gpu.onnx_torch``);
-    "resnet50" gives a random-weight ResNet-50 for benchmarks, a ``LITE0_LAYOUTS`` name the default model in that
-    layout.
+    ``network``: None (or "auto") picks by the bundle: the folder's ``model.torchscript`` where it has one, the
+    default model's hand-tuned layout, else the folder's ``model.onnx`` converted to torch
+    (``pipeline.engines.gpu.onnx_torch``); another name selects a network of ``register_network``'s (or a
+    ``"module:function"`` factory).
 
     Raises:
         EngineError: torch, or the converter, is not installed (with what to do instead).
@@ -71,13 +90,12 @@ def load_network(bundle, network: str | None = None):
         import torch  # noqa: PLC0415
     except ImportError:
         raise EngineError("the gpu engine needs PyTorch; install torch or use --engine onnx") from None
-    if network == "resnet50":
-        return resnet50_random(len(bundle.labels) or 1000)
-    if network in LITE0_LAYOUTS and is_builtin(bundle):  # the default model in another layout (benchmarks)
-        return efficientnet_lite0(load_checkpoint(), network)
     if network not in (None, "", "auto", "default"):
-        raise EngineError(f"unknown network {network!r}; leave it unset, or use one of "
-                          f"{', '.join((*BENCHMARK_NETWORKS, *LITE0_LAYOUTS))}")
+        factory = _named_network(network)
+        if factory is None:
+            raise EngineError(f"unknown network {network!r}; leave it unset, or use one of "
+                              f"{', '.join(_NETWORKS) or 'the networks registered with register_network (none here)'}")
+        return factory(bundle)
     onnx_path = Path(bundle.onnx_path) if getattr(bundle, "onnx_path", None) else None
     scripted = onnx_path.parent / TORCHSCRIPT_FILE if onnx_path else None
     if scripted is not None and scripted.is_file():

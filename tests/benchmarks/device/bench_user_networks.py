@@ -77,7 +77,8 @@ def main() -> None:
 
     import torch
 
-    from pipeline.engines.gpu.networks import resnet50_random
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/benchmarks: gpu_networks
+    from gpu_networks import resnet50_random
     from pipeline.engines.gpu.onnx_torch import convert_onnx
     from pipeline.engines.gpu.precision import choose_half
     from pipeline.model import load_model
