@@ -373,7 +373,8 @@ class TritonEngine:
                                           "is running, or let the engine start its own (no url)") from None
                     time.sleep(retries.pop(0))
                     continue
-                if not self.servers.restart(generation, stub_dead):  # alive and answering its health check: this request failed in passing
+                moved = self.servers.restart(generation, stub_dead)  # restarted, here or by another request
+                if not moved:  # alive and answering its health check: this request failed in passing
                     if not retries:
                         raise _NoAnswer(f"tritonserver is up but failed this request {len(EXTERNAL_RETRY_S) + 1} "
                                         f"times (last: {(err.message() or str(err))[:200]})") from None
