@@ -11,9 +11,7 @@ Curves it reads (one GPU, one row per load level):
     * any CSV or JSON (a list of objects, or ``{"points": [...]}``) with a throughput column named like
       ``img_per_s`` / ``images_per_s`` / ``throughput``, optionally a load column (``concurrency``,
       ``batch_size``, ``load``) and a p99 column whose name gives its unit (``p99_ms``, ``p99_us``, ``p99_s``;
-      bare ``p99`` is milliseconds).
-    * the GPU benchmark's JSON (``tests/benchmarks/bench_gpu.py --out``): its ``triton_<net>_<set>_r<B>_c<C>``
-      entries, one curve per ``<net>_<set>`` (``FILE#triton_default_imagenet`` picks one), no p99.
+      bare ``p99`` is milliseconds). The GPU benchmark writes its curves in this form.
 """
 
 from __future__ import annotations
@@ -47,14 +45,13 @@ def load_curve(curve_path: str) -> dict[str, Any]:
     Raises:
         ConfigError: the file is missing, empty, or has no recognisable throughput column.
     """
-    path_text, _, selector = str(curve_path).partition("#")
-    path = Path(path_text)
+    path = Path(curve_path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read curve {curve_path!r}: {err.strerror or err}; give the CSV from "
                           "perf_analyzer -f or the GPU benchmark's output") from None
-    rows = _json_rows(text, curve_path, selector) if text.lstrip()[:1] in ("[", "{") else _csv_rows(text)
+    rows = _json_rows(text, curve_path) if text.lstrip()[:1] in ("[", "{") else _csv_rows(text)
     if not rows:
         raise ConfigError(f"curve {curve_path!r} has no data rows; run the benchmark over a few load levels")
     columns = {_norm(k): k for k in rows[0]}
@@ -164,41 +161,16 @@ def _csv_rows(text: str) -> list[dict[str, str]]:
             if any(v not in (None, "") for v in r.values())]
 
 
-def _json_rows(text: str, curve_path: str, selector: str = "") -> list[dict[str, Any]]:
+def _json_rows(text: str, curve_path: str) -> list[dict[str, Any]]:
     try:
         data = json.loads(text)
     except ValueError as err:
         raise ConfigError(f"curve {curve_path!r} is not valid JSON: {err}") from None
     if isinstance(data, dict):
-        listed = next((data[k] for k in ("points", "curve", "results", "rows") if isinstance(data.get(k), list)), None)
-        data = listed if listed is not None else _bench_gpu_rows(data, curve_path, selector)
+        data = next((data[k] for k in ("points", "curve", "results", "rows") if isinstance(data.get(k), list)), None)
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ConfigError(f"curve {curve_path!r}: expected a list of objects or {{\"points\": [...]}}")
     return data
-
-
-def _bench_gpu_rows(data: dict[str, Any], curve_path: str, selector: str) -> list[dict[str, Any]] | None:
-    """tests/benchmarks/bench_gpu.py's JSON: ``{"triton_<net>_<set>_r<batch>_c<conc>": {"img_s": ...}, ...}``.
-
-    One curve per ``<prefix>`` (everything before ``_r<batch>_c<conc>``); the load is the images in flight
-    (request batch x concurrency). Pick a curve with ``FILE#<prefix>`` when the file holds several.
-    """
-    curves: dict[str, list[dict[str, Any]]] = {}
-    for key, value in data.items():
-        m = re.fullmatch(r"(.+)_r(\d+)_c(\d+)", key)
-        if m and isinstance(value, dict) and any(_norm(k) in THROUGHPUT_NAMES for k in value):
-            curves.setdefault(m.group(1), []).append(
-                {**value, "images_in_flight": int(m.group(2)) * int(m.group(3))})
-    if not curves:
-        return None
-    if selector:
-        if selector not in curves:
-            raise ConfigError(f"curve {curve_path!r} has no {selector!r}; it has: {', '.join(sorted(curves))}")
-        return curves[selector]
-    if len(curves) > 1:
-        raise ConfigError(f"curve {curve_path!r} holds {len(curves)} curves ({', '.join(sorted(curves))}); "
-                          f"pick one: {curve_path}#{sorted(curves)[0]}")
-    return next(iter(curves.values()))
 
 
 def _norm(name: Any) -> str:

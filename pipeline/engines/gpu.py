@@ -27,7 +27,8 @@ SPEC = EngineSpec(
     factory=f"{__name__}:GpuEngine",
     summary="DALI decode + resize and a PyTorch network on the actor's GPU",
     options=(
-        Option("network", str, "'auto' (the model's) or 'resnet50' (random weights, benchmarks)"),
+        Option("network", str, "'auto' (the model's) or a network registered with "
+               "pipeline.gpu.networks.register_network"),
         positive_int("dali_threads", "DALI's CPU threads per pipeline, e.g. 4"),
         positive_int("dali_depth", "batches in flight on one DALI pipeline (1: a pipeline per prep worker), e.g. 2"),
         positive_int("batch_size", "images per network call, e.g. 256"),
@@ -68,15 +69,15 @@ class GpuEngine:
             (``pipeline.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
-        **options: ``network`` (a torch module, or "resnet50" for random-weight benchmarking), and the
-            ``GpuClassifier`` options: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
+        **options: ``network`` (a torch module, or a name ``networks.register_network`` knows), and the
+            ``ClassifierOptions`` fields: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
             prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync, compile.
     """
 
     name = "gpu"
 
     def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.gpu.classifier import GpuClassifier  # noqa: PLC0415 - torch and DALI, when built
+        from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier  # noqa: PLC0415 - torch, DALI
         from pipeline.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         if options.get("device") is None:
@@ -88,8 +89,8 @@ class GpuEngine:
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
         options.setdefault("precision_gate", not is_builtin(bundle))
-        self.classifier = GpuClassifier(network, bundle.spec, top_k=top_k, limits=limits,
-                                        fixed_batch=getattr(bundle, "fixed_batch", None), **options)
+        self.classifier = GpuClassifier(network, bundle.spec, ClassifierOptions(
+            top_k=top_k, limits=limits, fixed_batch=getattr(bundle, "fixed_batch", None), **options))
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.gpu.stream import RequestStream  # noqa: PLC0415

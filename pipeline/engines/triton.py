@@ -9,31 +9,33 @@ Every answer is checked: each image goes with a TAG (its request's id and its in
 ECHO, and a response whose echoes are not exactly the request's tags is retried, then given up as engine_error
 rows, never read as those images' labels. A repository without TAG/ECHO is refused (rebuild it). A server that is
 slow but alive is waited for, never replaced: only a dead (or hung for HUNG_AFTER_S) server is restarted.
+
+This module is the client (requests, retries, isolating bad inputs) and the engine's registry entry; the server it
+talks to is supervised by ``pipeline.engines.triton_servers``, its preflight and input checks are
+``pipeline.engines.triton_checks``.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
-import re
 import secrets
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import EngineSpec, Option, Result, positive_float, positive_int, results_from_topk
+from pipeline.engines.base import (
+    STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
+)
+from pipeline.engines.triton_checks import check_caps, error_text
+from pipeline.engines.triton_servers import EVENT_FAILOVERS, EVENT_RESTARTS, EVENT_STARTS, ServerSupervisor
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
-from pipeline.errors import ERROR_KINDS, ConfigError, EngineError, ImageError, ModelError, TritonError
-from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
-from pipeline.schema import STAGE_INFER
+from pipeline.errors import ConfigError, EngineError, ImageError, TritonError
+from pipeline.model.imaging import DecodeLimits
 from pipeline.triton import contract as tn
-from pipeline.triton.profiles import AUTO, GPU, PORTABLE, PROFILES, choose_profile, visible_gpus
-from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S, find_tritonserver
-from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
+from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
+from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S
 
 LOG = logging.getLogger(__name__)
 
@@ -44,9 +46,6 @@ MAX_RESTARTS_PER_REQUEST = 1
 # What Triton answers, with the server still "ready", once a python-backend stub has died (a crashing decoder).
 STUB_DEAD_MARKER = "is not healthy"
 EXTERNAL_RETRY_S = (1.0, 2.0, 4.0)
-# The owner of a shared server checks its process this often, between its own requests too: the server's other
-# users wait for the owner to restart it, and an owner with no batch in flight would leave them waiting.
-WATCH_S = 1.0
 # gRPC status codes that mean "the server is gone or not answering", not "this request is bad". A request past
 # its deadline (DEADLINE_EXCEEDED) met a slow server: it is sent again, never counted as the server's death.
 SERVER_DOWN_CODES = ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
@@ -59,9 +58,7 @@ EVENT_REQUESTS = "requests"  # requests sent, retries included
 EVENT_CHECKED = "answers_checked"  # images whose answer's ECHO was their own TAG
 EVENT_MISMATCHES = "answer_mismatches"  # responses whose ECHO named other images (each one retried)
 EVENT_TIMEOUTS = "request_timeouts"  # requests without an answer within request_timeout_s (each one retried)
-EVENT_STARTS = "server_starts"  # tritonservers this engine started (a shared one counts for its owner only)
-EVENT_RESTARTS = "server_restarts"  # restarts of a server this engine owns
-EVENT_FAILOVERS = "server_failovers"  # moves of a shared-server user to another server (restarted, or its own)
+# and the supervision's: EVENT_STARTS, EVENT_RESTARTS, EVENT_FAILOVERS (pipeline.engines.triton_servers)
 EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT_STARTS, EVENT_RESTARTS,
           EVENT_FAILOVERS)
 
@@ -88,8 +85,8 @@ SPEC = EngineSpec(
                "below 1): true or false"),
     ),
     needs_gpu=True,
-    preflight=f"{__name__}:check_requirements",
-    model_check=f"{__name__}:check_model",
+    preflight="pipeline.engines.triton_checks:check_requirements",
+    model_check="pipeline.engines.triton_checks:check_model",
     # Two calls per actor: the next batch is sent while this one's last requests finish. The actors of a GPU
     # share its one server (the gpu profile's share_server), so the client work spreads over their processes;
     # a call's images fill the gpu profile's requests in flight (docs/performance.md).
@@ -115,49 +112,8 @@ class _NoAnswer(Exception):
     that stays unreachable): each becomes an engine_error row."""
 
 
-def _check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
-    """Raises the reference's own ImageError for empty, too large, or (``pixels``) too many pixels by the header.
-
-    decode_image raises those before decoding any pixel, so calling it only when a cap is exceeded costs
-    nothing and gives the exact error text of ``--engine onnx``. The pixel check opens the header with Pillow
-    (a cost on every file): skipped for a model that checks the caps itself (``checks_caps``).
-    """
-    if len(data) == 0 or len(data) > limits.max_bytes:
-        decode_image(data, limits)
-    if not pixels:
-        return
-    from PIL import Image  # noqa: PLC0415
-
-    follow_pixel_cap(limits.max_pixels)
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-    except Image.DecompressionBombError:
-        decode_image(data, limits)
-        return
-    except Exception:  # noqa: BLE001 - not readable here: the server reports the precise error for this input
-        return
-    if width * height > limits.max_pixels:
-        decode_image(data, limits)
-
-
 def _serialized(request) -> bytes:
     return request if isinstance(request, bytes) else request.SerializeToString()
-
-
-# Triton puts this before a composing model's error (the gpu profile's ensemble shape): the kind follows it.
-_ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
-
-
-def _error_text(reason: str) -> str:
-    """The error row of an input whose one-image request failed: the server's "kind: detail" when it gives one
-    (python-backend profiles without the ERROR output), else decode_error/engine_error with its message."""
-    reason = _ENSEMBLE_PREFIX.sub("", reason, count=1)
-    kind = reason.split(":", 1)[0].strip()
-    if kind in ERROR_KINDS and ":" in reason:
-        return reason[:1000]
-    kind = "decode_error" if "decod" in reason.lower() else "engine_error"
-    return str(ImageError(kind, f"server: {reason[:500]}"))
 
 
 class TritonEngine:
@@ -214,7 +170,6 @@ class TritonEngine:
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
         share_server = serving.share_server if share_server is None else share_server
-        self.use_mps = serving.mps if mps is None else mps
         if top_k < 1 or request_batch < 1 or concurrency < 1:
             raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
                               "must be positive")
@@ -225,32 +180,25 @@ class TritonEngine:
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self.server = None
         self.events = dict.fromkeys(EVENTS, 0)
         self._events_lock = threading.Lock()
         # Request ids start at random so two engines sharing a server never send the same TAG.
         self._request_ids = itertools.count(secrets.randbits(32))
-        self._lease = None  # pipeline.triton.sharing.ServerLease when the server is shared
         # The server decodes and classifies: the actor sees one stage, the request's wall time.
         self.stage_seconds = {STAGE_INFER: 0.0}
-        self._mps = None  # pipeline.triton.mps.MpsDaemon of the server this engine owns
         self._local = threading.local()
-        self._generation = 0
-        self._restart_lock = threading.Lock()
+        self.servers = ServerSupervisor(profile=serving, model_name=model_name, startup_timeout_s=startup_timeout_s,
+                                        use_mps=serving.mps if mps is None else mps,
+                                        share=bool(share_server and not url), gpus=gpus, count=self._count)
         # Held while inputs that brought the server down are retried one at a time: no other request is sent
         # meanwhile, so a crash is blamed on the one input in flight and not on its neighbours.
         self._quarantine = threading.RLock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="triton-request")
-        self._closing = threading.Event()
-        self._watchdog: threading.Thread | None = None
-        self._share = share_server and not url
         try:
             if url:
-                self.url = url
-                self._wait_external(startup_timeout_s)
+                self.servers.wait_external(startup_timeout_s, url)
             else:
-                self._start_own(bundle, repository, instances, startup_timeout_s,
-                                [*serving.server_args(), *server_args])
+                self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args])
             self._read_model()
         except BaseException:
             self.close()
@@ -258,112 +206,16 @@ class TritonEngine:
 
     # ---- setup ---------------------------------------------------------------------------------------------
 
-    def _start_own(self, bundle, repository, instances, startup_timeout_s, server_args) -> None:
-        from pipeline.triton.checks import preflight  # noqa: PLC0415
-        from pipeline.triton.repository_cache import cached_repository  # noqa: PLC0415
-        from pipeline.triton.server import TritonServer  # noqa: PLC0415
-
-        if repository is None:
-            sweep_dead_owner_folders(REPOSITORY_PREFIX)
-            repository = str(cached_repository(self.profile, bundle, top_k=max(self.top_k, tn.DEFAULT_TOP_K),
-                                               instances=instances))
-        preflight(repository)
-
-        def start():
-            env = self._start_mps()
-            if self.gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = self.gpus
-            try:
-                server = TritonServer(repository, startup_timeout_s=startup_timeout_s, extra_args=server_args,
-                                      env=env).start()
-            except BaseException:
-                self._stop_mps()
-                raise
-            return server
-
-        if not self._share:
-            self.server = start()
-            self.url = self.server.grpc_url
-            self._count(EVENT_STARTS)
-            return
-        from pipeline.triton.sharing import ServerLease, lease_key  # noqa: PLC0415
-
-        self._lease = ServerLease(lease_key(repository, server_args, self.model_name, self.gpus))
-        self._start = start
-        self.url, self.server = self._lease.acquire(start)
-        self._lease.join()
-        if self.server is None:
-            self._wait_external(startup_timeout_s)
-        else:
-            self._count(EVENT_STARTS)
-            self._watch()
-
-    def _start_mps(self) -> dict[str, str]:
-        """The environment of a server under this engine's private MPS daemon; {} without one (a message says why
-        where MPS was wanted but cannot start)."""
-        if not self.use_mps or not self.profile.needs_gpu or self._mps is not None:
-            return dict(self._mps.env) if self._mps is not None else {}
-        from pipeline.triton.mps import CONTROL, MpsDaemon  # noqa: PLC0415
-
-        daemon = MpsDaemon(gpus=self.gpus)
-        if not daemon.available:
-            LOG.warning("%s is not on this node: the server's model instances take turns on the GPU (slower); "
-                        "install the NVIDIA driver's utilities, or pass --engine-option mps=false", CONTROL)
-            self.use_mps = False
-            return {}
-        try:
-            env = daemon.start()
-        except (OSError, subprocess.SubprocessError) as err:
-            LOG.warning("a private CUDA MPS daemon did not start (%s): serving without MPS (slower); "
-                        "pass --engine-option mps=false to skip it", err)
-            self.use_mps = False
-            return {}
-        self._mps = daemon
-        return env
-
-    def _stop_mps(self) -> None:
-        if self._mps is not None:
-            self._mps.stop()
-            self._mps = None
-
-    def _take_lease_again(self, failed: str) -> None:
-        """Our shared server (at ``failed``) stopped answering: find its restarted successor, or start one and
-        own it (``ServerLease.acquire``: never while its process lives). Nothing to do when another thread
-        already moved on from ``failed``."""
-        with self._restart_lock:
-            if self.url != failed:
-                return
-            url, server = self._lease.acquire(self._start, exclude_url=failed, wait_s=self.startup_timeout_s)
-            if url == failed:
-                LOG.info("shared tritonserver %s is slow to answer but alive; still sharing it", failed)
-                return
-            self.url, self.server = url, server
-            self._generation += 1
-            self._count(EVENT_FAILOVERS)
-            if self.server is None:
-                self._wait_external(self.startup_timeout_s)
-            else:
-                self._count(EVENT_STARTS)
-                self._watch()
-            LOG.warning("shared tritonserver %s stopped answering; now %s (%s)", failed, self.url,
-                        "ours" if self.server is not None else "shared")
+    # The server as the supervision has it now (it moves on a restart or a failover).
+    server = property(lambda self: self.servers.server)
+    url = property(lambda self: self.servers.url)
+    use_mps = property(lambda self: self.servers.use_mps)
+    _lease = property(lambda self: self.servers.lease)
+    _generation = property(lambda self: self.servers.generation)
 
     def _count(self, event: str, n: int = 1) -> None:
         with self._events_lock:
             self.events[event] += n
-
-    def _wait_external(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        last = None
-        while time.monotonic() < deadline:
-            try:
-                if self._client().is_model_ready(self.model_name, client_timeout=HEALTH_TIMEOUT_S):
-                    return
-            except Exception as err:  # noqa: BLE001 - keep polling until the deadline
-                last = err
-            time.sleep(0.5)
-        raise TritonError(f"model {self.model_name!r} at {self.url} not ready after {timeout_s:.0f} s ({last}); "
-                          "start the server first or drop --engine-option url=... to let each actor start its own")
 
     def _read_model(self) -> None:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
@@ -403,12 +255,12 @@ class TritonEngine:
             self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
 
     def _classify(self, images: Sequence[bytes]) -> list[Result]:
-        self._health_check()
+        self.servers.health_check()
         results: list[Result | None] = [None] * len(images)
         to_send: list[int] = []
         for i, data in enumerate(images):
             try:
-                _check_caps(data, self.limits, pixels=not self.server_checks_caps)
+                check_caps(data, self.limits, pixels=not self.server_checks_caps)
                 to_send.append(i)
             except ImageError as err:
                 results[i] = Result.failed(str(err))
@@ -420,39 +272,6 @@ class TritonEngine:
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def _health_check(self) -> None:
-        """Between batches: restart our server if it died or stopped answering."""
-        if self.server is not None:
-            with self._restart_lock:
-                if self.server.ensure_running():
-                    self._after_restart()
-
-    def _watch(self) -> None:
-        """Starts the thread that restarts our shared server as soon as its process dies (once per engine)."""
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch_loop, name="tritonserver-watchdog", daemon=True)
-            self._watchdog.start()
-
-    def _watch_loop(self) -> None:
-        while not self._closing.wait(WATCH_S):
-            server = self.server
-            if server is None or server.is_alive():
-                continue
-            try:
-                with self._restart_lock:
-                    if self.server is server and not self._closing.is_set() and server.ensure_running():
-                        self._after_restart()
-            except Exception as err:  # noqa: BLE001 - the next request's own restart path reports it
-                LOG.warning("tritonserver watchdog: restarting the shared server failed (%s)", err)
-
-    def _after_restart(self) -> None:
-        self.url = self.server.grpc_url
-        if self._lease is not None:
-            self._lease.publish(self.server)
-        self._generation += 1
-        self._count(EVENT_RESTARTS)
-        LOG.warning("tritonserver restarted (restart #%d); now at %s", self.server.restarts, self.url)
-
     def _isolating(self, indices: list[int], images: Sequence[bytes]) -> list[tuple[int, Result]]:
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
@@ -461,7 +280,7 @@ class TritonEngine:
         except InferenceServerException as err:
             reason = (err.message() or str(err)).strip()
             if len(indices) == 1:
-                return [(indices[0], Result.failed(_error_text(reason)))]
+                return [(indices[0], Result.failed(error_text(reason)))]
             LOG.info("request of %d images failed (%s); splitting it to isolate the input", len(indices), reason[:200])
         except _NoAnswer as err:
             return [(i, Result.failed(str(ImageError("engine_error", str(err))))) for i in indices]
@@ -511,7 +330,7 @@ class TritonEngine:
         restarts = failovers = mismatches = timeouts = 0
         while True:
             with self._quarantine:  # wait while another thread isolates a crashing input
-                generation, url = self._generation, self.url
+                generation, url = self.servers.generation, self.url
             tags = tn.tags(next(self._request_ids), len(blobs))  # a new id per try: no answer to an older one fits
             self._count(EVENT_REQUESTS)
             try:
@@ -535,7 +354,7 @@ class TritonEngine:
                         raise _NoAnswer(f"no answer within request_timeout_s={self.request_timeout_s:g} s, "
                                         f"{timeouts} times; raise request_timeout_s or lower request_batch") from None
                     continue  # the server is slow, not gone: the request has waited its timeout already
-                if (self._generation, self.url) != (generation, url):
+                if (self.servers.generation, self.url) != (generation, url):
                     continue  # the server was restarted on new ports while this request was out: send it there
                 stub_dead = STUB_DEAD_MARKER in (err.message() or str(err))
                 if not (stub_dead or self._server_down(err)):
@@ -544,7 +363,7 @@ class TritonEngine:
                     if stub_dead and self._lease is None:
                         raise  # not ours to restart: each input of the request becomes an error row
                     if not retries and self._lease is not None and failovers < MAX_RESTARTS_PER_REQUEST + 1:
-                        self._take_lease_again(url)
+                        self.servers.take_lease_again(url)
                         retries, failovers = list(EXTERNAL_RETRY_S), failovers + 1
                         continue
                     if not retries and self._lease is not None:
@@ -554,14 +373,7 @@ class TritonEngine:
                                           "is running, or let the engine start its own (no url)") from None
                     time.sleep(retries.pop(0))
                     continue
-                with self._restart_lock:
-                    if self._generation == generation:  # else another request's thread restarted it already
-                        if stub_dead:
-                            self.server.restart()
-                            self._after_restart()
-                        elif self.server.ensure_running():
-                            self._after_restart()
-                    moved = self._generation != generation
+                moved = self.servers.restart(generation, stub_dead)  # restarted, here or by another request
                 if not moved:  # alive and answering its health check: this request failed in passing
                     if not retries:
                         raise _NoAnswer(f"tritonserver is up but failed this request {len(EXTERNAL_RETRY_S) + 1} "
@@ -605,26 +417,14 @@ class TritonEngine:
     # ---- close ---------------------------------------------------------------------------------------------
 
     def close(self, *, graceful: bool = True, linger_s: float | None = None) -> None:
-        """Stops the server this engine started (a shared one once its other users have left, up to ``linger_s``,
-        default sharing.LINGER_S) and its MPS daemon; ``graceful=False`` kills it instead of letting its
-        instances unload (seconds each), for a server whose work is done."""
-        closing, watchdog = getattr(self, "_closing", None), getattr(self, "_watchdog", None)
-        if closing is not None:
-            closing.set()
-        if watchdog is not None:
-            watchdog.join(self.startup_timeout_s)
+        """Lets the requests in flight finish, then stops the server this engine started (``ServerSupervisor.close``:
+        a shared one once its other users have left, up to ``linger_s``; ``graceful=False`` kills it)."""
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        lease = getattr(self, "_lease", None)
-        if self.server is not None:
-            if lease is not None:
-                lease.release(self.server, **({} if linger_s is None else {"linger_s": linger_s}))
-            self.server.stop(graceful=graceful)
-            self.server = None
-        elif lease is not None:
-            lease.leave()
-        self._stop_mps()
+        servers = getattr(self, "servers", None)
+        if servers is not None:
+            servers.close(graceful=graceful, linger_s=linger_s)
 
     def __enter__(self) -> "TritonEngine":
         return self
@@ -700,57 +500,3 @@ def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Map
     # Actors without a GPU inherit the driver's CUDA_VISIBLE_DEVICES (Ray sets it only for GPU actors): their key
     # is the driver's own, None.
     return NodeServers(bundle, top_k=top_k, limits=limits, options=options, gpus=visible_gpus() or [None])
-
-
-def check_requirements(options: Mapping[str, Any]) -> None:
-    """The triton engine's preflight (its ``EngineSpec.preflight``): a repository that exists, the gpu profile's
-    stack where the actor gets that profile, and a tritonserver unless ``url`` is given."""
-    from pipeline.triton.repository import CONFIG_FILE  # noqa: PLC0415 - the layout's names, only to check one
-
-    repository = options.get("repository")
-    if repository is not None:
-        path = Path(str(repository)).expanduser()
-        if not (path / tn.MODEL_NAME / CONFIG_FILE).is_file():
-            what = "does not exist" if not path.exists() else f"has no {tn.MODEL_NAME}/{CONFIG_FILE}"
-            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
-                              f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
-    if options.get("url"):
-        return
-    if repository is None and options.get("profile") == GPU and not visible_gpus():
-        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
-                          f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
-    if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
-        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
-
-        missing = missing_gpu_stack()
-        if missing:
-            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
-                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile={PORTABLE}")
-    try:
-        find_tritonserver()
-    except TritonError as err:
-        raise ConfigError(f"--engine triton: {err}") from None
-
-
-def check_model(bundle, options: Mapping[str, Any]) -> None:
-    """The triton engine's ``EngineSpec.model_check``, in the driver: where its actors will serve the gpu profile
-    from a repository built for the model, the gpu paths must be able to run it."""
-    if options.get("url") or options.get("repository") is not None:
-        return  # a server or repository of the user's: its model is checked where it was built
-    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
-
-    profile = options.get("profile", AUTO)
-    gpus, where = cluster_gpus()
-    if profile == AUTO:
-        profile = GPU if gpus > 0 else PORTABLE
-    elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped
-        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
-                          f"use --engine onnx, or --engine-option profile={PORTABLE}")
-    if profile == GPU:
-        from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
-        from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415
-
-        if bundle.precision == PRECISION_INT8:
-            raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {tn.NO_INT8}; "
-                             f"pass --engine-option profile={PORTABLE}, or the FP32 model")
-        check_runnable(bundle, "--engine triton with the gpu profile")

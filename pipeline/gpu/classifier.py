@@ -143,17 +143,16 @@ def triage(index: int, data: bytes, limits: DecodeLimits) -> _Item:
     return _Item(index, data, info if info.gpu_decodable else None, w, h)
 
 
-class GpuClassifier:
-    """Decode, preprocess and classify batches of encoded images on one device; the shared core of the gpu engine.
+@dataclass(frozen=True, kw_only=True)
+class ClassifierOptions:
+    """How a ``GpuClassifier`` runs (every field has the engine's default).
 
-    Args:
-        network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes]; None prepares
-            only (``preprocess``; the ensemble shape's preprocess model), with no network on the device.
-        spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
+    Attributes:
         top_k: how many classes to return per image.
         limits: encoded-size and pixel caps, as for every engine.
         batch_size: images per network call; also the CUDA graph's batch.
-        device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests).
+        device: "cuda", "cuda:N" or "cpu" (the CPU runs the same code with DALI's CPU backend, slowly; for tests);
+            None: "cuda" where torch sees a GPU, else "cpu".
         cuda_graph: capture the network in a CUDA graph per batch size (pays for small, launch-bound networks).
         half: run the network, and DALI's output, in FP16; None: FP16 on CUDA where the precision gate
             (``pipeline.gpu.precision``) passes, else FP32; FP32 on the CPU.
@@ -175,59 +174,75 @@ class GpuClassifier:
         compile: ``torch.compile`` the network (None: a converted ``model.onnx`` on CUDA; ``TopKNetwork``).
 
     Raises:
+        EngineError: a batch size below 1 or an unknown ``cuda_sync``.
+    """
+
+    top_k: int = tn.DEFAULT_TOP_K
+    limits: DecodeLimits = DecodeLimits()
+    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE
+    device: str | None = None
+    cuda_graph: bool = True
+    half: bool | None = None
+    precision_gate: bool = True
+    cpu_decode_threads: int | None = None
+    pipeline: bool = True
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
+    dali_threads: int = DALI_THREADS
+    dali_depth: int = DEFAULT_DALI_DEPTH
+    cuda_sync: str = DEFAULT_CUDA_SYNC
+    cudnn_autotune: bool = True
+    fixed_batch: int | None = None
+    compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_cuda_sync(self.cuda_sync)
+        if self.batch_size < 1:
+            raise EngineError(f"batch_size must be positive, got {self.batch_size}")
+
+
+class GpuClassifier:
+    """Decode, preprocess and classify batches of encoded images on one device; the shared core of the gpu engine.
+
+    Args:
+        network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes]; None prepares
+            only (``preprocess``; the ensemble shape's preprocess model), with no network on the device.
+        spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
+        options: how it runs (``ClassifierOptions``).
+
+    Raises:
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
     """
 
-    def __init__(
-        self,
-        network,
-        spec: PreprocessSpec,
-        *,
-        top_k: int = tn.DEFAULT_TOP_K,
-        limits: DecodeLimits = DecodeLimits(),
-        batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
-        device: str | None = None,
-        cuda_graph: bool = True,
-        half: bool | None = None,
-        precision_gate: bool = True,
-        cpu_decode_threads: int | None = None,
-        pipeline: bool = True,
-        prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
-        hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
-        dali_threads: int = DALI_THREADS,
-        dali_depth: int = DEFAULT_DALI_DEPTH,
-        cuda_sync: str = DEFAULT_CUDA_SYNC,
-        cudnn_autotune: bool = True,
-        fixed_batch: int | None = None,
-        compile: bool | None = None,
-    ):
-        check_cuda_sync(cuda_sync)
+    def __init__(self, network, spec: PreprocessSpec, options: ClassifierOptions = ClassifierOptions()):
         if not dali_available():
             raise EngineError(DALI_MISSING)
-        if batch_size < 1:
-            raise EngineError(f"batch_size must be positive, got {batch_size}")
         if spec.layout != "NCHW":
             raise EngineError(
                 f"the gpu engine feeds NCHW networks; this model's spec says layout {spec.layout!r}. "
                 "Use --engine onnx or --engine triton for it"
             )
+        o = self.options = options
+        batch_size, half, pipeline, prep_workers = o.batch_size, o.half, o.pipeline, o.prep_workers
+        dali_depth, hw_decoder_load = o.dali_depth, o.hw_decoder_load
         torch = _torch()
         self._torch = torch
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.cuda_sync = cuda_sync
-        self.cuda_sync_in_force = use_cuda_device(torch, self.device, cuda_sync, cudnn_autotune)  # as the driver reports it
+        self.cuda_sync = o.cuda_sync
+        # as the driver reports it
+        self.cuda_sync_in_force = use_cuda_device(torch, self.device, o.cuda_sync, o.cudnn_autotune)
         self.spec = spec
-        self.top_k = top_k
-        self.limits = limits
+        self.top_k = top_k = o.top_k
+        self.limits = o.limits
         self.batch_size = batch_size
-        if half is None and self.is_cuda and network is not None and precision_gate:
+        if half is None and self.is_cuda and network is not None and o.precision_gate:
             half = _gated_half(network, spec, self.device)
         self.half = self.is_cuda if half is None else half
         self.dtype = torch.float16 if self.half else torch.float32
-        self.use_graph = cuda_graph and self.is_cuda
+        self.use_graph = o.cuda_graph and self.is_cuda
         self.pipeline = pipeline
         self.decoder_name = "dali"
         self.hw_decoder_load = hw_decoder_load
@@ -236,15 +251,16 @@ class GpuClassifier:
         # None: preparation only (the ensemble shape's preprocess model), no network on this device.
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
-            cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=fixed_batch,
-            compile=compile)
+            cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
+            compile=o.compile)
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
             prep_workers = max(prep_workers, dali_depth + 1)
         self.prep_workers = max(1, prep_workers) if pipeline else 1
         self._prep_pool = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="gpu-prep") if pipeline else None
-        self._cpu_pool = ThreadPoolExecutor(cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1), "gpu-pil")
+        self._cpu_pool = ThreadPoolExecutor(o.cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1),
+                                            "gpu-pil")
         self._lock = threading.Lock()
         self.times = StageTimes()
         LOG.info(
@@ -265,7 +281,7 @@ class GpuClassifier:
             device="mixed" if self.is_cuda else "cpu",
             device_id=self.device.index if self.is_cuda else None,
             batch_size=batch_size,
-            num_threads=dali_threads,
+            num_threads=o.dali_threads,
             hw_decoder_load=hw_decoder_load,
             half=self.half,
             layout="HWC",

@@ -46,7 +46,7 @@ DEFAULT_DALI_DEPTH = 3
 # What to install where DALI is missing (pyproject's ``dali`` and ``gpu`` extras), and the one line a gpu classifier
 # fails with then; the gpu engine's preflight says the same before a run.
 DALI_INSTALL = "decodes and resizes with DALI, which is not installed here: pip install 'bulk-classify[dali]'"
-DALI_MISSING = f"the gpu engine {DALI_INSTALL} (nvidia-dali-cuda120; the gpu extra includes it)"
+DALI_MISSING = f"the gpu engine {DALI_INSTALL} (nvidia-dali-cuda130; the gpu extra includes it)"
 
 
 def dali_available() -> bool:

@@ -30,17 +30,7 @@ from pipeline.errors import ConfigError, ImageError, ModelError
 from pipeline.int8.gate import (
     GateThresholds, class_noise, gate, held_out_figures, noise_summary, pixel_noise, sample_failures,
 )
-from pipeline.int8.quantize_nodes import (
-    CALIBRATION_BATCH, EXCLUDE_KEYWORDS, LAYER_ERROR_IMAGES, calibration_reader, layer_errors, resolve_exclusions,
-)
-from pipeline.io.fetch import read_with_retries
-from pipeline.io.keys import uri_path
-from pipeline.io.source import check_source, list_unit, plan_listing
-from pipeline.model.default_model import file_sha256
-from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
-from pipeline.model.imaging import load_and_preprocess
-from pipeline.schema import DEFAULT_EXTENSIONS
-from pipeline.storage import open_fs
+from pipeline.int8.quantize_nodes import CALIBRATION_BATCH, EXCLUDE_KEYWORDS, calibration_reader, resolve_exclusions
 
 LOG = logging.getLogger(__name__)
 
@@ -84,11 +74,6 @@ class QuantizeOptions:
         reduce_range: 7-bit weights (ONNX Runtime's remedy for VPMADDUBSW saturation on AVX2; on EfficientNet-Lite0
             without VNNI it lifted top-1 agreement from 54 to 66 %, far under the gate: docs/int8.md).
         calibration_images: images of the sample used for calibration; the rest are held out.
-        exclude_worst: also leave in float the K weighted nodes whose per-layer error (``layer_errors``) is largest
-            in a first quantization with ``exclude``; the model is then quantized again (measured worse than none on
-            EfficientNet-Lite0, so the CLI has no flag: tests/benchmarks/int8_search.py reaches it).
-        extra_options: ONNX Runtime's ``extra_options`` of ``quantize_static`` as (key, value) pairs, passed as
-            given (the benchmarks' search of choices; the CLI has no flag for it).
     """
 
     method: str = DEFAULT_METHOD
@@ -99,20 +84,15 @@ class QuantizeOptions:
     types: str = DEFAULT_TYPES
     reduce_range: bool = False
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES
-    exclude_worst: int = 0
-    extra_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude", tuple(e for e in (x.strip() for x in self.exclude) if e))
-        object.__setattr__(self, "extra_options", tuple((str(k), v) for k, v in dict(self.extra_options).items()))
         if self.method not in CALIBRATION_METHODS:
             raise ConfigError(f"--method {self.method!r} is not one of {', '.join(CALIBRATION_METHODS)}")
         if self.quant_format not in QUANT_FORMATS:
             raise ConfigError(f"--format {self.quant_format!r} is not one of {', '.join(QUANT_FORMATS)}")
         if self.types not in QUANT_TYPES:
             raise ConfigError(f"--types {self.types!r} is not one of {', '.join(QUANT_TYPES)}")
-        if not isinstance(self.exclude_worst, int) or isinstance(self.exclude_worst, bool) or self.exclude_worst < 0:
-            raise ConfigError(f"exclude_worst {self.exclude_worst!r} must be a number of nodes, 0 or more, e.g. 4")
         if not 90 < self.percentile < 100:
             raise ConfigError(f"--percentile {self.percentile!r} must be within (90, 100), e.g. 99.999")
         if not isinstance(self.calibration_images, int) or self.calibration_images < MIN_CALIBRATION_IMAGES:
@@ -202,37 +182,35 @@ def load_tensors(uris: Sequence[str], storage_options: Mapping[str, Any], spec: 
 
 
 def quantize_onnx(model_path: Path, output_path: Path, input_name: str, calibration: np.ndarray,
-                  options: QuantizeOptions) -> dict[str, Any]:
-    """Quantize ``model_path`` into ``output_path`` with ONNX Runtime's tooling; the method as the report keeps it."""
+                  options: QuantizeOptions, *, extra_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Quantize ``model_path`` into ``output_path`` with ONNX Runtime's tooling; the method as the report keeps it.
+
+    ``extra_options``: entries of ONNX Runtime's ``quantize_static(extra_options=...)`` passed as given, for a search
+    of choices beyond ``QuantizeOptions`` (the command never passes any).
+    """
     import onnxruntime
 
     nodes = resolve_exclusions(model_path, options.exclude)
-    worst: list[dict[str, Any]] = []
-    if options.exclude_worst:
-        _quantize_static(model_path, output_path, input_name, calibration, options, nodes)
-        errors = layer_errors(model_path, output_path, input_name, calibration[:LAYER_ERROR_IMAGES])
-        worst = [e for e in errors if e["node"] not in nodes][:options.exclude_worst]
-        nodes = resolve_exclusions(model_path, [*nodes, *(e["node"] for e in worst)])
-    extra = _quantize_static(model_path, output_path, input_name, calibration, options, nodes)
+    extra = _quantize_static(model_path, output_path, input_name, calibration, options, nodes, extra_options or {})
     activation, weight = QUANT_TYPES[options.types]
     return {"tool": "onnxruntime.quantization.quantize_static", "onnxruntime": onnxruntime.__version__,
             "format": options.quant_format.upper(), "calibrate_method": options.method,
             "percentile": options.percentile if options.method == "percentile" else None,
             "per_channel": options.per_channel, "types": options.types, "activation_type": activation,
             "weight_type": weight, "reduce_range": options.reduce_range,
-            "nodes_to_exclude": nodes, "exclude": list(options.exclude), "extra_options": extra,
-            "exclude_worst": options.exclude_worst, "worst_nodes": worst}
+            "nodes_to_exclude": nodes, "exclude": list(options.exclude), "extra_options": extra}
 
 
 def _quantize_static(model_path: Path, output_path: Path, input_name: str, calibration: np.ndarray,
-                     options: QuantizeOptions, nodes: Sequence[str]) -> dict[str, Any]:
+                     options: QuantizeOptions, nodes: Sequence[str],
+                     extra_options: Mapping[str, Any]) -> dict[str, Any]:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     reader = calibration_reader(input_name, calibration)
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[options.method]
     activation, weight = QUANT_TYPES[options.types]
-    extra: dict[str, Any] = dict(options.extra_options)
+    extra: dict[str, Any] = dict(extra_options)
     if options.method == "percentile":
         extra["CalibPercentile"] = options.percentile
     with _without_preprocess_advice():
@@ -412,9 +390,7 @@ def _float_nodes(method: Mapping[str, Any]) -> str:
     nodes = method["nodes_to_exclude"]
     if len(nodes) <= 4:
         return ", ".join(nodes) or "-"
-    worst = [w["node"] for w in method.get("worst_nodes") or []]
-    return (f"{len(nodes)} ({', '.join(method['exclude']) or '-'}"
-            + (f"; by per-layer error: {', '.join(worst)}" if worst else "") + ")")
+    return f"{len(nodes)} ({', '.join(method['exclude']) or '-'})"
 
 
 def format_gate(report: Mapping[str, Any]) -> str:

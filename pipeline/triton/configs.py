@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pipeline.errors import ConfigError
 from pipeline.triton import contract as tn
 from pipeline.triton.dali_pipeline import DALI_THREADS
@@ -29,6 +31,69 @@ GPU_TRITON_BATCH_SIZE = 128
 # hands the next requests to an instance with less work (pipeline.gpu.stream; 0: never waits); with it more
 # instances pay under MPS.
 GPU_MAX_BACKLOG = 6
+HALF_CHOICES = ("auto", "true", "false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuModelOptions:
+    """How the gpu profile's served models are built, in either shape (``gpu_config``, ``gpu_ensemble_configs``).
+
+    Attributes:
+        top_k: classes per image the model returns.
+        max_batch_size: images per request at most.
+        batch_size: the network batch inside one execute(); None: GPU_TRITON_BATCH_SIZE in the single shape,
+            tn.GPU_DEFAULT_BATCH_SIZE in the ensemble.
+        network: "auto" (the version folder's model, else the default), or a network the served code knows.
+        cuda_graph: replay the network as a CUDA graph.
+        queue_delay_us: how long the dynamic batcher waits for a fuller batch.
+        error_output: declare the optional BYTES ``ERROR`` output (the ensemble's preprocess model then sends it).
+            The python backend of the nvidia-pytriton wheel cannot send BYTES tensors when its Python has numpy 2
+            (they arrive empty), so None declares it only under numpy 1; without it a request holding a bad image
+            fails as a whole and the client isolates it.
+        prep_workers, dali_depth, dali_threads, hw_decoder_load, cuda_sync: the preparing side's settings (None:
+            the model's default).
+        half: "auto", "true" or "false": the network's precision (the ensemble's tensor between its models).
+        instances: model instances (the ensemble's preprocess instances unless ``preprocess_instances`` is given);
+            None: GPU_INSTANCES, or GPU_ENSEMBLE_PREPROCESS_INSTANCES.
+        max_delay_ms: the single shape's longest wait for a fuller network batch.
+        max_backlog: the single shape's network batches' worth of images one instance takes before its
+            ``execute()`` waits (0: never), so the server hands the next requests to the other instances
+            (``pipeline.gpu.stream``).
+        preprocess_instances, network_instances: the ensemble shape's instances of each model.
+
+    Raises:
+        ConfigError: an unknown ``half`` or a negative ``max_backlog``.
+    """
+
+    top_k: int = tn.DEFAULT_TOP_K
+    max_batch_size: int = GPU_MAX_BATCH_SIZE
+    batch_size: int | None = None
+    network: str = "auto"
+    cuda_graph: bool = True
+    queue_delay_us: int = GPU_QUEUE_DELAY_US
+    error_output: bool | None = None
+    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS
+    dali_depth: int | None = None
+    dali_threads: int | None = None
+    hw_decoder_load: float | None = None
+    half: str = "auto"
+    cuda_sync: str | None = None
+    instances: int | None = None
+    max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS
+    max_backlog: float = GPU_MAX_BACKLOG
+    preprocess_instances: int | None = None
+    network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "half", str(self.half).lower())
+        if self.half not in HALF_CHOICES:
+            raise ConfigError(f"half {self.half!r} is unknown; use auto, true or false")
+        if self.max_backlog < 0:
+            raise ConfigError(f"max_backlog={self.max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
+
+    def sends_error(self) -> bool:
+        """Whether the models declare ``ERROR``: ``error_output``, else whether numpy here can send it."""
+        return numpy_can_send_bytes() if self.error_output is None else self.error_output
 
 
 def model_config():
@@ -140,57 +205,26 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
 
 
 
-def gpu_config(
-    *,
-    top_k: int = tn.DEFAULT_TOP_K,
-    instances: int = GPU_INSTANCES,
-    max_batch_size: int = GPU_MAX_BATCH_SIZE,
-    batch_size: int = GPU_TRITON_BATCH_SIZE,
-    network: str = "auto",
-    cuda_graph: bool = True,
-    queue_delay_us: int = GPU_QUEUE_DELAY_US,
-    error_output: bool | None = None,
-    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
-    dali_depth: int | None = None,
-    dali_threads: int | None = None,
-    hw_decoder_load: float | None = None,
-    half: str = "auto",
-    max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS,
-    cuda_sync: str | None = None,
-    max_backlog: float = GPU_MAX_BACKLOG,
-) -> str:
-    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
-
-    ``error_output``: declare the optional BYTES ``ERROR`` output. The python backend of the nvidia-pytriton
-    wheel cannot send BYTES tensors when its Python has numpy 2 (they arrive empty), so the default is to declare
-    it only under numpy 1; without it a request holding a bad image fails as a whole and the client isolates it.
-    ``max_backlog``: network batches' worth of images one instance takes before its ``execute()`` waits (0: never),
-    so the server hands the next requests to the other instances (``pipeline.gpu.stream``).
-
-    Raises:
-        ConfigError: a negative ``max_backlog``.
-    """
-    if max_backlog < 0:
-        raise ConfigError(f"max_backlog={max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
+def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input)."""
+    o = options
+    instances = GPU_INSTANCES if o.instances is None else o.instances
+    batch_size = GPU_TRITON_BATCH_SIZE if o.batch_size is None else o.batch_size
     mc = model_config()
-    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    if error_output is None:
-        error_output = numpy_can_send_bytes()
-    _contract_io(config, top_k, with_error=error_output)
+    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
+    _contract_io(config, o.top_k, with_error=o.sends_error())
     for tensor in config.input:
         if tensor.name == tn.INPUT_IMAGE:
             # Requests padded to different lengths can then share one execute() (the backend sees each request).
             tensor.allow_ragged_batch = True
-    _place_on_gpus(config, instances, queue_delay_us)
+    _place_on_gpus(config, instances, o.queue_delay_us)
     _set_parameters(config, {
-        **_prepare_parameters(network=network, batch_size=batch_size, prep_workers=prep_workers,
-                              hw_decoder_load=hw_decoder_load, dali_depth=dali_depth, dali_threads=dali_threads,
-                              cuda_sync=cuda_sync),
-        tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
-        tn.GPU_PARAM_MAX_DELAY_MS: max_delay_ms,
+        **_prepare_parameters(o, batch_size),
+        tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
+        tn.GPU_PARAM_MAX_DELAY_MS: o.max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
-        tn.GPU_PARAM_HALF: None if half == "auto" else str(half).lower(),
-        tn.GPU_PARAM_MAX_BACKLOG: f"{max_backlog:g}",
+        tn.GPU_PARAM_HALF: None if o.half == "auto" else o.half,
+        tn.GPU_PARAM_MAX_BACKLOG: f"{o.max_backlog:g}",
     })
     return _text(config)
 
@@ -202,66 +236,43 @@ def _set_parameters(config, params: dict) -> None:
             config.parameters[key].string_value = str(value)
 
 
-def _prepare_parameters(*, network: str, batch_size: int, prep_workers: int, hw_decoder_load: float | None,
-                        dali_depth: int | None, dali_threads: int | None, cuda_sync: str | None) -> dict:
+def _prepare_parameters(o: GpuModelOptions, batch_size: int) -> dict:
     """The parameters of the gpu profile's model that prepares images (triage, DALI, the reference) for the network:
     the single shape's one model and the ensemble's preprocess model."""
     return {
-        tn.GPU_PARAM_NETWORK: network,  # "none" (the ensemble's hop): no DALI either
+        tn.GPU_PARAM_NETWORK: o.network,  # "none" (the ensemble's hop): no DALI either
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
     }
 
 
-def gpu_ensemble_configs(
-    spec,
-    *,
-    top_k: int = tn.DEFAULT_TOP_K,
-    instances: int | None = None,
-    preprocess_instances: int | None = None,
-    network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES,
-    max_batch_size: int = GPU_MAX_BATCH_SIZE,
-    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE,
-    network: str = "auto",
-    cuda_graph: bool = True,
-    queue_delay_us: int = GPU_QUEUE_DELAY_US,
-    error_output: bool | None = None,
-    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS,
-    dali_depth: int | None = None,
-    dali_threads: int | None = None,
-    hw_decoder_load: float | None = None,
-    half: str = "auto",
-    cuda_sync: str | None = None,
-) -> dict[str, str]:
+def gpu_ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions()) -> dict[str, str]:
     """config.pbtxt of each model of the gpu profile's ensemble shape: ``preprocess`` (python backend: triage, DALI
     and the reference; ragged ``IMAGE`` in, ``PREPROCESSED`` + ``WIDTH``/``HEIGHT``/``STATUS`` out), ``network``
     (python backend: the torch network + top-k, ``PREPROCESSED`` read on the GPU) and the ``classifier`` ensemble
     joining them, with the contract's inputs and outputs.
 
-    ``instances`` sets the preprocess instances when ``preprocess_instances`` is not given (the single shape's
-    option). ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any
-    device), "false" FP32. ``error_output``: as for ``gpu_config``; the preprocess model then sends ``ERROR``.
-    ``network`` "none" is the Triton hop alone: no DALI, no torch; each image's tensor carries a number derived from
-    its bytes, which the network model turns into its classes (``pipeline.gpu.stream.echo_ids``).
+    ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any device),
+    "false" FP32. ``network`` "none" is the Triton hop alone: no DALI, no torch; each image's tensor carries a number
+    derived from its bytes, which the network model turns into its classes (``pipeline.gpu.stream.echo_ids``).
 
     Raises:
-        ConfigError: an unknown ``half``, or instance counts below 1.
+        ConfigError: instance counts below 1.
     """
-    half = str(half).lower()
-    if half not in ("auto", "true", "false"):
-        raise ConfigError(f"half {half!r} is unknown; use auto, true or false")
-    pre_count = preprocess_instances or instances or GPU_ENSEMBLE_PREPROCESS_INSTANCES
-    if pre_count < 1 or network_instances < 1:
-        raise ConfigError(f"preprocess_instances={pre_count} and network_instances={network_instances} must be "
+    o = options
+    pre_count = o.preprocess_instances or o.instances or GPU_ENSEMBLE_PREPROCESS_INSTANCES
+    if pre_count < 1 or o.network_instances < 1:
+        raise ConfigError(f"preprocess_instances={pre_count} and network_instances={o.network_instances} must be "
                           "at least 1")
-    if error_output is None:
-        error_output = numpy_can_send_bytes()
+    batch_size = tn.GPU_DEFAULT_BATCH_SIZE if o.batch_size is None else o.batch_size
+    error_output = o.sends_error()
+    top_k, max_batch_size = o.top_k, o.max_batch_size
     mc = model_config()
-    dtype = "FP32" if half == "false" else "FP16"
+    dtype = "FP32" if o.half == "false" else "FP16"
     shape = list(spec.input_shape)
     configs = {}
 
@@ -275,10 +286,8 @@ def gpu_ensemble_configs(
     _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
-    _place_on_gpus(pre, pre_count, queue_delay_us)
-    _set_parameters(pre, _prepare_parameters(network=network, batch_size=batch_size, prep_workers=prep_workers,
-                                             hw_decoder_load=hw_decoder_load, dali_depth=dali_depth,
-                                             dali_threads=dali_threads, cuda_sync=cuda_sync))
+    _place_on_gpus(pre, pre_count, o.queue_delay_us)
+    _set_parameters(pre, _prepare_parameters(o, batch_size))
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
@@ -288,14 +297,14 @@ def gpu_ensemble_configs(
     _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
     _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     _tensor(net.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
-    _place_on_gpus(net, network_instances, queue_delay_us)
+    _place_on_gpus(net, o.network_instances, o.queue_delay_us)
     _set_parameters(net, {
-        tn.GPU_PARAM_NETWORK: network,
+        tn.GPU_PARAM_NETWORK: o.network,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_CUDA_GRAPH: "true" if cuda_graph else "false",
+        tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
         # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-        tn.GPU_PARAM_CUDA_SYNC: cuda_sync,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
     })
     configs[tn.NETWORK_MODEL] = _text(net)
 

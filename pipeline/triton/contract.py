@@ -74,7 +74,7 @@ TAG_INDEX_BITS = 24
 
 # The gpu profile's config.pbtxt `parameters` (string values, also accepted as request parameters), written by
 # pipeline.triton.configs and read by the gpu profile's models.
-GPU_PARAM_NETWORK = "network"  # "auto" (the version folder's model, else the default), "resnet50", a layout
+GPU_PARAM_NETWORK = "network"  # "auto" (the version folder's model, else the default), or a "module:function"
 GPU_PARAM_HW_DECODER_LOAD = "hw_decoder_load"  # DALI: share of a batch for the hardware JPEG engines
 GPU_PARAM_BATCH_SIZE = "batch_size"
 GPU_PARAM_CUDA_GRAPH = "cuda_graph"

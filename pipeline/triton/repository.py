@@ -17,7 +17,12 @@ from pipeline.model.default_model import DEFAULT_SPEC
 from pipeline.model.folder import LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, load_model
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
-    DEFAULT_MAX_BATCH_SIZE, DEFAULT_PORTABLE_INSTANCES, gpu_config, gpu_ensemble_configs, portable_config,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PORTABLE_INSTANCES,
+    GpuModelOptions,
+    gpu_config,
+    gpu_ensemble_configs,
+    portable_config,
     production_configs,
 )
 from pipeline.triton.dali_pipeline import DALI_THREADS
@@ -341,13 +346,12 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
 
     ``shape`` "ensemble" writes the production profile's shape instead (``preprocess`` and ``network`` python models
     joined by the ``classifier`` ensemble, GPU tensors between them; ``gpu_ensemble_configs``), with the same
-    files in each python model's version folder; its ``options`` go to ``gpu_ensemble_configs`` (also
-    ``preprocess_instances`` and ``network_instances``).
+    files in each python model's version folder.
 
     The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
     ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.onnx`` (each
     instance converts it to torch) and any ``model.torchscript``.
-    ``options`` go to ``gpu_config`` (top_k, instances, max_batch_size, batch_size, network, ...).
+    ``options`` are ``GpuModelOptions`` fields (top_k, instances, max_batch_size, batch_size, network, ...).
 
     Returns:
         the repository folder.
@@ -375,7 +379,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
         spec = bundle.spec
     out = Path(output).expanduser()
     if shape == tn.SHAPE_ENSEMBLE:
-        configs = gpu_ensemble_configs(spec, **options)  # refuses bad values before anything is written
+        configs = gpu_ensemble_configs(spec, GpuModelOptions(**options))  # refuses bad values before any write
         for name, cls in ((tn.PREPROCESS_MODEL, "PreprocessModel"), (tn.NETWORK_MODEL, "NetworkModel")):
             version = out / name / VERSION
             version.mkdir(parents=True, exist_ok=True)
@@ -395,7 +399,7 @@ def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAP
     version.mkdir(parents=True, exist_ok=True)
     for path in network_files:
         shutil.copyfile(path, version / path.name)
-    (out / tn.MODEL_NAME / CONFIG_FILE).write_text(gpu_config(**options), encoding="utf-8")
+    (out / tn.MODEL_NAME / CONFIG_FILE).write_text(gpu_config(GpuModelOptions(**options)), encoding="utf-8")
     (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
                                      encoding="utf-8")
     (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")

@@ -39,6 +39,7 @@ from gpu_parity import oddities_part, parity  # noqa: E402
 from gpu_timing import IMAGENET_SPEC, engine_rate, model_only, networks  # noqa: E402
 from gpu_triton import triton_part  # noqa: E402
 from image_sets import make_set  # noqa: E402
+from sizing_curves import write_curves  # noqa: E402
 
 LOG = logging.getLogger("bench_gpu")
 # In-process engine variants measured on each set.
@@ -106,7 +107,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     import torch
 
-    from pipeline.gpu.classifier import GpuClassifier
+    from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": args.batch}
     t0 = time.perf_counter()
@@ -119,6 +120,7 @@ def main() -> None:
 
     def save():
         (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+        write_curves(results, args.out)  # what `bulk-classify size` reads
 
     def attempt(label, fn):
         """Runs one part; a failure is recorded and the run goes on (one device call must give every number)."""
@@ -160,7 +162,7 @@ def main() -> None:
                 if args.engine_variants and label not in args.engine_variants.split(","):
                     continue
                 try:
-                    clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, **options)
+                    clf = GpuClassifier(net, spec, ClassifierOptions(top_k=5, batch_size=args.batch, **options))
                 except Exception as e:  # noqa: BLE001 - report and continue
                     row[f"engine_{label}"] = f"unavailable: {e}"
                     continue
@@ -175,8 +177,8 @@ def main() -> None:
     if "parity" in parts:
         net, spec = nets["default"]
         deep = {"dali_depth": args.dali_depth} if args.dali_depth else {}
-        clf = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=True, **deep)
-        clf32 = GpuClassifier(net, spec, top_k=5, batch_size=args.batch, half=False, **deep)
+        clf = GpuClassifier(net, spec, ClassifierOptions(top_k=5, batch_size=args.batch, half=True, **deep))
+        clf32 = GpuClassifier(net, spec, ClassifierOptions(top_k=5, batch_size=args.batch, half=False, **deep))
         attempt("parity", lambda: parity(results, clf, clf32))
         for key in ("parity", "parity_fp32_network"):
             print(key, {k: v for k, v in results.get(key, {}).items() if k != "disagreements"}, flush=True)

@@ -391,7 +391,10 @@ def main() -> None:
 
 
 def build_repo(spec: str, root: Path) -> Path:
-    """``NAME:KEY=VALUE,...``: a gpu-profile repository with those ``gpu_config`` options (numbers as numbers)."""
+    """``NAME:KEY=VALUE,...``: a gpu-profile repository with those ``GpuModelOptions`` (numbers as numbers); a
+    ``network`` of tests/benchmarks/gpu_networks.py (resnet50, a layout name) is served from there."""
+    from gpu_networks import served
+
     from pipeline.triton.repository import build_gpu_repository
 
     name, _, text = spec.partition(":")
@@ -402,6 +405,8 @@ def build_repo(spec: str, root: Path) -> Path:
             options[key] = float(value) if "." in value else int(value)
         except ValueError:
             options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if options.get("network") not in (None, "auto", "none"):
+        options["network"] = served(options["network"])
     out = root / name
     shutil.rmtree(out, ignore_errors=True)
     build_gpu_repository(None, str(out), **options)

@@ -1,6 +1,6 @@
 """The default network alone: each EfficientNet-Lite0 layout against timm's, img/s and top-1 parity, in one run.
 
-The layouts are ``pipeline.gpu.networks.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
+The layouts are ``pipeline.gpu.lite0_layout.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
 in how TF's "SAME" padding is computed ("explicit" writes every pad out with ``F.pad``; the others fold the pads into
 the convs). For each layout, and for timm's ``efficientnet_lite0`` and ``tf_efficientnet_lite0`` (random weights,
 the same architecture: reference rates only), it prints:
@@ -45,12 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from image_sets import make_set  # noqa: E402
 
 from pipeline.model.default_model import DEFAULT_SPEC, load_checkpoint  # noqa: E402
-from pipeline.gpu.networks import (  # noqa: E402
+from pipeline.gpu.lite0_layout import (  # noqa: E402
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
-    efficientnet_lite0,
 )
+from pipeline.gpu.networks import efficientnet_lite0  # noqa: E402
 from pipeline.model.imaging import decode_image, preprocess_image  # noqa: E402
 
 LOG = logging.getLogger("bench_network")

@@ -14,14 +14,14 @@ def oddities_part(results: dict, net, spec) -> None:
     from support.oddities import oddities
 
     from pipeline.engines.onnx import OnnxEngine
-    from pipeline.gpu.classifier import GpuClassifier
+    from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier
     from pipeline.model.folder import load_model
 
     odd = oddities()
     names = list(odd)
     datas = [odd[n][0] for n in names]
     ref = OnnxEngine(load_model(None), top_k=5).classify(datas)
-    clf = GpuClassifier(net, spec, top_k=5, batch_size=8)
+    clf = GpuClassifier(net, spec, ClassifierOptions(top_k=5, batch_size=8))
     raw = clf.classify(datas)
     clf.close()
     rows, same = {}, 0

@@ -43,7 +43,9 @@ def rate(fn, images_per_call: int, min_s: float, warmup: int = 1) -> float:
 
 def networks():
     from pipeline.model.default_model import load_checkpoint
-    from pipeline.gpu.networks import efficientnet_lite0, resnet50_random
+    from gpu_networks import resnet50_random
+
+    from pipeline.gpu.networks import efficientnet_lite0
 
     return {
         "resnet50": (resnet50_random(), IMAGENET_SPEC),

@@ -194,6 +194,7 @@ def _add_models(built: Path, repo: Path, name: str, spec: PreprocessSpec | None)
 def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
                         cuda_sync: str | None = None, shape: str = "single", options: dict | None = None) -> None:
     from bench_scaleout import SmiSampler
+    from gpu_networks import served
 
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.repository import build_gpu_repository
@@ -207,7 +208,7 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
         ens = {"network_instances": args.network_instances} if shape == "ensemble" else {}
         build_gpu_repository(
             None, tmp, shape=shape, **ens,
-            network={"resnet50": "resnet50", "hop": "none"}.get(net, "auto"), instances=instances,
+            network={"resnet50": served("resnet50"), "hop": "none"}.get(net, "auto"), instances=instances,
             **({} if args.triton_batch is None else {"batch_size": args.triton_batch}),
             max_batch_size=args.triton_max_batch,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,

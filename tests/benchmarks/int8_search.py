@@ -6,7 +6,8 @@ Usage:
 
 The sample is drawn as the command draws it (``draw_sample``: ranked by sha256(seed:uri), the first
 ``--calibration-images`` calibrate, the rest are held out and never calibrate); the images are read once. Each
-candidate is a ``QuantizeOptions`` of ``pipeline/int8/quantize.py`` written as ``KEY=VALUE`` words (``types=s8s8
+candidate is a ``QuantizeOptions`` of ``pipeline/quantize.py`` written as ``KEY=VALUE`` words, plus ``exclude_worst``
+(``int8_layers.py``) (``types=s8s8
 method=percentile percentile=99.99 per_channel=false exclude=classifier,depthwise exclude_worst=4
 calibration_images=96 quant_format=qoperator``; ``x.NAME=VALUE`` is an ONNX Runtime ``extra_options`` entry, e.g.
 ``x.ActivationSymmetric=true``; ``pre_process=true`` quantizes the output of ONNX Runtime's ``quant_pre_process``
@@ -33,27 +34,42 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from pipeline.config import DEFAULT_EXTENSIONS  # noqa: E402
 from pipeline.int8.gate import GateThresholds, gate  # noqa: E402
-from pipeline.int8.quantize import EVAL_BATCH, QuantizeOptions, draw_sample, load_tensors, quantize_onnx  # noqa: E402
-from pipeline.int8.quantize_nodes import CALIBRATION_BATCH, layer_errors  # noqa: E402
 from pipeline.model.folder import load_model  # noqa: E402
-from pipeline.schema import DEFAULT_EXTENSIONS  # noqa: E402
+from pipeline.int8.quantize import EVAL_BATCH, QuantizeOptions, draw_sample, load_tensors  # noqa: E402
+from pipeline.int8.quantize_nodes import CALIBRATION_BATCH  # noqa: E402
+
+from int8_layers import check_worst, layer_errors, quantize_excluding_worst  # noqa: E402
 
 EVAL_MODES = ("simulate", "cpu")
 DEFAULT_CANDIDATES = ("default=",)
 
 
-def parse_candidate(text: str) -> tuple[str, QuantizeOptions, bool]:
-    """``NAME=KEY=VALUE KEY=VALUE ...`` as a name, its QuantizeOptions and whether to pre-process first."""
+class Candidate(NamedTuple):
+    """One ``--candidate``: its name, QuantizeOptions, whether to pre-process first, the worst nodes to leave in
+    float and ONNX Runtime ``extra_options`` entries."""
+
+    name: str
+    options: QuantizeOptions
+    pre_process: bool
+    exclude_worst: int
+    extra_options: dict
+
+
+def parse_candidate(text: str) -> Candidate:
+    """``NAME=KEY=VALUE KEY=VALUE ...`` as a Candidate."""
     name, _, words = text.partition("=")
     fields: dict = {}
     pre = False
+    worst = 0
     extra: dict = {}
     for word in shlex.split(words):
         key, _, raw = word.partition("=")
@@ -69,15 +85,15 @@ def parse_candidate(text: str) -> tuple[str, QuantizeOptions, bool]:
                     pass
         if key == "pre_process":
             pre = bool(value)
+        elif key == "exclude_worst":
+            worst = check_worst(value)
         elif key.startswith("x."):
             extra[key[2:]] = value
         elif key == "exclude":
             fields[key] = tuple(raw.split(","))
         else:
             fields[key] = value
-    if extra:
-        fields["extra_options"] = tuple(extra.items())
-    return name, QuantizeOptions(**fields), pre
+    return Candidate(name, QuantizeOptions(**fields), pre, worst, extra)
 
 
 def logits(model_path: Path, input_name: str, output_name: str, tensors: np.ndarray, mode: str) -> np.ndarray:
@@ -132,7 +148,7 @@ def main() -> None:
     print(f"{'candidate':<28} {'eval':<8} {'top-1':>7} {'decisive':>7} {'':5} {'top-5':>6} {'<95%':>5} "
           f"{'quant':>6} {'eval s':>6}  worst classes", flush=True)
     with tempfile.TemporaryDirectory(prefix="int8-search-") as tmp:
-        for index, (name, options, pre) in enumerate(candidates):
+        for index, (name, options, pre, worst, extra) in enumerate(candidates):
             n = options.calibration_images // CALIBRATION_BATCH * CALIBRATION_BATCH
             path = Path(tmp) / f"{index}.onnx"
             t1 = time.perf_counter()
@@ -142,7 +158,8 @@ def main() -> None:
 
                 source = Path(tmp) / f"{index}-pre.onnx"
                 quant_pre_process(str(bundle.onnx_path), str(source))
-            method = quantize_onnx(source, path, bundle.input_name, cal[:n], options)
+            method = quantize_excluding_worst(source, path, bundle.input_name, cal[:n], options, worst,
+                                              extra_options=extra)
             quantize_s = time.perf_counter() - t1
             for mode in modes:
                 t2 = time.perf_counter()

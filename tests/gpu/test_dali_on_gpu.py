@@ -6,14 +6,14 @@ import pytest
 
 from support.oddities import EXPECTED_SIZES, oddities
 
-pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda120 (the test extra)")
+pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda130 (the test extra)")
 
 
 def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
     """tests/support/oddities.py through GpuClassifier on the GPU (one batch, DALI and the reference mixed): the onnx
     engine's status and error kind for every input, the same top-1 for the ok ones (seen 20/20 on an H200)."""
     pytest.importorskip("torch")
-    from pipeline.gpu.classifier import GpuClassifier
+    from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier
     from pipeline.gpu.networks import load_network
     from pipeline.engines.onnx import OnnxEngine
     from pipeline.model.folder import load_model
@@ -23,7 +23,7 @@ def test_dali_classifier_gives_the_onnx_engines_statuses_on_odd_inputs():
     names = list(odd)
     datas = [odd[n][0] for n in names]
     ref = OnnxEngine(bundle, top_k=5).classify(datas)
-    clf = GpuClassifier(load_network(bundle, None), bundle.spec, top_k=5, batch_size=8, half=False)
+    clf = GpuClassifier(load_network(bundle, None), bundle.spec, ClassifierOptions(top_k=5, batch_size=8, half=False))
     raw = clf.classify(datas)
     clf.close()
     for i, name in enumerate(names):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.model.default_model import DEFAULT_SPEC
-from pipeline.gpu.classifier import GpuClassifier
+from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier
 from pipeline.engines.gpu import GpuEngine
 from pipeline.model.imaging import load_and_preprocess
 from support.oddities import photo_set
@@ -47,7 +47,8 @@ def test_dali_inputs_on_the_gpu_match_the_reference_preprocessing():
     torch = pytest.importorskip("torch")
     from pipeline.gpu.classifier import Chunk, triage
 
-    clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, cuda_graph=False, half=False, pipeline=False)
+    clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC,
+                        ClassifierOptions(cuda_graph=False, half=False, pipeline=False))
     datas = photo_set()
     chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     clf._prepare(chunk)

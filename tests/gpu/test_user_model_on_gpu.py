@@ -70,11 +70,11 @@ def test_dali_on_the_gpu_follows_every_spec_field_like_the_reference(name):
     the spec's own levels (value * std / scale)."""
     import numpy as np
 
-    from pipeline.gpu.classifier import Chunk, GpuClassifier, triage
+    from pipeline.gpu.classifier import Chunk, ClassifierOptions, GpuClassifier, triage
     from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
 
     spec = PreprocessSpec(**SPECS[name])
-    clf = GpuClassifier(torch.nn.Identity(), spec, cuda_graph=False, half=False, pipeline=False)
+    clf = GpuClassifier(torch.nn.Identity(), spec, ClassifierOptions(cuda_graph=False, half=False, pipeline=False))
     datas = photo_set()
     chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     clf._prepare(chunk)

@@ -18,7 +18,7 @@ from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
 from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 
-pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda120 (the test extra)")
+pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda130 (the test extra)")
 from pipeline.triton.dali_pipeline import first_line, pipeline_graph  # noqa: E402
 from support.paths import PHOTOS  # noqa: E402
 

@@ -14,7 +14,7 @@ from pipeline.gpu.classifier import triage
 from pipeline.errors import ImageError
 from pipeline.model.imaging import DecodeLimits, load_and_preprocess
 
-pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda120 (the test extra)")
+pytest.importorskip("nvidia.dali", reason="the DALI path needs nvidia-dali-cuda130 (the test extra)")
 from pipeline.gpu.dali import DaliPrep, DaliRefused, host_array  # noqa: E402
 from support.paths import PHOTOS
 

@@ -12,10 +12,10 @@ from PIL import Image
 
 from pipeline.triton import contract as tn
 from pipeline.model.default_model import DEFAULT_SPEC
-from pipeline.gpu.classifier import GpuClassifier
+from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier
 from pipeline.engines.gpu import GpuEngine
 from pipeline.gpu.jpeg import parse_jpeg_header
-from pipeline.triton.configs import gpu_config
+from pipeline.triton.configs import GpuModelOptions, gpu_config
 from pipeline.model.folder import SPEC_FILE
 from pipeline.triton.repository import SHIM_FILE, build_gpu_repository
 from pipeline.errors import ConfigError, EngineError, ImageError
@@ -84,7 +84,7 @@ def test_header_rejects_non_jpeg_and_cut_headers():
 def test_without_dali_the_classifier_names_the_extra_to_install(monkeypatch):
     monkeypatch.setattr("pipeline.gpu.classifier.dali_available", lambda: False)
     with pytest.raises(EngineError, match=r"^the gpu engine decodes and resizes with DALI, which is not installed "
-                                          r"here: pip install 'bulk-classify\[dali\]' \(nvidia-dali-cuda120; "
+                                          r"here: pip install 'bulk-classify\[dali\]' \(nvidia-dali-cuda130; "
                                           r"the gpu extra includes it\)$"):
         GpuClassifier(None, DEFAULT_SPEC)
 
@@ -93,10 +93,10 @@ def test_without_dali_the_classifier_names_the_extra_to_install(monkeypatch):
 
 
 def test_gpu_config_is_the_contract_with_a_ragged_image_input():
-    text = gpu_config(top_k=3, instances=2, batch_size=128, error_output=True)
+    text = gpu_config(GpuModelOptions(top_k=3, instances=2, batch_size=128, error_output=True))
     assert "allow_ragged_batch: true" in text and "KIND_GPU" in text and "dims: 3" in text
     assert f'name: "{tn.OUTPUT_ERROR}"' in text
-    assert f'name: "{tn.OUTPUT_ERROR}"' not in gpu_config(error_output=False)
+    assert f'name: "{tn.OUTPUT_ERROR}"' not in gpu_config(GpuModelOptions(error_output=False))
 
 
 def test_gpu_config_sets_the_backlog_per_instance():
@@ -106,7 +106,7 @@ def test_gpu_config_sets_the_backlog_per_instance():
     def setting(value) -> str:
         return f'key: "{tn.GPU_PARAM_MAX_BACKLOG}"\n  value {{\n    string_value: "{value}"'
 
-    assert setting(GPU_MAX_BACKLOG) in text and setting(0) in gpu_config(max_backlog=0)
+    assert setting(GPU_MAX_BACKLOG) in text and setting(0) in gpu_config(GpuModelOptions(max_backlog=0))
 
 
 def test_the_ensemble_shape_has_no_backlog(tmp_path):
@@ -146,7 +146,7 @@ def test_classifier_inputs_match_the_reference_preprocessing(lite0):
     pytest.importorskip("nvidia.dali")
     from pipeline.gpu.classifier import Chunk, triage
 
-    clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", pipeline=False, batch_size=32)
+    clf = GpuClassifier(lite0, DEFAULT_SPEC, ClassifierOptions(device="cpu", pipeline=False, batch_size=32))
     datas = photo_set()
     chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
     assert [it.info is not None for it in chunk.items] == [True] * (len(datas) - 1) + [False]  # the PNG: Pillow
@@ -186,7 +186,7 @@ def test_engine_isolates_bad_images_and_keeps_order(lite0):
     """Bad inputs among good ones, batches of 4 prepared ahead on DALI's pipeline: each bad input is its own error
     row, every good one gets the answer it gets alone."""
     pytest.importorskip("nvidia.dali")
-    clf = GpuClassifier(lite0, DEFAULT_SPEC, device="cpu", batch_size=4, prep_workers=2)
+    clf = GpuClassifier(lite0, DEFAULT_SPEC, ClassifierOptions(device="cpu", batch_size=4, prep_workers=2))
     good = photo_set()[:5]
     datas = [good[0], b"", good[1][: len(good[1]) // 2], good[2], b"not an image", good[3], good[4]]
     raw = clf.classify(datas)

@@ -53,7 +53,7 @@ def test_image_installs_ray_and_the_package_and_copies_only_what_exists():
     instr = dockerfile_instructions()
     runs = " ".join(rest for w, rest in instr if w == "RUN")
     assert 'pip install ".[gpu]"' in runs
-    assert "torch.version.cuda" in runs  # the build fails on a torch without CUDA 12
+    assert "torch.version.cuda" in runs and "startswith('13.')" in runs  # the build fails on a torch without CUDA 13
     assert "tensorrt-cu12==${TRT_VERSION}" in runs and "libnvinfer10" in runs
     assert "wget" in runs  # KubeRay's probes
     for word, rest in instr:
@@ -111,33 +111,54 @@ def test_entrypoint_prepares_only_when_asked_and_runs_the_command_or_kuberays_ra
 
 
 def gpu_extra() -> dict[str, str]:
+    """The gpu extra's requirements by name, the extras it names of this package included."""
     import tomllib
 
     from packaging.requirements import Requirement
 
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return {Requirement(r).name: str(Requirement(r).specifier) for r in extras["gpu"]}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras, out, todo = project["optional-dependencies"], {}, ["gpu"]
+    while todo:
+        for line in extras[todo.pop()]:
+            req = Requirement(line)
+            if req.name == project["name"]:
+                todo.extend(req.extras)
+            else:
+                out[req.name] = str(req.specifier)
+    return out
 
 
-def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_12_builds():
+def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_13_builds():
     """The image runs the gpu profile with `pip install ".[gpu]"` alone: DALI, PyTorch with CUDA and nvImageCodec's
-    TIFF/JPEG 2000 libraries, every one a CUDA 12 build (the container's CUDA, and each other's)."""
+    TIFF/JPEG 2000 libraries, every one a CUDA 13 build (each other's CUDA: PyPI's torch is a CUDA 13 build from
+    2.11 on), in one range with the test extra's torch so that '.[gpu,test]' installs together."""
+    import tomllib
+
+    from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
     from pipeline.engines.auto import GPU_STACK
 
     extra = gpu_extra()
-    providers = {"torch": "torch", "nvidia.dali": "nvidia-dali-cuda120"}
+    providers = {"torch": "torch", "nvidia.dali": "nvidia-dali-cuda130"}
     assert set(GPU_STACK) <= set(providers) and {providers[m] for m in GPU_STACK} <= set(extra)
-    assert {"nvidia-nvtiff-cu12", "nvidia-nvjpeg2k-cu12"} <= set(extra)
-    # No CUDA 13 package: torch and torchvision pinned to the CUDA 12 release, the rest CUDA 12 builds or pure Python.
+    assert {"nvidia-nvtiff-cu13", "nvidia-nvjpeg2k-cu13"} <= set(extra)
+    # No CUDA 12 package: torch and torchvision in the CUDA 13 releases, the rest CUDA 13 builds or pure Python.
     allowed = {"torch", "torchvision", "onnx2torch", "onnxslim"}
-    assert all(name in allowed or re.search(r"-cu(da)?12", name) for name in extra), extra
-    assert "0.25.0" in SpecifierSet(extra["torchvision"]) and "0.26.0" not in SpecifierSet(extra["torchvision"])
+    assert all(name in allowed or re.search(r"-cu(da)?13", name) for name in extra), extra
+    torchvision = SpecifierSet(extra["torchvision"])
+    assert "0.26.0" in torchvision and "0.28.0" in torchvision and "0.25.0" not in torchvision
     assert not any(name.startswith("tensorrt") for name in extra)  # not installable from the package index
     torch = SpecifierSet(extra["torch"])
-    assert "2.10.0" in torch and "2.11.0" not in torch  # PyPI's torch is a CUDA 13 build from 2.11 on
+    assert "2.11.0" in torch and "2.10.0" not in torch  # the GPU machines' torch; 2.10 is PyPI's last CUDA 12 build
     assert all(extra[name] for name in extra), "pin every package of the gpu extra"
+    # One DALI range for every extra, and the test extra's pins inside the gpu extra's ranges.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = [Requirement(r) for group in extras.values() for r in group]
+    assert {r.name for r in named if r.name.startswith("nvidia-dali")} == {"nvidia-dali-cuda130"}
+    assert len({str(r.specifier) for r in named if r.name.startswith("nvidia-dali")}) == 1
+    pins = {r.name: str(r.specifier).removeprefix("==") for r in map(Requirement, extras["test"])}
+    assert pins["torch"] in torch and pins["torchvision"] in torchvision
 
 
 # --- RayJob ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The default network's layouts (pipeline.gpu.networks.LITE0_LAYOUTS): TF "SAME" padding folded into the
+"""The default network's layouts (pipeline.gpu.lite0_layout.LITE0_LAYOUTS): TF "SAME" padding folded into the
 convs computes what the explicit pads compute, on real photos and the parity inputs, in FP32 on the CPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.model.default_model import DEFAULT_SPEC, IMAGE_SIZE, LITE0_BLOCKS
-from pipeline.gpu.networks import (
+from pipeline.gpu.lite0_layout import (
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
@@ -190,9 +190,9 @@ def test_the_gemm_layout_cut_into_several_gemms_gives_the_reference_logits(weigh
                                                                          monkeypatch):
     """GEMMs past ``GEMM_ROWS`` rows are cut; the pieces together give the same logits as one GEMM (channels-last)."""
     torch = pytest.importorskip("torch")
-    from pipeline.gpu import networks
+    from pipeline.engines.gpu import lite0, networks
 
-    monkeypatch.setattr(networks, "GEMM_ROWS", 1000)  # the 112x112 layers of these inputs: many pieces
+    monkeypatch.setattr(lite0, "GEMM_ROWS", 1000)  # the 112x112 layers of these inputs: many pieces
     net = networks.efficientnet_lite0(weights, "mirror_gemm").to(memory_format=torch.channels_last)
     with torch.inference_mode():
         got = net(torch.from_numpy(inputs).contiguous(memory_format=torch.channels_last)).numpy()
@@ -214,7 +214,8 @@ def test_the_gemm_layout_folds_every_depthwise_bias(weights):
 def test_kernel_layout_keeps_the_checkpoint_weights(weights):
     """The zero taps go in front; the folded checkpoint weights are the rest, unchanged."""
     pytest.importorskip("torch")
-    from pipeline.gpu.networks import _fold, efficientnet_lite0
+    from pipeline.gpu.lite0_layout import fold_bn as _fold
+    from pipeline.gpu.networks import efficientnet_lite0
 
     net = efficientnet_lite0(weights, "kernel")
     stem = net.stem.conv.weight.detach().numpy()
@@ -238,10 +239,20 @@ def test_both_gpu_paths_load_the_default_layout(tmp_path):
         DEFAULT_LITE0_LAYOUT]
 
 
-def test_a_layout_name_loads_the_default_model_in_that_layout():
+def test_a_layout_name_loads_the_default_model_in_that_layout(monkeypatch):
+    """The benchmarks' networks (tests/benchmarks/gpu_networks.py) through the library's registry."""
     pytest.importorskip("torch")
+    from pipeline.engines.gpu import networks
     from pipeline.gpu.networks import load_network
 
+    monkeypatch.setattr(networks, "_NETWORKS", {})
+    with pytest.raises(EngineError, match="unknown network 'mirror'; leave it unset, or use one of the networks "
+                                          "registered with register_network"):
+        load_network(load_model(None), "mirror")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_networks
+
+    gpu_networks.register()
     assert load_network(load_model(None), "mirror").layout == LITE0_LAYOUTS["mirror"]
     with pytest.raises(EngineError, match="unknown network 'nope'; leave it unset, or use one of resnet50, explicit"):
         load_network(load_model(None), "nope")

@@ -39,9 +39,9 @@ def test_without_a_cuda_driver_nothing_is_set_and_it_says_so():
 
 def test_the_gpu_profile_carries_the_option_to_its_model():
     pytest.importorskip("tritonclient.grpc")
-    from pipeline.triton.configs import gpu_config
+    from pipeline.triton.configs import GpuModelOptions, gpu_config
 
-    text = gpu_config(cuda_sync="block")
+    text = gpu_config(GpuModelOptions(cuda_sync="block"))
     assert f'key: "{tn.GPU_PARAM_CUDA_SYNC}"' in text and 'string_value: "block"' in text
     assert tn.GPU_PARAM_CUDA_SYNC not in gpu_config()  # unset: the model's default
 

@@ -27,9 +27,11 @@ def test_every_registered_option_is_a_constructor_argument(name):
     spec = REGISTRY[name]
     factory = _load(spec.factory)  # imports the module only: torch and tritonclient load when built
     if name == "gpu":  # GpuEngine passes its options on to the classifier it makes
-        from pipeline.gpu.classifier import GpuClassifier
+        import dataclasses
 
-        params = set(inspect.signature(GpuClassifier).parameters) | {"network"}
+        from pipeline.gpu.classifier import ClassifierOptions
+
+        params = {f.name for f in dataclasses.fields(ClassifierOptions)} | {"network"}
     else:
         params = set(inspect.signature(factory).parameters)
     assert {o.name for o in spec.options} <= params

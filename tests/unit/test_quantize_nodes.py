@@ -1,8 +1,10 @@
-"""pipeline/int8/quantize.py's node choices on a small real ONNX model: the exclusion keywords, the per-layer error and
-``exclude_worst``, each quantized by ONNX Runtime's own tooling."""
+"""pipeline/quantize.py's node choices on a small real ONNX model: the exclusion keywords, and the benchmarks'
+per-layer error and ``exclude_worst`` (tests/benchmarks/int8_layers.py), each quantized by ONNX Runtime's own
+tooling."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,11 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.int8.quantize import QuantizeOptions, quantize_onnx
-from pipeline.int8.quantize_nodes import layer_errors, resolve_exclusions
+from pipeline.int8.quantize_nodes import resolve_exclusions
+from support.paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+from int8_layers import check_worst, layer_errors, quantize_excluding_worst  # noqa: E402
 
 WEIGHTED = ["stem", "dw1", "pw1", "dw2", "head", "fc"]
 
@@ -117,9 +123,9 @@ def test_layer_errors_rank_every_weighted_node_and_find_the_loud_one(tmp_path):
 def test_exclude_worst_leaves_the_largest_errors_in_float_and_says_which(tmp_path):
     net = tiny_net(tmp_path / "net.onnx", loud="pw1")
     out = tmp_path / "int8.onnx"
-    method = quantize_onnx(net, out, "input", calibration(),
-                           QuantizeOptions(exclude=("classifier",), exclude_worst=1, per_channel=False,
-                                           calibration_images=16))
+    method = quantize_excluding_worst(net, out, "input", calibration(),
+                                      QuantizeOptions(exclude=("classifier",), per_channel=False,
+                                                      calibration_images=16), 1)
     assert [w["node"] for w in method["worst_nodes"]] == ["pw1"]
     assert method["nodes_to_exclude"] == ["fc", "pw1"] and method["exclude_worst"] == 1
     assert float_weights(out) == {"fc", "pw1"}
@@ -127,7 +133,7 @@ def test_exclude_worst_leaves_the_largest_errors_in_float_and_says_which(tmp_pat
 
 def test_exclude_worst_must_be_a_count():
     with pytest.raises(ConfigError, match=r"exclude_worst -1 must be a number of nodes, 0 or more, e.g. 4"):
-        QuantizeOptions(exclude_worst=-1)
+        check_worst(-1)
 
 
 def test_extra_options_reach_onnx_runtime(tmp_path):
@@ -139,7 +145,8 @@ def test_extra_options_reach_onnx_runtime(tmp_path):
     zero_points = {}
     for name, extra in (("plain", ()), ("symmetric", (("ActivationSymmetric", True),))):
         out = tmp_path / f"{name}.onnx"
-        method = quantize_onnx(net, out, "input", skewed, QuantizeOptions(calibration_images=16, extra_options=extra))
+        method = quantize_onnx(net, out, "input", skewed, QuantizeOptions(calibration_images=16),
+                               extra_options=dict(extra))
         assert method["extra_options"] == dict(extra)
         inits = {i.name: i for i in onnx.load(str(out)).graph.initializer}
         zero_points[name] = int(numpy_helper.to_array(inits["input_zero_point"]))

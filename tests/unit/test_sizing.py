@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.sizing import format_sizing, load_curve, size_fleet
-from support.paths import DATA
+from support.paths import BENCHMARKS, DATA
 
 # perf_analyzer -f layout: latencies in microseconds; a blank line then more sections may follow.
 PERF_CSV = """\
@@ -120,22 +121,24 @@ def test_real_perf_analyzer_csv_rows_out_of_order():
 
 
 def test_gpu_benchmark_json_one_curve_per_network(tmp_path):
-    path = tmp_path / "bench_gpu.json"
-    path.write_text(json.dumps({
+    """tests/benchmarks/sizing_curves.py writes bench_gpu.py's Triton runs as one curve file per network and set."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from sizing_curves import write_curves
+
+    results = {
         "device": "H200",
         "triton_default_imagenet_r32_c1": {"img_s": 4000, "avg_batch_images": 30.1},
         "triton_default_imagenet_r32_c4": {"img_s": 9000, "avg_batch_images": 60.2},
         "triton_default_imagenet_r64_c4": {"img_s": 9500, "avg_batch_images": 63.0},
         "triton_resnet50_imagenet_r64_c4": {"img_s": 7000, "avg_batch_images": 63.0},
-    }))
-    with pytest.raises(ConfigError, match="holds 2 curves .*pick one: .*#triton_default_imagenet"):
-        size_fleet(str(path), target_rate=10_000)
-    r = size_fleet(f"{path}#triton_default_imagenet", target_rate=10_000)
+    }
+    paths = write_curves(results, tmp_path)
+    assert [p.name for p in paths] == ["curve_triton_default_imagenet.json", "curve_triton_resnet50_imagenet.json"]
+    r = size_fleet(str(paths[0]), target_rate=10_000)
     assert [p["load"] for p in r["points"]] == [32, 128, 256]  # images in flight
     assert r["plateau_img_per_s"] == 9500 and r["operating_point"]["load"] == 128
     assert r["gpus"] == math.ceil(10_000 / (0.65 * 9500)) + 1 == 3
-    with pytest.raises(ConfigError, match="has no 'triton_x'"):
-        size_fleet(f"{path}#triton_x", target_rate=1)
+    assert size_fleet(str(paths[1]), target_rate=7000)["plateau_img_per_s"] == 7000
 
 
 def test_cli_size_prints_the_fleet():

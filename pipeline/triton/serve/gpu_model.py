@@ -107,7 +107,9 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
     with the reference as often as FP32 (docs/performance.md); FP32 on the CPU).
     """
-    from pipeline.gpu.classifier import DEFAULT_CUDA_SYNC, GpuClassifier  # noqa: PLC0415 - torch and DALI
+    from pipeline.gpu.classifier import (  # noqa: PLC0415 - torch and DALI
+        DEFAULT_CUDA_SYNC, ClassifierOptions, GpuClassifier,
+    )
     from pipeline.gpu.dali import (  # noqa: PLC0415
         DEFAULT_DALI_DEPTH,
         DEFAULT_HW_DECODER_LOAD,
@@ -117,9 +119,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     if half is None:
         value = config_param(config, tn.GPU_PARAM_HALF, "auto").lower()
         half = None if value == "auto" else value == "true"
-    return GpuClassifier(
-        network,
-        spec,
+    return GpuClassifier(network, spec, ClassifierOptions(
         hw_decoder_load=float(config_param(config, tn.GPU_PARAM_HW_DECODER_LOAD, str(DEFAULT_HW_DECODER_LOAD))),
         top_k=top_k,
         limits=limits,
@@ -134,7 +134,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         fixed_batch=fixed_batch,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
-    )
+    ))
 
 
 def model_setup(args: dict) -> tuple[dict, Path, PreprocessSpec]:

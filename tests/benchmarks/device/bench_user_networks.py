@@ -81,7 +81,8 @@ def main() -> None:
 
     import torch
 
-    from pipeline.gpu.networks import resnet50_random
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/benchmarks: gpu_networks
+    from gpu_networks import resnet50_random
     from pipeline.gpu.onnx_torch import convert_onnx
     from pipeline.gpu.precision import choose_half
     from pipeline.model.folder import load_model

@@ -1,0 +1,111 @@
+"""The Triton engine's checks before it sends: its preflight (a repository, a tritonserver, the gpu profile's stack),
+its model check in the driver, each input's byte and pixel caps by its header; and the error row of an input whose
+request the server refused. The answers' own check (each image's TAG echoed) is ``pipeline.engines.triton_wire``'s."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.errors import ERROR_KINDS, ConfigError, ImageError, ModelError, TritonError
+from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
+from pipeline.triton import contract as tn
+from pipeline.triton.profiles import AUTO, GPU, PORTABLE, choose_profile, visible_gpus
+from pipeline.triton.server import find_tritonserver
+
+
+def check_requirements(options: Mapping[str, Any]) -> None:
+    """The triton engine's preflight (its ``EngineSpec.preflight``): a repository that exists, the gpu profile's
+    stack where the actor gets that profile, and a tritonserver unless ``url`` is given."""
+    from pipeline.triton.repository import CONFIG_FILE  # noqa: PLC0415 - the layout's names, only to check one
+
+    repository = options.get("repository")
+    if repository is not None:
+        path = Path(str(repository)).expanduser()
+        if not (path / tn.MODEL_NAME / CONFIG_FILE).is_file():
+            what = "does not exist" if not path.exists() else f"has no {tn.MODEL_NAME}/{CONFIG_FILE}"
+            raise ConfigError(f"--engine-option repository={repository} {what}; build one with "
+                              f"'bulk-classify repo build --profile {PORTABLE} --output DIR' and pass that DIR")
+    if options.get("url"):
+        return
+    if repository is None and options.get("profile") == GPU and not visible_gpus():
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
+                          f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
+    if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
+        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
+
+        missing = missing_gpu_stack()
+        if missing:
+            raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
+                              f"{' and '.join(missing)}: {GPU_EXTRA_HINT}, or pass --engine-option profile={PORTABLE}")
+    try:
+        find_tritonserver()
+    except TritonError as err:
+        raise ConfigError(f"--engine triton: {err}") from None
+
+
+def check_model(bundle, options: Mapping[str, Any]) -> None:
+    """The triton engine's ``EngineSpec.model_check``, in the driver: where its actors will serve the gpu profile
+    from a repository built for the model, the gpu paths must be able to run it."""
+    if options.get("url") or options.get("repository") is not None:
+        return  # a server or repository of the user's: its model is checked where it was built
+    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+
+    profile = options.get("profile", AUTO)
+    gpus, where = cluster_gpus()
+    if profile == AUTO:
+        profile = GPU if gpus > 0 else PORTABLE
+    elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped
+        raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
+                          f"use --engine onnx, or --engine-option profile={PORTABLE}")
+    if profile == GPU:
+        from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
+        from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415
+
+        if bundle.precision == PRECISION_INT8:
+            raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {tn.NO_INT8}; "
+                             f"pass --engine-option profile={PORTABLE}, or the FP32 model")
+        check_runnable(bundle, "--engine triton with the gpu profile")
+
+
+def check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
+    """Raises the reference's own ImageError for empty, too large, or (``pixels``) too many pixels by the header.
+
+    decode_image raises those before decoding any pixel, so calling it only when a cap is exceeded costs
+    nothing and gives the exact error text of ``--engine onnx``. The pixel check opens the header with Pillow
+    (a cost on every file): skipped for a model that checks the caps itself (``checks_caps``).
+    """
+    if len(data) == 0 or len(data) > limits.max_bytes:
+        decode_image(data, limits)
+    if not pixels:
+        return
+    from PIL import Image  # noqa: PLC0415
+
+    follow_pixel_cap(limits.max_pixels)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except Image.DecompressionBombError:
+        decode_image(data, limits)
+        return
+    except Exception:  # noqa: BLE001 - not readable here: the server reports the precise error for this input
+        return
+    if width * height > limits.max_pixels:
+        decode_image(data, limits)
+
+
+# Triton puts this before a composing model's error (the gpu profile's ensemble shape): the kind follows it.
+ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
+
+
+def error_text(reason: str) -> str:
+    """The error row of an input whose one-image request failed: the server's "kind: detail" when it gives one
+    (python-backend profiles without the ERROR output), else decode_error/engine_error with its message."""
+    reason = ENSEMBLE_PREFIX.sub("", reason, count=1)
+    kind = reason.split(":", 1)[0].strip()
+    if kind in ERROR_KINDS and ":" in reason:
+        return reason[:1000]
+    kind = "decode_error" if "decod" in reason.lower() else "engine_error"
+    return str(ImageError(kind, f"server: {reason[:500]}"))
