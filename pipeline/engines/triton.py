@@ -25,14 +25,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import (
-    STAGE_INFER, EngineSpec, Option, Result, positive_float, positive_int, results_from_topk,
-)
+from pipeline.engines.base import EngineSpec, Option, Result, positive_float, positive_int, results_from_topk
 from pipeline.engines.triton_checks import check_caps, error_text
 from pipeline.engines.triton_servers import EVENT_FAILOVERS, EVENT_RESTARTS, EVENT_STARTS, ServerSupervisor
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ConfigError, EngineError, ImageError, TritonError
 from pipeline.model.imaging import DecodeLimits
+from pipeline.schema import STAGE_INFER
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S
