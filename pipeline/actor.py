@@ -60,8 +60,7 @@ class ClassifyActor:
         data = batch.column(DATA).to_pylist()
         status = batch.column("status").to_pylist()
         error = batch.column("error").to_pylist()
-        carried = batch.column("carried").to_pylist()
-        todo = [i for i in range(len(data)) if not carried[i] and status[i] is None and data[i] is not None]
+        todo = [i for i in range(len(data)) if status[i] is None and data[i] is not None]
         n = len(data)
         class_ids = batch.column("class_ids").to_pylist()
         labels = batch.column("labels").to_pylist()
@@ -99,8 +98,6 @@ class ClassifyActor:
         if n:
             events[0] = self._new_events()
         for i in range(n):
-            if carried[i]:
-                continue
             model[i], digest[i], engine[i], when[i] = self.bundle.name, self.bundle.digest, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
                 status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"

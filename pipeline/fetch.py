@@ -100,13 +100,12 @@ def fetch_batch(
         else (lambda uri, fs=_filesystem(source, storage_options): fs)
     uris = batch.column("uri").to_pylist()
     sizes = batch.column("size_bytes").to_pylist()
-    carried = batch.column("carried").to_pylist()
     status = batch.column("status").to_pylist()
     error = batch.column("error").to_pylist()
     data: list[bytes | None] = [None] * len(uris)
 
     def one(i: int) -> None:
-        if carried[i] or status[i] is not None:  # carried, or an error row from the listing
+        if status[i] is not None:  # an error row from the listing
             return
         if sizes[i] is not None and sizes[i] > max_bytes:
             status[i], error[i] = STATUS_ERROR, f"too_large: {sizes[i]} bytes > max_bytes={max_bytes}; raise --max-bytes"

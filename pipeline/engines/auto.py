@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 
+from pipeline.cluster import ray_address
 from pipeline.triton.profiles import node_gpus
 
 LOG = logging.getLogger(__name__)
@@ -50,8 +50,8 @@ def missing_gpu_stack() -> list[str]:
 def cluster_gpus() -> tuple[int, str]:
     """(GPUs, where they were counted): the cluster's with ``RAY_ADDRESS`` (Ray is connected for it), else this
     machine's as a local Ray would count them."""
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
+    address = ray_address()
+    if address is None:
         return node_gpus(), "this machine"
     import ray  # noqa: PLC0415
 

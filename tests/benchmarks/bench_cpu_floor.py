@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.onnx import SPEC, OnnxEngine  # noqa: E402
-from pipeline.job.stages import actor_engine_options, actor_plan  # noqa: E402
+from pipeline.job.plan import actor_plan  # noqa: E402
+from pipeline.job.stages import actor_engine_options  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 
@@ -90,7 +91,7 @@ def main() -> None:
     calls = SPEC.calls_per_actor
     config = RunConfig(source=str(args.folder), output="unused", engine=SPEC.name)
     actors, _cpus, _gpus = actor_plan(config, cores, 0)
-    options = actor_engine_options(config, cores, actors, calls, on_gpu=False)  # what the job's actors are given
+    options = actor_engine_options(SPEC, config.engine_options, cores, actors, calls, on_gpu=False)  # what the job's actors are given
     threads = options[SPEC.call_threads_option]
     engine = OnnxEngine(bundle, **options)
     engine.classify(blobs[:16])

@@ -67,7 +67,8 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
     from pipeline.config import RunConfig
     from pipeline.engines.onnx import SPEC, OnnxEngine
     from pipeline.imaging import DecodeLimits, decode_image, load_and_preprocess
-    from pipeline.job.stages import actor_engine_options, actor_plan
+    from pipeline.job.plan import actor_plan
+    from pipeline.job.stages import actor_engine_options
     from pipeline.model import load_model
 
     bundle = load_model(None)
@@ -85,7 +86,7 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
     cores = os.cpu_count() or 1
     config = RunConfig(source=str(files[0].parent), output="unused", engine=SPEC.name)
     actors, _cpus, _gpus = actor_plan(config, cores, 0)
-    options = actor_engine_options(config, cores, actors, SPEC.calls_per_actor, on_gpu=False)
+    options = actor_engine_options(SPEC, config.engine_options, cores, actors, SPEC.calls_per_actor, on_gpu=False)
     engine = OnnxEngine(bundle, **options)
     engine.classify(blobs[:16])
     chunks = [blobs[i : i + 64] for i in range(0, n, 64)]

@@ -644,7 +644,7 @@ def test_rows_two_runs_wrote_anyway_end_as_one_row_per_input(tmp_path, complete,
     summary = run_job(RunConfig(source=str(src), output=str(out), shard_size=5))
     assert summary.classified == 0 and summary.total == rows.num_rows
     assert_one_row_per_input(out, {p.name for p in src.glob("*.jpg")})
-    assert dedupe_output(RunConfig(source=str(src), output=str(out)), fs, root) == 0
+    assert dedupe_output(fs, root, str(out)) == 0
 
 
 def test_an_output_of_todays_release_still_resumes(tmp_path, ray_local):
@@ -962,7 +962,8 @@ def test_more_actors_than_the_cluster_holds_are_clamped_with_a_warning():
     """Reproduction 8, the plan: on 2 CPUs at most 5 classify actors of 0.25 CPU fit beside the listing, fetch and
     write tasks; on 2 GPUs at most 2 actors of one GPU each."""
     from pipeline.config import RunConfig
-    from pipeline.job.stages import IO_TASK_CPUS, actor_plan
+    from pipeline.job.plan import actor_plan
+    from pipeline.job.stages import IO_TASK_CPUS
 
     actors, actor_cpus, gpus = actor_plan(RunConfig(source="/s", output="/o", num_actors=8), 2, 0)
     assert (actors, actor_cpus, gpus) == (5, 0.25, 0.0)

@@ -27,6 +27,7 @@ FLOORS = {
     "pipeline.imaging": 1,
     "pipeline.spec": 1,
     "pipeline.errors": 0,
+    "pipeline.cluster": 0,
 }
 JOB_FLOOR = 5
 MAX_LINES = 400
