@@ -1,9 +1,9 @@
 """Wiring the job: listing → fetch → classify (actor pool) → atomic Parquet shards, resumable, with a report.
 
-``run`` tells the story of a run; ``plan`` decides once what the run is (the engine, the stores, the actors' shares
-of the cluster); ``output`` prepares DEST and reads the resume and carry-over sets from shard records (no Ray);
-``local_ray`` owns the environment of a local Ray we start and sweeps what dead runs left; ``stages`` builds the Ray
-Data pipeline and the carry tasks.
+``run`` tells the story of a run; ``plan`` decides once what the run is (the engine, local Ray or a cluster, the
+opened stores); ``output`` prepares DEST and reads the resume and carry-over sets from shard records (no Ray);
+``local_ray`` owns the environment of a local Ray we start and sweeps what dead runs left; ``stages`` decides the
+actors' shares of the cluster once Ray is up, and builds the Ray Data pipeline and the carry tasks.
 """
 
 from pipeline.job.local_ray import local_ray_env

@@ -14,7 +14,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -28,10 +28,6 @@ from pipeline.reader import (
     GROUP_RE, committed_parts, is_committed_shard, iter_records, read_json, read_record, read_shard,
 )
 from pipeline.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
-
-if TYPE_CHECKING:
-    from pipeline.job.plan import Store
-
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
 # What to do about a write to DEST that storage refused, by errno.
@@ -42,6 +38,27 @@ FIXES = {
     errno.EACCES: "check its permissions, or choose another --output",
     errno.EPERM: "check its permissions, or choose another --output",
 }
+
+
+@dataclass(frozen=True)
+class Store:
+    """One storage location, opened once: the URL as the run names it, its file system and root path."""
+
+    url: str
+    fs: Any
+    root: str
+    storage_options: Mapping[str, Any]
+
+    @property
+    def local(self) -> bool:
+        return is_local(self.fs)
+
+
+def open_store(url: str, storage_options: Mapping[str, Any]) -> Store:
+    """``url`` opened (``pipeline.source.open_fs``)."""
+    fs, root = open_fs(url, storage_options)
+    return Store(url, fs, root, dict(storage_options))
+
 
 
 @dataclass

@@ -1,45 +1,19 @@
-"""The run decided once: the config checked and resolved, the engine's spec, local Ray or a cluster, the opened stores,
-and, once Ray is up, the classify actors' shares of the cluster. The stages and the output module take these, never
-the raw options."""
+"""The run decided once, before Ray starts or DEST is touched: the config checked and resolved, the engine's spec,
+local Ray or a cluster, and the opened stores (the actors' shares of the cluster are decided once Ray is up:
+``pipeline.job.stages.plan_shares``). The stages and the output module take these, never the raw options."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from pipeline.cluster import ray_address
-from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
+from pipeline.config import RunConfig
 from pipeline.engines.registry import AUTO_ENGINE, engine_spec
 from pipeline.iceberg_output import IcebergOutput, is_iceberg, table_parts
 from pipeline.job.local_ray import local_ray_env
-from pipeline.job.stages import (
-    IO_TASK_CPUS, MIN_ACTOR_CPUS, actor_engine_options, classify_actor_options, fetch_budget, placeable_actors,
-    writer_actors,
-)
-from pipeline.source import is_local, open_fs
-
-LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Store:
-    """One storage location, opened once: the URL as the run names it, its file system and root path."""
-
-    url: str
-    fs: Any
-    root: str
-    storage_options: Mapping[str, Any]
-
-    @property
-    def local(self) -> bool:
-        return is_local(self.fs)
-
-
-def open_store(url: str, storage_options: Mapping[str, Any]) -> Store:
-    fs, root = open_fs(url, storage_options)
-    return Store(url, fs, root, dict(storage_options))
+from pipeline.job.output import Store, check_output, check_output_location, open_store
 
 
 @dataclass(frozen=True)
@@ -85,7 +59,6 @@ def make_plan(config: RunConfig) -> RunPlan:
     The engine's preflight runs in this driver only for a local Ray: with ``RAY_ADDRESS`` the cluster's nodes must
     meet it.
     """
-    from pipeline.job.output import check_output, check_output_location  # noqa: PLC0415 - pyarrow, after the checks
     from pipeline.source import check_source  # noqa: PLC0415
 
     address = ray_address()
@@ -122,84 +95,3 @@ def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str
     fs, root, parts = table_parts(config.previous, config.catalog_options, config.storage_options)
     config = dataclasses.replace(config, previous=fs.unstrip_protocol(root))
     return config, Store(config.previous, fs, root, dict(config.storage_options)), parts
-
-
-@dataclass(frozen=True)
-class Shares:
-    """The classify actors' shares of the cluster the job runs on, decided once when Ray is up.
-
-    Attributes:
-        cpus, gpus: the cluster's, counted once.
-        actors, actor_cpus, gpus_per_actor: the classify actor pool and each actor's CPU and GPU request.
-        calls: engine calls each actor runs at once; engine_options: the actors' engine options (``calls`` and the
-            threads per call filled in where not given); actor_options: their Ray options (``runtime_env``).
-        fetch_ahead_bytes: the object-store budget of the running pipeline.
-        writer_actors: writer actors (none: the driver commits the shards); list_tasks: listing tasks at once.
-    """
-
-    cpus: int
-    gpus: int
-    actors: int
-    actor_cpus: float
-    gpus_per_actor: float
-    calls: int
-    engine_options: Mapping[str, Any]
-    actor_options: Mapping[str, Any]
-    fetch_ahead_bytes: int
-    writer_actors: int
-    list_tasks: int
-
-
-def count_cluster() -> tuple[int, int]:
-    """(CPUs, GPUs) of the Ray cluster the job runs on; Ray must be up."""
-    import ray  # noqa: PLC0415
-
-    resources = ray.cluster_resources()
-    return int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
-
-
-def plan_shares(plan: RunPlan, cpus: int, gpus: int) -> Shares:
-    """The classify actors' shares of a cluster of ``cpus`` CPUs and ``gpus`` GPUs for ``plan``."""
-    config, spec = plan.config, plan.spec
-    actors, actor_cpus, gpus_per_actor = actor_shares(spec, cpus, gpus, num_actors=config.num_actors,
-                                                      num_gpus_per_actor=config.num_gpus_per_actor)
-    if config.num_actors is not None and actors < config.num_actors:
-        LOG.warning("--num-actors %d: this Ray cluster (%d CPUs, %d GPUs) holds at most %d classify actors beside "
-                    "the listing, fetch and write tasks; running %d", config.num_actors, cpus, gpus, actors, actors)
-    calls = config.calls_per_actor or spec.calls_per_actor
-    on_gpu = bool(gpus_per_actor)
-    budget = config.fetch_ahead_bytes
-    if budget is None:
-        budget = fetch_budget(actors, config.batch_size, on_gpu=on_gpu)
-    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
-    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
-    list_tasks = min(config.list_tasks, cpus) if plan.source.local else config.list_tasks
-    return Shares(cpus=cpus, gpus=gpus, actors=actors, actor_cpus=actor_cpus, gpus_per_actor=gpus_per_actor,
-                  calls=calls, engine_options=actor_engine_options(spec, config.engine_options, cpus, actors, calls,
-                                                                   on_gpu=on_gpu),
-                  actor_options=classify_actor_options(spec, on_gpu=on_gpu, local=plan.local),
-                  fetch_ahead_bytes=budget, writer_actors=writer_actors(cpus), list_tasks=max(1, list_tasks))
-
-
-def actor_shares(spec: Any, cpus: int, gpus: int, *, num_actors: int | None, num_gpus_per_actor: float | None
-                 ) -> tuple[int, float, float]:
-    """(actors, CPUs per actor, GPUs per actor) of engine ``spec`` on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's
-    actors take 1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
-    default_gpus = 1.0 / spec.actors_per_gpu if spec.needs_gpu and gpus > 0 else 0.0
-    num_gpus = num_gpus_per_actor if num_gpus_per_actor is not None else default_gpus
-    if num_actors is not None:
-        actors = min(num_actors, placeable_actors(cpus, gpus, num_gpus))
-    elif num_gpus:
-        actors = max(1, int(gpus / num_gpus))
-    else:
-        actors = max(1, cpus // CPUS_PER_CPU_ACTOR)
-    # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
-    actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
-    return actors, actor_cpus, num_gpus
-
-
-def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
-    """(actors, CPUs per actor, GPUs per actor) that ``config`` gets on a cluster of ``cpus`` CPUs and ``gpus`` GPUs
-    (``auto`` resolved as the job would resolve it there)."""
-    config, spec = config.resolve(gpus=gpus, where="the Ray cluster")
-    return actor_shares(spec, cpus, gpus, num_actors=config.num_actors, num_gpus_per_actor=config.num_gpus_per_actor)

@@ -19,7 +19,8 @@ from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, dedupe_output, excluded_prefix, index_output,
     read_previous, storage_errors, without_folder,
 )
-from pipeline.job.plan import RunPlan, Shares, count_cluster, make_plan, plan_shares
+from pipeline.job.plan import RunPlan, make_plan
+from pipeline.job.stages import Shares, count_cluster, plan_shares
 from pipeline.reader import committed_parts
 from pipeline.schema import REPORT, SUCCESS
 from pipeline.source_manifest import planned_entries

@@ -5,22 +5,22 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
 from pipeline.engines.base import STATUS_OK
+from pipeline.job.plan import RunPlan
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
 from pipeline.keys import member, uri_hashes
 from pipeline.source import open_fs, plan_listing
 from pipeline.triton.server import LOOPBACK
 from pipeline.triton.profiles import node_gpus
-
-if TYPE_CHECKING:
-    from pipeline.job.plan import RunPlan, Shares
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -100,6 +100,87 @@ def fetch_budget(actors: int, batch_size: int, *, on_gpu: bool) -> int:
 
     per_actor = FETCH_AHEAD_PER_ACTOR if on_gpu else FETCH_AHEAD_PER_CPU_ACTOR
     return actors * max(per_actor, FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES)
+
+
+@dataclass(frozen=True)
+class Shares:
+    """The classify actors' shares of the cluster the job runs on, decided once when Ray is up.
+
+    Attributes:
+        cpus, gpus: the cluster's, counted once.
+        actors, actor_cpus, gpus_per_actor: the classify actor pool and each actor's CPU and GPU request.
+        calls: engine calls each actor runs at once; engine_options: the actors' engine options (``calls`` and the
+            threads per call filled in where not given); actor_options: their Ray options (``runtime_env``).
+        fetch_ahead_bytes: the object-store budget of the running pipeline.
+        writer_actors: writer actors (none: the driver commits the shards); list_tasks: listing tasks at once.
+    """
+
+    cpus: int
+    gpus: int
+    actors: int
+    actor_cpus: float
+    gpus_per_actor: float
+    calls: int
+    engine_options: Mapping[str, Any]
+    actor_options: Mapping[str, Any]
+    fetch_ahead_bytes: int
+    writer_actors: int
+    list_tasks: int
+
+
+def count_cluster() -> tuple[int, int]:
+    """(CPUs, GPUs) of the Ray cluster the job runs on; Ray must be up."""
+    import ray  # noqa: PLC0415
+
+    resources = ray.cluster_resources()
+    return int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
+
+
+def plan_shares(plan: RunPlan, cpus: int, gpus: int) -> Shares:
+    """The classify actors' shares of a cluster of ``cpus`` CPUs and ``gpus`` GPUs for ``plan``."""
+    config, spec = plan.config, plan.spec
+    actors, actor_cpus, gpus_per_actor = actor_shares(spec, cpus, gpus, num_actors=config.num_actors,
+                                                      num_gpus_per_actor=config.num_gpus_per_actor)
+    if config.num_actors is not None and actors < config.num_actors:
+        LOG.warning("--num-actors %d: this Ray cluster (%d CPUs, %d GPUs) holds at most %d classify actors beside "
+                    "the listing, fetch and write tasks; running %d", config.num_actors, cpus, gpus, actors, actors)
+    calls = config.calls_per_actor or spec.calls_per_actor
+    on_gpu = bool(gpus_per_actor)
+    budget = config.fetch_ahead_bytes
+    if budget is None:
+        budget = fetch_budget(actors, config.batch_size, on_gpu=on_gpu)
+    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
+    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
+    list_tasks = min(config.list_tasks, cpus) if plan.source.local else config.list_tasks
+    return Shares(cpus=cpus, gpus=gpus, actors=actors, actor_cpus=actor_cpus, gpus_per_actor=gpus_per_actor,
+                  calls=calls, engine_options=actor_engine_options(spec, config.engine_options, cpus, actors, calls,
+                                                                   on_gpu=on_gpu),
+                  actor_options=classify_actor_options(spec, on_gpu=on_gpu, local=plan.local),
+                  fetch_ahead_bytes=budget, writer_actors=writer_actors(cpus), list_tasks=max(1, list_tasks))
+
+
+def actor_shares(spec: Any, cpus: int, gpus: int, *, num_actors: int | None, num_gpus_per_actor: float | None
+                 ) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) of engine ``spec`` on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's
+    actors take 1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
+    default_gpus = 1.0 / spec.actors_per_gpu if spec.needs_gpu and gpus > 0 else 0.0
+    num_gpus = num_gpus_per_actor if num_gpus_per_actor is not None else default_gpus
+    if num_actors is not None:
+        actors = min(num_actors, placeable_actors(cpus, gpus, num_gpus))
+    elif num_gpus:
+        actors = max(1, int(gpus / num_gpus))
+    else:
+        actors = max(1, cpus // CPUS_PER_CPU_ACTOR)
+    # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
+    actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
+    return actors, actor_cpus, num_gpus
+
+
+def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) that ``config`` gets on a cluster of ``cpus`` CPUs and ``gpus`` GPUs
+    (``auto`` resolved as the job would resolve it there)."""
+    config, spec = config.resolve(gpus=gpus, where="the Ray cluster")
+    return actor_shares(spec, cpus, gpus, num_actors=config.num_actors, num_gpus_per_actor=config.num_gpus_per_actor)
 
 
 def placeable_actors(cpus: int, gpus: int, num_gpus: float) -> int:

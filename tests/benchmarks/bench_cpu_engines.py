@@ -35,8 +35,7 @@ from bench_int8 import CALL_IMAGES, images_from, time_runs  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.registry import engine_spec, make_engine  # noqa: E402
 from pipeline.imaging import load_and_preprocess  # noqa: E402
-from pipeline.job.plan import actor_plan  # noqa: E402
-from pipeline.job.stages import actor_engine_options  # noqa: E402
+from pipeline.job.stages import actor_engine_options, actor_plan  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 
 REFERENCE = "onnx"

@@ -27,8 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.engines.onnx import SPEC, OnnxEngine  # noqa: E402
-from pipeline.job.plan import actor_plan  # noqa: E402
-from pipeline.job.stages import actor_engine_options  # noqa: E402
+from pipeline.job.stages import actor_engine_options, actor_plan  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.imaging import DecodeLimits, load_and_preprocess  # noqa: E402
 

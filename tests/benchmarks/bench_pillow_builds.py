@@ -67,8 +67,7 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
     from pipeline.config import RunConfig
     from pipeline.engines.onnx import SPEC, OnnxEngine
     from pipeline.imaging import DecodeLimits, decode_image, load_and_preprocess
-    from pipeline.job.plan import actor_plan
-    from pipeline.job.stages import actor_engine_options
+    from pipeline.job.stages import actor_engine_options, actor_plan
     from pipeline.model import load_model
 
     bundle = load_model(None)

@@ -962,8 +962,7 @@ def test_more_actors_than_the_cluster_holds_are_clamped_with_a_warning():
     """Reproduction 8, the plan: on 2 CPUs at most 5 classify actors of 0.25 CPU fit beside the listing, fetch and
     write tasks; on 2 GPUs at most 2 actors of one GPU each."""
     from pipeline.config import RunConfig
-    from pipeline.job.plan import actor_plan
-    from pipeline.job.stages import IO_TASK_CPUS
+    from pipeline.job.stages import IO_TASK_CPUS, actor_plan
 
     actors, actor_cpus, gpus = actor_plan(RunConfig(source="/s", output="/o", num_actors=8), 2, 0)
     assert (actors, actor_cpus, gpus) == (5, 0.25, 0.0)

@@ -171,7 +171,7 @@ def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
     three actors per GPU, 2,048 images a call) on the GPU workers, and onnx on a cluster without GPUs."""
     from pipeline import cli
     from pipeline.config import RunConfig
-    from pipeline.job.plan import actor_plan
+    from pipeline.job.stages import actor_plan
     from pipeline.nightly import NIGHTLY_KEYS
 
     argv = rayjob["spec"]["entrypoint"].split()[2:]

@@ -112,8 +112,7 @@ def test_profiles_carry_their_serving_shape():
 def test_the_gpu_shape_scales_with_the_gpus_of_a_node(gpus, cpus):
     """auto on a node of ``gpus`` H200-like GPUs: three actors per GPU at a third of one each, a core each, cores
     left for the fetch, write and listing tasks, and the fetch-ahead budget growing with the actors."""
-    from pipeline.job.plan import actor_plan
-    from pipeline.job.stages import fetch_budget
+    from pipeline.job.stages import actor_plan, fetch_budget
 
     resolved = config().resolved(gpus=gpus, where="the Ray cluster at x")
     actors, actor_cpus, gpus_each = actor_plan(resolved, cpus, gpus)

@@ -106,7 +106,7 @@ def test_writer_actors_one_per_eight_cpus_and_none_below_where_the_driver_writes
 
 def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
     from pipeline.config import RunConfig
-    from pipeline.job.plan import actor_plan
+    from pipeline.job.stages import actor_plan
 
     def plan(engine, cpus=16, gpus=2, **kw):
         return actor_plan(RunConfig(source="/in", output="/out", engine=engine, **kw), cpus, gpus)
@@ -177,8 +177,7 @@ def test_the_default_gpu_plan_scales_with_the_gpus_of_a_node(gpus):
     """No flags: auto's engine on a node of N GPUs and 16 CPUs each gives 3N actors of one CPU and a third of a GPU,
     keeps CPUs beside them for the fetch, write and server work, and a fetch-ahead budget N times one GPU's."""
     from pipeline.config import RunConfig
-    from pipeline.job.plan import actor_plan
-    from pipeline.job.stages import fetch_budget
+    from pipeline.job.stages import actor_plan, fetch_budget
 
     config = RunConfig(source="/in", output="/out")
     actors, actor_cpus, gpus_each = actor_plan(config, 16 * gpus, gpus)

@@ -12,9 +12,8 @@ import pytest
 
 from pipeline.config import RunConfig
 from pipeline.errors import OutputError
-from pipeline.job.plan import open_store
 from pipeline.job.output import (
-    RecordCounter, begin_output, check_output, index_output, read_previous,
+    RecordCounter, begin_output, check_output, index_output, open_store, read_previous,
 )
 from pipeline.quality import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
