@@ -169,10 +169,6 @@ class RunConfig:
         if gpus is None and spec is not None and not spec.needs_gpu:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
-            if ray_address() is None:
-                from pipeline.job.local_ray import local_ray_env  # noqa: PLC0415
-
-                local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
             gpus, where = cluster_gpus()
         if spec is None:
             spec = engine_spec(choose(gpus, where).engine)

@@ -11,7 +11,7 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 
-from pipeline.cluster import ray_address
+from pipeline.cluster import local_ray_env, ray_address
 from pipeline.triton.profiles import node_gpus
 
 LOG = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def cluster_gpus() -> tuple[int, str]:
     machine's as a local Ray would count them."""
     address = ray_address()
     if address is None:
+        local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
         return node_gpus(), "this machine"
     import ray  # noqa: PLC0415
 

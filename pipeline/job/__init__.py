@@ -2,11 +2,11 @@
 
 ``run`` tells the story of a run; ``plan`` decides once what the run is (the engine, local Ray or a cluster, the
 opened stores); ``output`` prepares DEST and reads the resume and carry-over sets from shard records (no Ray);
-``local_ray`` owns the environment of a local Ray we start and sweeps what dead runs left; ``stages`` decides the
+``local_ray`` marks a local Ray we start and sweeps what dead runs left; ``stages`` decides the
 actors' shares of the cluster once Ray is up, and builds the Ray Data pipeline and the carry tasks.
 """
 
-from pipeline.job.local_ray import local_ray_env
+from pipeline.cluster import local_ray_env
 from pipeline.job.plan import RunPlan, make_plan
 from pipeline.job.run import RunSummary, run_job
 

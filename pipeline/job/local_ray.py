@@ -1,5 +1,5 @@
-"""The local Ray a run starts itself: its environment (loopback only, no metrics), its owner mark, and the sweep of
-what an earlier run killed with SIGKILL left running or on disk."""
+"""The local Ray a run starts itself: its owner mark, and the sweep of what an earlier run killed with SIGKILL left
+running or on disk (its environment, loopback only and no metrics, is ``pipeline.cluster.local_ray_env``)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,10 @@ from pathlib import Path
 
 LOG = logging.getLogger(__name__)
 
-# Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
-# worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
-# TemporalMetricStorage::buildMetrics (seen in CI, killing an actor mid-job). A local
-# Ray we start ourselves has no dashboard to read those metrics, so it runs without them.
-# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's single-machine switch: the node IP becomes
-# 127.0.0.1, so GCS, raylet, workers, agents and the autoscaler/dashboard metrics all
-# listen on loopback only (Ray reads it when ray is imported). Set any of them yourself
-# to override; a cluster given by RAY_ADDRESS is left as is.
-LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
-                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 LOCAL_ADDRESS = "local"  # ray.init's address for "start a new local Ray", never a `ray start` cluster found on disk
 OWNER_FILE = "bulk_classify_owner.json"  # in the session folder of a local Ray we started: the driver's pid
 # Ray names a session folder session_<date>_<time>_<microseconds>_<pid>; every process of a session names it.
 SESSION_DIR = re.compile(r"/[^\s=:,]*/session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
-
-
-def local_ray_env() -> None:
-    """Set the environment a local Ray we start needs (workers inherit it); call before ``import ray``."""
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 def owner_alive(pid: int, started: float | None = None) -> bool:

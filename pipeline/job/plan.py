@@ -8,11 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.cluster import ray_address
+from pipeline.cluster import local_ray_env, ray_address
 from pipeline.config import RunConfig
 from pipeline.engines.registry import AUTO_ENGINE, engine_spec
 from pipeline.iceberg_output import IcebergOutput, is_iceberg, table_parts
-from pipeline.job.local_ray import local_ray_env
 from pipeline.job.output import Store, check_output, check_output_location, open_store
 
 

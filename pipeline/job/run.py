@@ -193,7 +193,7 @@ class _Run:
         self.counter: Any = None
         self.writer_actors = 0  # the pipeline's writer actors; none: the driver commits the shards
         self.carrying: list[Any] = []  # refs of carry tasks not yet collected
-        self.metrics = JobMetrics(config.metrics_port)
+        self.metrics = JobMetrics(plan.config.metrics_port)
         self.totals = ShardStats()
         self.listed, self.asked = 0, 0.0
         self.planned: int | None = None  # a manifest's entries not yet done, known from its footers before listing

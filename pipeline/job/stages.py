@@ -16,7 +16,8 @@ from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
 from pipeline.engines.base import STATUS_OK
 from pipeline.job.plan import RunPlan
 from pipeline.schema import OUTPUT_SCHEMA, conform
-from pipeline.job.local_ray import LOCAL_ADDRESS, LOCAL_RAY_ENV, local_ray_env, mark_session, sweep_before_start
+from pipeline.cluster import LOCAL_RAY_ENV, local_ray_env
+from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
 from pipeline.keys import member, uri_hashes
 from pipeline.source import open_fs, plan_listing
 from pipeline.triton.server import LOOPBACK

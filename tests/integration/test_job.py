@@ -221,7 +221,7 @@ def test_fetch_ahead_budget_bounds_the_blocks_of_fetched_images(tmp_path, ray_lo
     assert ctx.target_max_block_size == 2 * 1024 * 1024
 
 
-def test_a_run_is_decided_once(tmp_path, ray_local):
+def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch):
     """Following run_job in the driver: the engine spec looked up, the config resolved, the cluster's resources
     counted and each store opened once; RAY_ADDRESS is read only by ``pipeline.cluster.ray_address``."""
     import sys
@@ -238,7 +238,7 @@ def test_a_run_is_decided_once(tmp_path, ray_local):
     for name in ("coffee.jpg", "chelsea.jpg"):
         shutil.copy(PHOTOS / name, src / name)
     watched = {registry.engine_spec.__code__: "engine_spec", open_fs.__code__: "open_fs",
-               ray_local.cluster_resources.__code__: "cluster_resources", Config.resolve.__code__: "resolve",
+               Config.resolve.__code__: "resolve",
                cluster.ray_address.__code__: "ray_address"}
     calls: Counter = Counter()
 
@@ -251,6 +251,13 @@ def test_a_run_is_decided_once(tmp_path, ray_local):
         elif name is not None:
             calls[name] += 1
 
+    cluster_resources = ray_local.cluster_resources
+
+    def counted_cluster_resources(*args, **kwargs):
+        calls["cluster_resources"] += 1
+        return cluster_resources(*args, **kwargs)
+
+    monkeypatch.setattr(ray_local, "cluster_resources", counted_cluster_resources)
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:

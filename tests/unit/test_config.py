@@ -216,3 +216,15 @@ def test_defaults_then_environment_then_the_nightly_file_then_the_command_line(t
     c = RunConfig.build({"source": "in/", "output": "out/", "top_k": None}, env=env)
     assert (c.top_k, c.shard_size, c.batch_size, c.storage_options) == (3, 30, 16, {"a": 0, "b": 2})
     assert RunConfig.build({"source": "in/", "output": "out/"}, env={}).top_k == 5  # the default
+
+
+def test_ray_address_is_read_in_one_place():
+    """Only pipeline.cluster reads RAY_ADDRESS; everything else asks ``ray_address()`` or the run's plan."""
+    import re
+    from pathlib import Path
+
+    import pipeline
+
+    read = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']RAY_ADDRESS|RAY_ADDRESS_ENV\b""")
+    readers = {p.name for p in Path(pipeline.__file__).parent.rglob("*.py") if read.search(p.read_text())}
+    assert readers == {"cluster.py"}

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import RunConfig
 from pipeline.errors import OutputError
 from pipeline.job.output import (
     RecordCounter, begin_output, check_output, index_output, open_store, read_previous,
