@@ -135,16 +135,16 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     dest = date_folder(output_root, day)
     previous_opt = options.pop("previous", None) or PREVIOUS_AUTO
     storage_options = dict(options.get("storage_options") or {})
-    from pipeline.job import make_plan, run_job  # noqa: PLC0415 - pyarrow and the engines: once the options are good
+    from pipeline.job import choose_engine, make_plan, open_store, run_job  # noqa: PLC0415 - once the options are good
 
-    # The run decided once, before any storage is read or Ray starts: every option, the engine's requirements and
-    # the stores; the date folder is read through the plan's output store.
-    plan = make_plan(RunConfig.build({**options, "output": dest}, env={}))
+    # Every option and the engine's requirements are checked before any storage is read or Ray starts.
+    config, spec = choose_engine(RunConfig.build({**options, "output": dest}, env={}))
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.reader import committed_parts, read_json  # noqa: PLC0415
 
-    fs, root = plan.output.fs, plan.output.root
+    output = open_store(dest, storage_options)  # the run's output store too
+    fs, root = output.fs, output.root
     try:
         done = read_json(fs, root, SUCCESS)
         shards = committed_parts(fs, root)
@@ -163,7 +163,8 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     if shards and not options.get("overwrite"):
         LOG.info("resuming %s%s: %d shard(s) already committed", DATE_PREFIX, day, len(shards))
 
-    summary = run_job(plan.with_previous(previous), progress=progress)
+    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, output=output)
+    summary = run_job(plan, progress=progress)
     from pipeline.quality import record_drift  # noqa: PLC0415
 
     # The quality gate's comparison: against the previous completed date, even when nothing was carried from it.

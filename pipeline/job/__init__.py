@@ -7,8 +7,9 @@ actors' shares of the cluster once Ray is up, and builds the Ray Data pipeline a
 """
 
 from pipeline.cluster import local_ray_env
-from pipeline.job.plan import RunPlan, make_plan
+from pipeline.job.output import open_store
+from pipeline.job.plan import RunPlan, choose_engine, make_plan
 from pipeline.job.run import RunSummary, run_job
 
 
-__all__ = ["RunPlan", "RunSummary", "make_plan", "run_job", "local_ray_env"]
+__all__ = ["RunPlan", "RunSummary", "choose_engine", "make_plan", "open_store", "run_job", "local_ray_env"]

@@ -45,30 +45,36 @@ class RunPlan:
         """Whether the job starts its own Ray on this machine."""
         return self.ray_address is None
 
-    def with_previous(self, url: str | None) -> "RunPlan":
-        """This plan with ``url`` (None: none) as the previous output, its store opened."""
-        config, previous, parts = _open_previous(dataclasses.replace(self.config, previous=url))
-        return dataclasses.replace(self, config=config, previous=previous, previous_parts=parts)
+
+def choose_engine(config: RunConfig, *, local: bool | None = None) -> tuple[RunConfig, Any]:
+    """The engine's preflight, then ``auto`` resolved to an engine and the batch size filled in, by the GPUs of the
+    cluster the job runs on: ``config`` resolved and its engine's ``EngineSpec``. Reads no storage.
+
+    The preflight runs in this driver only for a ``local`` Ray (default: unless ``RAY_ADDRESS`` names a cluster,
+    whose nodes must meet it).
+    """
+    local = ray_address() is None if local is None else local
+    if local:
+        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
+    given = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
+    if local and given is not None:
+        given.check(config.engine_options)  # before the GPUs are counted: a bad engine fails in a second
+    config, spec = config.resolve(spec=given)  # auto -> an engine, and the batch size, by the cluster's GPUs
+    if local and given is None:
+        spec.check(config.engine_options)
+    return config, spec
 
 
-def make_plan(config: RunConfig) -> RunPlan:
-    """Check the options and the engine's requirements, resolve the engine and batch size, open the stores and check
-    them (read-only): everything a run decides before Ray starts or DEST is touched.
-
-    The engine's preflight runs in this driver only for a local Ray: with ``RAY_ADDRESS`` the cluster's nodes must
-    meet it.
+def make_plan(config: RunConfig, *, spec: Any = None, output: Store | None = None) -> RunPlan:
+    """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``; with ``spec``,
+    ``config`` is already resolved and ``spec`` its engine's), then the stores opened (``output``: DEST already
+    opened by the caller) and checked, read-only.
     """
     from pipeline.source import check_source  # noqa: PLC0415
 
     address = ray_address()
-    if address is None:
-        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
-    given = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
-    if address is None and given is not None:
-        given.check(config.engine_options)  # before the GPUs are counted: a bad engine fails in a second
-    config, spec = config.resolve(spec=given)  # auto -> an engine, and the batch size, by the cluster's GPUs
-    if address is None and given is None:
-        spec.check(config.engine_options)
+    if spec is None:
+        config, spec = choose_engine(config, local=address is None)
     output_url = config.output
     table = None
     if is_iceberg(config.output):
@@ -76,7 +82,8 @@ def make_plan(config: RunConfig) -> RunPlan:
         config = dataclasses.replace(config, output=table.data_folder)
     config, previous, previous_parts = _open_previous(config)
     source = open_store(config.source, config.storage_options)
-    output = open_store(config.output, config.storage_options)
+    if output is None or output.url != config.output:
+        output = open_store(config.output, config.storage_options)
     check_output_location(source, output)  # an output that is the source or holds it: refused before anything else
     check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
     check_output(output.fs, output.root, config.output)
