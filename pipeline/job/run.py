@@ -93,10 +93,8 @@ def run_job(config: RunConfig | RunPlan, *, progress: ProgressCallback | None = 
                 if plan.table is not None:
                     commit_table(plan.table, dst_fs, dst_root, lease, {
                         "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
-                summary = _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
-                                  t0, index_s + list_s, run.writer_actors)
-                summary.output = plan.output_url
-                return summary
+                return _finish(plan, lease, totals, skipped, bundle, started_at, t0, index_s + list_s,
+                               run.writer_actors)
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
@@ -120,12 +118,13 @@ def start_node(plan: RunPlan, bundle: Any) -> Any:
         options=spec_kwargs(plan.spec, config.engine_options or {}, decode_threads=config.decode_threads))
 
 
-def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
-            bundle: Any, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
+def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, bundle: Any, started_at: datetime,
+            t0: float, list_s: float, writer_actors: int) -> RunSummary:
     """Count the committed rows (each URI's row already unique) and write ``_REPORT.json`` and then ``_SUCCESS``."""
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    report = assemble_report(config, totals, bundle=bundle, already_done=skipped, list_s=list_s,
+    dst_fs, dst_root = plan.output.fs, plan.output.root
+    report = assemble_report(plan.config.engine, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
     from pipeline.quality import committed_quality
@@ -144,19 +143,20 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
                      "already_done": skipped},
         "model": bundle.name,
         "model_digest": bundle.digest,
-        "options": config.public_dict(),
+        "options": plan.config.public_dict(),
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
     })
-    return RunSummary(output=config.output, counts=all_counts, total=sum(all_counts.values()),
+    return RunSummary(output=plan.output_url, counts=all_counts, total=sum(all_counts.values()),
                       classified=totals.classified, carried=totals.carried, already_done=skipped,
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
+def assemble_report(engine: str, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
-    """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
+    """The run report written to ``_REPORT.json``: this run's totals, stage times and identity (``engine``: the
+    resolved engine's name)."""
     from pipeline.report import build_run_report
 
     return build_run_report({
@@ -166,7 +166,7 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, alrea
         "stage_seconds": totals.stage_seconds(list_s),
         "model": bundle.name,
         "model_digest": bundle.digest,
-        "engine": config.engine,
+        "engine": engine,
         "writer_actors": writer_actors,
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
