@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from pipeline.engines.registry import engine_kwargs, engine_spec
 from pipeline.schema import (
-    CALLS, CARRIED, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
+    CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
     MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
 )
 
@@ -62,8 +62,7 @@ class ClassifyActor:
         data = batch.column(DATA).to_pylist()
         status = batch.column(STATUS).to_pylist()
         error = batch.column(ERROR).to_pylist()
-        carried = batch.column(CARRIED).to_pylist()
-        todo = [i for i in range(len(data)) if not carried[i] and status[i] is None and data[i] is not None]
+        todo = [i for i in range(len(data)) if status[i] is None and data[i] is not None]
         n = len(data)
         class_ids = batch.column(CLASS_IDS).to_pylist()
         labels = batch.column(LABELS).to_pylist()
@@ -101,8 +100,6 @@ class ClassifyActor:
         if n:
             events[0] = self._new_events()
         for i in range(n):
-            if carried[i]:
-                continue
             model[i], digest[i], engine[i], when[i] = self.bundle.name, self.bundle.digest, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
                 status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"

@@ -22,7 +22,7 @@ from pipeline.errors import BulkClassifyError, EmptySourceError
 from pipeline.int8.gate import GateThresholds
 from pipeline.int8.quantize import (
     CALIBRATION_METHODS, DEFAULT_SAMPLES, DEFAULT_SEED, EXCLUDE_KEYWORDS, QUANT_FORMATS, QUANT_TYPES, SIDE_SUFFIX,
-    QuantizeOptions,
+    GateFailed, QuantizeOptions,
 )
 from pipeline.io.iceberg_output import DEFAULT_WAREHOUSE, ICEBERG_SCHEME
 from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE
@@ -30,10 +30,10 @@ from pipeline.model.imaging import MAX_DECODE_THREADS
 from pipeline.model_check import DEFAULT_MAX_SCORE_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE
 from pipeline.model_import.core import (
     DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT as IMPORT_MIN_AGREEMENT, DEFAULT_SAMPLE as IMPORT_SAMPLE, SOURCES,
-    ImportOptions,
+    ImportOptions, ParityFailed,
 )
 from pipeline.nightly import PREVIOUS_AUTO, PREVIOUS_NONE
-from pipeline.quality.statistics import DriftThresholds
+from pipeline.quality.statistics import DRIFT_EXIT_CODE, DriftThresholds
 from pipeline.schema import DEFAULT_TOP_K, MIB, STATUS_ERROR, STATUS_OK
 from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
 from pipeline.storage import INVENTORY_FORM, URIS_FORM
@@ -46,6 +46,22 @@ from pipeline.triton.repository import REPOSITORY_PROFILES
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
 EMPTY_SOURCE_EXIT = 4  # `run` on a source with nothing to classify: a warning and this status, DEST untouched
+NIGHTLY_ERROR_EXIT = 2  # `nightly`: a bad option, storage, model or an empty source (1 is a crash)
+GATE_EXIT = 3  # `model quantize` and `model import`: the gate or the parity check refused the model
+ERROR_EXIT = 1
+# The one table of how a library error leaves the command line: (command, exception class, exit status); the first
+# row whose command ("*": any) and class match wins. The message goes to stderr in one line, "Error: " first
+# ("warning: " for the empty source), its control characters escaped; an exception no row matches is a crash
+# (a traceback, exit status 1). Click's own usage errors exit 2, and `report --against` exits DRIFT_EXIT_CODE on
+# drift and `model check` 1 on a failed engine: results, not errors (docs/operations.md lists every status).
+EXIT_STATUSES: tuple[tuple[str, type[BaseException], int], ...] = (
+    ("run", EmptySourceError, EMPTY_SOURCE_EXIT),
+    ("nightly", BulkClassifyError, NIGHTLY_ERROR_EXIT),
+    ("model quantize", GateFailed, GATE_EXIT),
+    ("model import", ParityFailed, GATE_EXIT),
+    ("repo prepare", Exception, ERROR_EXIT),  # anything, named by its type, in one line for the pod log
+    ("*", BulkClassifyError, ERROR_EXIT),
+)
 # What reaches the terminal from names, labels and errors: C0 controls but tab and newline, DEL, C1 controls and the
 # bidirectional overrides, shown escaped so that a hostile label cannot retitle, recolour or reorder the terminal.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -61,19 +77,52 @@ def _echo(text: str = "", **kwargs: Any) -> None:
 
 
 class Failure(click.ClickException):
-    """A library error in one line on stderr, with its control characters escaped."""
+    """A library error in one line on stderr, with its control characters escaped, and its exit status."""
+
+    def __init__(self, message: str, exit_code: int = ERROR_EXIT, prefix: str = "Error: "):
+        super().__init__(message)
+        self.exit_code, self.prefix = exit_code, prefix
 
     def format_message(self) -> str:
         return escape_controls(self.message)
 
-
-class EmptySource(Failure):
-    """``run`` on a source that holds nothing to classify: a warning and ``EMPTY_SOURCE_EXIT``."""
-
-    exit_code = EMPTY_SOURCE_EXIT
-
     def show(self, file: Any = None) -> None:
-        _echo(f"warning: {self.format_message()}", err=True)
+        _echo(f"{self.prefix}{self.format_message()}", err=True)
+
+
+def failure(command: str, err: BaseException) -> Failure | None:
+    """``err`` raised under ``command`` ("model quantize") as EXIT_STATUSES maps it; None: a crash, left to raise."""
+    for name, kind, status in EXIT_STATUSES:
+        if name in ("*", command) and isinstance(err, kind):
+            message = str(err) if issubclass(kind, BulkClassifyError) else f"{type(err).__name__}: {err}"
+            return Failure(message, status, prefix="warning: " if status == EMPTY_SOURCE_EXIT else "Error: ")
+    return None
+
+
+class LibraryCommand(click.Command):
+    """A command whose library errors leave through EXIT_STATUSES."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:  # noqa: BLE001 - mapped by the table, or raised again as it was
+            names = []
+            while ctx.parent is not None:
+                names.append(ctx.info_name)
+                ctx = ctx.parent
+            mapped = failure(" ".join(reversed(names)), err)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+
+class LibraryGroup(click.Group):
+    """The command line's groups: their commands are LibraryCommands, their subgroups LibraryGroups."""
+
+    command_class = LibraryCommand
+    group_class = type
 
 
 def _options(items: tuple[str, ...], flag: str = "--storage-option", example: str = "anon=true") -> dict[str, Any]:
@@ -107,7 +156,7 @@ class _Progress:
             self.bar.close()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LibraryGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="bulk-classify")
 @click.option("-v", "--verbose", is_flag=True, help="Log the library's progress to stderr.")
 def main(verbose: bool) -> None:
@@ -201,14 +250,7 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     \b
     Exit status: 0 done, 1 an error (the message says the fix), 4 SOURCE holds nothing to classify.
     """
-    explicit = dict(_run_fields(options), source=source)
-    try:
-        config = RunConfig.build(explicit)
-        config.check_requirements()  # before Ray and the job's heavy imports: a bad engine fails in a second
-        config = config.resolved()  # auto's engine and the batch size, by the cluster's GPUs
-        config.check_requirements()
-    except BulkClassifyError as err:
-        raise Failure(str(err)) from None
+    config = RunConfig.build(dict(_run_fields(options), source=source))
     from pipeline.job import run_job
     from pipeline.quality.report import format_run_report
 
@@ -216,10 +258,6 @@ def run(source: str, quiet: bool, **options: Any) -> None:
     try:
         with _ray_output_to_stderr():
             summary = run_job(config, progress=progress)
-    except EmptySourceError as err:
-        raise EmptySource(str(err)) from None
-    except BulkClassifyError as err:
-        raise Failure(str(err)) from None
     finally:
         progress.close()
     if not quiet:
@@ -229,12 +267,6 @@ def run(source: str, quiet: bool, **options: Any) -> None:
             f"{summary.counts.get(STATUS_ERROR, 0)} error; this run classified {summary.classified}, "
             f"carried {summary.carried}, found {summary.already_done} already done, in {summary.elapsed_s:.1f}s"
         )
-
-
-class NightlyError(Failure):
-    """A bad option, storage or model in the nightly scan: exit status 2 (1 is a crash)."""
-
-    exit_code = 2
 
 
 @contextlib.contextmanager
@@ -268,12 +300,9 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
     """
     from pipeline.nightly import DATE_PREFIX, nightly_scan
 
-    try:
-        scan = nightly_options(config_file, no_previous, options)
-        with _ray_output_to_stderr():
-            result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
-    except BulkClassifyError as err:
-        raise NightlyError(str(err)) from None
+    scan = nightly_options(config_file, no_previous, options)
+    with _ray_output_to_stderr():
+        result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
     if result.status == "already_complete":
         rec = result.success or {}
         _echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
@@ -355,11 +384,8 @@ def repo_build(profile: str, model: str | None, output: str, top_k: int, instanc
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
     from pipeline.triton.repository import build_repository
 
-    try:
-        path = build_repository(profile, model, output, top_k=top_k, instances=instances,
-                                max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
-    except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+    path = build_repository(profile, model, output, top_k=top_k, instances=instances,
+                            max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
     shaped = REPOSITORY_PROFILES[profile].shapes
     click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if shaped else ""))
 
@@ -370,10 +396,7 @@ def repo_check(path: str | None) -> None:
     """Check repositories: PATH (a repository or a folder of profiles), else every profile this package generates."""
     from pipeline.triton.checks import check_repository
 
-    try:
-        models = check_repository(path)
-    except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+    models = check_repository(path)
     click.echo(f"ok: {len(models)} models checked ({', '.join(models)})")
 
 
@@ -388,11 +411,8 @@ def repo_prepare(repository: str, model: str | None, plan_cache: str | None, top
     from pipeline.triton.prepare import prepare
 
     logging.getLogger().setLevel(logging.INFO)  # the pod log shows what it did and how long it took
-    try:
-        done = prepare(repository, model or None, plan_cache=plan_cache or None, top_k=top_k,
-                       max_batch_size=max_batch_size)
-    except Exception as err:  # noqa: BLE001 - one line for the pod log (fsspec and TensorRT raise their own types)
-        raise click.ClickException(f"{type(err).__name__}: {err}") from None
+    done = prepare(repository, model or None, plan_cache=plan_cache or None, top_k=top_k,
+                   max_batch_size=max_batch_size)
     click.echo(f"repo prepare: {done['action']} {done['cache_name']}")
 
 
@@ -434,20 +454,15 @@ def model_quantize(source: str, output: str, model: str | None, samples: int, ca
     \b
     Exit status: 0 written, 3 the gate failed (no model written; the report goes to a side file), 1 an error.
     """
-    from pipeline.int8.quantize import GateFailed, format_gate, quantize_model
+    from pipeline.int8.quantize import format_gate, quantize_model
 
-    try:
-        options = QuantizeOptions(method=method, percentile=percentile, per_channel=per_channel,
-                                  exclude=tuple(exclude.split(",")), quant_format=quant_format, types=types,
-                                  calibration_images=calibration_images)
-        thresholds = GateThresholds(**gate)
-        result = quantize_model(source, output, model=model, samples=samples, seed=seed, options=options,
-                                thresholds=thresholds, force=force, storage_options=_options(storage_options),
-                                report_path=report_path)
-    except GateFailed as err:
-        raise GateExit(str(err)) from None
-    except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+    options = QuantizeOptions(method=method, percentile=percentile, per_channel=per_channel,
+                              exclude=tuple(exclude.split(",")), quant_format=quant_format, types=types,
+                              calibration_images=calibration_images)
+    thresholds = GateThresholds(**gate)
+    result = quantize_model(source, output, model=model, samples=samples, seed=seed, options=options,
+                            thresholds=thresholds, force=force, storage_options=_options(storage_options),
+                            report_path=report_path)
     click.echo(format_gate(result.report))
     state = "passed" if result.passed else "FAILED (written with --force, marked failed)"
     click.echo(f"INT8 model {state}: {result.model_dir} (report {result.report_path.name})")
@@ -471,22 +486,13 @@ def model_check(folder: str, images: str | None, engines: tuple[str, ...], sampl
     """
     from pipeline.model_check import check_model_folder, format_report
 
-    try:
-        report = check_model_folder(folder, images=images, engines=engines, sample=sample,
-                                    min_agreement=min_agreement, max_score_diff=max_score_diff,
-                                    storage_options=_options(storage_options))
-    except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+    report = check_model_folder(folder, images=images, engines=engines, sample=sample,
+                                min_agreement=min_agreement, max_score_diff=max_score_diff,
+                                storage_options=_options(storage_options))
     click.echo(format_report(report))
     if not report.passed:
         failed = [e.engine for e in report.engines if not e.passed]
-        raise click.ClickException(f"model check failed for {', '.join(failed)}; see the lines above")
-
-
-class GateExit(click.ClickException):
-    """The INT8 gate failed: exit status 3 (1 is an error)."""
-
-    exit_code = 3
+        raise Failure(f"model check failed for {', '.join(failed)}; see the lines above")
 
 
 @model_group.command("import")
@@ -510,17 +516,10 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
     against the framework's own transform and forward.
     Exit status: 0 written, 3 parity failed (nothing written), 1 an error.
     """
-    from pipeline.model_import.core import ParityFailed, format_result, import_model
+    from pipeline.model_import.core import format_result, import_model
 
-    try:
-        options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement,
-                                max_logit_diff=max_logit_diff)
-        result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset,
-                              options=options)
-    except ParityFailed as err:
-        raise GateExit(str(err)) from None
-    except BulkClassifyError as err:
-        raise Failure(str(err)) from None
+    options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement, max_logit_diff=max_logit_diff)
+    result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset, options=options)
     _echo(format_result(result))
 
 
@@ -552,32 +551,26 @@ def report(dest: str, storage_options: tuple[str, ...], catalog_options: tuple[s
     if against is None:
         if html_file:
             raise click.UsageError("--html needs --against PREV: the page compares two outputs")
-        try:
-            summary = summarize_output(dest, options, catalog)
-        except BulkClassifyError as err:
-            raise Failure(str(err)) from None
+        summary = summarize_output(dest, options, catalog)
         _echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
         return
 
-    from pipeline.quality.statistics import DRIFT_EXIT_CODE, compare_outputs, format_comparison
+    from pipeline.quality.statistics import compare_outputs, format_comparison
 
     try:
         limits = DriftThresholds(**{k: v for k, v in thresholds.items() if v is not None})
     except BulkClassifyError as err:
         raise click.UsageError(str(err)) from None
-    try:
-        result = compare_outputs(dest, against, limits, options, catalog)
-        if html_file:
-            from pipeline.quality.html import write_html
+    result = compare_outputs(dest, against, limits, options, catalog)
+    if html_file:
+        from pipeline.quality.html import write_html
 
-            write_html(result, html_file)
-    except BulkClassifyError as err:
-        raise Failure(str(err)) from None
+        write_html(result, html_file)
     _echo(json.dumps(result, indent=2) if as_json else format_comparison(result))
     if html_file and not as_json:
         _echo(f"page: {html_file}")
     if not result["passed"]:
-        sys.exit(DRIFT_EXIT_CODE)
+        click.get_current_context().exit(DRIFT_EXIT_CODE)
 
 
 @main.command()
@@ -589,10 +582,7 @@ def size(curve: str, target_rate: float, utilization: float, spare: int) -> None
     """GPUs needed for a target rate, from a measured throughput/p99 curve (CSV or JSON)."""
     from pipeline.sizing import format_sizing, size_fleet
 
-    try:
-        result = size_fleet(curve, target_rate, utilization=utilization, spare=spare)
-    except BulkClassifyError as err:
-        raise click.ClickException(str(err)) from None
+    result = size_fleet(curve, target_rate, utilization=utilization, spare=spare)
     click.echo(format_sizing(result))
 
 

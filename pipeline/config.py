@@ -1,4 +1,5 @@
-"""The one frozen run configuration: defaults < environment < explicit options, validated up front."""
+"""The one frozen run configuration, validated up front, and the one option merge: defaults < environment < the
+nightly's file < explicit options."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
 from pipeline.errors import ConfigError
 from pipeline.io.iceberg_output import TableRef, is_iceberg
 from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
-from pipeline.node import local_ray_env
+from pipeline.node import ray_address
 from pipeline.schema import DEFAULT_EXTENSIONS, DEFAULT_TOP_K, MIB
 from pipeline.storage import manifest_form
 
@@ -29,25 +30,6 @@ FETCH_AHEAD_IMAGE_BYTES = 256 * 1024
 DEFAULT_LIST_TASKS = 8
 # Classify actors where they take no GPU, by default (--num-actors): one per this many CPUs.
 CPUS_PER_CPU_ACTOR = 4
-
-# Environment variables that may set a field (BULK_CLASSIFY_<FIELD>); anything else is explicit-only.
-ENV_FIELDS = (
-    "model",
-    "engine",
-    "top_k",
-    "batch_size",
-    "shard_size",
-    "num_actors",
-    "fetch_threads",
-    "decode_threads",
-    "max_bytes",
-    "max_pixels",
-    "retries",
-    "metrics_port",
-    "fetch_ahead_bytes",
-    "list_tasks",
-)
-
 
 def parse_option(item: str, flag: str = "--storage-option", example: str = "anon=true") -> tuple[str, Any]:
     """Parse one ``KEY=VALUE`` of ``flag``; JSON values (true, 3, {...}) are decoded, anything else stays text."""
@@ -172,47 +154,44 @@ class RunConfig:
     def resolved(self, gpus: int | None = None, where: str = "this machine") -> "RunConfig":
         """This config with ``auto`` resolved to an engine and the batch size filled in, both by the GPUs of the
         cluster the job runs on (counted here, or given as ``gpus``); a config already resolved is returned as is."""
-        if self.engine != AUTO_ENGINE and self.batch_size is not None:
-            return self
+        return self.resolve(gpus, where)[0]
+
+    def resolve(self, gpus: int | None = None, where: str = "this machine", *, spec: Any = None
+                ) -> tuple["RunConfig", Any]:
+        """``resolved()`` and the resolved engine's ``EngineSpec``, looked up once (``spec``: this config's engine's,
+        already looked up by the caller)."""
+        if spec is None and self.engine != AUTO_ENGINE:
+            spec = engine_spec(self.engine)
+        if spec is not None and self.batch_size is not None:
+            return self, spec
         from pipeline.engines.auto import choose, cluster_gpus  # noqa: PLC0415
 
-        if gpus is None and self.engine != AUTO_ENGINE and not engine_spec(self.engine).needs_gpu:
+        if gpus is None and spec is not None and not spec.needs_gpu:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
-            if not os.environ.get("RAY_ADDRESS"):
-                local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
             gpus, where = cluster_gpus()
-        engine = choose(gpus, where).engine if self.engine == AUTO_ENGINE else self.engine
-        spec = engine_spec(engine)
+        if spec is None:
+            spec = engine_spec(choose(gpus, where).engine)
         batch = self.batch_size
         if batch is None:
             batch = spec.gpu_batch_size if spec.needs_gpu and gpus > 0 and spec.gpu_batch_size else DEFAULT_BATCH_SIZE
-        return dataclasses.replace(self, engine=engine, batch_size=batch)
+        return dataclasses.replace(self, engine=spec.name, batch_size=batch), spec
 
     def check_requirements(self) -> None:
         """The engine's preflight (torch, tritonserver, repository) on this machine, before Ray starts.
 
         Skipped when ``RAY_ADDRESS`` points at a cluster: its nodes, not this driver, must meet them.
         """
-        if not os.environ.get("RAY_ADDRESS") and self.engine != AUTO_ENGINE:
+        if ray_address() is None and self.engine != AUTO_ENGINE:
             engine_spec(self.engine).check(self.engine_options)
 
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":
         """Merge defaults < ``BULK_CLASSIFY_*`` environment < explicit options (``None`` means unset)."""
-        env = os.environ if env is None else env
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        merged: dict[str, Any] = {}
-        for name in ENV_FIELDS:
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is None or raw == "":
-                continue
-            merged[name] = _coerce(name, raw, fields[name].type)
-        unknown = set(explicit) - set(fields)
+        unknown = set(explicit) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown option(s) {sorted(unknown)}; see 'bulk-classify run --help'")
-        merged.update({k: v for k, v in explicit.items() if v is not None})
-        return cls(**merged)
+        return cls(**merge_options(explicit, env=env))
 
     def public_dict(self) -> dict[str, Any]:
         """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
@@ -228,10 +207,74 @@ def _strip(url: str) -> str:
     return url.rstrip("/").removeprefix("file://")
 
 
-def _coerce(name: str, raw: str, type_name: Any) -> Any:
-    if "int" in str(type_name):
+def option_types() -> dict[str, str]:
+    """Every RunConfig field by the name of its type, as the environment's values are read."""
+    return {f.name: str(f.type) for f in dataclasses.fields(RunConfig)}
+
+
+def merge_options(*layers: Mapping[str, Any], env: Mapping[str, str] | None = None,
+                  types: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The one merge of options: defaults (left out) < ``BULK_CLASSIFY_<NAME>`` environment < ``layers``, lowest
+    first (the nightly's file, then the command line). In a layer ``None`` and an empty mapping mean "not given";
+    mapping options (storage, engine and catalog options) merge key by key, the higher layer's keys winning.
+
+    ``types`` names the options the environment may set and their types (default: every RunConfig field).
+    """
+    env = os.environ if env is None else env
+    types = option_types() if types is None else types
+    merged: dict[str, Any] = {}
+    for name, type_name in types.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            merged[name] = _coerce(name, raw, type_name)
+    for layer in layers:
+        for name, value in layer.items():
+            if isinstance(value, Mapping):
+                if value:
+                    merged[name] = {**dict(merged.get(name) or {}), **dict(value)}
+            elif value is not None:
+                merged[name] = value
+    if isinstance(merged.get("extensions"), list):
+        merged["extensions"] = tuple(merged["extensions"])
+    return merged
+
+
+def _coerce(name: str, raw: str, type_name: str) -> Any:
+    """A ``BULK_CLASSIFY_<NAME>`` value as the option's type: integers, numbers, true/false, comma-separated lists,
+    and ``KEY=VALUE,KEY=VALUE`` (or a JSON object) for the mapping options."""
+    var = f"{ENV_PREFIX}{name.upper()}={raw!r}"
+    if type_name.startswith("int"):
         try:
             return int(raw)
         except ValueError:
-            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer; unset it or fix it") from None
+            raise ConfigError(f"{var} is not an integer; unset it or fix it") from None
+    if type_name.startswith("float"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{var} is not a number; unset it or fix it") from None
+    if type_name == "bool":
+        word = raw.strip().lower()
+        if word not in _BOOLEANS:
+            raise ConfigError(f"{var} is not true or false; unset it or fix it")
+        return _BOOLEANS[word]
+    if type_name.startswith("tuple"):
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
+    if type_name.startswith("Mapping"):
+        if raw.lstrip().startswith("{"):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ConfigError(f"{var} is not a JSON object; write KEY=VALUE,KEY=VALUE or {{\"KEY\": VALUE}}")
+            return value
+        pairs: dict[str, Any] = {}
+        for item in (i for i in raw.split(",") if i.strip()):
+            key, _value = parse_option(item.strip(), f"{ENV_PREFIX}{name.upper()}", "KEY=VALUE,KEY=VALUE")
+            pairs[key] = _value
+        return pairs
     return raw
+
+
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

@@ -12,7 +12,7 @@
   exit status does not depend on it: ``bulk-classify report DEST --against previous`` is the gate.
 * ``--config FILE`` (YAML) may hold any of these options (``output_root``, ``date``, ...) and any run
   option (``batch_size``, ``num_actors``, ``storage_options``, ...); the command line wins over the file,
-  the file over ``BULK_CLASSIFY_*`` environment variables.
+  the file over ``BULK_CLASSIFY_*`` environment variables (``pipeline.config.merge_options``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, merge_options, option_types
 from pipeline.errors import ConfigError, OutputError
 
 LOG = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ PREVIOUS_AUTO, PREVIOUS_NONE = "auto", "none"
 # Keys of the config file (and options) that belong to the nightly layer rather than to RunConfig.
 NIGHTLY_KEYS = ("source", "output_root", "date", "previous")
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("source", "output", "previous"))
+# The options the environment may set for a scan (BULK_CLASSIFY_<NAME>), by type: the nightly's own and the run's.
+SCAN_TYPES = {**{key: "str" for key in NIGHTLY_KEYS}, **{k: v for k, v in option_types().items() if k in RUN_FIELDS}}
 
 
 @dataclasses.dataclass
@@ -122,7 +124,7 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
         env: the environment for ``BULK_CLASSIFY_*`` defaults (``os.environ`` when None).
         progress: passed to ``run_job``.
     """
-    options = dict(options)
+    options = merge_options(options, env=env, types=SCAN_TYPES)  # the environment below the file and flags
     for key in ("source", "output_root"):
         if not options.get(key):
             raise ConfigError(f"--{key.replace('_', '-')} is required (or set {key} in --config)")
@@ -133,16 +135,16 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     dest = date_folder(output_root, day)
     previous_opt = options.pop("previous", None) or PREVIOUS_AUTO
     storage_options = dict(options.get("storage_options") or {})
+    from pipeline.job import choose_engine, make_plan, open_store, run_job  # noqa: PLC0415 - once the options are good
+
     # Every option and the engine's requirements are checked before any storage is read or Ray starts.
-    config = RunConfig.build({**options, "output": dest}, env=env)
-    config.check_requirements()
-    config = config.resolved()
-    config.check_requirements()
+    config, spec = choose_engine(RunConfig.build({**options, "output": dest}, env={}))
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
 
-    fs, root = _open(dest, storage_options)
+    output = open_store(dest, storage_options)  # the run's output store too
+    fs, root = output.fs, output.root
     try:
         done = read_json(fs, root, SUCCESS)
         shards = committed_parts(fs, root)
@@ -161,10 +163,8 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     if shards and not options.get("overwrite"):
         LOG.info("resuming %s%s: %d shard(s) already committed", DATE_PREFIX, day, len(shards))
 
-    config = dataclasses.replace(config, previous=previous)
-    from pipeline.job import run_job  # noqa: PLC0415 - Ray and pyarrow: only for a run
-
-    summary = run_job(config, progress=progress)
+    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, output=output)
+    summary = run_job(plan, progress=progress)
     from pipeline.quality.statistics import record_drift  # noqa: PLC0415
 
     # The quality gate's comparison: against the previous completed date, even when nothing was carried from it.
@@ -180,17 +180,7 @@ def _open(url: str, storage_options: Mapping[str, Any] | None):
 
 
 def collect_options(config_file: str | None, flags: Mapping[str, Any]) -> dict[str, Any]:
-    """The scan's options: the YAML file's, then the command line's (``None`` = not given) on top.
-
-    ``storage_options`` and ``engine_options`` merge key by key, the command line's keys winning.
-    """
-    options = load_options_file(config_file) if config_file else {}
-    for key in ("storage_options", "engine_options"):
-        given = dict(flags.get(key) or {})
-        if given:
-            options[key] = {**dict(options.get(key) or {}), **given}
-    options.update({k: v for k, v in flags.items()
-                    if v is not None and k not in ("storage_options", "engine_options")})
-    if isinstance(options.get("extensions"), list):
-        options["extensions"] = tuple(options["extensions"])
-    return options
+    """The scan's options: the YAML file's, then the command line's (``None`` = not given) on top
+    (``merge_options``: ``storage_options`` and ``engine_options`` merge key by key, the command line's keys winning).
+    The environment goes below both in ``nightly_scan``."""
+    return merge_options(load_options_file(config_file) if config_file else {}, flags, env={}, types={})

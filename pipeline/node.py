@@ -1,5 +1,6 @@
 """This node: its loopback address, the GPUs a local Ray counts on it, whether a process still runs, whether a module
-is installed, and the environment of a local Ray we start."""
+is installed, the Ray cluster the job joins (this module is the one reader of ``RAY_ADDRESS``), and the environment
+of a local Ray we start."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import os
 
 LOOPBACK = "127.0.0.1"
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 # Ray's own metrics collection runs a periodic OpenTelemetry export thread in every
 # worker; on Ray 2.60 it crashed a worker with SIGSEGV inside
@@ -18,6 +20,11 @@ LOOPBACK = "127.0.0.1"
 # to override; a cluster given by RAY_ADDRESS is left as is.
 LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_open_telemetry": "0",
                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def ray_address() -> str | None:
+    """The address of the Ray cluster the job joins, or None: the job starts a local Ray on this machine."""
+    return os.environ.get(RAY_ADDRESS_ENV) or None
 
 
 def local_ray_env() -> None:

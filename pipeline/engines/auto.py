@@ -8,10 +8,9 @@ machine's (as Ray counts them) for a local Ray, the cluster's resources with ``R
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
-from pipeline.node import importable, node_gpus
+from pipeline.node import importable, local_ray_env, node_gpus, ray_address
 
 LOG = logging.getLogger(__name__)
 
@@ -41,8 +40,9 @@ def missing_gpu_stack() -> list[str]:
 def cluster_gpus() -> tuple[int, str]:
     """(GPUs, where they were counted): the cluster's with ``RAY_ADDRESS`` (Ray is connected for it), else this
     machine's as a local Ray would count them."""
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
+    address = ray_address()
+    if address is None:
+        local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
         return node_gpus(), "this machine"
     import ray  # noqa: PLC0415
 

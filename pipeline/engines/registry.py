@@ -41,7 +41,11 @@ def engine_spec(name: str) -> EngineSpec:
 
 def engine_kwargs(name: str, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
     """``raw`` options parsed for engine ``name``, with ``--decode-threads`` filled in where the engine takes it."""
-    spec = engine_spec(name)
+    return spec_kwargs(engine_spec(name), raw, decode_threads=decode_threads)
+
+
+def spec_kwargs(spec: EngineSpec, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
+    """``engine_kwargs`` of an engine whose ``spec`` the caller holds."""
     options = spec.parse_options(raw)
     if decode_threads is not None and spec.decode_threads_option:
         options.setdefault(spec.decode_threads_option, decode_threads)

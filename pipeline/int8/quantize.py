@@ -31,6 +31,14 @@ from pipeline.int8.gate import (
     GateThresholds, class_noise, gate, held_out_figures, noise_summary, pixel_noise, sample_failures,
 )
 from pipeline.int8.quantize_nodes import CALIBRATION_BATCH, EXCLUDE_KEYWORDS, calibration_reader, resolve_exclusions
+from pipeline.io.fetch import read_with_retries
+from pipeline.io.keys import uri_path
+from pipeline.io.source import check_source, list_unit, plan_listing
+from pipeline.model.default_model import file_sha256
+from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.imaging import load_and_preprocess
+from pipeline.schema import DEFAULT_EXTENSIONS
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 

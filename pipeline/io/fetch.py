@@ -13,7 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ImageError
 from pipeline.io.keys import uri_path
-from pipeline.schema import CARRIED, DATA, ERROR, FETCH_S, SIZE_BYTES, STATUS, STATUS_ERROR, URI
+from pipeline.schema import DATA, ERROR, FETCH_S, SIZE_BYTES, STATUS, STATUS_ERROR, URI
 from pipeline.storage import manifest_form, open_fs
 
 LOG = logging.getLogger(__name__)
@@ -98,13 +98,12 @@ def fetch_batch(
         else (lambda uri, fs=_filesystem(source, storage_options): fs)
     uris = batch.column(URI).to_pylist()
     sizes = batch.column(SIZE_BYTES).to_pylist()
-    carried = batch.column(CARRIED).to_pylist()
     status = batch.column(STATUS).to_pylist()
     error = batch.column(ERROR).to_pylist()
     data: list[bytes | None] = [None] * len(uris)
 
     def one(i: int) -> None:
-        if carried[i] or status[i] is not None:  # carried, or an error row from the listing
+        if status[i] is not None:  # an error row from the listing
             return
         if sizes[i] is not None and sizes[i] > max_bytes:
             status[i], error[i] = STATUS_ERROR, f"too_large: {sizes[i]} bytes > max_bytes={max_bytes}; raise --max-bytes"

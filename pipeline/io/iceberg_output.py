@@ -182,19 +182,3 @@ def table_parts(url: str, catalog_options: Mapping[str, Any] | None, storage_opt
                           "--catalog-option")
     fs, root = open_fs(output.data_folder, storage_options)
     return fs, root, [fs._strip_protocol(uri) for uri in output.files()]
-
-
-def resolve_tables(config: Any) -> tuple[Any, IcebergOutput | None, list[str] | None]:
-    """``config`` with an ``iceberg://`` output and previous replaced by their tables' data folders; the output
-    table (None: a folder output) and the previous table's current shards (None: a folder, listed as usual)."""
-    import dataclasses
-
-    output = previous_parts = None
-    changes: dict[str, Any] = {}
-    if is_iceberg(config.output):
-        output = IcebergOutput(config.output, config.catalog_options)
-        changes["output"] = output.data_folder
-    if is_iceberg(config.previous):
-        fs, root, previous_parts = table_parts(config.previous, config.catalog_options, config.storage_options)
-        changes["previous"] = fs.unstrip_protocol(root)
-    return (dataclasses.replace(config, **changes) if changes else config), output, previous_parts

@@ -154,16 +154,17 @@ def _write_then_rename(tmp: str, final: str, payload: bytes, *, sync: bool) -> N
         raise
 
 
-def write_shard(batch: pa.Table, *, output: str, storage_options: Mapping[str, Any],
+def write_shard(batch: pa.Table, *, output: str | None = None, storage_options: Mapping[str, Any] | None = None,
                 footer: Callable[[pa.Table], Mapping[bytes, bytes]] | None = None,
-                record: ShardRecord | None = None) -> pa.Table:
+                record: ShardRecord | None = None, store: tuple[Any, str] | None = None) -> pa.Table:
     """Commit one batch of finished rows as a Parquet shard with its record; return its ``ShardStats`` row.
 
+    The shard goes to ``output`` (opened here with ``storage_options``) or to ``store``, an opened ``(fs, root)``.
     ``footer(rows)`` may add more key-value metadata to the shard's footer (the job adds quality counters).
     ``record`` is the rows' record when the caller built it already (``ShardRecord.of_rows`` with known hashes).
     """
     start = time.perf_counter()
-    fs, dest = open_fs(output, storage_options)
+    fs, dest = store if store is not None else open_fs(output, storage_options)
     shard = shard_id(batch.column("uri").to_pylist())
     rows = conform(batch, OUTPUT_SCHEMA)
     record = record if record is not None else ShardRecord.of_rows(rows)

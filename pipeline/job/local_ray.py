@@ -1,5 +1,5 @@
-"""The local Ray a run starts itself: its environment (loopback only, no metrics), its owner mark, and the sweep of
-what an earlier run killed with SIGKILL left running or on disk."""
+"""The local Ray a run starts itself: its owner mark, and the sweep of what an earlier run killed with SIGKILL left
+running or on disk (its environment, loopback only and no metrics, is ``pipeline.node.local_ray_env``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import RunConfig
 from pipeline.errors import BulkClassifyError, OutputError
 from pipeline.io.keys import member, uri_hashes
 from pipeline.io.reader import (
@@ -40,6 +39,27 @@ FIXES = {
     errno.EACCES: "check its permissions, or choose another --output",
     errno.EPERM: "check its permissions, or choose another --output",
 }
+
+
+@dataclass(frozen=True)
+class Store:
+    """One storage location, opened once: the URL as the run names it, its file system and root path."""
+
+    url: str
+    fs: Any
+    root: str
+    storage_options: Mapping[str, Any]
+
+    @property
+    def local(self) -> bool:
+        return is_local(self.fs)
+
+
+def open_store(url: str, storage_options: Mapping[str, Any]) -> Store:
+    """``url`` opened (``pipeline.io.source.open_fs``)."""
+    fs, root = open_fs(url, storage_options)
+    return Store(url, fs, root, dict(storage_options))
+
 
 
 @dataclass
@@ -117,48 +137,49 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(config: RunConfig, bundle: Any, parts: list[str] | None = None) -> OutputIndex:
-    """--previous (``parts``: an Iceberg table's current shards): its shards and the identities of the rows this
-    run may carry (same model digest and top-k, ok).
+def read_previous(previous: Store, bundle: Any, top_k: int, parts: list[str] | None = None) -> OutputIndex:
+    """The ``previous`` store (``parts``: an Iceberg table's current shards): its shards and the identities of the
+    rows this run may carry (same model digest and ``top_k``, ok).
 
     Error rows are never carried: they are retried (storage or a bad upload may have been fixed since).
     """
-    fs, root = open_fs(config.previous, config.storage_options)
-    index = index_output(fs, root, hashes=False, carry_model=bundle, carry_top_k=config.top_k, parts=parts)
+    index = index_output(previous.fs, previous.root, hashes=False, carry_model=bundle, carry_top_k=top_k,
+                         parts=parts)
     if not index.parts:
-        raise OutputError(f"--previous {config.previous!r} holds no committed output; drop the option or fix the URL")
-    LOG.info("previous run %s: %d rows can be carried over", config.previous, index.identities.size)
+        raise OutputError(f"--previous {previous.url!r} holds no committed output; drop the option or fix the URL")
+    LOG.info("previous run %s: %d rows can be carried over", previous.url, index.identities.size)
     return index
 
 
 def resolve_location(url: str, storage_options: Mapping[str, Any] | None = None) -> str:
     """Where ``url`` points, whatever its spelling: ``file://`` + the real path locally (links, ``.``, ``..``
     resolved), else the store's protocol and the path without empty segments at its ends."""
-    fs, path = open_fs(url, storage_options)
+    return store_location(*open_fs(url, storage_options))
+
+
+def store_location(fs: Any, path: str) -> str:
+    """``resolve_location`` of an opened store."""
     if is_local(fs):
         return "file://" + os.path.realpath(path)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return f"{protocols[0]}://{path.strip('/')}"
 
 
-def check_output_location(config: RunConfig) -> None:
+def check_output_location(source: Store, output: Store) -> None:
     """Refuse an output that is the source or holds it; an output inside the source is allowed (never listed)."""
-    out = resolve_location(config.output, config.storage_options)
-    src = resolve_location(config.source, config.storage_options)
+    out, src = store_location(output.fs, output.root), store_location(source.fs, source.root)
     if src == out or src.startswith(out.rstrip("/") + "/"):
         what = "is SOURCE" if src == out else "holds SOURCE"
-        raise OutputError(f"--output {config.output!r} {what} {config.source!r} (they resolve to {out} and {src}); "
+        raise OutputError(f"--output {output.url!r} {what} {source.url!r} (they resolve to {out} and {src}); "
                           "choose an --output outside the source folder")
 
 
-def excluded_prefix(config: RunConfig, src_root: str) -> str | None:
-    """The listing path (under ``src_root``) of an output inside a local source, so the listing skips it."""
-    fs, _root = open_fs(config.source, config.storage_options)
-    out, src = resolve_location(config.output, config.storage_options), resolve_location(config.source,
-                                                                                        config.storage_options)
-    if not is_local(fs) or not out.startswith(src.rstrip("/") + "/"):
+def excluded_prefix(source: Store, output: Store) -> str | None:
+    """The listing path (under the source's root) of an output inside a local source, so the listing skips it."""
+    out, src = store_location(output.fs, output.root), store_location(source.fs, source.root)
+    if not is_local(source.fs) or not out.startswith(src.rstrip("/") + "/"):
         return None
-    return src_root.rstrip("/") + "/" + os.path.relpath(out[7:], src[7:])
+    return source.root.rstrip("/") + "/" + os.path.relpath(out[7:], src[7:])
 
 
 def without_folder(groups: list[list], folder: str | None) -> list[list]:
@@ -171,27 +192,27 @@ def without_folder(groups: list[list], folder: str | None) -> list[list]:
     return [g for g in kept if g] or [[]]
 
 
-def check_output(fs: Any, root: str, config: RunConfig) -> None:
+def check_output(fs: Any, root: str, url: str) -> None:
     """Read-only checks of DEST before anything is changed: not a file, and on object stores a bucket that exists
     (a missing bucket is never created)."""
     try:
         if fs.exists(root) and fs.info(root).get("type") == "file":
-            raise OutputError(f"--output {config.output!r} is a file; give a folder or prefix")
+            raise OutputError(f"--output {url!r} is a file; give a folder or prefix")
         if not is_local(fs):
             bucket = root.strip("/").split("/", 1)[0]
             if not fs.exists(bucket):
-                raise OutputError(f"--output {config.output!r}: bucket {bucket!r} does not exist; create it first "
+                raise OutputError(f"--output {url!r}: bucket {bucket!r} does not exist; create it first "
                                   "or fix the URL (this tool never creates buckets)")
     except OutputError:
         raise
     except Exception as err:  # noqa: BLE001
-        raise OutputError(storage_failure(config.output, err)) from None
+        raise OutputError(storage_failure(url, err)) from None
 
 
-def begin_output(fs: Any, root: str, config: RunConfig, run_info: Mapping[str, Any]) -> None:
+def begin_output(fs: Any, root: str, run_info: Mapping[str, Any], *, overwrite: bool = False) -> None:
     """The first changes to DEST, under the run's lease: --overwrite removes this tool's files, temporary files of
     an interrupted run are reclaimed, ``_RUN.json`` is written, and then a stale ``_SUCCESS`` goes."""
-    if config.overwrite:
+    if overwrite:
         remove_owned(fs, root)
     reclaim_temporary(fs, root)
     write_json(fs, root, RUN_INFO, run_info)
@@ -245,7 +266,7 @@ def _is_bookkeeping(fs: Any, path: str) -> bool:
     return isinstance(payload, dict) and all(k in payload for k in BOOKKEEPING_KEYS)
 
 
-def dedupe_output(config: RunConfig, fs: Any, root: str) -> int:
+def dedupe_output(fs: Any, root: str, url: str) -> int:
     """Drop rows whose URI an earlier shard (by path) holds too, rewriting the later shards without them; the rows
     dropped. Two runs that wrote DEST at once (the lease missed) end with one row per input all the same."""
     parts = committed_parts(fs, root)
@@ -270,17 +291,17 @@ def dedupe_output(config: RunConfig, fs: Any, root: str) -> int:
         if parts[i] in written:  # holds the rows just committed under this name: those stay
             continue
         mine = again & (owner == i)
-        n, new_path = drop_rows(config, fs, parts[i], np.unique(key[mine & (first_owner != i)]),
+        n, new_path = drop_rows(fs, root, parts[i], np.unique(key[mine & (first_owner != i)]),
                                 keep_first=np.unique(key[mine & (first_owner == i)]))
         dropped += n
         written.add(new_path)
         fs.rm_file(parts[i])
     LOG.warning("%s held %d rows of URIs another row holds too (two runs wrote it at once, or a manifest named an "
-                "object twice); removed them", config.output, dropped)
+                "object twice); removed them", url, dropped)
     return dropped
 
 
-def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray,
+def drop_rows(fs: Any, root: str, path: str, uri_keys: np.ndarray,
               keep_first: np.ndarray | None = None) -> tuple[int, str | None]:
     """Commit the rows of the shard at ``path`` whose uri hash is not in sorted ``uri_keys`` as a new shard, of those
     in sorted ``keep_first`` only the first row; the rows left out and the new shard's path (None: none left)."""
@@ -297,29 +318,28 @@ def drop_rows(config: RunConfig, fs: Any, path: str, uri_keys: np.ndarray,
     if not keep.any():
         return table.num_rows, None
     rows = table.filter(pa.array(keep))
-    write_shard(rows, output=config.output, storage_options=config.storage_options, footer=quality_footer)
-    root = open_fs(config.output, config.storage_options)[1].rstrip("/")
-    return int((~keep).sum()), f"{root}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
+    write_shard(rows, store=(fs, root), footer=quality_footer)
+    return int((~keep).sum()), f"{root.rstrip('/')}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
 
 
-def check_compatible(fs: Any, root: str, config: RunConfig, bundle: Any) -> None:
+def check_compatible(fs: Any, root: str, url: str, bundle: Any, *, top_k: int, overwrite: bool) -> None:
     """Refuse to mix rows of another model (by digest: a retrained model in the same folder is another model) or
     top-k into DEST (unless --overwrite)."""
     info = read_json(fs, root, RUN_INFO)
-    if not info or config.overwrite:
+    if not info or overwrite:
         return
     fix = "pass --overwrite to start over or choose another --output"
     digest = info.get("model_digest")
     if not same_model(digest, info.get("model"), bundle):
         if not digest:
-            raise OutputError(f"--output {config.output!r} holds rows of model {info.get('model')!r} written before "
+            raise OutputError(f"--output {url!r} holds rows of model {info.get('model')!r} written before "
                               f"model digests were recorded, so they cannot be told from {bundle.name!r} "
                               f"(digest {bundle.short_digest}); {fix}")
-        raise OutputError(f"--output {config.output!r} holds rows of model {info.get('model')!r} digest {digest[:12]}, "
+        raise OutputError(f"--output {url!r} holds rows of model {info.get('model')!r} digest {digest[:12]}, "
                           f"not {bundle.name!r} digest {bundle.short_digest} (its files, labels or preprocess.json "
                           f"differ); {fix}")
-    if info.get("top_k") != config.top_k:
-        raise OutputError(f"--output {config.output!r} holds rows of top-k {info.get('top_k')}, not {config.top_k}; "
+    if info.get("top_k") != top_k:
+        raise OutputError(f"--output {url!r} holds rows of top-k {info.get('top_k')}, not {top_k}; "
                           f"{fix}")
 
 

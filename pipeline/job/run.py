@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,22 +11,21 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from pipeline.config import RunConfig
-from pipeline.engines.registry import engine_kwargs, engine_spec
+from pipeline.engines.registry import spec_kwargs
 from pipeline.errors import LIST_ERROR
-from pipeline.io.iceberg_output import IcebergOutput, resolve_tables
+from pipeline.io.iceberg_output import IcebergOutput
 from pipeline.io.reader import committed_parts
-from pipeline.io.source import check_source
 from pipeline.io.source_manifest import planned_entries
 from pipeline.io.stats import ShardStats
 from pipeline.io.writer import write_json
 from pipeline.job.lease import Lease
 from pipeline.job.output import (
-    OutputIndex, RecordCounter, begin_output, check_compatible, check_output, check_output_location, dedupe_output,
-    excluded_prefix, index_output, read_previous, storage_errors, without_folder,
+    OutputIndex, RecordCounter, begin_output, check_compatible, dedupe_output, excluded_prefix, index_output,
+    read_previous, storage_errors, without_folder,
 )
-from pipeline.node import local_ray_env
+from pipeline.job.plan import RunPlan, make_plan
+from pipeline.job.stages import Shares, count_cluster, plan_shares
 from pipeline.schema import REPORT, SUCCESS
-from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
@@ -49,65 +47,54 @@ class RunSummary:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def run_job(config: RunConfig, *, progress: ProgressCallback | None = None) -> RunSummary:
+def run_job(config: RunConfig | RunPlan, *, progress: ProgressCallback | None = None) -> RunSummary:
     """Classify every image under ``config.source`` that has no committed row in ``config.output``.
 
-    Raises ``ConfigError``/``SourceError``/``OutputError``/``ModelError`` before any work when the
-    arguments, storage or model are unusable. Bad images become error rows and never raise.
+    ``config`` may be a plan ``make_plan`` already made of it. Raises ``ConfigError``/``SourceError``/
+    ``OutputError``/``ModelError`` before any work when the arguments, storage or model are unusable. Bad images
+    become error rows and never raise.
     """
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
-    if not os.environ.get("RAY_ADDRESS"):
-        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
-    table_url = config.output
-    config, table, previous_parts = resolve_tables(config)  # iceberg://: the tables' data folders
-    check_output_location(config)  # an output that is the source or holds it: refused before anything else
-    config.check_requirements()  # the engine's preflight: before anything is written or Ray starts
-    config = config.resolved()  # auto -> an engine, and the batch size, by the cluster's GPUs
-    config.check_requirements()
-    src_fs, src_root = open_fs(config.source, config.storage_options)
-    check_source(src_fs, src_root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
-    dst_fs, dst_root = open_fs(config.output, config.storage_options)
-    check_output(dst_fs, dst_root, config)
+    plan = config if isinstance(config, RunPlan) else make_plan(config)
+    config, spec, out = plan.config, plan.spec, plan.output
+    dst_fs, dst_root = out.fs, out.root
 
     from pipeline.model.folder import fixed_batch_note, load_model
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
     # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
-    spec = engine_spec(config.engine)
-    spec.check_model(bundle, spec.parse_options(config.engine_options))
+    spec.check_model(bundle, config.engine_options)
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
-    check_compatible(dst_fs, dst_root, config, bundle)
+    check_compatible(dst_fs, dst_root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)
     t_index = time.perf_counter()
-    previous = read_previous(config, bundle, previous_parts) if config.previous else None
+    previous = read_previous(plan.previous, bundle, config.top_k, plan.previous_parts) if plan.previous else None
     with storage_errors(config.output, dst_root):
         lease = Lease(dst_fs, dst_root, config.output).acquire()
     try:
         with storage_errors(config.output, dst_root):
-            begin_output(dst_fs, dst_root, config, {"model": bundle.name, "model_digest": bundle.digest,
-                                                    "top_k": config.top_k, "engine": config.engine,
-                                                    "started_at": started_at.isoformat()})
+            begin_output(dst_fs, dst_root, {"model": bundle.name, "model_digest": bundle.digest,
+                                            "top_k": config.top_k, "engine": config.engine,
+                                            "started_at": started_at.isoformat()}, overwrite=config.overwrite)
             done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
         index_s = time.perf_counter() - t_index
-        run = _Run(config, progress, bundle)
+        run = _Run(plan, progress, bundle)
         try:
             try:
                 with storage_errors(config.output, dst_root):
                     totals, listed, skipped, list_s = run.classify_and_carry(done, previous,
-                                                                             excluded_prefix(config, src_root))
+                                                                             excluded_prefix(plan.source, out))
             finally:
                 run.close()
             with storage_errors(config.output, dst_root):
-                dedupe_output(config, dst_fs, dst_root)  # every URI's row unique, before a table commit and the counts
-                if table is not None:
-                    commit_table(table, dst_fs, dst_root, lease, {
+                dedupe_output(dst_fs, dst_root, config.output)  # every URI's row unique, before a table commit and the counts
+                if plan.table is not None:
+                    commit_table(plan.table, dst_fs, dst_root, lease, {
                         "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
-                summary = _finish(config, dst_fs, dst_root, lease, totals, skipped, bundle, started_at,
-                                  t0, index_s + list_s, run.writer_actors)
-                summary.output = table_url
-                return summary
+                return _finish(plan, lease, totals, skipped, bundle, started_at, t0, index_s + list_s,
+                               run.writer_actors)
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
@@ -120,22 +107,24 @@ def commit_table(table: IcebergOutput, fs: Any, root: str, lease: Lease, run: di
     table.commit(fs, committed_parts(fs, root), run)
 
 
-def start_node(config: RunConfig, bundle: Any) -> Any:
+def start_node(plan: RunPlan, bundle: Any) -> Any:
     """What the engine starts in the driver of a local Ray for the node's actors (``EngineSpec.node_start``: the
     triton engine's shared servers), begun before Ray starts; None for most engines."""
     from pipeline.model.imaging import DecodeLimits
 
-    return engine_spec(config.engine).start_node(
+    config = plan.config
+    return plan.spec.start_node(
         bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
-        options=engine_kwargs(config.engine, config.engine_options or {}, decode_threads=config.decode_threads))
+        options=spec_kwargs(plan.spec, config.engine_options or {}, decode_threads=config.decode_threads))
 
 
-def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals: ShardStats, skipped: int,
-            bundle: Any, started_at: datetime, t0: float, list_s: float, writer_actors: int) -> RunSummary:
+def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, bundle: Any, started_at: datetime,
+            t0: float, list_s: float, writer_actors: int) -> RunSummary:
     """Count the committed rows (each URI's row already unique) and write ``_REPORT.json`` and then ``_SUCCESS``."""
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    report = assemble_report(config, totals, bundle=bundle, already_done=skipped, list_s=list_s,
+    dst_fs, dst_root = plan.output.fs, plan.output.root
+    report = assemble_report(plan.config.engine, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
     from pipeline.quality.statistics import committed_quality
@@ -154,19 +143,20 @@ def _finish(config: RunConfig, dst_fs: Any, dst_root: str, lease: Lease, totals:
                      "already_done": skipped},
         "model": bundle.name,
         "model_digest": bundle.digest,
-        "options": config.public_dict(),
+        "options": plan.config.public_dict(),
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
     })
-    return RunSummary(output=config.output, counts=all_counts, total=sum(all_counts.values()),
+    return RunSummary(output=plan.output_url, counts=all_counts, total=sum(all_counts.values()),
                       classified=totals.classified, carried=totals.carried, already_done=skipped,
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
+def assemble_report(engine: str, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
-    """The run report written to ``_REPORT.json``: this run's totals, stage times and identity."""
+    """The run report written to ``_REPORT.json``: this run's totals, stage times and identity (``engine``: the
+    resolved engine's name)."""
     from pipeline.quality.report import build_run_report
 
     return build_run_report({
@@ -176,7 +166,7 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, alrea
         "stage_seconds": totals.stage_seconds(list_s),
         "model": bundle.name,
         "model_digest": bundle.digest,
-        "engine": config.engine,
+        "engine": engine,
         "writer_actors": writer_actors,
         "started_at": started_at.isoformat(),
         "finished_at": finished_at.isoformat(),
@@ -186,22 +176,24 @@ def assemble_report(config: RunConfig, totals: ShardStats, *, bundle: Any, alrea
 class _Run:
     """The Ray part of a run: the listing counter, the metrics endpoint, the classify pipeline and the carry tasks."""
 
-    def __init__(self, config: RunConfig, progress: ProgressCallback | None, bundle: Any):
-        from pipeline.job.stages import init_ray
+    def __init__(self, plan: RunPlan, progress: ProgressCallback | None, bundle: Any):
+        from pipeline.job.stages import init_ray, limit_fetch_ahead
         from pipeline.metrics import JobMetrics
 
-        self.config, self.progress, self.bundle = config, progress, bundle
-        self.node = start_node(config, bundle) if not os.environ.get("RAY_ADDRESS") else None
+        self.plan, self.config, self.progress, self.bundle = plan, plan.config, progress, bundle
+        self.node = start_node(plan, bundle) if plan.local else None
         self._node_closing = False
         try:
-            init_ray(config)
+            init_ray(plan)
+            self.shares: Shares = plan_shares(plan, *count_cluster())  # the cluster, asked once
+            limit_fetch_ahead(self.shares.fetch_ahead_bytes)
         except BaseException:
             self.wait_closed()
             raise
         self.counter: Any = None
         self.writer_actors = 0  # the pipeline's writer actors; none: the driver commits the shards
         self.carrying: list[Any] = []  # refs of carry tasks not yet collected
-        self.metrics = JobMetrics(config.metrics_port)
+        self.metrics = JobMetrics(plan.config.metrics_port)
         self.totals = ShardStats()
         self.listed, self.asked = 0, 0.0
         self.planned: int | None = None  # a manifest's entries not yet done, known from its footers before listing
@@ -218,7 +210,7 @@ class _Run:
         from pipeline.job.stages import carry_tasks, classify_dataset, listing_groups
         from pipeline.io.listing_counter import ListingCounter
 
-        groups = without_folder(listing_groups(self.config), excluded)
+        groups = without_folder(listing_groups(self.plan, self.shares), excluded)
         planned = planned_entries(groups)
         self.planned = None if planned is None else max(0, planned - done.rows)
         self.counter = ray.remote(num_cpus=0)(ListingCounter).remote(len(groups))
@@ -230,10 +222,11 @@ class _Run:
             previous.identities = None
         start = time.perf_counter()
         if previous_ref is not None:
-            self.carrying = carry_tasks(self.config, previous.parts, self.counter.carried_keys.remote(),
+            self.carrying = carry_tasks(self.plan, self.shares, previous.parts, self.counter.carried_keys.remote(),
                                         model_digest=self.bundle.digest)
-        ds, self.writer_actors = classify_dataset(self.config, groups, done_ref, previous_ref, self.counter, excluded,
-                                                  model_digest=self.bundle.digest)
+        ds = classify_dataset(self.plan, self.shares, groups, done_ref, previous_ref, self.counter, excluded,
+                              model_digest=self.bundle.digest)
+        self.writer_actors = self.shares.writer_actors
         self._drain(ds, writes=not self.writer_actors)
         listed, skipped, list_s = ray.get(self.counter.get.remote())
         LOG.info("listed %d objects (%d already done), classified %d rows in %.1f s", listed, skipped,
@@ -275,8 +268,8 @@ class _Run:
                 if not writes:
                     self._add(batch)
                 else:
-                    writing.append(pool.submit(write_shard, batch, output=self.config.output,
-                                               storage_options=self.config.storage_options, footer=quality_footer))
+                    writing.append(pool.submit(write_shard, batch, store=(self.plan.output.fs, self.plan.output.root),
+                                               footer=quality_footer))
                     while writing and (writing[0].done() or len(writing) > DRIVER_WRITE_THREADS):
                         self._add(writing.popleft().result())
                 if self.carrying:

@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
-from pipeline.engines.registry import engine_spec
 from pipeline.io.keys import member, uri_hashes
 from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
+from pipeline.job.plan import RunPlan
 from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, local_ray_env, node_gpus
 from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
-from pipeline.storage import is_local, open_fs
+from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -34,8 +35,8 @@ PIPELINE_OPERATORS = 4  # listing, fetch, classify, write: Ray Data splits its C
 WRITER_CPUS = 8
 
 
-def init_ray(config: RunConfig) -> None:
-    """Start (or join, with RAY_ADDRESS) Ray, quiet, with the fetch-ahead budget on Ray Data's object store use."""
+def init_ray(plan: RunPlan) -> None:
+    """Start (or join, with ``plan.ray_address``) Ray, quiet, with Ray Data's progress output off."""
     import ray
     from ray.data import DataContext
 
@@ -45,18 +46,17 @@ def init_ray(config: RunConfig) -> None:
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict[str, Any] = {"address": address or LOCAL_ADDRESS, "log_to_driver": True,
+        kwargs: dict[str, Any] = {"address": plan.ray_address or LOCAL_ADDRESS, "log_to_driver": True,
                                   "logging_level": logging.ERROR}
-        if address is None:
+        if plan.local:
             local_ray_env()
             if node_gpus() > 0:  # a local Ray's workers inherit it
-                for key, value in engine_spec(config.engine).actor_env.items():
+                for key, value in plan.spec.actor_env.items():
                     os.environ.setdefault(key, value)
             sweep_before_start()
             kwargs.update(include_dashboard=False, configure_logging=True)
         context = ray.init(**kwargs)
-        if address is None:
+        if plan.local:
             mark_session(context.address_info["session_dir"])
             if context.address_info.get("node_ip_address") != LOOPBACK:
                 LOG.warning("the local Ray listens on %s, not only on %s: set %s before ray is imported "
@@ -66,23 +66,20 @@ def init_ray(config: RunConfig) -> None:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     ctx.verbose_stats_logs = False
+
+
+def limit_fetch_ahead(budget: int) -> None:
+    """Cap Ray Data's object-store use at ``budget`` bytes (the fetch-ahead budget)."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
     # Fetched bytes wait in the object store until an actor classifies them; without a cap Ray Data lets them
     # run ahead up to the store's size (by default a share of the node's RAM), and memory grows with the input.
-    budget = fetch_ahead_bytes(config)
     limits = ctx.execution_options.resource_limits
     ctx.execution_options.resource_limits = limits.copy(object_store_memory=budget)
     # Ray Data merges a task's outputs into blocks of up to target_max_block_size, each held whole in the store until
     # the actor has classified its last row: blocks much smaller than the budget keep it a bound.
     ctx.target_max_block_size = fetch_block_bytes(budget)
-
-
-def fetch_ahead_bytes(config: RunConfig) -> int:
-    """The object-store budget: ``--fetch-ahead-bytes`` or, by default, sized by the classify actors (see
-    ``fetch_budget``)."""
-    if config.fetch_ahead_bytes is not None:
-        return config.fetch_ahead_bytes
-    actors, _cpus, gpus = _actor_plan(config)
-    return fetch_budget(actors, config.batch_size, on_gpu=gpus > 0)
 
 
 def fetch_block_bytes(budget: int) -> int:
@@ -104,28 +101,71 @@ def fetch_budget(actors: int, batch_size: int, *, on_gpu: bool) -> int:
     return actors * max(per_actor, FETCH_AHEAD_BATCHES * batch_size * FETCH_AHEAD_IMAGE_BYTES)
 
 
-def _cluster() -> tuple[int, int]:
-    """(CPUs, GPUs) of the Ray cluster the job runs on."""
-    import ray
+@dataclass(frozen=True)
+class Shares:
+    """The classify actors' shares of the cluster the job runs on, decided once when Ray is up.
+
+    Attributes:
+        cpus, gpus: the cluster's, counted once.
+        actors, actor_cpus, gpus_per_actor: the classify actor pool and each actor's CPU and GPU request.
+        calls: engine calls each actor runs at once; engine_options: the actors' engine options (``calls`` and the
+            threads per call filled in where not given); actor_options: their Ray options (``runtime_env``).
+        fetch_ahead_bytes: the object-store budget of the running pipeline.
+        writer_actors: writer actors (none: the driver commits the shards); list_tasks: listing tasks at once.
+    """
+
+    cpus: int
+    gpus: int
+    actors: int
+    actor_cpus: float
+    gpus_per_actor: float
+    calls: int
+    engine_options: Mapping[str, Any]
+    actor_options: Mapping[str, Any]
+    fetch_ahead_bytes: int
+    writer_actors: int
+    list_tasks: int
+
+
+def count_cluster() -> tuple[int, int]:
+    """(CPUs, GPUs) of the Ray cluster the job runs on; Ray must be up."""
+    import ray  # noqa: PLC0415
 
     resources = ray.cluster_resources()
     return int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
 
 
-def _actor_plan(config: RunConfig) -> tuple[int, float, float]:
-    """(actors, CPUs per actor, GPUs per actor) for this cluster."""
-    return actor_plan(config, *_cluster())
+def plan_shares(plan: RunPlan, cpus: int, gpus: int) -> Shares:
+    """The classify actors' shares of a cluster of ``cpus`` CPUs and ``gpus`` GPUs for ``plan``."""
+    config, spec = plan.config, plan.spec
+    actors, actor_cpus, gpus_per_actor = actor_shares(spec, cpus, gpus, num_actors=config.num_actors,
+                                                      num_gpus_per_actor=config.num_gpus_per_actor)
+    if config.num_actors is not None and actors < config.num_actors:
+        LOG.warning("--num-actors %d: this Ray cluster (%d CPUs, %d GPUs) holds at most %d classify actors beside "
+                    "the listing, fetch and write tasks; running %d", config.num_actors, cpus, gpus, actors, actors)
+    calls = config.calls_per_actor or spec.calls_per_actor
+    on_gpu = bool(gpus_per_actor)
+    budget = config.fetch_ahead_bytes
+    if budget is None:
+        budget = fetch_budget(actors, config.batch_size, on_gpu=on_gpu)
+    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
+    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
+    list_tasks = min(config.list_tasks, cpus) if plan.source.local else config.list_tasks
+    return Shares(cpus=cpus, gpus=gpus, actors=actors, actor_cpus=actor_cpus, gpus_per_actor=gpus_per_actor,
+                  calls=calls, engine_options=actor_engine_options(spec, config.engine_options, cpus, actors, calls,
+                                                                   on_gpu=on_gpu),
+                  actor_options=classify_actor_options(spec, on_gpu=on_gpu, local=plan.local),
+                  fetch_ahead_bytes=budget, writer_actors=writer_actors(cpus), list_tasks=max(1, list_tasks))
 
 
-def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
-    """(actors, CPUs per actor, GPUs per actor) on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's actors take
-    1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
-    config = config.resolved(gpus=gpus, where="the Ray cluster")  # auto's engine, as the job would run it
-    gpu_engine = engine_spec(config.engine).needs_gpu and gpus > 0
-    default_gpus = 1.0 / engine_spec(config.engine).actors_per_gpu if gpu_engine else 0.0
-    num_gpus = config.num_gpus_per_actor if config.num_gpus_per_actor is not None else default_gpus
-    if config.num_actors is not None:
-        actors = min(config.num_actors, placeable_actors(cpus, gpus, num_gpus))
+def actor_shares(spec: Any, cpus: int, gpus: int, *, num_actors: int | None, num_gpus_per_actor: float | None
+                 ) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) of engine ``spec`` on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's
+    actors take 1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
+    default_gpus = 1.0 / spec.actors_per_gpu if spec.needs_gpu and gpus > 0 else 0.0
+    num_gpus = num_gpus_per_actor if num_gpus_per_actor is not None else default_gpus
+    if num_actors is not None:
+        actors = min(num_actors, placeable_actors(cpus, gpus, num_gpus))
     elif num_gpus:
         actors = max(1, int(gpus / num_gpus))
     else:
@@ -133,6 +173,13 @@ def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, flo
     # Leave CPU for the listing, fetch and write tasks, or a pool that takes every CPU deadlocks the job.
     actor_cpus = 1.0 if actors < cpus else max(MIN_ACTOR_CPUS, (cpus - 3 * IO_TASK_CPUS) / actors)
     return actors, actor_cpus, num_gpus
+
+
+def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
+    """(actors, CPUs per actor, GPUs per actor) that ``config`` gets on a cluster of ``cpus`` CPUs and ``gpus`` GPUs
+    (``auto`` resolved as the job would resolve it there)."""
+    config, spec = config.resolve(gpus=gpus, where="the Ray cluster")
+    return actor_shares(spec, cpus, gpus, num_actors=config.num_actors, num_gpus_per_actor=config.num_gpus_per_actor)
 
 
 def placeable_actors(cpus: int, gpus: int, num_gpus: float) -> int:
@@ -143,15 +190,12 @@ def placeable_actors(cpus: int, gpus: int, num_gpus: float) -> int:
     return max(1, min(by_cpu, by_gpu))
 
 
-def listing_groups(config: RunConfig) -> list[list]:
+def listing_groups(plan: RunPlan, shares: Shares) -> list[list]:
     """The listing plan: one group of units (folders, key ranges) per listing task."""
-    fs, root = open_fs(config.source, config.storage_options)
-    # At most list_tasks read tasks are planned, so at most that many LIST calls are outstanding. A local listing
-    # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
-    cpus, _gpus = _cluster()
-    list_tasks = min(config.list_tasks, cpus) if is_local(fs) else config.list_tasks
-    return plan_listing(fs, root, config.extensions, max(1, list_tasks), follow_symlinks=config.follow_symlinks,
-                        source=config.source, source_prefix=config.source_prefix)
+    config = plan.config
+    return plan_listing(plan.source.fs, plan.source.root, config.extensions, shares.list_tasks,
+                        follow_symlinks=config.follow_symlinks, source=config.source,
+                        source_prefix=config.source_prefix)
 
 
 def listing_task_cpus(cpus: int, tasks: int) -> float:
@@ -168,12 +212,12 @@ def listing_task_cpus(cpus: int, tasks: int) -> float:
     return max(0.01, min(IO_TASK_CPUS, math.floor(share / max(1, tasks) * 100) / 100))  # Ray counts 1/10,000ths
 
 
-def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous: Any, counter: Any,
-                     excluded: str | None = None, *, model_digest: str | None = None) -> tuple[Any, int]:
+def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: Any, previous: Any, counter: Any,
+                     excluded: str | None = None, *, model_digest: str | None = None) -> Any:
     """List SOURCE (dropping done and carried objects), fetch, classify in the actor pool, commit shards.
 
-    Returns the dataset and its writer actors (``writer_actors``): with none, the dataset ends with the classified
-    rows and the driver commits them; otherwise with each committed shard's stats.
+    Returns the dataset: without writer actors (``shares.writer_actors``) it ends with the classified rows and the
+    driver commits them; otherwise with each committed shard's stats.
     """
     import ray
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
@@ -182,16 +226,11 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
     from pipeline.io.fetch import fetch_batch
     from pipeline.job.listing import ListingDatasource
 
-    cpus, gpus = _cluster()
-    actors, actor_cpus, num_gpus = actor_plan(config, cpus, gpus)
-    if config.num_actors is not None and actors < config.num_actors:
-        LOG.warning("--num-actors %d: this Ray cluster (%d CPUs, %d GPUs) holds at most %d classify actors beside "
-                    "the listing, fetch and write tasks; running %d", config.num_actors, cpus, gpus, actors, actors)
-    calls = config.calls_per_actor or engine_spec(config.engine).calls_per_actor
+    config = plan.config
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
                                 previous=previous, counter=counter, excluded=excluded)
     ds = ray.data.read_datasource(listing, override_num_blocks=len(groups),
-                                  num_cpus=listing_task_cpus(cpus, len(groups)))
+                                  num_cpus=listing_task_cpus(shares.cpus, len(groups)))
     ds = ds.map_batches(
         fetch_batch,
         fn_kwargs={"source": config.source, "storage_options": config.storage_options,
@@ -200,25 +239,24 @@ def classify_dataset(config: RunConfig, groups: list[list], done: Any, previous:
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
         # Each concurrent task is a worker process to start; threads inside a task do the concurrent I/O.
-        compute=TaskPoolStrategy(size=max(2, cpus)),
+        compute=TaskPoolStrategy(size=max(2, shares.cpus)),
     )
     ds = ds.map_batches(
         ClassifyActor,
         fn_constructor_kwargs={"model": config.model, "engine": config.engine, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
                                "decode_threads": config.decode_threads, "model_digest": model_digest,
-                               "engine_options": actor_engine_options(config, cpus, actors, calls,
-                                                                      on_gpu=bool(num_gpus))},
+                               "engine_options": dict(shares.engine_options)},
         batch_size=config.batch_size,
         batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=calls,
-                                  enable_true_multi_threading=calls > 1),
+        compute=ActorPoolStrategy(size=shares.actors, max_concurrent_calls_per_actor=shares.calls,
+                                  enable_true_multi_threading=shares.calls > 1),
         # Ray Data's actor pool restarts dead actors and retries their tasks by default (max_restarts=-1).
-        num_cpus=actor_cpus,
-        num_gpus=num_gpus or None,
-        **classify_actor_options(config.engine, on_gpu=bool(num_gpus)),
+        num_cpus=shares.actor_cpus,
+        num_gpus=shares.gpus_per_actor or None,
+        **shares.actor_options,
     )
-    return _write(ds, config, cpus), writer_actors(cpus)
+    return _write(ds, plan, shares)
 
 
 def writer_actors(cpus: int) -> int:
@@ -236,11 +274,11 @@ def call_threads(cpus: int, actors: int, calls: int) -> int:
     return max(1, cpus // max(1, actors) // max(1, calls))
 
 
-def actor_engine_options(config: RunConfig, cpus: int, actors: int, calls: int, *, on_gpu: bool) -> dict[str, Any]:
-    """The classify actors' engine options: ``--engine-option``s as given; where not given, the engine's
+def actor_engine_options(spec: Any, engine_options: Any, cpus: int, actors: int, calls: int, *, on_gpu: bool
+                         ) -> dict[str, Any]:
+    """The classify actors' engine options: ``--engine-option``s as given; where not given, the engine's (``spec``)
     ``calls_option`` set to ``calls`` and, on CPU actors, its ``call_threads_option`` set by ``call_threads``."""
-    options = dict(config.engine_options or {})
-    spec = engine_spec(config.engine)
+    options = dict(engine_options or {})
     if spec.calls_option and spec.calls_option not in options:
         options[spec.calls_option] = calls
     if spec.call_threads_option and spec.call_threads_option not in options and not on_gpu:
@@ -248,18 +286,18 @@ def actor_engine_options(config: RunConfig, cpus: int, actors: int, calls: int, 
     return options
 
 
-def classify_actor_options(engine: str, *, on_gpu: bool) -> dict[str, Any]:
-    """Ray options of the classify actors that their engine asks for: on GPUs its ``EngineSpec.actor_env``, as a
-    ``runtime_env`` where the workers do not inherit it already (a local Ray started with it in its environment;
-    a runtime_env costs each actor a worker process of its own)."""
+def classify_actor_options(spec: Any, *, on_gpu: bool, local: bool) -> dict[str, Any]:
+    """Ray options of the classify actors that their engine (``spec``) asks for: on GPUs its ``EngineSpec.actor_env``,
+    as a ``runtime_env`` where the workers do not inherit it already (a ``local`` Ray started with it in its
+    environment; a runtime_env costs each actor a worker process of its own)."""
     if not on_gpu:
         return {}
-    local = not os.environ.get("RAY_ADDRESS")
-    env = {k: v for k, v in engine_spec(engine).actor_env.items() if not (local and os.environ.get(k) == v)}
+    env = {k: v for k, v in spec.actor_env.items() if not (local and os.environ.get(k) == v)}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, model_digest: str) -> list[Any]:
+def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carried: Any, *, model_digest: str
+                ) -> list[Any]:
     """Submit the tasks that copy the previous run's rows whose identity the listing matched; their result refs.
 
     ``carried`` is the ref of those identities, which exists once the listing has ended: every task takes it as an
@@ -271,11 +309,11 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, m
     """
     import ray
 
-    cpus, _gpus = _cluster()
+    config = plan.config
     task = ray.remote(carry_shards).options(num_cpus=IO_TASK_CPUS)
     batches = [previous_parts[i:i + CARRY_PARTS_PER_TASK] for i in range(0, len(previous_parts),
                                                                            CARRY_PARTS_PER_TASK)]
-    chains: list[Any] = [None] * max(1, min(cpus, len(batches)))
+    chains: list[Any] = [None] * max(1, min(shares.cpus, len(batches)))
     refs = []
     for i, paths in enumerate(batches):
         ref = task.remote(chains[i % len(chains)], paths, carried, previous=config.previous,
@@ -286,22 +324,22 @@ def carry_tasks(config: RunConfig, previous_parts: list[str], carried: Any, *, m
     return refs
 
 
-def _write(ds: Any, config: RunConfig, cpus: int):
+def _write(ds: Any, plan: RunPlan, shares: Shares) -> Any:
     from ray.data import ActorPoolStrategy
 
     from pipeline.quality.statistics import quality_footer
     from pipeline.io.writer import ShardWriter
 
-    if not writer_actors(cpus):
+    if not shares.writer_actors:
         return ds
     return ds.map_batches(
         ShardWriter,
-        fn_constructor_kwargs={"output": config.output, "storage_options": config.storage_options,
+        fn_constructor_kwargs={"output": plan.config.output, "storage_options": plan.config.storage_options,
                                "footer": quality_footer},
-        batch_size=config.shard_size,
+        batch_size=plan.config.shard_size,
         batch_format="pyarrow",
         num_cpus=IO_TASK_CPUS,
-        compute=ActorPoolStrategy(size=writer_actors(cpus)),
+        compute=ActorPoolStrategy(size=shares.writer_actors),
     )
 
 

@@ -75,7 +75,7 @@ def main() -> None:
         config = RunConfig(source="images", output="unused", engine=name)
         actors, _cpus, _gpus = actor_plan(config, cores, 0)
         calls[name] = config.calls_per_actor or engine_spec(name).calls_per_actor
-        options = actor_engine_options(config, cores, actors, calls[name], on_gpu=False)
+        options = actor_engine_options(engine_spec(config.engine), config.engine_options, cores, actors, calls[name], on_gpu=False)
         for m, bundle in models.items():
             engines[(name, m)] = make_engine(name, bundle, **options)
         print(f"{name}: {actors} actor(s) on {cores} CPUs, {calls[name]} calls at once, options {options}", flush=True)

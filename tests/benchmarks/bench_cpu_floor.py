@@ -90,7 +90,7 @@ def main() -> None:
     calls = SPEC.calls_per_actor
     config = RunConfig(source=str(args.folder), output="unused", engine=SPEC.name)
     actors, _cpus, _gpus = actor_plan(config, cores, 0)
-    options = actor_engine_options(config, cores, actors, calls, on_gpu=False)  # what the job's actors are given
+    options = actor_engine_options(SPEC, config.engine_options, cores, actors, calls, on_gpu=False)  # what the job's actors are given
     threads = options[SPEC.call_threads_option]
     engine = OnnxEngine(bundle, **options)
     engine.classify(blobs[:16])

@@ -85,7 +85,7 @@ def worker(files: list[Path], arrays_out: Path | None) -> dict:
     cores = os.cpu_count() or 1
     config = RunConfig(source=str(files[0].parent), output="unused", engine=SPEC.name)
     actors, _cpus, _gpus = actor_plan(config, cores, 0)
-    options = actor_engine_options(config, cores, actors, SPEC.calls_per_actor, on_gpu=False)
+    options = actor_engine_options(SPEC, config.engine_options, cores, actors, SPEC.calls_per_actor, on_gpu=False)
     engine = OnnxEngine(bundle, **options)
     engine.classify(blobs[:16])
     chunks = [blobs[i : i + 64] for i in range(0, n, 64)]

@@ -59,10 +59,11 @@ def main() -> None:
     import pipeline.job.run as run
     import pipeline.job.stages as stages
     import pipeline.model.folder as model
+    import pipeline.io.source as source
     from pipeline.cli import main as cli
 
     trace = Path(tempfile.mkdtemp(prefix="probe-start-")) / "timeline.json"
-    for owner, name, label in ((run, "check_source", "check the source"), (model, "load_model", "load the model"),
+    for owner, name, label in ((source, "check_source", "check the source"), (model, "load_model", "load the model"),
                                (run, "index_output", "read the output's index"),
                                (stages, "init_ray", "start Ray (its imports included)"),
                                (run._Run, "_drain", "the pipeline, to its last row"),

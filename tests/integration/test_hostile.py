@@ -649,7 +649,7 @@ def test_rows_two_runs_wrote_anyway_end_as_one_row_per_input(tmp_path, complete,
     summary = run_job(RunConfig(source=str(src), output=str(out), shard_size=5))
     assert summary.classified == 0 and summary.total == rows.num_rows
     assert_one_row_per_input(out, {p.name for p in src.glob("*.jpg")})
-    assert dedupe_output(RunConfig(source=str(src), output=str(out)), fs, root) == 0
+    assert dedupe_output(fs, root, str(out)) == 0
 
 
 def test_an_output_of_todays_release_still_resumes(tmp_path, ray_local):

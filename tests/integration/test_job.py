@@ -219,3 +219,53 @@ def test_fetch_ahead_budget_bounds_the_blocks_of_fetched_images(tmp_path, ray_lo
     ctx = DataContext.get_current()
     assert ctx.execution_options.resource_limits.object_store_memory == 32 * 1024 * 1024
     assert ctx.target_max_block_size == 2 * 1024 * 1024
+
+
+def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch):
+    """Following run_job in the driver: the engine spec looked up, the config resolved, the cluster's resources
+    counted and each store opened once; RAY_ADDRESS is read only by ``pipeline.node.ray_address``."""
+    import sys
+    import threading
+    from collections import Counter
+
+    from pipeline import cluster
+    from pipeline.config import RunConfig as Config
+    from pipeline.engines import registry
+    from pipeline.io.source import open_fs
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for name in ("coffee.jpg", "chelsea.jpg"):
+        shutil.copy(PHOTOS / name, src / name)
+    watched = {registry.engine_spec.__code__: "engine_spec", open_fs.__code__: "open_fs",
+               Config.resolve.__code__: "resolve",
+               cluster.ray_address.__code__: "ray_address"}
+    calls: Counter = Counter()
+
+    def profile(frame, event, _arg):
+        name = watched.get(frame.f_code) if event == "call" else None
+        if name == "open_fs":
+            calls["open_fs " + frame.f_locals["url"]] += 1
+        elif name == "engine_spec":  # RunConfig's own validation (__post_init__) parses engine options on every copy
+            calls["engine_spec" if frame.f_back.f_code.co_name != "__post_init__" else "validation"] += 1
+        elif name is not None:
+            calls[name] += 1
+
+    cluster_resources = ray_local.cluster_resources
+
+    def counted_cluster_resources(*args, **kwargs):
+        calls["cluster_resources"] += 1
+        return cluster_resources(*args, **kwargs)
+
+    monkeypatch.setattr(ray_local, "cluster_resources", counted_cluster_resources)
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        run_job(RunConfig(source=str(src), output=str(out), engine="onnx", batch_size=4))
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert calls["engine_spec"] == 1 and calls["resolve"] == 1 and calls["cluster_resources"] == 1
+    assert calls[f"open_fs {src}"] == 1 and calls[f"open_fs {out}"] == 1
+    assert not [k for k in calls if k.startswith("open_fs") and k not in (f"open_fs {src}", f"open_fs {out}")]
+    assert calls["ray_address"] == 1

@@ -607,7 +607,8 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     for key in engine_spec("triton").actor_env:  # this session's Ray was started without it: the options carry it
         monkeypatch.delenv(key, raising=False)
     # the options of the job's GPU actors (this test shares one server on the CPU, as a GPU's actors do)
-    remote = ray.remote(ClassifyActor).options(num_cpus=0, **classify_actor_options("triton", on_gpu=True))
+    remote = ray.remote(ClassifyActor).options(num_cpus=0, **classify_actor_options(engine_spec("triton"), on_gpu=True,
+                                                                                      local=True))
     kwargs = dict(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                   engine_options={"repository": repo, "share_server": True, "request_batch": 4})
 

@@ -163,3 +163,34 @@ def test_help_shows_the_defaults_of_the_modules_that_own_them():
             assert "(default" not in (getattr(p, "help", None) or ""), (command.name, p.name)
     shown = CliRunner().invoke(main, ["run", "--help"], terminal_width=400).output
     assert "Labels kept per image.  [default: 5]" in shown
+
+
+def test_one_table_maps_the_librarys_exceptions_to_exit_statuses():
+    """EXIT_STATUSES: the first row whose command and class match; no row, a crash (the exception itself)."""
+    from pipeline.cli import EXIT_STATUSES, failure
+    from pipeline.errors import ConfigError, EmptySourceError, OutputError
+    from pipeline.model_import.core import ParityFailed
+
+    empty = failure("run", EmptySourceError("nothing to classify"))
+    assert (empty.exit_code, empty.prefix, empty.message) == (4, "warning: ", "nothing to classify")
+    assert failure("nightly", EmptySourceError("x")).exit_code == 2 and failure("nightly", OutputError("x")).exit_code == 2
+    assert failure("model import", ParityFailed("x")).exit_code == 3
+    assert failure("model check", ParityFailed("x")).exit_code == 1  # a ModelError like any other elsewhere
+    assert (failure("run", ConfigError("bad")).exit_code, failure("run", ConfigError("bad")).prefix) == (1, "Error: ")
+    assert failure("repo prepare", ValueError("no plan")).message == "ValueError: no plan"
+    assert failure("repo prepare", ConfigError("x")).message == "ConfigError: x"
+    assert failure("run", ValueError("a bug")) is None  # not the library's: a traceback
+    assert failure("x", ConfigError("\x1b[31mred")).format_message() == "\\x1b[31mred"
+    assert all(status in (1, 2, 3, 4) for _cmd, _kind, status in EXIT_STATUSES)
+
+
+def test_the_command_line_catches_no_library_error_itself():
+    """Every library error leaves through the table: no command catches BulkClassifyError, calls sys.exit or
+    runs the engine's preflight itself."""
+    import inspect
+
+    import pipeline.cli as cli
+
+    source = inspect.getsource(cli)
+    assert "except BulkClassifyError" not in source.replace("except BulkClassifyError as err:\n        raise click.", "")
+    assert "sys.exit(" not in source and "check_requirements" not in source and ".resolved(" not in source

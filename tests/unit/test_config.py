@@ -155,3 +155,76 @@ def test_fetched_blocks_are_a_fraction_of_the_budget():
     assert fetch_block_bytes(16 * mib) == mib
     assert fetch_block_bytes(8 * mib) == mib
     assert fetch_block_bytes(64 * 1024 * mib) == 128 * mib
+
+
+# A value for every RunConfig field as the environment writes it, and what the config holds for it.
+ENV_VALUES = {
+    "source": ("uris+in/list.txt", "uris+in/list.txt"),
+    "output": ("out2/", "out2/"),
+    "model": ("my-model", "my-model"),
+    "engine": ("onnx", "onnx"),
+    "top_k": ("3", 3),
+    "batch_size": ("8", 8),
+    "shard_size": ("10", 10),
+    "extensions": ("jpg, PNG", ("jpg", "png")),
+    "storage_options": ("anon=true,endpoint_url=http://h:9000", {"anon": True, "endpoint_url": "http://h:9000"}),
+    "overwrite": ("true", True),
+    "previous": ("prev/", "prev/"),
+    "num_actors": ("2", 2),
+    "num_gpus_per_actor": ("0.5", 0.5),
+    "calls_per_actor": ("2", 2),
+    "fetch_threads": ("4", 4),
+    "decode_threads": ("2", 2),
+    "max_bytes": ("1000", 1000),
+    "max_pixels": ("2000", 2000),
+    "retries": ("1", 1),
+    "engine_options": ('{"max_batch": 4}', {"max_batch": 4}),
+    "metrics_port": ("9464", 9464),
+    "fetch_ahead_bytes": ("33554432", 33554432),
+    "list_tasks": ("3", 3),
+    "follow_symlinks": ("1", True),
+    "source_prefix": ("s3://b/photos/", "s3://b/photos/"),
+    "catalog_options": ("warehouse=/w", {"warehouse": "/w"}),
+}
+
+
+def test_every_option_is_settable_from_the_environment():
+    assert set(ENV_VALUES) == {f.name for f in dataclasses.fields(RunConfig)}
+    c = RunConfig.build({}, env={f"BULK_CLASSIFY_{name.upper()}": raw for name, (raw, _) in ENV_VALUES.items()})
+    assert {name: getattr(c, name) for name in ENV_VALUES} == {name: want for name, (_, want) in ENV_VALUES.items()}
+    with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_OVERWRITE='maybe' is not true or false"):
+        RunConfig.build({"source": "in/", "output": "out/"}, env={"BULK_CLASSIFY_OVERWRITE": "maybe"})
+    with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_NUM_GPUS_PER_ACTOR='x' is not a number"):
+        RunConfig.build({"source": "in/", "output": "out/"}, env={"BULK_CLASSIFY_NUM_GPUS_PER_ACTOR": "x"})
+
+
+def test_defaults_then_environment_then_the_nightly_file_then_the_command_line(tmp_path):
+    """One merge: a field the command line leaves unset (None) is the file's, then the environment's, then the
+    default; mapping options merge key by key, the higher layer's keys winning."""
+    from pipeline.config import merge_options
+    from pipeline.nightly import SCAN_TYPES, collect_options
+
+    options = tmp_path / "nightly.yaml"
+    options.write_text("top_k: 4\nshard_size: 20\nstorage_options: {a: 1, anon: true}\nextensions: [jpg]\n")
+    env = {"BULK_CLASSIFY_TOP_K": "3", "BULK_CLASSIFY_SHARD_SIZE": "30", "BULK_CLASSIFY_BATCH_SIZE": "16",
+           "BULK_CLASSIFY_STORAGE_OPTIONS": "a=0,b=2", "BULK_CLASSIFY_OUTPUT_ROOT": "s3://x/nightly"}
+    flags = {"shard_size": 50, "top_k": None, "storage_options": {"a": 5}, "engine_options": {}}
+    merged = merge_options(collect_options(str(options), flags), env=env, types=SCAN_TYPES)  # as nightly_scan does
+    assert (merged["batch_size"], merged["top_k"], merged["shard_size"]) == (16, 4, 50)
+    assert merged["storage_options"] == {"a": 5, "anon": True, "b": 2} and merged["extensions"] == ("jpg",)
+    assert merged["output_root"] == "s3://x/nightly" and "engine_options" not in merged
+    c = RunConfig.build({"source": "in/", "output": "out/", "top_k": None}, env=env)
+    assert (c.top_k, c.shard_size, c.batch_size, c.storage_options) == (3, 30, 16, {"a": 0, "b": 2})
+    assert RunConfig.build({"source": "in/", "output": "out/"}, env={}).top_k == 5  # the default
+
+
+def test_ray_address_is_read_in_one_place():
+    """Only pipeline.node reads RAY_ADDRESS; everything else asks ``ray_address()`` or the run's plan."""
+    import re
+    from pathlib import Path
+
+    import pipeline
+
+    read = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']RAY_ADDRESS|RAY_ADDRESS_ENV\b""")
+    readers = {p.name for p in Path(pipeline.__file__).parent.rglob("*.py") if read.search(p.read_text())}
+    assert readers == {"node.py"}

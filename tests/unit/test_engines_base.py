@@ -116,10 +116,17 @@ def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
     assert plan("gpu", gpus=0) == (4, 1.0, 0.0)  # no GPUs: the CPU plan (a core in four)
 
 
+def actor_engine_options(config, *args, **kw):
+    """The classify actors' engine options the job gives ``config``'s engine."""
+    from pipeline.job.stages import actor_engine_options as options
+
+    return options(REGISTRY[config.engine], config.engine_options, *args, **kw)
+
+
 def test_each_onnx_call_gets_the_actors_share_of_the_cores_unless_told():
     """2 cores keep one ORT thread a call (the 2-core optimum); 16 cores (4 actors x 2 calls) give each call 2."""
     from pipeline.config import RunConfig
-    from pipeline.job.stages import actor_engine_options, call_threads
+    from pipeline.job.stages import call_threads
 
     assert [call_threads(c, a, k) for c, a, k in ((2, 1, 2), (16, 4, 2), (16, 4, 3), (64, 16, 2), (1, 1, 2))] == \
         [1, 2, 1, 2, 1]
@@ -135,8 +142,6 @@ def test_each_onnx_call_gets_the_actors_share_of_the_cores_unless_told():
 def test_openvino_gets_a_stream_for_each_of_the_actors_calls():
     """OpenVINO fixes its streams when it compiles the network, so the job tells it the actor's calls at once."""
     from pipeline.config import RunConfig
-    from pipeline.job.stages import actor_engine_options
-
     ov = RunConfig(source="/in", output="/out", engine="openvino")
     assert actor_engine_options(ov, 2, 1, 2, on_gpu=False) == {"streams": 2, "threads": 1}
     assert actor_engine_options(ov, 16, 4, 3, on_gpu=False) == {"streams": 3, "threads": 1}
@@ -154,13 +159,14 @@ def test_triton_actors_keep_their_children_when_ray_ends_their_worker(monkeypatc
     assert dict(REGISTRY["triton"].actor_env) == env and not REGISTRY["onnx"].actor_env
     monkeypatch.delenv("RAY_kill_child_processes_on_worker_exit", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert classify_actor_options("triton", on_gpu=True) == {"runtime_env": {"env_vars": env}}
-    assert classify_actor_options("triton", on_gpu=False) == {}  # an actor's own server: Ray's default stops it
-    assert classify_actor_options("onnx", on_gpu=True) == {}
+    triton, onnx = REGISTRY["triton"], REGISTRY["onnx"]
+    assert classify_actor_options(triton, on_gpu=True, local=True) == {"runtime_env": {"env_vars": env}}
+    assert classify_actor_options(triton, on_gpu=False, local=True) == {}  # an actor's own server: Ray's default stops it
+    assert classify_actor_options(onnx, on_gpu=True, local=True) == {}
     monkeypatch.setenv("RAY_kill_child_processes_on_worker_exit", "0")
-    assert classify_actor_options("triton", on_gpu=True) == {}
-    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    assert classify_actor_options("triton", on_gpu=True) == {"runtime_env": {"env_vars": env}}
+    assert classify_actor_options(triton, on_gpu=True, local=True) == {}
+    # a cluster's workers (RAY_ADDRESS) do not inherit the driver's environment
+    assert classify_actor_options(triton, on_gpu=True, local=False) == {"runtime_env": {"env_vars": env}}
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

@@ -10,12 +10,13 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import RunConfig
 from pipeline.errors import OutputError
 from pipeline.io.keys import uri_hash
 from pipeline.io.reader import committed_parts
 from pipeline.io.writer import write_shard
-from pipeline.job.output import RecordCounter, begin_output, check_output, index_output, read_previous
+from pipeline.job.output import (
+    RecordCounter, begin_output, check_output, index_output, open_store, read_previous,
+)
 from pipeline.quality.statistics import committed_quality
 from pipeline.schema import OUTPUT_SCHEMA, conform
 from pipeline.storage import open_fs
@@ -50,9 +51,9 @@ def test_the_job_library_below_the_ray_stages_imports_no_ray():
 
 
 def test_previous_without_shards_says_how_to_fix(tmp_path):
-    config = RunConfig(source=str(tmp_path / "src"), output=str(tmp_path / "out"), previous=str(tmp_path / "none"))
+    previous = open_store(str(tmp_path / "none"), {})
     with pytest.raises(OutputError, match="holds no committed output; drop the option or fix the URL"):
-        read_previous(config, M)
+        read_previous(previous, M, 2)
 
 
 def test_begin_output_overwrite_removes_only_this_tools_files(tmp_path):
@@ -65,14 +66,13 @@ def test_begin_output_overwrite_removes_only_this_tools_files(tmp_path):
     (out / "ab" / "notes.md").write_text("keep")
     (out / ".part-0123456789abcdef01234567.parquet.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"PAR1")
     fs, root = open_fs(str(out))
-    config = RunConfig(source=str(tmp_path / "src"), output=str(out))
-    check_output(fs, root, config)
-    begin_output(fs, root, config, info)
+    check_output(fs, root, str(out))
+    begin_output(fs, root, info)
     assert not (out / "_SUCCESS").exists() and committed_parts(fs, root)  # a stale _SUCCESS goes, shards stay
     assert not list(out.glob(".*.tmp"))  # an interrupted run's temporary file is reclaimed
-    begin_output(fs, root, RunConfig(source=str(tmp_path / "src"), output=str(out), overwrite=True), info)
+    begin_output(fs, root, info, overwrite=True)
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert left == ["_RUN.json", "ab", "ab/notes.md", "mine.txt"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="is a file; give a folder or prefix"):
-        check_output(*open_fs(str(tmp_path / "file")), RunConfig(source=str(tmp_path), output=str(tmp_path / "file")))
+        check_output(*open_fs(str(tmp_path / "file")), str(tmp_path / "file"))

@@ -165,6 +165,6 @@ def test_an_object_a_manifest_names_twice_keeps_one_row_when_the_output_is_made_
     write_shard(pa.table({"uri": ["s3://b/c.jpg", "s3://b/d.jpg"], "status": ["ok"] * 2}), output=out,
                 storage_options={})
     fs, root = open_fs(out)
-    assert dedupe_output(RunConfig(source=str(tmp_path), output=out), fs, root) == 2
+    assert dedupe_output(fs, root, out) == 2
     uris = pads.dataset(out, format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
     assert sorted(uris) == ["s3://b/a.jpg", "s3://b/c.jpg", "s3://b/d.jpg"]

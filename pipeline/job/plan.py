@@ -1,0 +1,103 @@
+"""The run decided once, before Ray starts or DEST is touched: the config checked and resolved, the engine's spec,
+local Ray or a cluster, and the opened stores (the actors' shares of the cluster are decided once Ray is up:
+``pipeline.job.stages.plan_shares``). The stages and the output module take these, never the raw options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.node import local_ray_env, ray_address
+from pipeline.config import RunConfig
+from pipeline.engines.registry import AUTO_ENGINE, engine_spec
+from pipeline.io.iceberg_output import IcebergOutput, is_iceberg, table_parts
+from pipeline.job.output import Store, check_output, check_output_location, open_store
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run is, decided before anything is written or Ray starts.
+
+    Attributes:
+        config: the options with ``auto`` resolved to an engine, the batch size filled in, and an ``iceberg://``
+            output or previous replaced by its table's data folder.
+        spec: the resolved engine's ``EngineSpec``.
+        ray_address: the cluster the job joins (``RAY_ADDRESS``); None: a local Ray the job starts.
+        output_url: the output as the user named it (an ``iceberg://`` table, or the folder).
+        source, output, previous: the opened stores (previous None: nothing is carried over).
+        table: the output's Iceberg table (None: a folder output); previous_parts: the previous table's current
+            shards (None: a folder, listed as usual).
+    """
+
+    config: RunConfig
+    spec: Any
+    ray_address: str | None
+    output_url: str
+    source: Store
+    output: Store
+    previous: Store | None = None
+    table: IcebergOutput | None = None
+    previous_parts: list[str] | None = None
+
+    @property
+    def local(self) -> bool:
+        """Whether the job starts its own Ray on this machine."""
+        return self.ray_address is None
+
+
+def choose_engine(config: RunConfig, *, local: bool | None = None) -> tuple[RunConfig, Any]:
+    """The engine's preflight, then ``auto`` resolved to an engine and the batch size filled in, by the GPUs of the
+    cluster the job runs on: ``config`` resolved and its engine's ``EngineSpec``. Reads no storage.
+
+    The preflight runs in this driver only for a ``local`` Ray (default: unless ``RAY_ADDRESS`` names a cluster,
+    whose nodes must meet it).
+    """
+    local = ray_address() is None if local is None else local
+    if local:
+        local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
+    given = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
+    if local and given is not None:
+        given.check(config.engine_options)  # before the GPUs are counted: a bad engine fails in a second
+    config, spec = config.resolve(spec=given)  # auto -> an engine, and the batch size, by the cluster's GPUs
+    if local and given is None:
+        spec.check(config.engine_options)
+    return config, spec
+
+
+def make_plan(config: RunConfig, *, spec: Any = None, output: Store | None = None) -> RunPlan:
+    """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``; with ``spec``,
+    ``config`` is already resolved and ``spec`` its engine's), then the stores opened (``output``: DEST already
+    opened by the caller) and checked, read-only.
+    """
+    from pipeline.io.source import check_source  # noqa: PLC0415
+
+    address = ray_address()
+    if spec is None:
+        config, spec = choose_engine(config, local=address is None)
+    output_url = config.output
+    table = None
+    if is_iceberg(config.output):
+        table = IcebergOutput(config.output, config.catalog_options)
+        config = dataclasses.replace(config, output=table.data_folder)
+    config, previous, previous_parts = _open_previous(config)
+    source = open_store(config.source, config.storage_options)
+    if output is None or output.url != config.output:
+        output = open_store(config.output, config.storage_options)
+    check_output_location(source, output)  # an output that is the source or holds it: refused before anything else
+    check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
+    check_output(output.fs, output.root, config.output)
+    return RunPlan(config=config, spec=spec, ray_address=address, output_url=output_url, source=source,
+                   output=output, previous=previous, table=table, previous_parts=previous_parts)
+
+
+def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str] | None]:
+    """``config`` with an ``iceberg://`` previous replaced by its table's data folder, the previous store and the
+    table's current shards (None: a folder, listed as usual)."""
+    if not config.previous:
+        return config, None, None
+    if not is_iceberg(config.previous):
+        return config, open_store(config.previous, config.storage_options), None
+    fs, root, parts = table_parts(config.previous, config.catalog_options, config.storage_options)
+    config = dataclasses.replace(config, previous=fs.unstrip_protocol(root))
+    return config, Store(config.previous, fs, root, dict(config.storage_options)), parts
