@@ -19,7 +19,7 @@ import pyarrow as pa
 from pipeline.actor import ClassifyActor
 from pipeline.config import RunConfig
 from pipeline.engines.base import DEFAULT_TOP_K, STATUS_ERROR, STATUS_OK
-from pipeline.engines.registry import engine_kwargs, engine_spec
+from pipeline.engines.registry import AUTO_ENGINE, engine_kwargs, engine_spec
 from pipeline.errors import ConfigError, LIST_ERROR
 from pipeline.fetch import fetch_batch
 from pipeline.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
@@ -134,7 +134,10 @@ class Classifier:
                  decode_threads: int | None = None):
         if not isinstance(top_k, int) or not 1 <= top_k <= 1000:
             raise ConfigError(f"top_k must be an integer within 1..1000, got {top_k!r}")
-        spec = engine_spec(engine)  # ConfigError lists the engines; "auto" is the job's, which counts the cluster
+        if engine == AUTO_ENGINE:
+            raise ConfigError("Classifier runs the engine it is given: name one (engine='onnx' on CPUs; 'gpu' or "
+                              "'triton' with num_gpus=1 in map_batches); auto is the job's choice by its cluster's GPUs")
+        spec = engine_spec(engine)  # ConfigError lists the engines
         options = engine_kwargs(engine, engine_options or {}, decode_threads=decode_threads)
         spec.check(options)  # the engine's requirements on this node (torch, tritonserver, ...), in one line
         self.uri_column, self.bytes_column = uri_column, bytes_column

@@ -152,3 +152,25 @@ def test_classifier_keeps_each_batch_format_and_passes_other_columns_through():
             classifier(pa.table({"k": [1]}))
     finally:
         classifier.close()
+
+
+def test_classifier_runs_any_registered_engine_by_name_with_its_options():
+    from pipeline import Classifier
+    from pipeline.errors import ConfigError
+
+    batch = pa.table({"uri": [str(PHOTOS / "chelsea.jpg"), str(PHOTOS / "no-such.jpg")]})  # local paths
+    onnx = Classifier(engine="onnx", top_k=3, engine_options={"intra_op_threads": 1})
+    openvino = Classifier(engine="openvino", top_k=3, engine_options={"threads": 1})
+    try:
+        a, b = onnx(batch), openvino(batch)
+        assert a.column("engine").to_pylist() == ["onnx"] * 2 and b.column("engine").to_pylist() == ["openvino"] * 2
+        assert a.column("labels")[0].as_py()[0] == b.column("labels")[0].as_py()[0] == "Egyptian cat"
+        assert b.column("status").to_pylist() == ["ok", "error"] and b.column("error")[1].as_py().startswith(
+            "not_found:")
+    finally:
+        onnx.close()
+        openvino.close()
+    with pytest.raises(ConfigError, match="name one"):
+        Classifier(engine="auto")
+    with pytest.raises(ConfigError, match="has no option nope"):
+        Classifier(engine="onnx", engine_options={"nope": 1})
