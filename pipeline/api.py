@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import pyarrow as pa
@@ -90,7 +89,7 @@ def run(config: RunConfig | None = None, /, *, progress: Callable[[int, int | No
     return RunResult(
         output=summary.output, rows=summary.total, ok=summary.counts.get(STATUS_OK, 0),
         errors=summary.counts.get(STATUS_ERROR, 0), classified=summary.classified, carried=summary.carried,
-        already_done=summary.already_done, error_kinds=MappingProxyType(kinds), list_errors=kinds.get(LIST_ERROR, 0),
+        already_done=summary.already_done, error_kinds=kinds, list_errors=kinds.get(LIST_ERROR, 0),
         elapsed_s=summary.elapsed_s,
     )
 
