@@ -174,3 +174,21 @@ def test_classifier_runs_any_registered_engine_by_name_with_its_options():
         Classifier(engine="auto")
     with pytest.raises(ConfigError, match="has no option nope"):
         Classifier(engine="onnx", engine_options={"nope": 1})
+
+
+def test_classifier_runs_a_users_model_folder(tmp_path, default_bundle):
+    """``model=DIR`` as ``--model DIR``: the folder's labels and digest, not the built-in model's."""
+    from pipeline import Classifier
+
+    folder = tmp_path / "my-model"
+    shutil.copytree(default_bundle.onnx_path.parent, folder)
+    labels = (folder / "labels.txt").read_text().splitlines()
+    (folder / "labels.txt").write_text("".join(f"item {i}: {label}\n" for i, label in enumerate(labels)))
+    classifier = Classifier(model=folder, top_k=1)
+    try:
+        table = classifier(pa.table({"bytes": [(PHOTOS / "chelsea.jpg").read_bytes()]}))
+    finally:
+        classifier.close()
+    [row] = table.to_pylist()
+    assert row["labels"] == [f"item {row['class_ids'][0]}: Egyptian cat"]
+    assert row["model_digest"] == classifier.model_digest != default_bundle.digest
