@@ -86,15 +86,19 @@ def _filesystem(url: str, storage_options: Mapping[str, Any]):
 def fetch_batch(
     batch: pa.Table,
     *,
-    source: str,
+    source: str | None,
     storage_options: Mapping[str, Any],
     threads: int,
     max_bytes: int,
     retries: int,
 ) -> pa.Table:
-    """Add the encoded bytes of every row that needs classifying; failures fill ``status``/``error``."""
+    """Add the encoded bytes of every row that needs classifying; failures fill ``status``/``error``.
+
+    ``source`` None: the URIs are any store's (``scheme://…``), as a manifest's are.
+    """
     # A manifest names objects on any store: each row is read through its own scheme's file system.
-    fs_of = (lambda uri: _filesystem(uri.partition("://")[0] + "://", storage_options)) if manifest_form(source) \
+    fs_of = (lambda uri: _filesystem(uri.partition("://")[0] + "://", storage_options)) \
+        if source is None or manifest_form(source) \
         else (lambda uri, fs=_filesystem(source, storage_options): fs)
     uris = batch.column(URI).to_pylist()
     sizes = batch.column(SIZE_BYTES).to_pylist()

@@ -42,6 +42,7 @@ FLOORS = {
     "pipeline.config": 8,
     "pipeline.job": 9,
     "pipeline.nightly": 10,
+    "pipeline.api": 10,
     "pipeline.cli": 11,
     SHIMS: 12,
 }
