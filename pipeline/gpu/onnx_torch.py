@@ -21,8 +21,11 @@ import onnx2torch
 import onnxslim
 import torch
 from onnx2torch.node_converters.registry import get_converter
+from onnx2torch.node_converters.constant_of_shape import OnnxConstantOfShape
+from onnx2torch.node_converters.expand import OnnxExpand
 from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
+from onnx2torch.node_converters.tile import OnnxTile
 
 from pipeline.errors import ModelError
 
@@ -100,13 +103,46 @@ class HostShape(OnnxShape):
         return torch.tensor(input_tensor.shape[self._start : self._end], dtype=torch.int64)
 
 
+def host_ints(shape) -> list[int]:
+    """A shape operand (a CPU tensor of the converted graph) as Python ints: ``torch.Size`` of a traced tensor fails
+    under torch.compile, and the operand is on the CPU, so reading it waits for nothing."""
+    return [int(d) for d in shape.tolist()]
+
+
 class HostReshape(OnnxReshape):
-    """onnx2torch's ``Reshape`` with its target read as Python ints (``torch.Size`` of a traced tensor fails under
-    torch.compile; the target is on the CPU, so reading it waits for nothing)."""
+    """onnx2torch's ``Reshape`` with its target read as Python ints."""
 
     def forward(self, input_tensor, shape):
-        dims = [int(d) for d in shape.tolist()]
+        dims = host_ints(shape)
         return torch.reshape(input_tensor, [input_tensor.shape[i] if d == 0 else d for i, d in enumerate(dims)])
+
+
+class HostExpand(OnnxExpand):
+    """onnx2torch's ``Expand`` (a two-way broadcast) with its shape read as Python ints."""
+
+    def forward(self, input_tensor, shape):
+        return input_tensor * torch.ones(host_ints(shape), dtype=input_tensor.dtype, device=input_tensor.device)
+
+
+class HostTile(OnnxTile):
+    """onnx2torch's ``Tile`` with its repeats read as Python ints."""
+
+    def forward(self, input_tensor, repeats):
+        return input_tensor.repeat(host_ints(repeats))
+
+
+class HostConstantOfShape(OnnxConstantOfShape):
+    """onnx2torch's ``ConstantOfShape`` with its shape read as Python ints."""
+
+    def forward(self, shape):
+        fill = self.value.item()
+        return torch.full(host_ints(shape), int(fill) if isinstance(fill, bool) else fill, dtype=self.value.dtype,
+                          device=self.value.device)
+
+
+# onnx2torch's modules whose shape operand the converted graph reads on the host, and their replacements.
+HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand, OnnxTile: HostTile,
+                OnnxConstantOfShape: HostConstantOfShape}
 
 
 class HostShapes(torch.nn.Module):
@@ -120,10 +156,9 @@ class HostShapes(torch.nn.Module):
     def __init__(self, graph):
         super().__init__()
         for module in graph.modules():
-            if type(module) is OnnxShape:
-                module.__class__ = HostShape
-            elif type(module) is OnnxReshape:
-                module.__class__ = HostReshape
+            host = HOST_MODULES.get(type(module))
+            if host is not None:
+                module.__class__ = host
         self.graph = graph
 
     def _apply(self, fn, recurse=True):

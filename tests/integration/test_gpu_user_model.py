@@ -16,7 +16,7 @@ from pipeline.model.folder import LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model
 from pipeline.triton import contract as tn
 from support.oddities import photo_set
 from support.paths import PHOTOS
-from support.user_models import CLASSES, SPEC, TinyNet, model_folder
+from support.user_models import CLASSES, SPEC, TinyNet, TokenNet, model_folder
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx2torch")
@@ -66,6 +66,28 @@ def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folde
     bad = choose_half(convert_onnx(huge.onnx_path), huge.spec, torch.device("cpu"))
     assert not bad.half and bad.rel_l2 == float("inf")
     assert "relative L2" in bad.describe()
+
+
+def test_a_transformer_shaped_graph_converts_and_compiles_with_its_shapes_read_on_the_host(tmp_path):
+    """Expand and Reshape of computed shapes (a ViT's class token, its attention's heads) read their shape on the
+    host, so the converted graph matches ONNX Runtime and compiles (torch.Size of a traced tensor does not)."""
+    from pipeline.gpu.onnx_torch import HostExpand, HostReshape, convert_onnx
+    from pipeline.gpu.topk_network import TopKNetwork
+
+    bundle = load_model(model_folder(tmp_path / "token", TokenNet()))
+    net = convert_onnx(bundle.onnx_path)
+    kinds = {type(m) for m in net.modules()}
+    assert HostExpand in kinds and HostReshape in kinds, kinds
+    x = np.random.default_rng(3).standard_normal((3, 3, 64, 64)).astype(np.float32)
+    with torch.inference_mode():
+        got = net(torch.from_numpy(x)).numpy()
+    ref = ort_logits(bundle, x)
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    top = TopKNetwork(net, crop=(64, 64), device=torch.device("cpu"), half=False, batch_size=3, cuda_graph=False,
+                      top_k=2, compile=True)
+    top.warmup()
+    assert top.compiled, top.compile_problem
+    assert np.abs(top.run(torch.from_numpy(x)).numpy() - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
 
 
 def test_a_converted_network_runs_compiled_where_its_logits_match_and_eager_where_not(folder, monkeypatch, caplog):

@@ -31,6 +31,27 @@ class TinyNet(torch.nn.Module):
         return self.fc(x.reshape(x.shape[0], -1)) * self.scale
 
 
+class TokenNet(torch.nn.Module):
+    """A transformer-shaped network: patches, a class token expanded to the batch (Expand of a computed shape in
+    ONNX, as ViTs export), a position term, attention over the tokens, the class token's logits."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.patches = torch.nn.Conv2d(3, 16, 16, stride=16)
+        self.token = torch.nn.Parameter(torch.randn(1, 1, 16))
+        self.position = torch.nn.Parameter(torch.randn(1, 1, 16))
+        self.attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.token.expand(x.shape[0], -1, -1), tokens], dim=1)
+        tokens = tokens + self.position.repeat(1, tokens.shape[1], 1)
+        out, _ = self.attention(tokens, tokens, tokens)
+        return self.head(out[:, 0])
+
+
 def model_folder(path, net: torch.nn.Module | None = None, *, fixed_batch: int | None = None):
     """``fixed_batch``: export with that batch size as a number (no dynamic batch axis), as some exports come."""
     path.mkdir(parents=True)
