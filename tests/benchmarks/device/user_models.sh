@@ -43,9 +43,10 @@ job() {  # bench_job on 100,000 files: the built-in default, then each NAME of V
   grep -v "^[0-9: ,-]*bench_job" "$OUT/j/bench.log" | grep -v -i warn | tail -32
 }
 
-net() {  # the networks alone, logits against ONNX Runtime, the gate; torch.compile of COMPILE's folders
+net() {  # the networks alone (NET_MODELS), logits against ONNX Runtime, the gate; torch.compile of COMPILE's folders
   timeout "$1" python3 tests/benchmarks/device/bench_user_networks.py --reference --compile "${COMPILE:-}" \
-    --seconds "${NET_S:-2}" --out "$OUT/net.json" "$models"/{resnet50,convnext_tiny,vit_base_patch16_224,lite2} \
+    --seconds "${NET_S:-2}" --out "$OUT/net.json" \
+    $(for m in ${NET_MODELS:-resnet50 convnext_tiny vit_base_patch16_224 lite2}; do echo "$models/$m"; done) \
     2>&1 | grep -v -i warn | tee "$OUT/net.log" | tail -8
 }
 
