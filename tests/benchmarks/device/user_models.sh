@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD:/tmp/w44site:$PYTHONPATH
 models=$HOME/models
 mkdir -p "$models" "$OUT"
 [[ -d $models/lite2 ]] || cp -r "$kit/models/lite2" "$models/"
-for m in resnet50 resnet50ts convnext_tiny vit_base_patch16_224; do
+for m in ${EXPORT:-resnet50 resnet50ts convnext_tiny vit_base_patch16_224}; do  # the folders the steps use
   [[ -f $models/$m/model.onnx ]] || python3 tests/benchmarks/device/export_models.py "$models" $m 2>&1 | grep exported
 done
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
