@@ -1,7 +1,18 @@
-"""EfficientNet-Lite0 as torch modules built from the default checkpoint's arrays: the folded conv (``ConvBN``), the
-1x1 conv as a GEMM (``Pointwise``), the inverted-residual ``Block`` and the whole ``Lite0``, each laid out as a
-``Lite0Layout`` says (``pipeline.gpu.lite0_layout``). Imports torch: reached through
-``pipeline.gpu.networks.efficientnet_lite0``."""
+"""EfficientNet-Lite0 as torch modules built from the default checkpoint's arrays, in the layout the GPU paths run:
+the folded conv (``ConvBN``), the 1x1 conv as a GEMM (``Pointwise``), the inverted-residual ``Block`` and the whole
+``Lite0``. Imports torch: reached through ``pipeline.gpu.networks.efficientnet_lite0``.
+
+The checkpoint's convs use TF's "SAME" padding, larger behind than in front at stride 2. The whole network runs on the
+image turned by 180 degrees, with every kernel turned too: there the larger pad is in front, and the conv's own
+symmetric padding of that size reads the same pixels, so one flip of the input replaces every pad kernel.
+
+The folded BatchNorm biases cost a pass of their own over each conv's output on the GPU, the largest share of the
+network's GPU time (docs/performance.md). So the 1x1 convs run as GEMMs over the channels-last rows with their bias in
+the GEMM's epilogue, and the depthwise convs have no bias: ReLU6's bounds are shifted by it instead,
+relu6(z + b) - b = clamp(z, -b, 6 - b), and the "- b" is folded into the next 1x1 projection's bias
+(W (v + b) = W v + W b; exact, as the projection reads no padding). The other ways of computing the padding, measured
+against this one, are the benchmarks' (tests/benchmarks/lite0_layouts.py).
+"""
 
 from __future__ import annotations
 
@@ -9,29 +20,37 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.model.default_model import HEAD_CHANNELS, IMAGE_SIZE, LITE0_BLOCKS
-from pipeline.gpu.lite0_layout import GEMM_ROWS, MIRROR, Lite0Layout, fold_bn, pad_plan
 from pipeline.errors import ModelError
+from pipeline.model.default_model import BN_EPS, HEAD_CHANNELS, IMAGE_SIZE, LITE0_BLOCKS, _same_pads
 
 relu6 = nn.functional.relu6
+# Rows of one GEMM: torch adds the bias in cuBLASLt's epilogue only below 65535 * 32 rows (larger GEMMs are cut).
+GEMM_ROWS = 65535 * 32 - 1
+
+
+def fold_bn(weights: dict[str, np.ndarray], conv: str, bn: str) -> tuple[np.ndarray, np.ndarray]:
+    """Conv weight and bias with the following BatchNorm folded in (float64 maths, float32 result)."""
+    w = weights[f"{conv}.weight"].astype(np.float64)
+    gamma, beta = weights[f"{bn}.weight"].astype(np.float64), weights[f"{bn}.bias"].astype(np.float64)
+    mean, var = weights[f"{bn}.running_mean"].astype(np.float64), weights[f"{bn}.running_var"].astype(np.float64)
+    factor = gamma / np.sqrt(var + BN_EPS)
+    return (w * factor[:, None, None, None]).astype(np.float32), (beta - mean * factor).astype(np.float32)
 
 
 class ConvBN(nn.Module):
-    """A conv with its BatchNorm folded, then ReLU6 (``act``). ``shift``: no bias; ReLU6's bounds shifted by it
-    instead, the output short of it by ``shift_bias`` (``Lite0Layout.gemm``)."""
+    """A conv with its BatchNorm folded and its kernel turned, on the turned input, then ReLU6 (``act``).
+    ``shift``: no bias; ReLU6's bounds shifted by it instead, the output short of it by ``shift_bias``."""
 
-    def __init__(self, weights: dict[str, np.ndarray], layout: Lite0Layout, conv: str, bn: str, *, stride: int,
-                 size: int, groups: int = 1, act: bool = True, form: str = "pad", shift: bool = False):
+    def __init__(self, weights: dict[str, np.ndarray], conv: str, bn: str, *, stride: int, size: int,
+                 groups: int = 1, act: bool = True, shift: bool = False):
         super().__init__()
         w, b = fold_bn(weights, conv, bn)
         self.shift_bias = b if shift else None
-        if layout.mirrored:
-            form, w = MIRROR, np.ascontiguousarray(w[:, :, ::-1, ::-1])
-        plan = pad_plan(size, w.shape[-1], stride, form)
-        if plan.front_taps:
-            w = np.pad(w, ((0, 0), (0, 0), (plan.front_taps, 0), (plan.front_taps, 0)))
-        self.pad, self.drop, self.inplace = plan.pad, plan.drop, layout.inplace
-        self.conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], w.shape[-1], stride=stride, padding=plan.padding,
+        w = np.ascontiguousarray(w[:, :, ::-1, ::-1])
+        # On the turned input TF's pads swap sides: the larger one ("after") is in front, and the conv's own padding
+        # of that size gives TF's outputs, turned, with as many of them (TF's pads differ by less than the stride).
+        _, after = _same_pads(size, w.shape[-1], stride)
+        self.conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], w.shape[-1], stride=stride, padding=after,
                               groups=groups, bias=not shift)
         with torch.no_grad():
             self.conv.weight.copy_(torch.from_numpy(w))
@@ -39,18 +58,14 @@ class ConvBN(nn.Module):
                 self.conv.bias.copy_(torch.from_numpy(b))
         self.act = act
         if shift:
-            if not act:
-                raise ValueError("a shifted bias needs the ReLU6 whose bounds it shifts")
             self.register_buffer("low", torch.from_numpy(-b).reshape(1, -1, 1, 1))
             self.register_buffer("high", torch.from_numpy(6 - b).reshape(1, -1, 1, 1))
 
     def forward(self, x):
-        if self.pad is not None:
-            x = nn.functional.pad(x, self.pad)
         x = self.conv(x)
         if self.shift_bias is not None:
             return x.clamp_(min=self.low, max=self.high)
-        return relu6(x, inplace=self.inplace) if self.act else x
+        return relu6(x, inplace=True) if self.act else x
 
 
 class Pointwise(nn.Module):
@@ -80,40 +95,25 @@ class Pointwise(nn.Module):
         return relu6(y, inplace=True) if self.act else y
 
 
-def pointwise(weights: dict[str, np.ndarray], layout: Lite0Layout, conv: str, bn: str, *, size: int, act: bool,
-              shift: np.ndarray | None = None) -> nn.Module:
-    """A 1x1 conv as the layout computes it: a GEMM (``gemm``) or a folded conv."""
-    if layout.gemm:
-        return Pointwise(weights, conv, bn, act=act, shift=shift)
-    return ConvBN(weights, layout, conv, bn, stride=1, size=size, act=act)
-
-
 class Block(nn.Module):
     """One inverted-residual block: the 1x1 expansion (unless ``expand`` is 1), the depthwise conv, the 1x1
     projection, and the residual where the shape stays."""
 
-    def __init__(self, weights: dict[str, np.ndarray], layout: Lite0Layout, p: str, *, stride: int, expand: int,
-                 cin: int, cout: int, size: int):
+    def __init__(self, weights: dict[str, np.ndarray], p: str, *, stride: int, expand: int, cin: int, cout: int,
+                 size: int):
         super().__init__()
         layers = []
         if expand != 1:
-            layers.append(pointwise(weights, layout, f"{p}._expand_conv", f"{p}._bn0", size=size, act=True))
-        form = layout.symmetric if stride == 1 else layout.asymmetric
-        depthwise = ConvBN(weights, layout, f"{p}._depthwise_conv", f"{p}._bn1", stride=stride, size=size,
-                           groups=cin * expand, form=form, shift=layout.gemm)
+            layers.append(Pointwise(weights, f"{p}._expand_conv", f"{p}._bn0", act=True))
+        depthwise = ConvBN(weights, f"{p}._depthwise_conv", f"{p}._bn1", stride=stride, size=size,
+                           groups=cin * expand, shift=True)
         layers.append(depthwise)
-        layers.append(pointwise(weights, layout, f"{p}._project_conv", f"{p}._bn2", size=-(-size // stride),
-                                act=False, shift=depthwise.shift_bias))
+        layers.append(Pointwise(weights, f"{p}._project_conv", f"{p}._bn2", act=False, shift=depthwise.shift_bias))
         self.body = nn.Sequential(*layers)
-        self.drop, self.out_size = depthwise.drop, -(-size // stride)
         self.residual = stride == 1 and cin == cout
 
     def forward(self, x):
         y = self.body(x)
-        if self.drop:  # the projection is pointwise, so the extra front row and column can go after it
-            keep = y.is_contiguous(memory_format=torch.channels_last)
-            y = y[:, :, self.drop : self.drop + self.out_size, self.drop : self.drop + self.out_size]
-            y = y.contiguous(memory_format=torch.channels_last if keep else torch.contiguous_format)
         return y + x if self.residual else y
 
 
@@ -125,23 +125,22 @@ class Lite0(nn.Module):
         ModelError: the checkpoint's classifier does not take HEAD_CHANNELS features.
     """
 
-    def __init__(self, weights: dict[str, np.ndarray], layout: Lite0Layout):
+    def __init__(self, weights: dict[str, np.ndarray]):
         super().__init__()
-        self.layout = layout
         size = IMAGE_SIZE
-        self.stem = ConvBN(weights, layout, "_conv_stem", "_bn0", stride=2, size=size, form=layout.stem)
+        self.stem = ConvBN(weights, "_conv_stem", "_bn0", stride=2, size=size)
         size = -(-size // 2)
         blocks, index = [], 0
         for repeats, _kernel, stride, expand, in_f, out_f in LITE0_BLOCKS:
             for r in range(repeats):
                 s = stride if r == 0 else 1
                 cin = in_f if r == 0 else out_f
-                blocks.append(Block(weights, layout, f"_blocks.{index}", stride=s, expand=expand, cin=cin, cout=out_f,
+                blocks.append(Block(weights, f"_blocks.{index}", stride=s, expand=expand, cin=cin, cout=out_f,
                                     size=size))
                 size = -(-size // s)
                 index += 1
         self.blocks = nn.Sequential(*blocks)
-        self.head = pointwise(weights, layout, "_conv_head", "_bn1", size=size, act=True)
+        self.head = Pointwise(weights, "_conv_head", "_bn1", act=True)
         fc_w = weights["_fc.weight"]
         if fc_w.shape[1] != HEAD_CHANNELS:
             raise ModelError(f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}")
@@ -151,7 +150,6 @@ class Lite0(nn.Module):
             self.fc.bias.copy_(torch.from_numpy(weights["_fc.bias"].astype(np.float32)))
 
     def forward(self, x):
-        if self.layout.mirrored:  # one copy of the 3-channel input in place of every pad
-            x = x.flip(2, 3)
+        x = x.flip(2, 3)  # one copy of the 3-channel input in place of every pad
         x = self.head(self.blocks(self.stem(x)))
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))

@@ -4,8 +4,8 @@ and the networks a caller registers (``register_network``).
 The default model is rebuilt here as a plain torch module from the same checkpoint arrays that
 ``pipeline.model.default_model`` turns into ONNX (BatchNorm folded the same way, TF "SAME" padding for 224 px), so the
 GPU and the ONNX reference compute the same function; the ``efficientnet-lite-pytorch`` package's code is not used.
-Its layouts (``LITE0_LAYOUTS``) compute TF's padding inside the convs instead of as separate pad kernels, with the
-same logits; ``DEFAULT_LITE0_LAYOUT`` is the one both the gpu engine and the gpu profile's Triton models run.
+It computes TF's padding inside the convs instead of as separate pad kernels (``pipeline.gpu.lite0``), with the same
+logits; both the gpu engine and the gpu profile's Triton models run it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 
 from pipeline.model.default_model import load_checkpoint
-from pipeline.gpu.lite0_layout import DEFAULT_LITE0_LAYOUT, LITE0_LAYOUTS, Lite0Layout
 from pipeline.errors import ConfigError, EngineError, ModelError
 from pipeline.model.folder import MODEL_FILE, TORCHSCRIPT_FILE, is_builtin
 
@@ -31,21 +30,13 @@ CONVERTER_MISSING = ("the GPU paths convert model.onnx to torch with onnx2torch 
                      "installed here: pip install 'bulk-classify[gpu]', or use --engine onnx")
 
 
-def efficientnet_lite0(weights: dict[str, np.ndarray], layout: str | Lite0Layout = DEFAULT_LITE0_LAYOUT):
+def efficientnet_lite0(weights: dict[str, np.ndarray]):
     """EfficientNet-Lite0 as a torch module (eval only, BatchNorm folded) from the checkpoint's arrays
-    (``pipeline.gpu.lite0``).
-
-    ``layout``: how TF's "SAME" padding is computed (a ``LITE0_LAYOUTS`` name or a ``Lite0Layout``); all give the
-    same logits, up to float rounding.
-    """
+    (``pipeline.gpu.lite0``)."""
     from pipeline.gpu.lite0 import Lite0  # noqa: PLC0415 - torch, an optional dependency
 
-    if isinstance(layout, str):
-        if layout not in LITE0_LAYOUTS:
-            raise EngineError(f"unknown EfficientNet-Lite0 layout {layout!r}; use one of {', '.join(LITE0_LAYOUTS)}")
-        layout = LITE0_LAYOUTS[layout]
     try:
-        return Lite0(weights, layout).eval()
+        return Lite0(weights).eval()
     except KeyError as e:
         raise ModelError(f"the checkpoint lacks tensor {e}; is it an EfficientNet-Lite0 checkpoint?") from None
 
@@ -78,7 +69,7 @@ def load_network(bundle, network: str | None = None):
     """The torch network for a model bundle.
 
     ``network``: None (or "auto") picks by the bundle: the folder's ``model.torchscript`` where it has one, the
-    default model's hand-tuned layout, else the folder's ``model.onnx`` converted to torch
+    default model's network, else the folder's ``model.onnx`` converted to torch
     (``pipeline.gpu.onnx_torch``); another name selects a network of ``register_network``'s (or a
     ``"module:function"`` factory).
 

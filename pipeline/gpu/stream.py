@@ -14,7 +14,8 @@ With ``max_backlog`` set, ``submit`` waits while that many batches' worth of ima
 Triton model instance with enough work stays busy in ``execute()`` and the server gives the next requests to another
 instance (its scheduler hands requests to free instances; an ``execute()`` that returns at once is always free).
 
-Torch-free: the classifier brings torch; tests run this module with ``pipeline.triton.serve.hop.NullClassifier``.
+Torch-free: the classifier brings torch; tests run this module with the hop's ``NullClassifier``
+(tests/benchmarks/hop_model.py).
 """
 
 from __future__ import annotations

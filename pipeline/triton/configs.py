@@ -240,7 +240,7 @@ def _prepare_parameters(o: GpuModelOptions, batch_size: int) -> dict:
     """The parameters of the gpu profile's model that prepares images (triage, DALI, the reference) for the network:
     the single shape's one model and the ensemble's preprocess model."""
     return {
-        tn.GPU_PARAM_NETWORK: o.network,  # "none" (the ensemble's hop): no DALI either
+        tn.GPU_PARAM_NETWORK: o.network,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,
         tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
         tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
@@ -257,8 +257,7 @@ def gpu_ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions()) -> 
     joining them, with the contract's inputs and outputs.
 
     ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any device),
-    "false" FP32. ``network`` "none" is the Triton hop alone: no DALI, no torch; each image's tensor carries a number
-    derived from its bytes, which the network model turns into its classes (``pipeline.gpu.stream.echo_ids``).
+    "false" FP32.
 
     Raises:
         ConfigError: instance counts below 1.

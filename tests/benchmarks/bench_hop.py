@@ -1,5 +1,5 @@
 """The Triton hop alone: what it costs to move an actor's encoded files into the gpu profile's model and the answers
-back, with a model that does no work (``network: "none"``), side by side in one run.
+back, with a model that does no work (hop_model.py), side by side in one run.
 
 Rows differ in the client's wire format (``message``: a ModelInferRequest message with the files appended, the
 engine's path before ``triton_wire.encode_request``; ``encoded``: the request serialized by us, the files copied
@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
+from hop_model import serve_hop  # noqa: E402
 from pipeline.engines.triton import TritonEngine  # noqa: E402
 from pipeline.engines.triton_wire import build_request  # noqa: E402
 
@@ -56,7 +57,7 @@ def engine(wire: str, url: str, model: str, request_batch: int, concurrency: int
 
 
 def check(rows, images) -> None:
-    from pipeline.triton.serve.hop import echo_ids
+    from hop_model import echo_ids
 
     want = echo_ids(images, 5)
     bad = [i for i, r in enumerate(rows) if r.status != "ok" or [int(c) for c in r.labels] != want[i].tolist()]
@@ -145,8 +146,8 @@ def main() -> None:
     repo = Path(tempfile.mkdtemp(prefix="hop-repo-"))
     instances = [int(v) for v in args.instances.split(",")]
     for n in instances:
-        tmp = build_gpu_repository(None, Path(tempfile.mkdtemp()), network="none", instances=n,
-                                   batch_size=args.batch_size)
+        tmp = serve_hop(build_gpu_repository(None, Path(tempfile.mkdtemp()), instances=n,
+                                                   batch_size=args.batch_size))
         name = f"hop_i{n}"
         (tmp / tn.MODEL_NAME).rename(repo / name)
         cfg = repo / name / "config.pbtxt"

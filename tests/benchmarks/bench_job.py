@@ -392,8 +392,10 @@ def main() -> None:
 
 def build_repo(spec: str, root: Path) -> Path:
     """``NAME:KEY=VALUE,...``: a gpu-profile repository with those ``GpuModelOptions`` (numbers as numbers); a
-    ``network`` of tests/benchmarks/gpu_networks.py (resnet50, a layout name) is served from there."""
+    ``network`` of tests/benchmarks/gpu_networks.py (resnet50, a layout name) is served from there,
+    ``network=none`` serves the hop alone (hop_model.py)."""
     from gpu_networks import served
+    from hop_model import serve_hop
 
     from pipeline.triton.repository import build_gpu_repository
 
@@ -405,11 +407,16 @@ def build_repo(spec: str, root: Path) -> Path:
             options[key] = float(value) if "." in value else int(value)
         except ValueError:
             options[key] = {"true": True, "false": False}.get(value.lower(), value)
-    if options.get("network") not in (None, "auto", "none"):
+    hop = options.get("network") == "none"  # the hop alone: hop_model.py's models
+    if hop:
+        del options["network"]
+    elif options.get("network") not in (None, "auto"):
         options["network"] = served(options["network"])
     out = root / name
     shutil.rmtree(out, ignore_errors=True)
     build_gpu_repository(None, str(out), **options)
+    if hop:
+        serve_hop(out)
     LOG.warning("repository %s: %s", name, options)
     return out
 

@@ -1,6 +1,6 @@
 """The default network alone: each EfficientNet-Lite0 layout against timm's, img/s and top-1 parity, in one run.
 
-The layouts are ``pipeline.gpu.lite0_layout.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
+The layouts are ``lite0_layouts.LITE0_LAYOUTS``: one definition from the checkpoint, differing only
 in how TF's "SAME" padding is computed ("explicit" writes every pad out with ``F.pad``; the others fold the pads into
 the convs). For each layout, and for timm's ``efficientnet_lite0`` and ``tf_efficientnet_lite0`` (random weights,
 the same architecture: reference rates only), it prints:
@@ -45,12 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from image_sets import make_set  # noqa: E402
 
 from pipeline.model.default_model import DEFAULT_SPEC, load_checkpoint  # noqa: E402
-from pipeline.gpu.lite0_layout import (  # noqa: E402
+from lite0_layouts import (  # noqa: E402
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
+    layout_network,
 )
-from pipeline.gpu.networks import efficientnet_lite0  # noqa: E402
 from pipeline.model.imaging import decode_image, preprocess_image  # noqa: E402
 
 LOG = logging.getLogger("bench_network")
@@ -81,7 +81,7 @@ def onnx_file_or_export(torch, onnx_file: Path | None, weights, folder: Path) ->
     except Exception as e:  # noqa: BLE001 - fall back, and say so in the table's heading
         LOG.warning("load_model failed (%s); exporting the explicit layout with torch.onnx instead", e)
         path = folder / "lite0_explicit.onnx"
-        net = efficientnet_lite0(weights, REFERENCE_LITE0_LAYOUT)
+        net = layout_network(weights, REFERENCE_LITE0_LAYOUT)
         torch.onnx.export(net, (torch.zeros(1, 3, *DEFAULT_SPEC.crop),), str(path), input_names=["input"],
                           output_names=["logits"], dynamic_axes={"input": {0: "n"}}, dynamo=False)
         return path, f"torch.onnx export of the explicit layout (load_model failed: {str(e).splitlines()[0][:120]})"
@@ -194,7 +194,7 @@ def build_rows(torch, args, weights) -> list[tuple[str, object]]:
                 torch.manual_seed(0)
                 rows.append((name, timm.create_model(name.removeprefix("timm "), pretrained=False).eval()))
             else:
-                rows.append((name, efficientnet_lite0(weights, name)))
+                rows.append((name, layout_network(weights, name)))
         except Exception as e:  # noqa: BLE001 - a broken layout, or timm missing: a row with its error
             rows.append((name, e))
     return rows
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(torch, args, weights)
     reference = dict(rows).get(REFERENCE_LITE0_LAYOUT)
     if reference is None or isinstance(reference, Exception):
-        reference = efficientnet_lite0(weights, REFERENCE_LITE0_LAYOUT)
+        reference = layout_network(weights, REFERENCE_LITE0_LAYOUT)
     x_cpu = torch.from_numpy(x[:cpu_count])
     with torch.inference_mode():
         ref_cpu = reference(x_cpu).numpy()
@@ -377,7 +377,7 @@ def report(results: list[dict], batches: list[int], drift: dict, *, gpu: str, to
     for name, (first, again) in drift.items():
         print(f"re-timed at the end, batch {batches[-1]}: {name} {_rate(again)} img/s (first {_rate(first)}, "
               f"{again / first:.3f}x)")
-    print(f"to make another layout the default: DEFAULT_LITE0_LAYOUT in pipeline/gpu/networks.py; "
+    print(f"to make another layout the default: build it in pipeline/gpu/lite0.py; "
           f"wall {wall_s:.0f} s")
 
 

@@ -1,5 +1,5 @@
 """Networks the GPU benchmarks run instead of the model's own: a random-weight ResNet-50 and the default model in each
-of its other padding layouts (``LITE0_LAYOUTS``).
+of its other padding layouts (``LITE0_LAYOUTS`` of lite0_layouts.py).
 
 In process, ``register()`` adds them to the library's network registry (``pipeline.gpu.networks
 .register_network``), so ``--engine-option network=resnet50`` or a layout name selects one. A served model runs in
@@ -16,8 +16,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from pipeline.gpu.lite0_layout import LITE0_LAYOUTS  # noqa: E402
-from pipeline.gpu.networks import efficientnet_lite0, register_network  # noqa: E402
+from lite0_layouts import LITE0_LAYOUTS, layout_network  # noqa: E402
+from pipeline.gpu.networks import register_network  # noqa: E402
 from pipeline.errors import EngineError  # noqa: E402
 from pipeline.model.folder import is_builtin  # noqa: E402
 
@@ -46,7 +46,7 @@ def lite0_in_layout(layout: str):
 
         if not is_builtin(bundle):
             raise EngineError(f"network {layout!r} is the default model in another layout; {bundle.name!r} is not it")
-        return efficientnet_lite0(load_checkpoint(), layout)
+        return layout_network(load_checkpoint(), layout)
 
     return factory
 

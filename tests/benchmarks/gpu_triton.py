@@ -142,7 +142,7 @@ def _procs_rate(url: str, model: str, images: list[bytes], request_batch: int, c
 
 def triton_part(args, results: dict, sets: dict[str, list[bytes]]) -> None:
     """The gpu profile in a local tritonserver (one request stream per model instance), from clients shaped like the
-    actor: ResNet-50, the default model, and the hop alone (``network: none``: the model's execute(), stream and
+    actor: ResNet-50, the default model, and the hop alone (hop_model.py: the model's execute(), stream and
     responses with a classifier that does no work). One server per ``--servers`` entry: N model instances (each its
     own stub process, classifier and CUDA context), ":mps" under a private CUDA MPS daemon."""
     for spec in args.servers:
@@ -195,6 +195,7 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
                         cuda_sync: str | None = None, shape: str = "single", options: dict | None = None) -> None:
     from bench_scaleout import SmiSampler
     from gpu_networks import served
+    from hop_model import serve_hop
 
     from pipeline.engines.triton import TritonEngine
     from pipeline.triton.repository import build_gpu_repository
@@ -208,13 +209,15 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
         ens = {"network_instances": args.network_instances} if shape == "ensemble" else {}
         build_gpu_repository(
             None, tmp, shape=shape, **ens,
-            network={"resnet50": served("resnet50"), "hop": "none"}.get(net, "auto"), instances=instances,
+            network=served("resnet50") if net == "resnet50" else "auto", instances=instances,
             **({} if args.triton_batch is None else {"batch_size": args.triton_batch}),
             max_batch_size=args.triton_max_batch,
             queue_delay_us=args.queue_delay_us, prep_workers=args.prep_workers,
             hw_decoder_load=args.hw_decoder_load, half=args.half if net == "default" else "true",
             dali_depth=args.dali_depth, dali_threads=args.dali_threads, cuda_sync=cuda_sync, **(options or {}),
         )
+        if net == "hop":
+            serve_hop(tmp)
         _add_models(tmp, repo, name, IMAGENET_SPEC if net == "resnet50" else None)
 
     t0 = time.perf_counter()

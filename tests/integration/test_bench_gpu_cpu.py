@@ -1,7 +1,7 @@
 """tests/benchmarks/bench_gpu.py's Triton part (gpu_triton.py) on the CPU: the script's server/run/report path, checked
 here so that a device call is not spent finding its bugs.
 
-A real tritonserver serves the gpu profile with ``network: "none"`` (the hop alone: execute(), the request stream and
+A real tritonserver serves the gpu profile's hop (tests/benchmarks/hop_model.py: execute(), the request stream and
 its backlog, responses) on KIND_CPU instances; actor-shaped clients time it, the bad-inputs request runs between two
 timed runs, and each instance's share comes from the stopped server's log.
 """

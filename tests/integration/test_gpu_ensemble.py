@@ -1,7 +1,7 @@
 """The gpu profile's ensemble shape (preprocess + network python models joined by an ensemble) in a real
 tritonserver, on the CPU.
 
-With ``network: "none"`` both models run without torch or DALI: preprocess triages and writes a number derived from
+Serving the hop (tests/benchmarks/hop_model.py), both models run without torch or DALI: preprocess triages and writes a number derived from
 each file's bytes into its tensor, the network model turns it into classes, so every answer can be checked against
 its own image (as tests/integration/test_gpu_stream.py does for the single shape). With torch installed, the default network
 runs (DALI's CPU backend, torch on the CPU) and must agree with the single shape.
@@ -21,7 +21,7 @@ from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer
 from support.oddities import encode, photo
-from test_gpu_stream import _check, _classify_together, _images
+from test_gpu_stream import _check, _classify_together, _images, serve_hop
 
 
 def _repo(path, shape="ensemble", **options):
@@ -30,6 +30,11 @@ def _repo(path, shape="ensemble", **options):
     for config in repo.glob("*/config.pbtxt"):
         config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
     return repo
+
+
+def _hop_repo(path, **options):
+    """The ensemble on KIND_CPU serving the hop: no torch, no DALI."""
+    return serve_hop(_repo(path, **options))
 
 
 def test_the_ensemble_shape_is_three_models_with_gpu_tensors_between_them(tmp_path):
@@ -76,7 +81,7 @@ def test_the_cli_builds_the_ensemble_shape_and_refuses_bad_shapes(tmp_path):
 def test_every_answer_is_its_own_images_through_the_ensemble(tmp_path):
     bundle = load_model(None)
     datas = _images(600)
-    repo = _repo(tmp_path / "repo", network="none", preprocess_instances=2, batch_size=64, error_output=True)
+    repo = _hop_repo(tmp_path / "repo", preprocess_instances=2, batch_size=64, error_output=True)
     with TritonServer(repo) as server:
         parts = [datas[k * 200 : (k + 1) * 200] for k in range(3)]
         for part, rows in zip(parts, _classify_together(server.grpc_url, bundle, parts, [(7, 8), (64, 4), (1, 16)])):
@@ -92,7 +97,7 @@ def test_bad_inputs_are_their_own_rows_through_the_ensemble(tmp_path, error_outp
     good = _images(30, seed=1)
     truncated = good[0][: len(good[0]) // 2]
     datas = good[:10] + [b"not an image at all", truncated] + good[10:]
-    repo = _repo(tmp_path / "repo", network="none", preprocess_instances=1, batch_size=16,
+    repo = _hop_repo(tmp_path / "repo", preprocess_instances=1, batch_size=16,
                  error_output=error_output)
     with TritonServer(repo) as server:
         with TritonEngine(bundle, url=server.grpc_url, request_batch=8, concurrency=4) as engine:

@@ -1,6 +1,6 @@
 """The gpu profile's request stream (pipeline.gpu.stream) in a real tritonserver, on the CPU.
 
-The profile's model with ``network: "none"`` runs the whole Triton side - execute() queueing requests, the stream
+The profile's model serving the hop (tests/benchmarks/hop_model.py) runs the whole Triton side - execute() queueing requests, the stream
 cutting them into batches across requests, responses sent from the stream's thread - with a classifier that does no
 work and answers each image with ids derived from its own bytes. So every answer can be checked against its image:
 many clients at once, ragged request sizes, bad inputs among them, a server restart in the middle.
@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -21,7 +22,6 @@ import numpy as np
 import pytest
 
 from pipeline.gpu.stream import RequestStream
-from pipeline.triton.serve.hop import NullClassifier, echo_ids
 from pipeline.engines.triton import TritonEngine
 from pipeline.model.imaging import DecodeLimits
 from pipeline.model.folder import load_model
@@ -29,13 +29,17 @@ from pipeline.triton import contract as tn
 from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer
 from support.oddities import encode, photo
+from support.paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+from hop_model import NullClassifier, echo_ids, serve_hop  # noqa: E402
 
 def _repo(tmp_path, **options):
-    repo = build_gpu_repository(None, tmp_path / "repo", network="none", error_output=True,
+    repo = build_gpu_repository(None, tmp_path / "repo", error_output=True,
                                 **{"instances": 1, **options})
     config = repo / tn.MODEL_NAME / "config.pbtxt"
     config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
-    return repo
+    return serve_hop(repo)
 
 
 def _images(n: int, seed: int = 0) -> list[bytes]:

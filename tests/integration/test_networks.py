@@ -1,26 +1,31 @@
-"""The default network's layouts (pipeline.gpu.lite0_layout.LITE0_LAYOUTS): TF "SAME" padding folded into the
+"""The default network's layouts (tests/benchmarks/lite0_layouts.py, the library's pipeline.gpu.lite0 among them): TF
+"SAME" padding folded into the
 convs computes what the explicit pads compute, on real photos and the parity inputs, in FP32 on the CPU."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 
 from pipeline.model.default_model import DEFAULT_SPEC, IMAGE_SIZE, LITE0_BLOCKS
-from pipeline.gpu.lite0_layout import (
+from pipeline.errors import EngineError
+from pipeline.model.imaging import decode_image, load_and_preprocess, normalize_array
+from pipeline.model.folder import load_model
+from support.paths import BENCHMARKS, DATA
+
+sys.path.insert(0, str(BENCHMARKS))
+from lite0_layouts import (  # noqa: E402
     DEFAULT_LITE0_LAYOUT,
     LITE0_LAYOUTS,
     REFERENCE_LITE0_LAYOUT,
     Lite0Layout,
     PadPlan,
+    layout_network,
     pad_plan,
 )
-from pipeline.errors import EngineError
-from pipeline.model.imaging import decode_image, load_and_preprocess, normalize_array
-from pipeline.model.folder import load_model
-from support.paths import BENCHMARKS, DATA
 
 # FP32 on the CPU the layouts gave bit-identical logits (torch 2.13, the photos and all 200 parity inputs); the bound
 # leaves room for a backend that sums the zero taps or the larger padding in another order.
@@ -140,10 +145,9 @@ def inputs() -> np.ndarray:
 @pytest.fixture(scope="module")
 def reference_logits(weights, inputs):
     torch = pytest.importorskip("torch")
-    from pipeline.gpu.networks import efficientnet_lite0
 
     with torch.inference_mode():
-        return efficientnet_lite0(weights, REFERENCE_LITE0_LAYOUT)(torch.from_numpy(inputs)).numpy()
+        return layout_network(weights, REFERENCE_LITE0_LAYOUT)(torch.from_numpy(inputs)).numpy()
 
 
 def test_the_reference_layout_matches_the_original_torch_model(inputs, reference_logits):
@@ -161,10 +165,13 @@ def test_the_reference_layout_matches_the_original_torch_model(inputs, reference
 ])
 def test_each_layout_gives_the_reference_logits(name, weights, inputs, reference_logits):
     torch = pytest.importorskip("torch")
-    from pipeline.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.lite0 import Lite0
 
-    net = efficientnet_lite0(weights, name)
-    assert net.layout == LITE0_LAYOUTS[name]
+    net = layout_network(weights, name)
+    if name == DEFAULT_LITE0_LAYOUT:
+        assert isinstance(net, Lite0)  # the library's network, the one the GPU paths run
+    else:
+        assert net.layout == LITE0_LAYOUTS[name]
     with torch.inference_mode():
         got = net(torch.from_numpy(inputs)).numpy()
     assert np.abs(got - reference_logits).max() < MAX_LOGIT_DIFF
@@ -190,10 +197,10 @@ def test_the_gemm_layout_cut_into_several_gemms_gives_the_reference_logits(weigh
                                                                          monkeypatch):
     """GEMMs past ``GEMM_ROWS`` rows are cut; the pieces together give the same logits as one GEMM (channels-last)."""
     torch = pytest.importorskip("torch")
-    from pipeline.engines.gpu import lite0, networks
+    from pipeline.gpu import lite0, networks
 
     monkeypatch.setattr(lite0, "GEMM_ROWS", 1000)  # the 112x112 layers of these inputs: many pieces
-    net = networks.efficientnet_lite0(weights, "mirror_gemm").to(memory_format=torch.channels_last)
+    net = networks.efficientnet_lite0(weights).to(memory_format=torch.channels_last)
     with torch.inference_mode():
         got = net(torch.from_numpy(inputs).contiguous(memory_format=torch.channels_last)).numpy()
     assert np.abs(got - reference_logits).max() < MAX_LOGIT_DIFF
@@ -205,7 +212,7 @@ def test_the_gemm_layout_folds_every_depthwise_bias(weights):
     torch = pytest.importorskip("torch")
     from pipeline.gpu.networks import efficientnet_lite0
 
-    net = efficientnet_lite0(weights, "mirror_gemm")
+    net = efficientnet_lite0(weights)
     convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(convs) == 1 + 16  # the stem and one depthwise conv per block
     assert convs[0].bias is not None and all(c.bias is None for c in convs[1:])
@@ -214,10 +221,9 @@ def test_the_gemm_layout_folds_every_depthwise_bias(weights):
 def test_kernel_layout_keeps_the_checkpoint_weights(weights):
     """The zero taps go in front; the folded checkpoint weights are the rest, unchanged."""
     pytest.importorskip("torch")
-    from pipeline.gpu.lite0_layout import fold_bn as _fold
-    from pipeline.gpu.networks import efficientnet_lite0
+    from pipeline.gpu.lite0 import fold_bn as _fold
 
-    net = efficientnet_lite0(weights, "kernel")
+    net = layout_network(weights, "kernel")
     stem = net.stem.conv.weight.detach().numpy()
     w, b = _fold(weights, "_conv_stem", "_bn0")
     assert stem.shape == (32, 3, 4, 4) and (stem[:, :, 0, :] == 0).all() and (stem[:, :, :, 0] == 0).all()
@@ -231,18 +237,18 @@ def test_kernel_layout_keeps_the_checkpoint_weights(weights):
 def test_both_gpu_paths_load_the_default_layout(tmp_path):
     """The in-process engine (a ModelBundle) and the gpu profile's Triton models (a version folder) get one network."""
     pytest.importorskip("torch")
+    from pipeline.gpu.lite0 import Lite0
     from pipeline.gpu.networks import load_network
     from pipeline.triton.serve.gpu_model import _FolderBundle
 
-    assert load_network(load_model(None)).layout == LITE0_LAYOUTS[DEFAULT_LITE0_LAYOUT]
-    assert load_network(_FolderBundle(tmp_path, DEFAULT_SPEC, 1000), "auto").layout == LITE0_LAYOUTS[
-        DEFAULT_LITE0_LAYOUT]
+    assert isinstance(load_network(load_model(None)), Lite0)
+    assert isinstance(load_network(_FolderBundle(tmp_path, DEFAULT_SPEC, 1000), "auto"), Lite0)
 
 
 def test_a_layout_name_loads_the_default_model_in_that_layout(monkeypatch):
     """The benchmarks' networks (tests/benchmarks/gpu_networks.py) through the library's registry."""
     pytest.importorskip("torch")
-    from pipeline.engines.gpu import networks
+    from pipeline.gpu import networks
     from pipeline.gpu.networks import load_network
 
     monkeypatch.setattr(networks, "_NETWORKS", {})
@@ -260,10 +266,9 @@ def test_a_layout_name_loads_the_default_model_in_that_layout(monkeypatch):
 
 def test_an_unknown_layout_names_the_known_ones(weights):
     pytest.importorskip("torch")
-    from pipeline.gpu.networks import efficientnet_lite0
 
     with pytest.raises(EngineError, match="unknown EfficientNet-Lite0 layout 'fast'; use one of explicit, "):
-        efficientnet_lite0(weights, "fast")
+        layout_network(weights, "fast")
 
 
 @pytest.mark.slow

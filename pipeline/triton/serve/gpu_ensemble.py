@@ -12,8 +12,9 @@ the client isolates the bad file, as with the single model.
 Each image's ``TAG`` goes with its tensor: the preprocess model sends it on (``PREPROCESSED_TAG``) and the network
 model echoes it in ``ECHO`` beside its classes, so the client checks both models' batching of every image.
 
-``network: "none"`` is the hop alone, torch- and DALI-free (``pipeline.triton.serve.hop``): preprocess triages and
-writes a number derived from each file's bytes into its tensor; the network model turns it into that image's classes.
+Each model builds its part in one method (``PreprocessModel._build_classifier``, ``NetworkModel._load_network``), and
+the network model runs it in another (``_classify``), so a subclass can serve other parts: the benchmarks' hop
+(tests/benchmarks/hop_model.py) does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from pipeline.triton.serve.gpu_model import (
     request_images,
     request_tags,
 )
-from pipeline.triton.serve.hop import NETWORK_NONE, hop_classes, hop_preprocess
 
 LOG = logging.getLogger(__name__)
 
@@ -59,11 +59,14 @@ class PreprocessModel:
         self.has_error = any(t["name"] == tn.OUTPUT_ERROR for t in config["output"])
         self.limits = config_limits(config)
         batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        self.hop = config_param(config, tn.GPU_PARAM_NETWORK, "auto") == NETWORK_NONE
         device = instance_device(args)
-        self.classifier = None if self.hop else build_classifier(
-            config, spec, None, device=device, top_k=1, limits=self.limits, batch_size=batch_size, half=self.half)
-        LOG.info("preprocess model ready on %s (%s)", device, "hop" if self.hop else "DALI")
+        self.classifier = self._build_classifier(config, spec, device, batch_size)
+        LOG.info("preprocess model ready on %s", device)
+
+    def _build_classifier(self, config: dict, spec, device: str, batch_size: int):
+        """What prepares the images (``preprocess(blobs, limits)``): ``GpuClassifier`` without its network."""
+        return build_classifier(config, spec, None, device=device, top_k=1, limits=self.limits,
+                                batch_size=batch_size, half=self.half)
 
     def execute(self, requests):
         pb = self.pb
@@ -89,9 +92,7 @@ class PreprocessModel:
                 for r, part in enumerate(parts)]
 
     def _prepare(self, blobs: list[bytes], limits: DecodeLimits) -> Preprocessed:
-        if self.classifier is not None:
-            return self.classifier.preprocess(blobs, limits)
-        return Preprocessed(*hop_preprocess(blobs, limits, self.shape, self.half))
+        return self.classifier.preprocess(blobs, limits)
 
     def _response(self, prep: Preprocessed, tags: np.ndarray, start: int, end: int):
         pb = self.pb
@@ -113,8 +114,7 @@ class PreprocessModel:
         return pb.InferenceResponse(output_tensors=out)
 
     def finalize(self):
-        if self.classifier is not None:
-            self.classifier.close()
+        self.classifier.close()
 
 
 class NetworkModel:
@@ -128,10 +128,10 @@ class NetworkModel:
         tensor, shape = _dims(config, "input", tn.PREPROCESSED)
         _, (self.top_k,) = _dims(config, "output", tn.OUTPUT_CLASS_IDS)
         self.batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
-        self.network = None
-        if net_name == NETWORK_NONE:
-            return
+        self._load_network(args, config, folder, spec, tensor, shape)
+
+    def _load_network(self, args: dict, config: dict, folder, spec, tensor: dict, shape: list[int]) -> None:
+        """The torch network in a CUDA graph with softmax and top-k (``TopKNetwork``), warmed up."""
         import torch  # noqa: PLC0415 - the gpu profile's models run where torch is
 
         from pipeline.gpu.classifier import DEFAULT_CUDA_SYNC  # noqa: PLC0415
@@ -143,7 +143,7 @@ class NetworkModel:
         self.device = torch.device(instance_device(args))
         use_cuda_device(torch, self.device, config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
                         SERVED_CUDNN_AUTOTUNE)
-        module = load_network(_FolderBundle(folder, spec, 1000), net_name)
+        module = load_network(_FolderBundle(folder, spec, 1000), config_param(config, tn.GPU_PARAM_NETWORK, "auto"))
         self.network = TopKNetwork(module, crop=tuple(shape[1:]), device=self.device,
                                    half=tensor["data_type"] == "TYPE_FP16", batch_size=self.batch_size,
                                    cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
@@ -157,10 +157,7 @@ class NetworkModel:
         status = [pb.get_input_tensor_by_name(r, tn.STATUS) for r in requests]
         tags = np.concatenate([as_numpy(pb.get_input_tensor_by_name(r, tn.INPUT_TAG)).reshape(-1).astype(np.int64)
                                for r in requests])
-        if self.network is None:
-            ids, scores, failed, sizes = self._hop(inputs, status)
-        else:
-            ids, scores, failed, sizes = self._classify(inputs, status)
+        ids, scores, failed, sizes = self._classify(inputs, status)
         ids[failed], scores[failed] = 0, 0.0  # an image that was not prepared gets no class
         responses, start = [], 0
         for size in sizes:
@@ -173,13 +170,8 @@ class NetworkModel:
             start = end
         return responses
 
-    def _hop(self, inputs, status):
-        parts = [as_numpy(t) for t in inputs]
-        ids, scores = hop_classes(np.concatenate(parts), self.top_k)
-        failed = np.concatenate([as_numpy(t).reshape(-1) for t in status]) != 0
-        return ids, scores, failed, [len(p) for p in parts]
-
     def _classify(self, inputs, status):
+        """Classes and scores of the requests' rows, which rows failed, and each request's size."""
         torch = self.torch
         parts = [torch.from_dlpack(t) for t in inputs]
         x = torch.cat(parts).to(self.device, self.network.dtype)
@@ -194,5 +186,4 @@ class NetworkModel:
         return ids, scores, failed, [len(p) for p in parts]
 
     def finalize(self):
-        if self.network is not None:
-            self.network.clear()
+        self.network.clear()

@@ -25,7 +25,6 @@ from pipeline.model.imaging import DecodeLimits, PreprocessSpec
 from pipeline.model.folder import MODEL_FILE, SPEC_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
-from pipeline.triton.serve.hop import NETWORK_NONE, NullClassifier
 
 _IMPORTED = time.perf_counter()  # the stub imports this module first: instance start times count from here
 
@@ -168,10 +167,7 @@ class TritonPythonModel:
         net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.limits = config_limits(config)
         batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
-        if net_name == NETWORK_NONE:  # the Triton hop alone: no decode, no network
-            self.classifier = NullClassifier(batch_size=batch_size, top_k=self.top_k)
-        else:
-            self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
+        self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
         built = time.perf_counter()
         self.classifier.warmup()
         # Each instance's start, in the server's log: where a job's start goes (docs/performance.md).
@@ -185,6 +181,7 @@ class TritonPythonModel:
 
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
+        """The classifier the request stream feeds (a subclass may serve another: the benchmarks' hop)."""
         from pipeline.gpu.networks import load_network  # noqa: PLC0415 - torch
 
         from pipeline.model.folder import is_builtin  # noqa: PLC0415

@@ -64,12 +64,12 @@ def network_part(torch, args) -> None:
     from bench_network import throughput
 
     from pipeline.model.default_model import load_checkpoint
-    from pipeline.gpu.networks import efficientnet_lite0
+    from lite0_layouts import layout_network
 
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
     weights = load_checkpoint()
-    nets = [(f"layout {name}", lambda name=name: efficientnet_lite0(weights, name))
+    nets = [(f"layout {name}", lambda name=name: layout_network(weights, name))
             for name in args.layouts.split(",")]
     try:
         import timm
