@@ -169,7 +169,7 @@ class RunConfig:
         if gpus is None and spec is not None and not spec.needs_gpu:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
-            gpus, where = cluster_gpus()
+            gpus, where = cluster_gpus(ray_address())
         if spec is None:
             spec = engine_spec(choose(gpus, where).engine)
         batch = self.batch_size
