@@ -23,7 +23,8 @@ sys.path.insert(0, str(REPO))
 
 
 def main(engine: str = "auto", previous: bool = False) -> Counter:
-    from pipeline.job import local_ray_env, run_job
+    from pipeline.job import run_job
+    from pipeline.node import local_ray_env
 
     local_ray_env()
     import ray
