@@ -177,14 +177,6 @@ class RunConfig:
             batch = spec.gpu_batch_size if spec.needs_gpu and gpus > 0 and spec.gpu_batch_size else DEFAULT_BATCH_SIZE
         return dataclasses.replace(self, engine=spec.name, batch_size=batch), spec
 
-    def check_requirements(self) -> None:
-        """The engine's preflight (torch, tritonserver, repository) on this machine, before Ray starts.
-
-        Skipped when ``RAY_ADDRESS`` points at a cluster: its nodes, not this driver, must meet them.
-        """
-        if ray_address() is None and self.engine != AUTO_ENGINE:
-            engine_spec(self.engine).check(self.engine_options)
-
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":
         """Merge defaults < ``BULK_CLASSIFY_*`` environment < explicit options (``None`` means unset)."""

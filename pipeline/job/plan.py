@@ -65,9 +65,7 @@ def choose_engine(config: RunConfig, *, address: str | None | object = ASK
     local = address is None
     if local:
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
-    given = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
-    if local and given is not None:
-        given.check(config.engine_options)  # before the GPUs are counted: a bad engine fails in a second
+    given = preflight(config, address=address)  # before the GPUs are counted: a bad engine fails in a second
     gpus = None
     if given is None or given.needs_gpu:  # counted once: the engine, its batch size, model check and actors use it
         from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with a cluster's address
@@ -78,6 +76,18 @@ def choose_engine(config: RunConfig, *, address: str | None | object = ASK
     if local and given is None:
         spec.check(config.engine_options)
     return config, spec, gpus
+
+
+def preflight(config: RunConfig, *, address: str | None | object = ASK) -> Any:
+    """``config``'s engine's ``EngineSpec`` (None for ``auto``, an engine only once the GPUs are counted), its
+    preflight (torch, tritonserver, a repository) run on this machine where the job starts a local Ray: ``address``
+    None (asked by default). On a cluster its nodes, not this driver, must meet the requirements."""
+    if address is ASK:
+        address = ray_address()
+    spec = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
+    if address is None and spec is not None:
+        spec.check(config.engine_options)
+    return spec
 
 
 def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | None = None,

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.errors import ConfigError
+from pipeline.job.plan import preflight
 
 
 def config(**kw) -> RunConfig:
@@ -84,21 +85,21 @@ def test_public_dict_leaves_secrets_out():
 
 def test_check_requirements_runs_the_engines_preflight(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    config().check_requirements()  # onnx needs nothing beyond the install
+    preflight(config())  # onnx needs nothing beyond the install
     missing = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match=f"--engine-option repository={missing} does not exist; build one with "
                                           "'bulk-classify repo build"):
-        config(engine="triton", engine_options={"repository": missing}).check_requirements()
+        preflight(config(engine="triton", engine_options={"repository": missing}))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no classifier/config.pbtxt"):
-        config(engine="triton", engine_options={"repository": str(tmp_path / "empty")}).check_requirements()
+        preflight(config(engine="triton", engine_options={"repository": str(tmp_path / "empty")}))
     monkeypatch.setenv("BULK_CLASSIFY_TRITONSERVER", str(tmp_path / "no-binary"))
     with pytest.raises(ConfigError, match="--engine triton: tritonserver binary .* does not exist"):
-        config(engine="triton").check_requirements()
-    config(engine="triton", engine_options={"url": "127.0.0.1:8001"}).check_requirements()  # a server elsewhere
+        preflight(config(engine="triton"))
+    preflight(config(engine="triton", engine_options={"url": "127.0.0.1:8001"}))  # a server elsewhere
     # On a cluster (RAY_ADDRESS), the nodes must meet the requirements, not this driver.
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    config(engine="triton").check_requirements()
+    preflight(config(engine="triton"))
 
 
 def test_gpu_preflight_wants_torch(monkeypatch):
@@ -108,7 +109,7 @@ def test_gpu_preflight_wants_torch(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(ConfigError, match="--engine gpu needs PyTorch with CUDA .* or use --engine onnx"):
-        config(engine="gpu").check_requirements()
+        preflight(config(engine="gpu"))
 
 
 def test_gpu_preflight_wants_dali_and_names_the_extra(monkeypatch):
@@ -129,7 +130,7 @@ def test_gpu_preflight_wants_dali_and_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"^--engine gpu decodes and resizes with DALI, which is not installed here: "
                                           r"pip install 'bulk-classify\[dali\]' \(the gpu extra includes it\), "
                                           r"or use --engine onnx$"):
-        config(engine="gpu").check_requirements()
+        preflight(config(engine="gpu"))
 
 
 def test_fetch_ahead_budget_holds_several_actor_batches():
