@@ -229,3 +229,25 @@ def test_ray_address_is_read_in_one_place():
     read = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']RAY_ADDRESS|RAY_ADDRESS_ENV\b""")
     readers = {p.name for p in Path(pipeline.__file__).parent.rglob("*.py") if read.search(p.read_text())}
     assert readers == {"node.py"}
+
+
+def test_every_command_line_option_is_a_field_the_environment_sets_and_every_entry_merges_it():
+    """The README's promise: each ``run``/``nightly`` option reads ``BULK_CLASSIFY_<NAME>``, NAME the RunConfig field
+    (the repeatable ``--storage-option``, ``--engine-option``, ``--catalog-option`` are ``..._OPTIONS``); the CLI, the
+    nightly and the Python API all go through ``merge_options``."""
+    from pipeline import api
+    from pipeline.cli import main
+    from pipeline.nightly import NIGHTLY_KEYS, SCAN_TYPES, nightly_scan
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    run_params = {p.name for p in main.commands["run"].params} - {"quiet"}
+    assert run_params == fields
+    nightly_params = {p.name for p in main.commands["nightly"].params} - {"quiet", "config_file", "no_previous"}
+    assert nightly_params == set(SCAN_TYPES) == (fields - {"output"}) | set(NIGHTLY_KEYS)
+    bad = {"BULK_CLASSIFY_TOP_K": "x"}
+    with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer"):
+        nightly_scan({"source": "in/", "output_root": "out/"}, env=bad)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BULK_CLASSIFY_TOP_K", "x")
+        with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer"):
+            api.run(source="in/", output="out/")
