@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from pipeline.config import RunConfig, merge_options, option_types
 from pipeline.errors import ConfigError, OutputError
+from pipeline.node import ray_address
 
 LOG = logging.getLogger(__name__)
 DATE_PREFIX = "date="
@@ -148,7 +149,8 @@ def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previo
     from pipeline.job import choose_engine, make_plan, open_store, run_job  # noqa: PLC0415 - once the options are good
 
     # Every option and the engine's requirements are checked before any storage is read or Ray starts.
-    config, spec, gpus = choose_engine(RunConfig.build({**options, "output": dest}, env={}))
+    address = ray_address()  # the cluster, asked once for the engine and the plan
+    config, spec, gpus = choose_engine(RunConfig.build({**options, "output": dest}, env={}), address=address)
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
@@ -173,7 +175,8 @@ def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previo
     if shards and not options.get("overwrite"):
         LOG.info("resuming %s%s: %d shard(s) already committed", DATE_PREFIX, day, len(shards))
 
-    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, gpus=gpus, output=output)
+    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, gpus=gpus, output=output,
+                     address=address)
     summary = run_job(plan, progress=progress)
     from pipeline.quality.statistics import record_drift  # noqa: PLC0415
 

@@ -91,14 +91,16 @@ def preflight(config: RunConfig, *, address: str | None | object = ASK) -> Any:
 
 
 def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | None = None,
-              output: Store | None = None) -> RunPlan:
+              output: Store | None = None, address: str | None | object = ASK) -> RunPlan:
     """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``; with ``spec``,
     ``config`` is already resolved, ``spec`` its engine's and ``gpus`` the count it was resolved by), then the
-    stores opened (``output``: DEST already opened by the caller) and checked, read-only.
+    stores opened (``output``: DEST already opened by the caller) and checked, read-only. ``address``: the cluster's,
+    as ``choose_engine`` was given it (asked here by default).
     """
     from pipeline.io.source import check_source  # noqa: PLC0415
 
-    address = ray_address()
+    if address is ASK:
+        address = ray_address()
     if spec is None:
         config, spec, gpus = choose_engine(config, address=address)
     output_url = config.output
