@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from pipeline.engines.registry import engine_kwargs, engine_spec
+from pipeline.engines.base import EngineSpec
+from pipeline.engines.registry import engine_spec, spec_kwargs
 from pipeline.schema import (
     CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
     MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
@@ -28,7 +29,7 @@ class ClassifyActor:
         self,
         *,
         model: str | None,
-        engine: str,
+        engine: str | EngineSpec,
         top_k: int,
         max_bytes: int,
         max_pixels: int,
@@ -45,18 +46,20 @@ class ClassifyActor:
             # The folder changed after the driver checked it: rows of two models must never mix in one output.
             raise ModelError(f"model {model!r} changed during the run (digest {self.bundle.short_digest}, the run "
                              f"started with {model_digest[:12]}); rerun once the model folder stays unchanged")
+        # ``engine``: a registered engine's name, or its spec where the caller (the job's plan) has looked it up.
+        spec = engine_spec(engine) if isinstance(engine, str) else engine
         # --decode-threads goes to the option the engine registered for it (none for a server that decodes).
-        options = engine_kwargs(engine, engine_options or {}, decode_threads=decode_threads)
-        self.engine = engine_spec(engine).build(
+        options = spec_kwargs(spec, engine_options or {}, decode_threads=decode_threads)
+        self.engine = spec.build(
             self.bundle, top_k=top_k, limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels), options=options
         )
-        self.engine_name = engine
+        self.engine_name = spec.name
         self._reported: dict[str, int] = {}  # the engine's ``events`` as far as rows carry them already
         self._events_lock = threading.Lock()
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
         # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
         atexit.register(self.close)
-        LOG.info("actor ready: model=%s engine=%s", self.bundle.name, engine)
+        LOG.info("actor ready: model=%s engine=%s", self.bundle.name, spec.name)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         data = batch.column(DATA).to_pylist()

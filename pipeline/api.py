@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pipeline.actor import ClassifyActor
 from pipeline.config import RunConfig
-from pipeline.engines.registry import AUTO_ENGINE, engine_kwargs, engine_spec
+from pipeline.engines.registry import AUTO_ENGINE, engine_spec, spec_kwargs
 from pipeline.errors import ConfigError, LIST_ERROR
 from pipeline.io.fetch import fetch_batch
 from pipeline.io.keys import object_uri
@@ -136,12 +136,12 @@ class Classifier:
             raise ConfigError("Classifier runs the engine it is given: name one (engine='onnx' on CPUs; 'gpu' or "
                               "'triton' with num_gpus=1 in map_batches); auto is the job's choice by its cluster's GPUs")
         spec = engine_spec(engine)  # ConfigError lists the engines
-        options = engine_kwargs(engine, engine_options or {}, decode_threads=decode_threads)
+        options = spec_kwargs(spec, engine_options or {}, decode_threads=decode_threads)
         spec.check(options)  # the engine's requirements on this node (torch, tritonserver, ...), in one line
         self.uri_column, self.bytes_column = uri_column, bytes_column
         self.storage_options = dict(storage_options or {})
         self.fetch_threads, self.retries, self.max_bytes = fetch_threads, retries, max_bytes
-        self._actor = ClassifyActor(model=None if model is None else str(model), engine=engine, top_k=top_k,
+        self._actor = ClassifyActor(model=None if model is None else str(model), engine=spec, top_k=top_k,
                                     max_bytes=max_bytes, max_pixels=max_pixels, decode_threads=decode_threads,
                                     engine_options=engine_options)
         spec.check_model(self._actor.bundle, options)  # INT8 or a layout this engine cannot run: refused here

@@ -272,16 +272,10 @@ def run(source: str, quiet: bool, **options: Any) -> None:
 @contextlib.contextmanager
 def _ray_output_to_stderr():
     """Ray prints its own messages to stdout (raylet errors such as "A worker died or was killed", forwarded
-    worker output); stdout is this command's report, so they go to stderr, Ray's shutdown included."""
+    worker output); stdout is this command's report, so they go to stderr, Ray's shutdown (by the library, which
+    stops the Ray it starts) included."""
     with contextlib.redirect_stdout(sys.stderr):
-        try:
-            yield
-        finally:
-            if "ray" in sys.modules:
-                import ray  # noqa: PLC0415 - only when the job started it
-
-                if ray.is_initialized():
-                    ray.shutdown()
+        yield
 
 
 @main.command()

@@ -169,21 +169,13 @@ class RunConfig:
         if gpus is None and spec is not None and not spec.needs_gpu:
             gpus = 0  # a CPU engine's batch does not depend on the cluster
         if gpus is None:
-            gpus, where = cluster_gpus()
+            gpus, where = cluster_gpus(ray_address())
         if spec is None:
             spec = engine_spec(choose(gpus, where).engine)
         batch = self.batch_size
         if batch is None:
             batch = spec.gpu_batch_size if spec.needs_gpu and gpus > 0 and spec.gpu_batch_size else DEFAULT_BATCH_SIZE
         return dataclasses.replace(self, engine=spec.name, batch_size=batch), spec
-
-    def check_requirements(self) -> None:
-        """The engine's preflight (torch, tritonserver, repository) on this machine, before Ray starts.
-
-        Skipped when ``RAY_ADDRESS`` points at a cluster: its nodes, not this driver, must meet them.
-        """
-        if ray_address() is None and self.engine != AUTO_ENGINE:
-            engine_spec(self.engine).check(self.engine_options)
 
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from pipeline.config import RunConfig, merge_options, option_types
 from pipeline.errors import ConfigError, OutputError
+from pipeline.node import ray_address
 
 LOG = logging.getLogger(__name__)
 DATE_PREFIX = "date="
@@ -135,10 +136,21 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     dest = date_folder(output_root, day)
     previous_opt = options.pop("previous", None) or PREVIOUS_AUTO
     storage_options = dict(options.get("storage_options") or {})
+    from pipeline.job.local_ray import ray_owned  # noqa: PLC0415 - once the options are good
+
+    with ray_owned():  # a cluster joined to count its GPUs is left with the run
+        return _scan(options, day, dest, output_root, previous_opt, storage_options, progress)
+
+
+def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previous_opt: Any,
+          storage_options: dict[str, Any], progress: Callable[[int, "int | None", int], None] | None
+          ) -> NightlyResult:
+    """``nightly_scan`` once its options are merged and checked: the engine chosen, the date skipped, resumed or run."""
     from pipeline.job import choose_engine, make_plan, open_store, run_job  # noqa: PLC0415 - once the options are good
 
     # Every option and the engine's requirements are checked before any storage is read or Ray starts.
-    config, spec = choose_engine(RunConfig.build({**options, "output": dest}, env={}))
+    address = ray_address()  # the cluster, asked once for the engine and the plan
+    config, spec, gpus = choose_engine(RunConfig.build({**options, "output": dest}, env={}), address=address)
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
@@ -163,7 +175,8 @@ def nightly_scan(options: Mapping[str, Any], *, env: Mapping[str, str] | None = 
     if shards and not options.get("overwrite"):
         LOG.info("resuming %s%s: %d shard(s) already committed", DATE_PREFIX, day, len(shards))
 
-    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, output=output)
+    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, gpus=gpus, output=output,
+                     address=address)
     summary = run_job(plan, progress=progress)
     from pipeline.quality.statistics import record_drift  # noqa: PLC0415
 

@@ -37,10 +37,9 @@ def missing_gpu_stack() -> list[str]:
     return [m for m in GPU_STACK if not importable(m)]
 
 
-def cluster_gpus() -> tuple[int, str]:
-    """(GPUs, where they were counted): the cluster's with ``RAY_ADDRESS`` (Ray is connected for it), else this
+def cluster_gpus(address: str | None) -> tuple[int, str]:
+    """(GPUs, where they were counted): the cluster's at ``address`` (Ray is connected for it), else (None) this
     machine's as a local Ray would count them."""
-    address = ray_address()
     if address is None:
         local_ray_env()  # counting GPUs imports ray: the loopback switch must be set first
         return node_gpus(), "this machine"
@@ -55,7 +54,7 @@ def choose(gpus: int | None = None, where: str = "this machine") -> Choice:
     """The engine ``auto`` runs: GPU_CHOICE on a cluster with GPUs (whose driver has the GPU stack, when the
     cluster is this machine), onnx elsewhere."""
     if gpus is None:
-        gpus, where = cluster_gpus()
+        gpus, where = cluster_gpus(ray_address())
     if gpus <= 0:
         return Choice(CPU_CHOICE, 0, f"{where} has no GPU that Ray can use")
     if where == "this machine":

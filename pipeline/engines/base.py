@@ -148,8 +148,9 @@ class EngineSpec:
         calls_option: the option the job fills, unless given, with the calls each actor runs at once
             (``--calls-per-actor``), for a runtime that must know how many runs will share it.
         preflight: ``"module:function"`` called with the parsed options in the driver; raises ConfigError.
-        model_check: ``"module:function"`` called as ``function(bundle, options)`` in the driver, before Ray starts or
-            anything is written: refuses, with a ModelError in one line, a model this engine cannot run.
+        model_check: ``"module:function"`` called as ``function(bundle, options, gpus)`` in the driver, before Ray
+            starts or anything is written (``gpus``: (GPUs, where they were counted), the run's count): refuses, with
+            a ModelError in one line, a model this engine cannot run.
         calls_per_actor: engine calls each actor runs at once by default (``--calls-per-actor``): more than one
             for an engine whose calls mostly wait on a server, so the next batch is sent while this one finishes.
         actors_per_gpu: classify actors sharing one GPU by default (``--num-gpus-per-actor`` is 1 / this).
@@ -198,16 +199,23 @@ class EngineSpec:
         if self.preflight:
             _load(self.preflight)(options)
 
-    def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None) -> None:
+    def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None,
+                    gpus: tuple[int, str] | None = None) -> None:
         """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8, and
-        whatever the engine's ``model_check`` refuses."""
+        whatever the engine's ``model_check`` refuses, by ``gpus``: (GPUs, where they were counted) of the cluster
+        the engine runs on (a run passes its plan's; None: counted here)."""
         from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
 
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
             raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
                               f"{tn.INT8_FIX}")
         if self.model_check:
-            _load(self.model_check)(bundle, dict(options or {}))
+            if gpus is None:
+                from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+                from pipeline.node import ray_address  # noqa: PLC0415
+
+                gpus = cluster_gpus(ray_address())
+            _load(self.model_check)(bundle, dict(options or {}), gpus)
 
     def start_node(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
         """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""

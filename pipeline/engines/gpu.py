@@ -152,15 +152,14 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine gpu {DALI_INSTALL} (the gpu extra includes it), or use --engine onnx")
 
 
-def check_model(bundle: Any, options: Mapping[str, Any]) -> None:
+def check_model(bundle: Any, options: Mapping[str, Any], gpus: tuple[int, str]) -> None:
     """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
-    engine's gpu profile, which runs the same classifier)."""
-    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
+    engine's gpu profile, which runs the same classifier), on the cluster's ``gpus`` (count, where it was taken)."""
     from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions
 
     if options.get("device") is None:  # on a cluster too, where the preflight is skipped
-        gpus, where = cluster_gpus()
-        if gpus <= 0:
+        count, where = gpus
+        if count <= 0:
             raise ConfigError(NO_GPU.format(where=where))
     if options.get("network") in (None, "", "auto", "default"):  # not a benchmark network
         check_runnable(bundle, "--engine gpu")

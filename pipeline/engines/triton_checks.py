@@ -46,15 +46,14 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine triton: {err}") from None
 
 
-def check_model(bundle, options: Mapping[str, Any]) -> None:
+def check_model(bundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> None:
     """The triton engine's ``EngineSpec.model_check``, in the driver: where its actors will serve the gpu profile
-    from a repository built for the model, the gpu paths must be able to run it."""
+    from a repository built for the model, the gpu paths must be able to run it (``gpus``: the cluster's count, and
+    where it was taken)."""
     if options.get("url") or options.get("repository") is not None:
         return  # a server or repository of the user's: its model is checked where it was built
-    from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS
-
     profile = options.get("profile", AUTO)
-    gpus, where = cluster_gpus()
+    gpus, where = gpus
     if profile == AUTO:
         profile = GPU if gpus > 0 else PORTABLE
     elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped

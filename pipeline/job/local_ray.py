@@ -3,12 +3,15 @@ running or on disk (its environment, loopback only and no metrics, is ``pipeline
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
+import sys
 from pathlib import Path
+from typing import Iterator
 
 from pipeline.node import pid_alive
 from pipeline.triton.workdirs import sweep_stale_temp_folders
@@ -19,6 +22,21 @@ LOCAL_ADDRESS = "local"  # ray.init's address for "start a new local Ray", never
 OWNER_FILE = "bulk_classify_owner.json"  # in the session folder of a local Ray we started: the driver's pid
 # Ray names a session folder session_<date>_<time>_<microseconds>_<pid>; every process of a session names it.
 SESSION_DIR = re.compile(r"/[^\s=:,]*/session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
+
+
+@contextlib.contextmanager
+def ray_owned() -> Iterator[None]:
+    """The Ray started or joined inside is shut down on the way out (its output, as Ray prints it, goes where the
+    caller's stdout goes); a Ray that was already up, the caller's, is left as it is."""
+    up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    try:
+        yield
+    finally:
+        if not up and "ray" in sys.modules:
+            import ray  # noqa: PLC0415 - only when the run started it
+
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def mark_session(session_dir: str) -> None:

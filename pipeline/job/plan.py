@@ -14,6 +14,8 @@ from pipeline.engines.registry import AUTO_ENGINE, engine_spec
 from pipeline.io.iceberg_output import IcebergOutput, is_iceberg, table_parts
 from pipeline.job.output import Store, check_output, check_output_location, open_store
 
+ASK = object()  # choose_engine's address when the caller has not read it: ask pipeline.node.ray_address()
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -24,6 +26,8 @@ class RunPlan:
             output or previous replaced by its table's data folder.
         spec: the resolved engine's ``EngineSpec``.
         ray_address: the cluster the job joins (``RAY_ADDRESS``); None: a local Ray the job starts.
+        gpus: (GPUs, where they were counted) of the cluster the job runs on, counted once for ``auto`` and the GPU
+            engines (their batch size, model check and actors' environment); None: a CPU engine, not counted.
         output_url: the output as the user named it (an ``iceberg://`` table, or the folder).
         source, output, previous: the opened stores (previous None: nothing is carried over).
         table: the output's Iceberg table (None: a folder output); previous_parts: the previous table's current
@@ -39,6 +43,7 @@ class RunPlan:
     previous: Store | None = None
     table: IcebergOutput | None = None
     previous_parts: list[str] | None = None
+    gpus: tuple[int, str] | None = None
 
     @property
     def local(self) -> bool:
@@ -46,35 +51,58 @@ class RunPlan:
         return self.ray_address is None
 
 
-def choose_engine(config: RunConfig, *, local: bool | None = None) -> tuple[RunConfig, Any]:
+def choose_engine(config: RunConfig, *, address: str | None | object = ASK
+                  ) -> tuple[RunConfig, Any, tuple[int, str] | None]:
     """The engine's preflight, then ``auto`` resolved to an engine and the batch size filled in, by the GPUs of the
-    cluster the job runs on: ``config`` resolved and its engine's ``EngineSpec``. Reads no storage.
+    cluster the job runs on: ``config`` resolved, its engine's ``EngineSpec``, and the GPU count it was resolved by
+    ((GPUs, where they were counted); None for a CPU engine, which does not count them). Reads no storage.
 
-    The preflight runs in this driver only for a ``local`` Ray (default: unless ``RAY_ADDRESS`` names a cluster,
-    whose nodes must meet it).
+    ``address``: the cluster's, as ``pipeline.node.ray_address()`` gives it (asked here by default); None: a local
+    Ray. The preflight runs in this driver only for a local Ray: a cluster's nodes must meet it.
     """
-    local = ray_address() is None if local is None else local
+    if address is ASK:
+        address = ray_address()
+    local = address is None
     if local:
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
-    given = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
-    if local and given is not None:
-        given.check(config.engine_options)  # before the GPUs are counted: a bad engine fails in a second
-    config, spec = config.resolve(spec=given)  # auto -> an engine, and the batch size, by the cluster's GPUs
+    given = preflight(config, address=address)  # before the GPUs are counted: a bad engine fails in a second
+    gpus = None
+    if given is None or given.needs_gpu:  # counted once: the engine, its batch size, model check and actors use it
+        from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with a cluster's address
+
+        gpus = cluster_gpus(address)
+    # auto -> an engine, and the batch size (a CPU engine's does not depend on the cluster)
+    config, spec = config.resolve(*gpus, spec=given) if gpus else config.resolve(spec=given)
     if local and given is None:
         spec.check(config.engine_options)
-    return config, spec
+    return config, spec, gpus
 
 
-def make_plan(config: RunConfig, *, spec: Any = None, output: Store | None = None) -> RunPlan:
+def preflight(config: RunConfig, *, address: str | None | object = ASK) -> Any:
+    """``config``'s engine's ``EngineSpec`` (None for ``auto``, an engine only once the GPUs are counted), its
+    preflight (torch, tritonserver, a repository) run on this machine where the job starts a local Ray: ``address``
+    None (asked by default). On a cluster its nodes, not this driver, must meet the requirements."""
+    if address is ASK:
+        address = ray_address()
+    spec = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
+    if address is None and spec is not None:
+        spec.check(config.engine_options)
+    return spec
+
+
+def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | None = None,
+              output: Store | None = None, address: str | None | object = ASK) -> RunPlan:
     """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``; with ``spec``,
-    ``config`` is already resolved and ``spec`` its engine's), then the stores opened (``output``: DEST already
-    opened by the caller) and checked, read-only.
+    ``config`` is already resolved, ``spec`` its engine's and ``gpus`` the count it was resolved by), then the
+    stores opened (``output``: DEST already opened by the caller) and checked, read-only. ``address``: the cluster's,
+    as ``choose_engine`` was given it (asked here by default).
     """
     from pipeline.io.source import check_source  # noqa: PLC0415
 
-    address = ray_address()
+    if address is ASK:
+        address = ray_address()
     if spec is None:
-        config, spec = choose_engine(config, local=address is None)
+        config, spec, gpus = choose_engine(config, address=address)
     output_url = config.output
     table = None
     if is_iceberg(config.output):
@@ -88,7 +116,7 @@ def make_plan(config: RunConfig, *, spec: Any = None, output: Store | None = Non
     check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
     check_output(output.fs, output.root, config.output)
     return RunPlan(config=config, spec=spec, ray_address=address, output_url=output_url, source=source,
-                   output=output, previous=previous, table=table, previous_parts=previous_parts)
+                   output=output, previous=previous, table=table, previous_parts=previous_parts, gpus=gpus)
 
 
 def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str] | None]:

@@ -19,6 +19,7 @@ from pipeline.io.source_manifest import planned_entries
 from pipeline.io.stats import ShardStats
 from pipeline.io.writer import write_json
 from pipeline.job.lease import Lease
+from pipeline.job.local_ray import ray_owned
 from pipeline.job.output import (
     OutputIndex, RecordCounter, begin_output, check_compatible, dedupe_output, excluded_prefix, index_output,
     read_previous, storage_errors, without_folder,
@@ -52,8 +53,14 @@ def run_job(config: RunConfig | RunPlan, *, progress: ProgressCallback | None = 
 
     ``config`` may be a plan ``make_plan`` already made of it. Raises ``ConfigError``/``SourceError``/
     ``OutputError``/``ModelError`` before any work when the arguments, storage or model are unusable. Bad images
-    become error rows and never raise.
+    become error rows and never raise. The Ray the run starts (or joins) is shut down when it ends; a Ray that was
+    already up is left running.
     """
+    with ray_owned():
+        return _run_job(config, progress)
+
+
+def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> RunSummary:
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
     plan = config if isinstance(config, RunPlan) else make_plan(config)
@@ -65,7 +72,7 @@ def run_job(config: RunConfig | RunPlan, *, progress: ProgressCallback | None = 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
     bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
     # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
-    spec.check_model(bundle, config.engine_options)
+    spec.check_model(bundle, config.engine_options, plan.gpus)
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
     check_compatible(dst_fs, dst_root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)

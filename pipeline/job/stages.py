@@ -17,7 +17,7 @@ from pipeline.io.keys import member, uri_hashes
 from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
 from pipeline.job.plan import RunPlan
-from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, local_ray_env, node_gpus
+from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, local_ray_env
 from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
 from pipeline.storage import open_fs
 
@@ -50,7 +50,7 @@ def init_ray(plan: RunPlan) -> None:
                                   "logging_level": logging.ERROR}
         if plan.local:
             local_ray_env()
-            if node_gpus() > 0:  # a local Ray's workers inherit it
+            if plan.spec.actor_env and plan.gpus and plan.gpus[0] > 0:  # a local Ray's workers inherit it
                 for key, value in plan.spec.actor_env.items():
                     os.environ.setdefault(key, value)
             sweep_before_start()
@@ -243,7 +243,7 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
     )
     ds = ds.map_batches(
         ClassifyActor,
-        fn_constructor_kwargs={"model": config.model, "engine": config.engine, "top_k": config.top_k,
+        fn_constructor_kwargs={"model": config.model, "engine": plan.spec, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
                                "decode_threads": config.decode_threads, "model_digest": model_digest,
                                "engine_options": dict(shares.engine_options)},

@@ -151,11 +151,10 @@ def test_an_operator_the_converter_lacks_is_refused_in_the_driver(tmp_path, monk
     from pipeline.engines.registry import engine_spec
 
     folder = unsupported_folder(tmp_path / "odd")
-    monkeypatch.setattr("pipeline.engines.auto.cluster_gpus", lambda: (1, "this machine"))  # as on a GPU node
     with pytest.raises(ModelError, match=r"its graph uses Hardmax \(opset 17\), which the ONNX-to-torch converter "
                                          r"\(onnx2torch\) lacks; use --engine onnx"):
-        engine_spec(engine).check_model(load_model(folder), {"profile": "gpu"} if engine == "triton" else {})
-    monkeypatch.undo()
+        engine_spec(engine).check_model(load_model(folder), {"profile": "gpu"} if engine == "triton" else {},
+                                        gpus=(1, "this machine"))  # as on a GPU node
     # Through the CLI: one line, and nothing written.
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dest = tmp_path / "dest"

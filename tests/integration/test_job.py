@@ -221,29 +221,38 @@ def test_fetch_ahead_budget_bounds_the_blocks_of_fetched_images(tmp_path, ray_lo
     assert ctx.target_max_block_size == 2 * 1024 * 1024
 
 
-def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch):
-    """Following run_job in the driver: the engine spec looked up, the config resolved, the cluster's resources
-    counted and each store opened once; RAY_ADDRESS is read only by ``pipeline.node.ray_address``."""
+@pytest.mark.parametrize("engine, options", [
+    ("onnx", {"batch_size": 4}),
+    # the GPU engines' path on this CPU machine: the batch size resolved and the model checked by the plan's GPU count
+    ("triton", {"engine_options": {"profile": "portable"}, "num_actors": 1}),
+])
+def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options):
+    """Following run_job in the driver: the engine spec looked up, the config resolved, the cluster's GPUs and
+    resources counted and each store opened once; RAY_ADDRESS is read only by ``pipeline.node.ray_address``, once."""
     import sys
     import threading
     from collections import Counter
 
-    from pipeline import cluster
+    from pipeline import node
     from pipeline.config import RunConfig as Config
-    from pipeline.engines import registry
-    from pipeline.io.source import open_fs
+    from pipeline.engines import auto, registry
+    from pipeline.storage import open_fs
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     for name in ("coffee.jpg", "chelsea.jpg"):
         shutil.copy(PHOTOS / name, src / name)
     watched = {registry.engine_spec.__code__: "engine_spec", open_fs.__code__: "open_fs",
-               Config.resolve.__code__: "resolve",
-               cluster.ray_address.__code__: "ray_address"}
+               Config.resolve.__code__: "resolve", auto.cluster_gpus.__code__: "cluster_gpus",
+               node.node_gpus.__code__: "node_gpus", node.ray_address.__code__: "ray_address"}
     calls: Counter = Counter()
+    driver = threading.main_thread().ident
 
     def profile(frame, event, _arg):
         name = watched.get(frame.f_code) if event == "call" else None
+        if name is not None and threading.get_ident() != driver:
+            name = None  # the driver's decisions, not a thread of an engine's server supervision
         if name == "open_fs":
             calls["open_fs " + frame.f_locals["url"]] += 1
         elif name == "engine_spec":  # RunConfig's own validation (__post_init__) parses engine options on every copy
@@ -261,11 +270,14 @@ def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch):
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        run_job(RunConfig(source=str(src), output=str(out), engine="onnx", batch_size=4))
+        summary = run_job(RunConfig(source=str(src), output=str(out), engine=engine, **options))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    assert calls["engine_spec"] == 1 and calls["resolve"] == 1 and calls["cluster_resources"] == 1
+    assert summary.counts.get("ok") == 2
+    assert calls["engine_spec"] == 1 and calls["resolve"] == 1 and calls["cluster_resources"] == 1, calls
+    gpu_counts = 1 if registry.engine_spec(engine).needs_gpu else 0  # a CPU engine's run never counts GPUs
+    assert calls["cluster_gpus"] == gpu_counts and calls["node_gpus"] == gpu_counts, calls
     assert calls[f"open_fs {src}"] == 1 and calls[f"open_fs {out}"] == 1
     assert not [k for k in calls if k.startswith("open_fs") and k not in (f"open_fs {src}", f"open_fs {out}")]
     assert calls["ray_address"] == 1

@@ -1,10 +1,11 @@
 """Follow one small local run in the driver and count what it decides: engine spec lookups, preflights, config
 resolutions, GPU counts, storage opens per URL, the job's ``ray.cluster_resources()`` calls and reads of RAY_ADDRESS.
 
-    python tests/support/trace_run.py [auto|onnx|cli] [previous]
+    python tests/support/trace_run.py [auto|onnx|triton|cli] [previous]
 
-``cli`` runs ``bulk-classify run SRC -o OUT -q`` in process; ``previous`` measures a run that carries over from an
-earlier one. ``tests/integration/test_job.py::test_a_run_is_decided_once`` asserts the same counts.
+``cli`` runs ``bulk-classify run SRC -o OUT -q`` in process; ``triton`` runs the triton engine's portable profile
+(the GPU engines' path: batch size and model check by the GPU count); ``previous`` measures a run that carries over
+from an earlier one. ``tests/integration/test_job.py::test_a_run_is_decided_once`` asserts the same counts.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ sys.path.insert(0, str(REPO))
 
 
 def main(engine: str = "auto", previous: bool = False) -> Counter:
-    from pipeline.job import local_ray_env, run_job
+    from pipeline.job import run_job
+    from pipeline.node import local_ray_env
 
     local_ray_env()
     import ray
 
     import pipeline.engines.auto as auto
+    import pipeline.node as node
     from pipeline.config import RunConfig
     from pipeline.engines import registry
-    from pipeline.io.source import open_fs
+    from pipeline.storage import open_fs
 
     tmp = Path(tempfile.mkdtemp(prefix="trace-run-"))
     src, out = tmp / "src", tmp / "out"
@@ -38,12 +41,15 @@ def main(engine: str = "auto", previous: bool = False) -> Counter:
     for name in ("coffee.jpg", "chelsea.jpg"):
         shutil.copy(REPO / "tests" / "data" / "photos" / name, src / name)
     options = {} if engine in ("auto", "cli") else {"engine": engine}
+    if engine == "triton":
+        options["engine_options"] = {"profile": "portable"}
     prev = None
     if previous:
         prev = str(tmp / "prev")
         run_job(RunConfig(source=str(src), output=prev, **options))
     watched = {registry.engine_spec.__code__: "engine_spec", open_fs.__code__: "open_fs",
-               auto.cluster_gpus.__code__: "cluster_gpus", os._Environ.__getitem__.__code__: "environ"}
+               auto.cluster_gpus.__code__: "cluster_gpus", node.node_gpus.__code__: "node_gpus",
+               node.ray_address.__code__: "ray_address", os._Environ.__getitem__.__code__: "environ"}
     for name in ("resolve", "resolved"):
         if hasattr(RunConfig, name):
             watched[getattr(RunConfig, name).__code__] = "RunConfig." + name

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.errors import ConfigError
+from pipeline.job.plan import preflight
 
 
 def config(**kw) -> RunConfig:
@@ -84,21 +85,21 @@ def test_public_dict_leaves_secrets_out():
 
 def test_check_requirements_runs_the_engines_preflight(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    config().check_requirements()  # onnx needs nothing beyond the install
+    preflight(config())  # onnx needs nothing beyond the install
     missing = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match=f"--engine-option repository={missing} does not exist; build one with "
                                           "'bulk-classify repo build"):
-        config(engine="triton", engine_options={"repository": missing}).check_requirements()
+        preflight(config(engine="triton", engine_options={"repository": missing}))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no classifier/config.pbtxt"):
-        config(engine="triton", engine_options={"repository": str(tmp_path / "empty")}).check_requirements()
+        preflight(config(engine="triton", engine_options={"repository": str(tmp_path / "empty")}))
     monkeypatch.setenv("BULK_CLASSIFY_TRITONSERVER", str(tmp_path / "no-binary"))
     with pytest.raises(ConfigError, match="--engine triton: tritonserver binary .* does not exist"):
-        config(engine="triton").check_requirements()
-    config(engine="triton", engine_options={"url": "127.0.0.1:8001"}).check_requirements()  # a server elsewhere
+        preflight(config(engine="triton"))
+    preflight(config(engine="triton", engine_options={"url": "127.0.0.1:8001"}))  # a server elsewhere
     # On a cluster (RAY_ADDRESS), the nodes must meet the requirements, not this driver.
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    config(engine="triton").check_requirements()
+    preflight(config(engine="triton"))
 
 
 def test_gpu_preflight_wants_torch(monkeypatch):
@@ -108,7 +109,7 @@ def test_gpu_preflight_wants_torch(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(ConfigError, match="--engine gpu needs PyTorch with CUDA .* or use --engine onnx"):
-        config(engine="gpu").check_requirements()
+        preflight(config(engine="gpu"))
 
 
 def test_gpu_preflight_wants_dali_and_names_the_extra(monkeypatch):
@@ -129,7 +130,7 @@ def test_gpu_preflight_wants_dali_and_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"^--engine gpu decodes and resizes with DALI, which is not installed here: "
                                           r"pip install 'bulk-classify\[dali\]' \(the gpu extra includes it\), "
                                           r"or use --engine onnx$"):
-        config(engine="gpu").check_requirements()
+        preflight(config(engine="gpu"))
 
 
 def test_fetch_ahead_budget_holds_several_actor_batches():
@@ -228,3 +229,25 @@ def test_ray_address_is_read_in_one_place():
     read = re.compile(r"""(environ\.get|getenv|environ\[)\(?\s*["']RAY_ADDRESS|RAY_ADDRESS_ENV\b""")
     readers = {p.name for p in Path(pipeline.__file__).parent.rglob("*.py") if read.search(p.read_text())}
     assert readers == {"node.py"}
+
+
+def test_every_command_line_option_is_a_field_the_environment_sets_and_every_entry_merges_it():
+    """The README's promise: each ``run``/``nightly`` option reads ``BULK_CLASSIFY_<NAME>``, NAME the RunConfig field
+    (the repeatable ``--storage-option``, ``--engine-option``, ``--catalog-option`` are ``..._OPTIONS``); the CLI, the
+    nightly and the Python API all go through ``merge_options``."""
+    from pipeline import api
+    from pipeline.cli import main
+    from pipeline.nightly import NIGHTLY_KEYS, SCAN_TYPES, nightly_scan
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    run_params = {p.name for p in main.commands["run"].params} - {"quiet"}
+    assert run_params == fields
+    nightly_params = {p.name for p in main.commands["nightly"].params} - {"quiet", "config_file", "no_previous"}
+    assert nightly_params == set(SCAN_TYPES) == (fields - {"output"}) | set(NIGHTLY_KEYS)
+    bad = {"BULK_CLASSIFY_TOP_K": "x"}
+    with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer"):
+        nightly_scan({"source": "in/", "output_root": "out/"}, env=bad)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BULK_CLASSIFY_TOP_K", "x")
+        with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer"):
+            api.run(source="in/", output="out/")
