@@ -206,7 +206,7 @@ class GpuClassifier:
 
     Args:
         network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes]; None prepares
-            only (``preprocess``; the ensemble shape's preprocess model), with no network on the device.
+            only (``preprocess``, for a caller that runs the network elsewhere), with no network on the device.
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         options: how it runs (``ClassifierOptions``).
 
@@ -248,7 +248,7 @@ class GpuClassifier:
         self.hw_decoder_load = hw_decoder_load
         self.refused_batches = 0  # DALI batches that went to the reference because DALI refused a file
         self._local = threading.local()  # per preparing thread: its CUDA stream
-        # None: preparation only (the ensemble shape's preprocess model), no network on this device.
+        # None: preparation only (``preprocess``), no network on this device.
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
             cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
