@@ -69,7 +69,7 @@ def test_the_single_shape_has_no_ensemble_options_and_the_cli_no_shape(tmp_path)
         build_gpu_repository(None, tmp_path / "repo", network_instances=2)
     bad = CliRunner().invoke(main, ["repo", "build", "--profile", "gpu", "--shape", "ensemble", "--output",
                                     str(tmp_path / "x")])
-    assert bad.exit_code != 0 and "No such option: --shape" in bad.output
+    assert bad.exit_code != 0 and "No such option '--shape'" in bad.output
     assert not (tmp_path / "repo").exists() and not (tmp_path / "x").exists()
 
 
