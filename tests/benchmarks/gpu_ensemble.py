@@ -2,8 +2,8 @@
 (triage + DALI + the reference) and ``NetworkModel`` (the torch network + top-k), two python-backend models joined by
 the ``classifier`` ensemble, which ``build_ensemble_repository`` writes.
 
-The production profile's shape with the gpu engine's parts: ``preprocess`` runs ``GpuClassifier.preprocess`` (the
-same triage, DALI batches and Pillow reference as the single model, no network) and sends ``PREPROCESSED`` as a GPU
+The production profile's shape with the gpu engine's parts: ``preprocess`` runs ``GpuPreparer`` (a
+``GpuClassifier`` without its network: the same triage, DALI batches and Pillow reference as the single model) and sends ``PREPROCESSED`` as a GPU
 tensor through DLPack; ``network`` reads it on the GPU (``FORCE_CPU_ONLY_INPUT_TENSORS: no``) and runs
 ``TopKNetwork`` (the single model's CUDA graph, softmax and top-k). ``STATUS`` tells the network which rows failed
 (they get no class). A bad image: with the ``ERROR`` output (numpy 1 in the stub) the preprocess model sends its text
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -33,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from pipeline.errors import ConfigError  # noqa: E402
-from pipeline.gpu.classifier import Preprocessed  # noqa: E402
+from pipeline.gpu.classifier import Chunk  # noqa: E402
 from pipeline.model.folder import SPEC_FILE  # noqa: E402
 from pipeline.model.imaging import DecodeLimits  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
@@ -88,6 +91,77 @@ from gpu_ensemble import {cls} as TritonPythonModel  # noqa: E402,F401
 LOG = logging.getLogger(__name__)
 
 
+@dataclass
+class Preprocessed:
+    """Per-image outputs of ``GpuPreparer.preprocess``: the network's input, without the network."""
+
+    inputs: Any  # torch [N, 3, H, W] (NCHW, contiguous) on the classifier's device; zeros where the image failed
+    width: np.ndarray  # int32 [N]
+    height: np.ndarray  # int32 [N]
+    errors: list[str]  # "" when the image was prepared
+
+
+class GpuPreparer:
+    """A ``GpuClassifier`` built without a network, whose triage, DALI and reference prepare the network's input."""
+
+    def __init__(self, classifier):
+        self.classifier = classifier
+
+    def preprocess(self, images: Sequence[bytes], limits: DecodeLimits | None = None) -> Preprocessed:
+        """Triage, DALI and the reference for encoded images, as ``classify`` does, without the network: one row
+        per input, in input order, on the classifier's device (synchronized: ready for another process to read).
+
+        ``limits`` overrides the classifier's caps for this call's triage (a request's parameters).
+        """
+        clf = self.classifier
+        with clf._lock:
+            return self._preprocess(clf, images, limits or clf.limits)
+
+    @staticmethod
+    def _preprocess(clf, images: Sequence[bytes], limits: DecodeLimits) -> Preprocessed:
+        torch = clf._torch
+        t0 = time.perf_counter()
+        n = len(images)
+        out = torch.zeros((n, 3, *clf.spec.crop), dtype=clf.dtype, device=clf.device)
+        width = np.zeros(n, dtype=np.int32)
+        height = np.zeros(n, dtype=np.int32)
+        items, errors = clf._triage_all(images, limits)
+        clf.times.triage_s += time.perf_counter() - t0
+        chunks = [Chunk(items[s : s + clf.batch_size]) for s in range(0, len(items), clf.batch_size)]
+        preparing = [clf._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
+        keep = []  # the chunks' buffers live until the copies below are done
+        here = torch.cuda.current_stream(clf.device) if clf.is_cuda else None
+        for chunk, future in zip(chunks, preparing):
+            try:
+                future.result() if future is not None else clf._prepare(chunk)
+            except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
+                LOG.exception("preparing a batch of %d images failed", len(chunk.items))
+                msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
+                chunk.errors = {item.index: msg for item in chunk.items}
+                chunk.inputs = None
+            clf.times.prepare_s += chunk.prepare_s
+            for index, msg in chunk.errors.items():
+                errors[index] = msg
+            if chunk.inputs is None:
+                continue
+            if chunk.ready is not None:
+                here.wait_event(chunk.ready)
+            items_ok = [chunk.items[p] for p in chunk.ok]
+            rows = [it.index for it in items_ok]
+            out[torch.as_tensor(rows, device=clf.device)] = chunk.inputs
+            width[rows] = [it.width for it in items_ok]
+            height[rows] = [it.height for it in items_ok]
+            keep.append(chunk.keep)
+        if here is not None:
+            here.synchronize()
+        clf.times.images += n
+        clf.times.total_s += time.perf_counter() - t0
+        return Preprocessed(out, width, height, errors)
+
+    def close(self) -> None:
+        self.classifier.close()
+
+
 def _dims(config: dict, section: str, name: str) -> tuple[dict, list[int]]:
     tensor = next(t for t in config[section] if t["name"] == name)
     return tensor, [int(d) for d in tensor["dims"]]
@@ -112,8 +186,8 @@ class PreprocessModel:
 
     def _build_classifier(self, config: dict, spec, device: str, batch_size: int):
         """What prepares the images (``preprocess(blobs, limits)``): ``GpuClassifier`` without its network."""
-        return build_classifier(config, spec, None, device=device, top_k=1, limits=self.limits,
-                                batch_size=batch_size, half=self.half)
+        return GpuPreparer(build_classifier(config, spec, None, device=device, top_k=1, limits=self.limits,
+                                            batch_size=batch_size, half=self.half))
 
     def execute(self, requests):
         pb = self.pb

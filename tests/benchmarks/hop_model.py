@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from pipeline.errors import ImageError  # noqa: E402
-from pipeline.gpu.classifier import STOP, Preprocessed, triage  # noqa: E402
+from pipeline.gpu.classifier import STOP, triage  # noqa: E402
 from pipeline.model.imaging import DecodeLimits  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
 from pipeline.triton.repository import SHIM_FILE, VERSION  # noqa: E402
@@ -28,7 +28,7 @@ from pipeline.triton.serve.backend import as_numpy  # noqa: E402
 from pipeline.triton.serve.gpu_model import TritonPythonModel  # noqa: E402
 from pipeline.triton.server import STUB_PATH_ENV  # noqa: E402
 
-from gpu_ensemble import NETWORK_MODEL, NetworkModel, PreprocessModel  # noqa: E402
+from gpu_ensemble import NETWORK_MODEL, NetworkModel, Preprocessed, PreprocessModel  # noqa: E402
 
 HOP = "hop"  # the decoder name the hop's stream reports
 HOP_ERROR = "unsupported: not a JPEG the gpu path decodes (the hop)"
@@ -107,7 +107,7 @@ class HopPreparer:
         self.shape, self.half = shape, half
 
     def preprocess(self, blobs: list[bytes], limits: DecodeLimits) -> Preprocessed:
-        """(tensors [n, *shape], width [n], height [n], errors) as ``GpuClassifier.preprocess`` gives them."""
+        """(tensors [n, *shape], width [n], height [n], errors) as ``GpuPreparer.preprocess`` gives them."""
         n = len(blobs)
         x = np.zeros((n, *self.shape), dtype=np.float16 if self.half else np.float32)
         width, height, errors, ok = np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, []
