@@ -91,20 +91,6 @@ class RawResults:
     echo: np.ndarray | None = None  # int64 [N]: each answer's image TAG (the Triton stream's; None elsewhere)
 
 
-@dataclass
-class StageTimes:
-    """Wall seconds spent per stage since the last reset (preparation, DALI and the reference, overlaps the network)."""
-
-    images: int = 0
-    triage_s: float = 0.0
-    prepare_s: float = 0.0
-    network_s: float = 0.0
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
 def triage(index: int, data: bytes, limits: DecodeLimits) -> _Item:
     """CPU triage of one encoded file, no decode: caps, then the JPEG header. The item's ``info`` is set when
     DALI's GPU decoder can take it (8-bit gray/YCbCr baseline or progressive JPEG ending with EOI); ``None`` sends it
@@ -253,7 +239,6 @@ class GpuClassifier:
         self._cpu_pool = ThreadPoolExecutor(o.cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1),
                                             "gpu-pil")
         self._lock = threading.Lock()
-        self.times = StageTimes()
         LOG.info(
             "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
@@ -303,7 +288,6 @@ class GpuClassifier:
     # ---- steps ----------------------------------------------------------------------------------
 
     def _classify(self, images: Sequence[bytes]) -> RawResults:
-        t0 = time.perf_counter()
         n = len(images)
         k = self.top_k
         ids = np.zeros((n, k), dtype=np.int32)
@@ -311,7 +295,6 @@ class GpuClassifier:
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
         items, errors = self._triage_all(images, self.limits)
-        self.times.triage_s += time.perf_counter() - t0
         chunks = iter([Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
 
@@ -332,8 +315,6 @@ class GpuClassifier:
         self.run_stream(lambda block: next(chunks, STOP), sink)
         if failure:
             raise failure[0]
-        self.times.images += n
-        self.times.total_s += time.perf_counter() - t0
         return RawResults(ids, scores, width, height, errors)
 
     def run_stream(self, source, sink) -> None:
@@ -372,13 +353,10 @@ class GpuClassifier:
                     preparing.result()
                 else:
                     self._prepare(chunk)
-                t = time.perf_counter()
                 pending.append((chunk, *self._infer(chunk)))
-                self.times.network_s += time.perf_counter() - t
             except Exception as err:  # noqa: BLE001 - this chunk fails; the stream goes on
                 LOG.exception("a batch of %d images failed", len(chunk.items))
                 sink(chunk, None, None, err)
-            self.times.prepare_s += chunk.prepare_s
             if len(pending) > 1:
                 self._emit(pending.popleft(), sink)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import shutil
 import sys
 from dataclasses import dataclass
@@ -120,13 +119,11 @@ class GpuPreparer:
     @staticmethod
     def _preprocess(clf, images: Sequence[bytes], limits: DecodeLimits) -> Preprocessed:
         torch = clf._torch
-        t0 = time.perf_counter()
         n = len(images)
         out = torch.zeros((n, 3, *clf.spec.crop), dtype=clf.dtype, device=clf.device)
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
         items, errors = clf._triage_all(images, limits)
-        clf.times.triage_s += time.perf_counter() - t0
         chunks = [Chunk(items[s : s + clf.batch_size]) for s in range(0, len(items), clf.batch_size)]
         preparing = [clf._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
         keep = []  # the chunks' buffers live until the copies below are done
@@ -139,7 +136,6 @@ class GpuPreparer:
                 msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
                 chunk.errors = {item.index: msg for item in chunk.items}
                 chunk.inputs = None
-            clf.times.prepare_s += chunk.prepare_s
             for index, msg in chunk.errors.items():
                 errors[index] = msg
             if chunk.inputs is None:
@@ -154,8 +150,6 @@ class GpuPreparer:
             keep.append(chunk.keep)
         if here is not None:
             here.synchronize()
-        clf.times.images += n
-        clf.times.total_s += time.perf_counter() - t0
         return Preprocessed(out, width, height, errors)
 
     def close(self) -> None:
