@@ -206,7 +206,13 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
             tensor.allow_ragged_batch = True
     _place_on_gpus(config, instances, o.queue_delay_us)
     _set_parameters(config, {
-        **_prepare_parameters(o, batch_size),
+        tn.GPU_PARAM_NETWORK: o.network,
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
         tn.GPU_PARAM_MAX_DELAY_MS: o.max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
@@ -221,16 +227,3 @@ def _set_parameters(config, params: dict) -> None:
     for key, value in params.items():
         if value is not None:
             config.parameters[key].string_value = str(value)
-
-
-def _prepare_parameters(o: GpuModelOptions, batch_size: int) -> dict:
-    """The parameters of the gpu profile's model that prepare images (triage, DALI, the reference) for the network."""
-    return {
-        tn.GPU_PARAM_NETWORK: o.network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
-    }

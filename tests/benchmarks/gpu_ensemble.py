@@ -21,6 +21,7 @@ a server started from this process passes to its stubs (as gpu_networks.served d
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -37,14 +38,13 @@ sys.path.insert(0, str(HERE.parents[1]))
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.gpu.classifier import Chunk  # noqa: E402
 from pipeline.model.folder import SPEC_FILE  # noqa: E402
-from pipeline.model.imaging import DecodeLimits  # noqa: E402
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
 from pipeline.triton.configs import (  # noqa: E402
     GPU_INSTANCES,
     GpuModelOptions,
     _contract_io,
     _place_on_gpus,
-    _prepare_parameters,
     _set_parameters,
     _tensor,
     _text,
@@ -56,8 +56,6 @@ from pipeline.triton.serve.gpu_model import (  # noqa: E402
     SERVED_CUDNN_AUTOTUNE,
     _FolderBundle,
     build_classifier,
-    instance_device,
-    model_setup,
     output_tensor,
     request_images,
     request_tags,
@@ -154,6 +152,20 @@ class GpuPreparer:
 
     def close(self) -> None:
         self.classifier.close()
+
+
+def model_setup(args: dict) -> tuple[dict, Path, Any]:
+    """What each python model reads first: its parsed config, version folder and spec."""
+    config = json.loads(args["model_config"])
+    folder = Path(args["model_repository"]) / args["model_version"]
+    return config, folder, PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
+
+
+def instance_device(args: dict) -> str:
+    """The torch device of a model instance: its GPU for KIND_GPU, else the CPU."""
+    if args.get("model_instance_kind", "GPU") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
 
 
 def _dims(config: dict, section: str, name: str) -> tuple[dict, list[int]]:
@@ -341,7 +353,15 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
     _place_on_gpus(pre, pre_count, o.queue_delay_us)
-    _set_parameters(pre, _prepare_parameters(o, batch_size))
+    _set_parameters(pre, {
+        tn.GPU_PARAM_NETWORK: o.network,
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
+    })
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     net = mc.ModelConfig(name=NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
