@@ -38,10 +38,9 @@ from pipeline.schema import DEFAULT_TOP_K, MIB, STATUS_ERROR, STATUS_OK
 from pipeline.sizing import DEFAULT_SPARE, DEFAULT_UTILIZATION
 from pipeline.storage import INVENTORY_FORM, URIS_FORM
 from pipeline.terminal import quiet_ray
-from pipeline.triton import contract as tn
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.prepare import DEFAULT_REPOSITORY
-from pipeline.triton.profiles import GPU, PORTABLE
+from pipeline.triton.profiles import PORTABLE
 from pipeline.triton.repository import REPOSITORY_PROFILES
 
 NIGHTLY_PROGRESS_EVERY_S = 30.0
@@ -371,17 +370,15 @@ def repo() -> None:
 @click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True, help="Classes each response carries (the engine's --top-k must not exceed it).")
 @click.option("--instances", type=int, cls=ConfigDefault, default=None, show_default="the profile's", help="Model instances per server.")
 @click.option("--max-batch-size", type=int, default=None, help="Largest batch the server forms (and the TensorRT profile's max).")
-@click.option("--shape", default=tn.SHAPE_SINGLE, show_default=True, help=f"{GPU} profile: '{tn.SHAPE_SINGLE}' (one python model) or '{tn.SHAPE_ENSEMBLE}' (preprocess + network models joined by an ensemble; --instances then sets the preprocess instances).")
-@click.option("--max-backlog", type=float, cls=ConfigDefault, default=None, show_default="the profile's, docs/gpu.md", help="gpu profile, single shape: network batches one instance takes before its execute() waits (0: never).")
+@click.option("--max-backlog", type=float, cls=ConfigDefault, default=None, show_default="the profile's, docs/gpu.md", help="gpu profile: network batches one instance takes before its execute() waits (0: never).")
 def repo_build(profile: str, model: str | None, output: str, top_k: int, instances: int | None,
-               max_batch_size: int | None, shape: str, max_backlog: float | None) -> None:
+               max_batch_size: int | None, max_backlog: float | None) -> None:
     """Fill a repository profile's artifacts (ONNX, DALI pipeline, TensorRT plan where TensorRT is installed)."""
     from pipeline.triton.repository import build_repository
 
     path = build_repository(profile, model, output, top_k=top_k, instances=instances,
-                            max_batch_size=max_batch_size, shape=shape, max_backlog=max_backlog)
-    shaped = REPOSITORY_PROFILES[profile].shapes
-    click.echo(f"built {profile} repository in {path}" + (f" ({shape} shape)" if shaped else ""))
+                            max_batch_size=max_batch_size, max_backlog=max_backlog)
+    click.echo(f"built {profile} repository in {path}")
 
 
 @repo.command("check")

@@ -95,7 +95,7 @@ def check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
         decode_image(data, limits)
 
 
-# Triton puts this before a composing model's error (the gpu profile's ensemble shape): the kind follows it.
+# Triton puts this before an ensemble's composing model's error: the kind follows it.
 ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 
 

@@ -22,12 +22,6 @@ from pipeline.triton import contract as tn
 MAX_REQUEST_BYTES = 64 * MIB
 
 
-def pack(blobs: Sequence[bytes]) -> tuple[bytes, int]:
-    """The IMAGE tensor's raw content (rows zero-padded to the longest file) and that length, in one copy."""
-    longest = max(1, max(len(b) for b in blobs))
-    return b"".join(_padded(blobs, longest)), longest
-
-
 def _padded(blobs: Sequence[bytes], longest: int):
     """The files and the zero padding that brings each to ``longest`` bytes, as pieces to join."""
     for b in blobs:
@@ -73,21 +67,10 @@ def request_header(model_name: str, n: int, longest: int, outputs: Sequence[str]
     return request
 
 
-def build_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits,
-                  tags: np.ndarray):
-    """The same request as a protobuf message (three copies of the files): ``encode_request``'s reference."""
-    raw, longest = pack(blobs)
-    request = request_header(model_name, len(blobs), longest, outputs, limits)
-    request.raw_input_contents.append(raw)
-    request.raw_input_contents.append(_lengths(blobs))
-    request.raw_input_contents.append(_tag_bytes(tags, len(blobs)))
-    return request
-
-
 def encode_request(model_name: str, blobs: list[bytes], outputs: Sequence[str], limits: DecodeLimits,
                    tags: np.ndarray) -> bytes:
     """One ModelInferRequest, serialized: protobuf's bytes for the small fields, then the three raw input fields,
-    the files copied once (rows zero-padded to the longest file). Parses to ``build_request``'s message.
+    the files copied once (rows zero-padded to the longest file), as protobuf would serialize the message.
 
     ``tags``: the request's TAG column (``pipeline.triton.contract.tags``), echoed back in ``ECHO``."""
     longest = max(1, max(len(b) for b in blobs))

@@ -91,30 +91,6 @@ class RawResults:
     echo: np.ndarray | None = None  # int64 [N]: each answer's image TAG (the Triton stream's; None elsewhere)
 
 
-@dataclass
-class Preprocessed:
-    """Per-image outputs of ``GpuClassifier.preprocess``: the network's input, without the network."""
-
-    inputs: Any  # torch [N, 3, H, W] (NCHW, contiguous) on the classifier's device; zeros where the image failed
-    width: np.ndarray  # int32 [N]
-    height: np.ndarray  # int32 [N]
-    errors: list[str]  # "" when the image was prepared
-
-
-@dataclass
-class StageTimes:
-    """Wall seconds spent per stage since the last reset (preparation, DALI and the reference, overlaps the network)."""
-
-    images: int = 0
-    triage_s: float = 0.0
-    prepare_s: float = 0.0
-    network_s: float = 0.0
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
 def triage(index: int, data: bytes, limits: DecodeLimits) -> _Item:
     """CPU triage of one encoded file, no decode: caps, then the JPEG header. The item's ``info`` is set when
     DALI's GPU decoder can take it (8-bit gray/YCbCr baseline or progressive JPEG ending with EOI); ``None`` sends it
@@ -206,7 +182,8 @@ class GpuClassifier:
 
     Args:
         network: a torch module mapping float [N, 3, H, W] (the spec's crop) to logits [N, classes]; None prepares
-            only (``preprocess``; the ensemble shape's preprocess model), with no network on the device.
+            only (``_triage_all`` and ``_prepare``, for a caller that runs the network elsewhere), with no
+            network on the device.
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         options: how it runs (``ClassifierOptions``).
 
@@ -248,7 +225,7 @@ class GpuClassifier:
         self.hw_decoder_load = hw_decoder_load
         self.refused_batches = 0  # DALI batches that went to the reference because DALI refused a file
         self._local = threading.local()  # per preparing thread: its CUDA stream
-        # None: preparation only (the ensemble shape's preprocess model), no network on this device.
+        # None: preparation only, no network on this device.
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
             cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
@@ -262,7 +239,6 @@ class GpuClassifier:
         self._cpu_pool = ThreadPoolExecutor(o.cpu_decode_threads or min(MAX_DECODE_THREADS, os.cpu_count() or 1),
                                             "gpu-pil")
         self._lock = threading.Lock()
-        self.times = StageTimes()
         LOG.info(
             "gpu classifier on %s: DALI (hw_decoder_load %.2f, depth %d), batch %d, %s, cuda graph %s, cuda sync %s",
             self.device,
@@ -301,15 +277,6 @@ class GpuClassifier:
         with self._lock:
             return self._classify(images)
 
-    def preprocess(self, images: Sequence[bytes], limits: DecodeLimits | None = None) -> Preprocessed:
-        """Triage, DALI and the reference for encoded images, as ``classify`` does, without the network: one row
-        per input, in input order, on this classifier's device (synchronized: ready for another process to read).
-
-        ``limits`` overrides the classifier's caps for this call's triage (a request's parameters).
-        """
-        with self._lock:
-            return self._preprocess(images, limits or self.limits)
-
     def close(self) -> None:
         if self._prep_pool:
             self._prep_pool.shutdown(wait=True)
@@ -321,7 +288,6 @@ class GpuClassifier:
     # ---- steps ----------------------------------------------------------------------------------
 
     def _classify(self, images: Sequence[bytes]) -> RawResults:
-        t0 = time.perf_counter()
         n = len(images)
         k = self.top_k
         ids = np.zeros((n, k), dtype=np.int32)
@@ -329,7 +295,6 @@ class GpuClassifier:
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
         items, errors = self._triage_all(images, self.limits)
-        self.times.triage_s += time.perf_counter() - t0
         chunks = iter([Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
 
@@ -350,49 +315,7 @@ class GpuClassifier:
         self.run_stream(lambda block: next(chunks, STOP), sink)
         if failure:
             raise failure[0]
-        self.times.images += n
-        self.times.total_s += time.perf_counter() - t0
         return RawResults(ids, scores, width, height, errors)
-
-    def _preprocess(self, images: Sequence[bytes], limits: DecodeLimits) -> Preprocessed:
-        torch = self._torch
-        t0 = time.perf_counter()
-        n = len(images)
-        out = torch.zeros((n, 3, *self.spec.crop), dtype=self.dtype, device=self.device)
-        width = np.zeros(n, dtype=np.int32)
-        height = np.zeros(n, dtype=np.int32)
-        items, errors = self._triage_all(images, limits)
-        self.times.triage_s += time.perf_counter() - t0
-        chunks = [Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)]
-        preparing = [self._submit(chunk) for chunk in chunks]  # all chunks at once: the pool bounds the work
-        keep = []  # the chunks' buffers live until the copies below are done
-        here = torch.cuda.current_stream(self.device) if self.is_cuda else None
-        for chunk, future in zip(chunks, preparing):
-            try:
-                future.result() if future is not None else self._prepare(chunk)
-            except Exception as err:  # noqa: BLE001 - this chunk's images fail; the others go on
-                LOG.exception("preparing a batch of %d images failed", len(chunk.items))
-                msg = f"engine_error: the batch failed on the GPU ({type(err).__name__}: {str(err)[:300]})"
-                chunk.errors = {item.index: msg for item in chunk.items}
-                chunk.inputs = None
-            self.times.prepare_s += chunk.prepare_s
-            for index, msg in chunk.errors.items():
-                errors[index] = msg
-            if chunk.inputs is None:
-                continue
-            if chunk.ready is not None:
-                here.wait_event(chunk.ready)
-            items_ok = [chunk.items[p] for p in chunk.ok]
-            rows = [it.index for it in items_ok]
-            out[torch.as_tensor(rows, device=self.device)] = chunk.inputs
-            width[rows] = [it.width for it in items_ok]
-            height[rows] = [it.height for it in items_ok]
-            keep.append(chunk.keep)
-        if here is not None:
-            here.synchronize()
-        self.times.images += n
-        self.times.total_s += time.perf_counter() - t0
-        return Preprocessed(out, width, height, errors)
 
     def run_stream(self, source, sink) -> None:
         """The pipeline over a stream of chunks: preparation of the next ``prep_workers + 2`` chunks runs while the
@@ -430,13 +353,10 @@ class GpuClassifier:
                     preparing.result()
                 else:
                     self._prepare(chunk)
-                t = time.perf_counter()
                 pending.append((chunk, *self._infer(chunk)))
-                self.times.network_s += time.perf_counter() - t
             except Exception as err:  # noqa: BLE001 - this chunk fails; the stream goes on
                 LOG.exception("a batch of %d images failed", len(chunk.items))
                 sink(chunk, None, None, err)
-            self.times.prepare_s += chunk.prepare_s
             if len(pending) > 1:
                 self._emit(pending.popleft(), sink)
 

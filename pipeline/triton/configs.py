@@ -18,16 +18,10 @@ GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts
 # context: in one process DALI and the network take turns on the GPU, several keep it busy (docs/performance.md).
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
-# The ensemble shape (gpu_ensemble_configs). Preprocess instances do what the single model's instances spend their
-# time on (triage, DALI, the reference), one execute() at a time each: as many as the single model's instances.
-# One network instance: the dynamic batcher merges every preprocess instance's output into its batches and one CUDA
-# graph replays them; a second would halve its batches.
-GPU_ENSEMBLE_PREPROCESS_INSTANCES = GPU_INSTANCES
-GPU_ENSEMBLE_NETWORK_INSTANCES = 1
 # The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE): smaller
 # batches from several instances under MPS keep the GPU busier than one instance's large ones.
 GPU_TRITON_BATCH_SIZE = 128
-# Batches' worth of images a model instance of the single shape takes before its execute() waits, so that the server
+# Batches' worth of images a model instance takes before its execute() waits, so that the server
 # hands the next requests to an instance with less work (pipeline.gpu.stream; 0: never waits); with it more
 # instances pay under MPS.
 GPU_MAX_BACKLOG = 6
@@ -36,30 +30,26 @@ HALF_CHOICES = ("auto", "true", "false")
 
 @dataclass(frozen=True, kw_only=True)
 class GpuModelOptions:
-    """How the gpu profile's served models are built, in either shape (``gpu_config``, ``gpu_ensemble_configs``).
+    """How the gpu profile's served model is built (``gpu_config``).
 
     Attributes:
         top_k: classes per image the model returns.
         max_batch_size: images per request at most.
-        batch_size: the network batch inside one execute(); None: GPU_TRITON_BATCH_SIZE in the single shape,
-            tn.GPU_DEFAULT_BATCH_SIZE in the ensemble.
+        batch_size: the network batch inside one execute(); None: GPU_TRITON_BATCH_SIZE.
         network: "auto" (the version folder's model, else the default), or a network the served code knows.
         cuda_graph: replay the network as a CUDA graph.
         queue_delay_us: how long the dynamic batcher waits for a fuller batch.
-        error_output: declare the optional BYTES ``ERROR`` output (the ensemble's preprocess model then sends it).
+        error_output: declare the optional BYTES ``ERROR`` output.
             The python backend of the nvidia-pytriton wheel cannot send BYTES tensors when its Python has numpy 2
             (they arrive empty), so None declares it only under numpy 1; without it a request holding a bad image
             fails as a whole and the client isolates it.
         prep_workers, dali_depth, dali_threads, hw_decoder_load, cuda_sync: the preparing side's settings (None:
             the model's default).
-        half: "auto", "true" or "false": the network's precision (the ensemble's tensor between its models).
-        instances: model instances (the ensemble's preprocess instances unless ``preprocess_instances`` is given);
-            None: GPU_INSTANCES, or GPU_ENSEMBLE_PREPROCESS_INSTANCES.
-        max_delay_ms: the single shape's longest wait for a fuller network batch.
-        max_backlog: the single shape's network batches' worth of images one instance takes before its
-            ``execute()`` waits (0: never), so the server hands the next requests to the other instances
-            (``pipeline.gpu.stream``).
-        preprocess_instances, network_instances: the ensemble shape's instances of each model.
+        half: "auto", "true" or "false": the network's precision.
+        instances: model instances; None: GPU_INSTANCES.
+        max_delay_ms: the longest wait for a fuller network batch.
+        max_backlog: network batches' worth of images one instance takes before its ``execute()`` waits (0: never),
+            so the server hands the next requests to the other instances (``pipeline.gpu.stream``).
 
     Raises:
         ConfigError: an unknown ``half`` or a negative ``max_backlog``.
@@ -81,8 +71,6 @@ class GpuModelOptions:
     instances: int | None = None
     max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS
     max_backlog: float = GPU_MAX_BACKLOG
-    preprocess_instances: int | None = None
-    network_instances: int = GPU_ENSEMBLE_NETWORK_INSTANCES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "half", str(self.half).lower())
@@ -204,7 +192,6 @@ def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
     return configs
 
 
-
 def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
     """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input)."""
     o = options
@@ -219,7 +206,13 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
             tensor.allow_ragged_batch = True
     _place_on_gpus(config, instances, o.queue_delay_us)
     _set_parameters(config, {
-        **_prepare_parameters(o, batch_size),
+        tn.GPU_PARAM_NETWORK: o.network,
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
         tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
         tn.GPU_PARAM_MAX_DELAY_MS: o.max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
@@ -234,94 +227,3 @@ def _set_parameters(config, params: dict) -> None:
     for key, value in params.items():
         if value is not None:
             config.parameters[key].string_value = str(value)
-
-
-def _prepare_parameters(o: GpuModelOptions, batch_size: int) -> dict:
-    """The parameters of the gpu profile's model that prepares images (triage, DALI, the reference) for the network:
-    the single shape's one model and the ensemble's preprocess model."""
-    return {
-        tn.GPU_PARAM_NETWORK: o.network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
-    }
-
-
-def gpu_ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions()) -> dict[str, str]:
-    """config.pbtxt of each model of the gpu profile's ensemble shape: ``preprocess`` (python backend: triage, DALI
-    and the reference; ragged ``IMAGE`` in, ``PREPROCESSED`` + ``WIDTH``/``HEIGHT``/``STATUS`` out), ``network``
-    (python backend: the torch network + top-k, ``PREPROCESSED`` read on the GPU) and the ``classifier`` ensemble
-    joining them, with the contract's inputs and outputs.
-
-    ``half``: "auto" and "true" pass FP16 between the models (declared in the configs, so the same on any device),
-    "false" FP32.
-
-    Raises:
-        ConfigError: instance counts below 1.
-    """
-    o = options
-    pre_count = o.preprocess_instances or o.instances or GPU_ENSEMBLE_PREPROCESS_INSTANCES
-    if pre_count < 1 or o.network_instances < 1:
-        raise ConfigError(f"preprocess_instances={pre_count} and network_instances={o.network_instances} must be "
-                          "at least 1")
-    batch_size = tn.GPU_DEFAULT_BATCH_SIZE if o.batch_size is None else o.batch_size
-    error_output = o.sends_error()
-    top_k, max_batch_size = o.top_k, o.max_batch_size
-    mc = model_config()
-    dtype = "FP32" if o.half == "false" else "FP16"
-    shape = list(spec.input_shape)
-    configs = {}
-
-    pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="python", max_batch_size=max_batch_size)
-    for name, kind in tn.INPUTS.items():
-        _tensor(pre.input, name, kind, [-1] if name == tn.INPUT_IMAGE else [1])
-    pre.input[0].allow_ragged_batch = True  # requests padded to different lengths share one execute()
-    _tensor(pre.output, tn.PREPROCESSED, dtype, shape)
-    for name in (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.STATUS):
-        _tensor(pre.output, name, "INT32", [1])
-    _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
-    if error_output:
-        _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
-    _place_on_gpus(pre, pre_count, o.queue_delay_us)
-    _set_parameters(pre, _prepare_parameters(o, batch_size))
-    configs[tn.PREPROCESS_MODEL] = _text(pre)
-
-    net = mc.ModelConfig(name=tn.NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)
-    _tensor(net.input, tn.PREPROCESSED, dtype, shape)
-    _tensor(net.input, tn.STATUS, "INT32", [1])
-    _tensor(net.input, tn.INPUT_TAG, tn.INPUTS[tn.INPUT_TAG], [1])
-    _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
-    _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
-    _tensor(net.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
-    _place_on_gpus(net, o.network_instances, o.queue_delay_us)
-    _set_parameters(net, {
-        tn.GPU_PARAM_NETWORK: o.network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
-        # the python backend copies inputs to the CPU unless told not to: PREPROCESSED stays on the GPU
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
-    })
-    configs[tn.NETWORK_MODEL] = _text(net)
-
-    ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)
-    _contract_io(ens, top_k, with_error=error_output)
-    ens.parameters[tn.PARAM_CHECKS_CAPS].string_value = "true"  # the preprocess model's triage checks both caps
-    step = ens.ensemble_scheduling.step.add(model_name=tn.PREPROCESS_MODEL, model_version=-1)
-    for name in tn.INPUTS:
-        step.input_map[name] = name
-    passed = (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT) + ((tn.OUTPUT_ERROR,) if error_output else ())
-    for name in (tn.PREPROCESSED, tn.STATUS) + passed:
-        step.output_map[name] = name
-    step.output_map[tn.OUTPUT_ECHO] = tn.PREPROCESSED_TAG
-    step = ens.ensemble_scheduling.step.add(model_name=tn.NETWORK_MODEL, model_version=-1)
-    for name in (tn.PREPROCESSED, tn.STATUS):
-        step.input_map[name] = name
-    step.input_map[tn.INPUT_TAG] = tn.PREPROCESSED_TAG
-    for name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES, tn.OUTPUT_ECHO):
-        step.output_map[name] = name
-    configs[tn.MODEL_NAME] = _text(ens)
-    return configs

@@ -49,14 +49,6 @@ OUTPUT_ECHO = "ECHO"
 PREPROCESS_MODEL = "preprocess"
 CLASSIFIER_TRT_MODEL = "classifier_trt"
 PREPROCESSED = "PREPROCESSED"  # FP32 [3, H, W] (NCHW per the model's PreprocessSpec)
-# The gpu profile's ensemble shape (GPU_SHAPES): preprocess (triage + DALI, python backend) -> network (torch), GPU
-# tensors between them; PREPROCESSED is FP16 there (FP32 when built with half "false").
-NETWORK_MODEL = "network"
-STATUS = "STATUS"  # INT32 [1], preprocess -> network: 0 prepared, 1 failed (the network gives it no class)
-# INT64 [1], preprocess's ECHO -> network's TAG in the gpu ensemble: each image's TAG travels with its tensor.
-PREPROCESSED_TAG = "PREPROCESSED_TAG"
-SHAPE_SINGLE, SHAPE_ENSEMBLE = "single", "ensemble"
-GPU_SHAPES = (SHAPE_SINGLE, SHAPE_ENSEMBLE)  # one python model doing everything, or preprocess + network + ensemble
 
 # Triton dtype strings (config.pbtxt uses TYPE_<dtype>; the client uses the bare name).
 INPUTS = {INPUT_IMAGE: "UINT8", INPUT_LENGTH: "INT32", INPUT_TAG: "INT64"}

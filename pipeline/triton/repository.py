@@ -21,7 +21,6 @@ from pipeline.triton.configs import (
     DEFAULT_PORTABLE_INSTANCES,
     GpuModelOptions,
     gpu_config,
-    gpu_ensemble_configs,
     portable_config,
     production_configs,
 )
@@ -51,8 +50,6 @@ sys.path[:0] = [p for p in os.environ.get("{env}", "").split(os.pathsep) if p an
 
 from {module} import {entry}  # noqa: E402,F401
 '''
-# Options of the single shape's request stream, which the ensemble shape does not have.
-_SINGLE_ONLY_OPTIONS = ("max_delay_ms", "max_backlog")
 
 
 def shim_text(what: str, module: str, cls: str, flags: str) -> str:
@@ -246,7 +243,7 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
-                     artifacts: bool = True, error_output: bool | None = None, shape: str = tn.SHAPE_SINGLE,
+                     artifacts: bool = True, error_output: bool | None = None,
                      max_backlog: float | None = None) -> Path:
     """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
@@ -257,7 +254,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     ``classifier`` ensemble. ``artifacts=False`` writes only configs and sources (what is committed).
     gpu: ``build_gpu_repository``.
     ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
-    ``shape``: gpu only, "single" or "ensemble" (``build_gpu_repository``); ``max_backlog``: gpu single shape only.
+    ``max_backlog``: gpu only.
 
     Returns:
         the repository folder.
@@ -269,30 +266,28 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     except KeyError:
         raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}") from None
     out = builder(model, output, top_k=top_k, instances=instances, max_batch_size=max_batch_size,
-                  artifacts=artifacts, error_output=error_output, shape=shape, max_backlog=max_backlog)
+                  artifacts=artifacts, error_output=error_output, max_backlog=max_backlog)
     LOG.info("built %s repository in %s", profile, out)
     return out
 
 
-def _gpu_only(shape: str, max_backlog: float | None) -> None:
-    """Refuses the gpu profile's options for another profile."""
+def _gpu_only(max_backlog: float | None) -> None:
+    """Refuses the gpu profile's option for another profile."""
     if max_backlog is not None:
         raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
-    if shape != tn.SHAPE_SINGLE:
-        raise ConfigError(f"shape {shape!r} is the gpu profile's; use --profile gpu, or leave --shape out")
 
 
-def _build_gpu(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, shape, max_backlog):
+def _build_gpu(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, max_backlog):
     options = {"top_k": top_k}
     options.update({k: v for k, v in (("instances", instances), ("max_batch_size", max_batch_size)) if v})
     if max_backlog is not None:
         options["max_backlog"] = max_backlog
-    return build_gpu_repository(model, output, shape=shape, **options)
+    return build_gpu_repository(model, output, **options)
 
 
-def _build_portable(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, shape,
+def _build_portable(model, output, *, top_k, instances, max_batch_size, artifacts, error_output,
                     max_backlog) -> Path:
-    _gpu_only(shape, max_backlog)
+    _gpu_only(max_backlog)
     out = Path(output).expanduser()
     folder = out / tn.MODEL_NAME
     (folder / VERSION).mkdir(parents=True, exist_ok=True)
@@ -311,10 +306,9 @@ def _build_portable(model, output, *, top_k, instances, max_batch_size, artifact
     return out
 
 
-def _build_production(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, shape,
+def _build_production(model, output, *, top_k, instances, max_batch_size, artifacts, error_output,
                       max_backlog) -> Path:
-
-    _gpu_only(shape, max_backlog)
+    _gpu_only(max_backlog)
     max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
     out = Path(output).expanduser()
     bundle = load_model(model)
@@ -341,69 +335,47 @@ def _build_production(model, output, *, top_k, instances, max_batch_size, artifa
     return out
 
 
-def build_gpu_repository(model: str | None, output: str, *, shape: str = tn.SHAPE_SINGLE, **options: Any):
+def gpu_model_files(model: str | None) -> tuple[Any, list[Path]]:
+    """The spec of ``model`` (a model folder, or None for the default) and the files a served network loads (a user's
+    ``model.onnx``, which each instance converts to torch, and any ``model.torchscript``).
+
+    Raises:
+        ModelError: an INT8 model.
+    """
+    if model in (None, "", "default"):
+        return DEFAULT_SPEC, []
+    bundle = load_model(model)
+    if bundle.precision == PRECISION_INT8:
+        raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
+                         "portable for it, or pass the FP32 model")
+    return bundle.spec, [p for p in (Path(bundle.onnx_path), Path(model) / TORCHSCRIPT_FILE) if p.is_file()]
+
+
+def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path:
     """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
 
-    ``shape`` "ensemble" writes the production profile's shape instead (``preprocess`` and ``network`` python models
-    joined by the ``classifier`` ensemble, GPU tensors between them; ``gpu_ensemble_configs``), with the same
-    files in each python model's version folder.
-
     The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
-    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and, for a user's model, its ``model.onnx`` (each
-    instance converts it to torch) and any ``model.torchscript``.
+    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and ``gpu_model_files``.
     ``options`` are ``GpuModelOptions`` fields (top_k, instances, max_batch_size, batch_size, network, ...).
 
     Returns:
         the repository folder.
 
     Raises:
-        ConfigError: an unknown ``shape``, or an option the shape does not have (before anything is written).
+        ConfigError: a bad option value (before anything is written).
         ModelError: an INT8 model.
     """
-
-    if shape not in tn.GPU_SHAPES:
-        raise ConfigError(f"gpu shape {shape!r} is unknown; use {' or '.join(tn.GPU_SHAPES)}")
-    extra = sorted(set(options) & set(_SINGLE_ONLY_OPTIONS) if shape == tn.SHAPE_ENSEMBLE else
-                   set(options) & {"preprocess_instances", "network_instances"})
-    if extra:
-        other = tn.SHAPE_SINGLE if shape == tn.SHAPE_ENSEMBLE else tn.SHAPE_ENSEMBLE
-        raise ConfigError(f"the gpu profile's {shape} shape has no {', '.join(extra)}; drop it, or use shape {other}")
-    spec = DEFAULT_SPEC
-    network_files: list[Path] = []  # a user's model: copied into the network's version folder
-    if model not in (None, "", "default"):
-        bundle = load_model(model)
-        if bundle.precision == PRECISION_INT8:
-            raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
-                             "portable for it, or pass the FP32 model")
-        network_files = [p for p in (Path(bundle.onnx_path), Path(model) / TORCHSCRIPT_FILE) if p.is_file()]
-        spec = bundle.spec
-    out = Path(output).expanduser()
-    if shape == tn.SHAPE_ENSEMBLE:
-        configs = gpu_ensemble_configs(spec, GpuModelOptions(**options))  # refuses bad values before any write
-        for name, cls in ((tn.PREPROCESS_MODEL, "PreprocessModel"), (tn.NETWORK_MODEL, "NetworkModel")):
-            version = out / name / VERSION
-            version.mkdir(parents=True, exist_ok=True)
-            shim = shim_text(f"gpu profile's {name} model", "gpu_ensemble", cls,
-                             "--profile gpu --shape ensemble")
-            (version / SHIM_FILE).write_text(shim, encoding="utf-8")
-            (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
-        for path in network_files:
-            shutil.copyfile(path, out / tn.NETWORK_MODEL / VERSION / path.name)
-        (out / tn.MODEL_NAME / VERSION).mkdir(parents=True, exist_ok=True)
-        stale = out / tn.MODEL_NAME / VERSION / SHIM_FILE  # a single shape built here before
-        stale.unlink(missing_ok=True)
-        for name, text in configs.items():
-            (out / name / CONFIG_FILE).write_text(text, encoding="utf-8")
-        return out
-    version = out / tn.MODEL_NAME / VERSION
+    config = gpu_config(GpuModelOptions(**options))
+    spec, network_files = gpu_model_files(model)
+    version = Path(output).expanduser() / tn.MODEL_NAME / VERSION
     version.mkdir(parents=True, exist_ok=True)
     for path in network_files:
         shutil.copyfile(path, version / path.name)
-    (out / tn.MODEL_NAME / CONFIG_FILE).write_text(gpu_config(GpuModelOptions(**options)), encoding="utf-8")
+    (version.parent / CONFIG_FILE).write_text(config, encoding="utf-8")
     (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
                                      encoding="utf-8")
     (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
-    return out
+    return version.parent.parent
 
 
 @dataclass(frozen=True)
@@ -413,12 +385,10 @@ class RepositoryProfile:
     Attributes:
         name: the ``--profile`` value.
         build: writes the repository; called with ``build_repository``'s arguments.
-        shapes: the ``--shape`` values it builds; empty where it has one shape only.
     """
 
     name: str
     build: Callable[..., Path]
-    shapes: tuple[str, ...] = ()
 
 
 REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
@@ -426,6 +396,6 @@ REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
     for p in (
         RepositoryProfile(PORTABLE, _build_portable),
         RepositoryProfile(PRODUCTION, _build_production),
-        RepositoryProfile(GPU, _build_gpu, shapes=tn.GPU_SHAPES),
+        RepositoryProfile(GPU, _build_gpu),
     )
 }

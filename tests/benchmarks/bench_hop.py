@@ -33,11 +33,21 @@ sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
 from hop_model import serve_hop  # noqa: E402
 from pipeline.engines.triton import TritonEngine  # noqa: E402
-from pipeline.engines.triton_wire import build_request  # noqa: E402
+from pipeline.engines.triton_wire import _lengths, _padded, _tag_bytes, request_header  # noqa: E402
 
 WIRES = ("message", "encoded")
 PYTHON_SHM_ARGS = ["--backend-config=python,shm-default-byte-size=268435456",
                    "--backend-config=python,shm-growth-byte-size=67108864"]
+
+
+def build_request(model_name: str, blobs: list[bytes], outputs, limits, tags):
+    """The request as a protobuf message (three copies of the files): ``triton_wire.encode_request``'s reference."""
+    longest = max(1, max(len(b) for b in blobs))
+    request = request_header(model_name, len(blobs), longest, outputs, limits)
+    request.raw_input_contents.append(b"".join(_padded(blobs, longest)))
+    request.raw_input_contents.append(_lengths(blobs))
+    request.raw_input_contents.append(_tag_bytes(tags, len(blobs)))
+    return request
 
 
 class Labels:

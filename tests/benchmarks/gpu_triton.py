@@ -1,6 +1,7 @@
 """The gpu profile in a local tritonserver, timed from actor-shaped clients: one server per ``--servers`` entry (model
-instances, MPS, GPU waits, the ensemble shape, backlog), ResNet-50, the default model and the hop alone in it; img/s,
-requests per execute(), client and server cores, GPU utilisation, the bad-inputs request, each instance's share."""
+instances, MPS, GPU waits, the ensemble shape of gpu_ensemble.py, backlog), ResNet-50, the default model and the hop
+alone in it; img/s, requests per execute(), client and server cores, GPU utilisation, the bad-inputs request, each
+instance's share."""
 
 from __future__ import annotations
 
@@ -194,6 +195,7 @@ def _add_models(built: Path, repo: Path, name: str, spec: PreprocessSpec | None)
 def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], instances: int, suffix: str,
                         cuda_sync: str | None = None, shape: str = "single", options: dict | None = None) -> None:
     from bench_scaleout import SmiSampler
+    from gpu_ensemble import build_ensemble_repository
     from gpu_networks import served
     from hop_model import serve_hop
 
@@ -207,8 +209,8 @@ def _triton_server_runs(args, results: dict, sets: dict[str, list[bytes]], insta
     for net, name in models.items():
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-{net}-"))
         ens = {"network_instances": args.network_instances} if shape == "ensemble" else {}
-        build_gpu_repository(
-            None, tmp, shape=shape, **ens,
+        (build_ensemble_repository if shape == "ensemble" else build_gpu_repository)(
+            None, tmp, **ens,
             network=served("resnet50") if net == "resnet50" else "auto", instances=instances,
             **({} if args.triton_batch is None else {"batch_size": args.triton_batch}),
             max_batch_size=args.triton_max_batch,

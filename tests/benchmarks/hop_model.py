@@ -1,10 +1,10 @@
 """The Triton hop alone: the gpu profile's served models with no DALI and no torch, each answer derived from its
 bytes, so that every answer can be checked against its own image.
 
-``serve_hop(repo)`` points a built gpu repository's python models at this module's subclasses of the library's
-(``HopModel`` for the single shape, ``HopPreprocessModel`` and ``HopNetworkModel`` for the ensemble): the server side
-(execute(), the request stream, the ensemble's wiring, every ECHO) then runs on a machine without a GPU. The
-integration tests check the served path with it, and tests/benchmarks/bench_hop.py and bench_gpu.py time the hop.
+``serve_hop(repo)`` points a built gpu repository's python models at this module's subclasses of theirs (``HopModel``
+for the library's single model, ``HopPreprocessModel`` and ``HopNetworkModel`` for gpu_ensemble.py's ensemble shape):
+the server side (execute(), the request stream, the ensemble's wiring, every ECHO) then runs on a machine without a
+GPU. The integration tests check the served path with it, and tests/benchmarks/bench_hop.py and bench_gpu.py time the hop.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from pipeline.errors import ImageError  # noqa: E402
-from pipeline.gpu.classifier import STOP, Preprocessed, triage  # noqa: E402
+from pipeline.gpu.classifier import STOP, triage  # noqa: E402
 from pipeline.model.imaging import DecodeLimits  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
 from pipeline.triton.repository import SHIM_FILE, VERSION  # noqa: E402
 from pipeline.triton.serve.backend import as_numpy  # noqa: E402
-from pipeline.triton.serve.gpu_ensemble import NetworkModel, PreprocessModel  # noqa: E402
 from pipeline.triton.serve.gpu_model import TritonPythonModel  # noqa: E402
 from pipeline.triton.server import STUB_PATH_ENV  # noqa: E402
+
+from gpu_ensemble import NETWORK_MODEL, NetworkModel, Preprocessed, PreprocessModel  # noqa: E402
 
 HOP = "hop"  # the decoder name the hop's stream reports
 HOP_ERROR = "unsupported: not a JPEG the gpu path decodes (the hop)"
@@ -106,7 +107,7 @@ class HopPreparer:
         self.shape, self.half = shape, half
 
     def preprocess(self, blobs: list[bytes], limits: DecodeLimits) -> Preprocessed:
-        """(tensors [n, *shape], width [n], height [n], errors) as ``GpuClassifier.preprocess`` gives them."""
+        """(tensors [n, *shape], width [n], height [n], errors) as ``GpuPreparer.preprocess`` gives them."""
         n = len(blobs)
         x = np.zeros((n, *self.shape), dtype=np.float16 if self.half else np.float32)
         width, height, errors, ok = np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, []
@@ -168,7 +169,7 @@ def serve_hop(repo) -> Path:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, folders)])
     repo = Path(repo)
     for name, cls in ((tn.MODEL_NAME, "HopModel"), (tn.PREPROCESS_MODEL, "HopPreprocessModel"),
-                      (tn.NETWORK_MODEL, "HopNetworkModel")):
+                      (NETWORK_MODEL, "HopNetworkModel")):
         shim = repo / name / VERSION / SHIM_FILE
         if shim.is_file():
             shim.write_text(_SHIM.format(cls=cls, env=STUB_PATH_ENV), encoding="utf-8")

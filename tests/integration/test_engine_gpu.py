@@ -5,6 +5,7 @@ is tests/gpu/test_gpu_engine_on_gpu.py."""
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.model.imaging import PreprocessSpec, load_and_preprocess
 from pipeline.triton.checks import check_repository
 from support.oddities import photo_set
-from support.paths import PHOTOS, REPO
+from support.paths import BENCHMARKS, PHOTOS, REPO
 
 
 
@@ -110,9 +111,12 @@ def test_gpu_config_sets_the_backlog_per_instance():
 
 
 def test_the_ensemble_shape_has_no_backlog(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_ensemble import build_ensemble_repository  # noqa: PLC0415 - the benchmarks' shape
+
     with pytest.raises(ConfigError, match="the gpu profile's ensemble shape has no max_backlog; drop it, or use "
                                           "shape single"):
-        build_gpu_repository(None, tmp_path / "repo", shape="ensemble", max_backlog=2)
+        build_ensemble_repository(None, tmp_path / "repo", max_backlog=2)
 
 
 def test_built_gpu_repository_passes_the_repository_check(tmp_path):

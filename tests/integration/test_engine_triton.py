@@ -4,6 +4,7 @@ input, odd inputs included; a bad input isolated by splitting; a killed server r
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import threading
 import time
@@ -23,7 +24,7 @@ from pipeline.model.imaging import DecodeLimits
 from pipeline.triton.configs import portable_config
 from pipeline.triton.repository import CONFIG_FILE, SHIM_FILE, add_topk_head
 from pipeline.triton.server import SHM_DIR, TritonServer
-from support.paths import PHOTOS
+from support.paths import BENCHMARKS, PHOTOS
 
 # Same ONNX graph and the same reference preprocessing on both sides; only batch composition differs.
 SCORE_TOLERANCE = 1e-4
@@ -140,7 +141,10 @@ def test_plan_requests_groups_by_size_and_caps_padding():
 def test_encoded_request_is_the_protobuf_message_byte_for_byte_in_meaning():
     from tritonclient.grpc import service_pb2
 
-    from pipeline.engines.triton_wire import build_request, encode_request
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_hop import build_request  # noqa: PLC0415 - the message path the benchmarks compare against
+
+    from pipeline.engines.triton_wire import encode_request
     from pipeline.model.imaging import DecodeLimits
 
     limits = DecodeLimits(max_bytes=123_456_789, max_pixels=7)

@@ -1,5 +1,5 @@
-"""The gpu profile's ensemble shape (preprocess + network python models joined by an ensemble) in a real
-tritonserver, on the CPU.
+"""The gpu profile's ensemble shape (tests/benchmarks/gpu_ensemble.py: preprocess + network python models joined by an
+ensemble) in a real tritonserver, on the CPU.
 
 Serving the hop (tests/benchmarks/hop_model.py), both models run without torch or DALI: preprocess triages and writes a number derived from
 each file's bytes into its tensor, the network model turns it into classes, so every answer can be checked against
@@ -22,11 +22,13 @@ from pipeline.triton.repository import build_gpu_repository
 from pipeline.triton.server import TritonServer
 from support.oddities import encode, photo
 from test_gpu_stream import _check, _classify_together, _images, serve_hop
+from gpu_ensemble import NETWORK_MODEL, build_ensemble_repository  # test_gpu_stream puts tests/benchmarks on the path
 
 
 def _repo(path, shape="ensemble", **options):
     """A gpu repository on KIND_CPU, FP32 between the models (what the CPU runs)."""
-    repo = build_gpu_repository(None, path, shape=shape, half="false", **options)
+    build = build_ensemble_repository if shape == "ensemble" else build_gpu_repository
+    repo = build(None, path, half="false", **options)
     for config in repo.glob("*/config.pbtxt"):
         config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
     return repo
@@ -38,44 +40,37 @@ def _hop_repo(path, **options):
 
 
 def test_the_ensemble_shape_is_three_models_with_gpu_tensors_between_them(tmp_path):
-    repo = build_gpu_repository(None, tmp_path / "repo", shape="ensemble", network_instances=2)
-    assert sorted(p.name for p in repo.iterdir()) == [tn.MODEL_NAME, tn.NETWORK_MODEL, tn.PREPROCESS_MODEL]
+    repo = build_ensemble_repository(None, tmp_path / "repo", network_instances=2)
+    assert sorted(p.name for p in repo.iterdir()) == [tn.MODEL_NAME, NETWORK_MODEL, tn.PREPROCESS_MODEL]
     ensemble = (repo / tn.MODEL_NAME / "config.pbtxt").read_text()
-    network = (repo / tn.NETWORK_MODEL / "config.pbtxt").read_text()
+    network = (repo / NETWORK_MODEL / "config.pbtxt").read_text()
     preprocess = (repo / tn.PREPROCESS_MODEL / "config.pbtxt").read_text()
     assert 'platform: "ensemble"' in ensemble and 'model_name: "network"' in ensemble
     assert 'key: "FORCE_CPU_ONLY_INPUT_TENSORS"' in network and "count: 2" in network
     assert "TYPE_FP16" in preprocess and "KIND_GPU" in preprocess and "count: 3" in preprocess
     assert "allow_ragged_batch: true" in preprocess
-    for name in (tn.PREPROCESS_MODEL, tn.NETWORK_MODEL):
+    for name in (tn.PREPROCESS_MODEL, NETWORK_MODEL):
         assert (repo / name / "1" / "model.py").is_file() and (repo / name / "1" / SPEC_FILE).is_file()
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"shape": "pair"}, "gpu shape 'pair' is unknown; use single or ensemble"),
-    ({"shape": "ensemble", "max_delay_ms": 1.0}, "the gpu profile's ensemble shape has no max_delay_ms; drop it"),
-    ({"network_instances": 2}, "the gpu profile's single shape has no network_instances; drop it, or use shape "
-                               "ensemble"),
-    ({"shape": "ensemble", "half": "maybe"}, "half 'maybe' is unknown; use auto, true or false"),
-    ({"shape": "ensemble", "network_instances": 0}, "network_instances=0 must be at least 1"),
+    ({"max_delay_ms": 1.0}, "the gpu profile's ensemble shape has no max_delay_ms; drop it"),
+    ({"half": "maybe"}, "half 'maybe' is unknown; use auto, true or false"),
+    ({"network_instances": 0}, "network_instances=0 must be at least 1"),
 ])
 def test_bad_ensemble_options_fail_before_anything_is_written(tmp_path, options, message):
     with pytest.raises(ConfigError, match=message):
-        build_gpu_repository(None, tmp_path / "repo", **options)
+        build_ensemble_repository(None, tmp_path / "repo", **options)
     assert not (tmp_path / "repo").exists()
 
 
-def test_the_cli_builds_the_ensemble_shape_and_refuses_bad_shapes(tmp_path):
-    runner = CliRunner()
-    built = runner.invoke(main, ["repo", "build", "--profile", "gpu", "--shape", "ensemble", "--output",
-                                 str(tmp_path / "r")])
-    assert built.exit_code == 0, built.output
-    assert (tmp_path / "r" / tn.NETWORK_MODEL / "config.pbtxt").is_file()
-    bad = runner.invoke(main, ["repo", "build", "--profile", "gpu", "--shape", "duo", "--output", str(tmp_path / "x")])
-    assert bad.exit_code != 0 and "gpu shape 'duo' is unknown; use single or ensemble" in bad.output
-    bad = runner.invoke(main, ["repo", "build", "--shape", "ensemble", "--output", str(tmp_path / "y")])
-    assert "shape 'ensemble' is the gpu profile's; use --profile gpu" in bad.output
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+def test_the_single_shape_has_no_ensemble_options_and_the_cli_no_shape(tmp_path):
+    with pytest.raises(TypeError, match="network_instances"):
+        build_gpu_repository(None, tmp_path / "repo", network_instances=2)
+    bad = CliRunner().invoke(main, ["repo", "build", "--profile", "gpu", "--shape", "ensemble", "--output",
+                                    str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "No such option '--shape'" in bad.output
+    assert not (tmp_path / "repo").exists() and not (tmp_path / "x").exists()
 
 
 def test_every_answer_is_its_own_images_through_the_ensemble(tmp_path):

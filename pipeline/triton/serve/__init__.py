@@ -1,8 +1,7 @@
 """The code tritonserver runs: the python-backend models of the portable and gpu profiles and what they share.
 
 ``portable_model`` (reference decode + ONNX Runtime), ``gpu_model`` (``GpuClassifier`` behind a request stream, the
-gpu profile's single shape), ``gpu_ensemble`` (its ensemble shape's ``preprocess`` and ``network`` models) and
-``backend`` (config parameters, tensors, caps and errors of the python backend). Only the shims that
+gpu profile) and ``backend`` (config parameters, tensors, caps and errors of the python backend). Only the shims that
 ``pipeline.triton.repository`` writes import these modules, inside the server's stub processes; they sit above the
 engines, whose gpu parts they serve.
 """

@@ -136,20 +136,6 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
     ))
 
 
-def model_setup(args: dict) -> tuple[dict, Path, PreprocessSpec]:
-    """What every python model of the gpu profile reads first: its parsed config, version folder and spec."""
-    config = json.loads(args["model_config"])
-    folder = Path(args["model_repository"]) / args["model_version"]
-    return config, folder, PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
-
-
-def instance_device(args: dict) -> str:
-    """The torch device of a model instance: its GPU for KIND_GPU, else the CPU."""
-    if args.get("model_instance_kind", "GPU") == "GPU":
-        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
-    return "cpu"
-
-
 class TritonPythonModel:
     """Triton's python-backend entry points."""
 
@@ -158,11 +144,14 @@ class TritonPythonModel:
 
         self.pb = pb_utils
         started = time.perf_counter()
-        config, folder, spec = model_setup(args)
+        config = json.loads(args["model_config"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
         self.has_error = tn.OUTPUT_ERROR in outputs
-        device = instance_device(args)
+        on_gpu = args.get("model_instance_kind", "GPU") == "GPU"  # a KIND_GPU instance runs on its GPU
+        device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if on_gpu else "cpu"
         self.instance = args.get("model_instance_name", "?")
         net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.limits = config_limits(config)
