@@ -1,8 +1,8 @@
 """TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k
 (top-k alone for a network whose output is probabilities already).
 
-The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process, and the gpu profile's
-ensemble shape runs it alone in its ``network`` model (``pipeline.triton.serve.gpu_ensemble``).
+The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process (the benchmarks' ensemble
+shape, ``tests/benchmarks/gpu_ensemble.py``, runs it alone in a ``network`` model).
 """
 
 from __future__ import annotations
