@@ -96,7 +96,6 @@ class TopKNetwork:
         if problem:
             LOG.warning("torch.compile of the network: %s; it runs uncompiled (slower)", problem)
             self.module, self.compiled, self.compile_problem = eager, False, problem
-            torch._dynamo.reset()
             return
         LOG.info("compiled the network with torch.compile in %.1f s (logits within %.1e of eager)",
                  time.perf_counter() - started, rel)
