@@ -117,6 +117,18 @@ class Block(nn.Module):
         return y + x if self.residual else y
 
 
+def classifier(weights: dict) -> nn.Linear:
+    """The checkpoint's final linear layer (``_fc``), checked against the head's width."""
+    fc_w = weights["_fc.weight"]
+    if fc_w.shape[1] != HEAD_CHANNELS:
+        raise ModelError(f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}")
+    fc = nn.Linear(HEAD_CHANNELS, fc_w.shape[0])
+    with torch.no_grad():
+        fc.weight.copy_(torch.from_numpy(fc_w.astype(np.float32)))
+        fc.bias.copy_(torch.from_numpy(weights["_fc.bias"].astype(np.float32)))
+    return fc
+
+
 class Lite0(nn.Module):
     """The stem, the 16 blocks of ``LITE0_BLOCKS``, the head and the classifier, at 224 px.
 
@@ -141,13 +153,7 @@ class Lite0(nn.Module):
                 index += 1
         self.blocks = nn.Sequential(*blocks)
         self.head = Pointwise(weights, "_conv_head", "_bn1", act=True)
-        fc_w = weights["_fc.weight"]
-        if fc_w.shape[1] != HEAD_CHANNELS:
-            raise ModelError(f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}")
-        self.fc = nn.Linear(HEAD_CHANNELS, fc_w.shape[0])
-        with torch.no_grad():
-            self.fc.weight.copy_(torch.from_numpy(fc_w.astype(np.float32)))
-            self.fc.bias.copy_(torch.from_numpy(weights["_fc.bias"].astype(np.float32)))
+        self.fc = classifier(weights)
 
     def forward(self, x):
         x = x.flip(2, 3)  # one copy of the 3-channel input in place of every pad

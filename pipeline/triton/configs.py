@@ -206,13 +206,7 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
             tensor.allow_ragged_batch = True
     _place_on_gpus(config, instances, o.queue_delay_us)
     _set_parameters(config, {
-        tn.GPU_PARAM_NETWORK: o.network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
+        **prep_parameters(o, batch_size),
         tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",
         tn.GPU_PARAM_MAX_DELAY_MS: o.max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
@@ -220,6 +214,19 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
         tn.GPU_PARAM_MAX_BACKLOG: f"{o.max_backlog:g}",
     })
     return _text(config)
+
+
+def prep_parameters(o: GpuModelOptions, batch_size: int) -> dict:
+    """The parameters of a served model that prepares images: its network, batch and the preparing side's settings."""
+    return {
+        tn.GPU_PARAM_NETWORK: o.network,
+        tn.GPU_PARAM_BATCH_SIZE: batch_size,
+        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
+        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
+        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
+        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
+        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
+    }
 
 
 def _set_parameters(config, params: dict) -> None:

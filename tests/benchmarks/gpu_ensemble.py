@@ -49,6 +49,7 @@ from pipeline.triton.configs import (  # noqa: E402
     _tensor,
     _text,
     model_config,
+    prep_parameters,
 )
 from pipeline.triton.repository import CONFIG_FILE, SHIM_FILE, VERSION, gpu_model_files  # noqa: E402
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits  # noqa: E402
@@ -353,15 +354,7 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
     _place_on_gpus(pre, pre_count, o.queue_delay_us)
-    _set_parameters(pre, {
-        tn.GPU_PARAM_NETWORK: o.network,
-        tn.GPU_PARAM_BATCH_SIZE: batch_size,
-        tn.GPU_PARAM_PREP_WORKERS: o.prep_workers,
-        tn.GPU_PARAM_HW_DECODER_LOAD: o.hw_decoder_load,
-        tn.GPU_PARAM_DALI_DEPTH: o.dali_depth,
-        tn.GPU_PARAM_DALI_THREADS: o.dali_threads,
-        tn.GPU_PARAM_CUDA_SYNC: o.cuda_sync,
-    })
+    _set_parameters(pre, prep_parameters(o, batch_size))
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     net = mc.ModelConfig(name=NETWORK_MODEL, backend="python", max_batch_size=max_batch_size)

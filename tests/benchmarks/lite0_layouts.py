@@ -17,8 +17,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.errors import EngineError, ModelError  # noqa: E402
-from pipeline.gpu.lite0 import fold_bn  # noqa: E402
-from pipeline.model.default_model import HEAD_CHANNELS, IMAGE_SIZE, LITE0_BLOCKS, _same_pads  # noqa: E402
+from pipeline.gpu.lite0 import classifier, fold_bn  # noqa: E402
+from pipeline.model.default_model import IMAGE_SIZE, LITE0_BLOCKS, _same_pads  # noqa: E402
 
 relu6 = nn.functional.relu6
 
@@ -211,13 +211,7 @@ class LayoutLite0(nn.Module):
                 index += 1
         self.blocks = nn.Sequential(*blocks)
         self.head = ConvBN(weights, layout, "_conv_head", "_bn1", stride=1, size=size)
-        fc_w = weights["_fc.weight"]
-        if fc_w.shape[1] != HEAD_CHANNELS:
-            raise ModelError(f"the checkpoint's classifier takes {fc_w.shape[1]} features, expected {HEAD_CHANNELS}")
-        self.fc = nn.Linear(HEAD_CHANNELS, fc_w.shape[0])
-        with torch.no_grad():
-            self.fc.weight.copy_(torch.from_numpy(fc_w.astype(np.float32)))
-            self.fc.bias.copy_(torch.from_numpy(weights["_fc.bias"].astype(np.float32)))
+        self.fc = classifier(weights)
 
     def forward(self, x):
         if self.layout.mirrored:  # one copy of the 3-channel input in place of every pad
