@@ -21,11 +21,9 @@ import onnx2torch
 import onnxslim
 import torch
 from onnx2torch.node_converters.registry import get_converter
-from onnx2torch.node_converters.constant_of_shape import OnnxConstantOfShape
 from onnx2torch.node_converters.expand import OnnxExpand
 from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
-from onnx2torch.node_converters.tile import OnnxTile
 
 from pipeline.errors import ModelError
 
@@ -124,25 +122,8 @@ class HostExpand(OnnxExpand):
         return input_tensor * torch.ones(host_ints(shape), dtype=input_tensor.dtype, device=input_tensor.device)
 
 
-class HostTile(OnnxTile):
-    """onnx2torch's ``Tile`` with its repeats read as Python ints."""
-
-    def forward(self, input_tensor, repeats):
-        return input_tensor.repeat(host_ints(repeats))
-
-
-class HostConstantOfShape(OnnxConstantOfShape):
-    """onnx2torch's ``ConstantOfShape`` with its shape read as Python ints."""
-
-    def forward(self, shape):
-        fill = self.value.item()
-        return torch.full(host_ints(shape), int(fill) if isinstance(fill, bool) else fill, dtype=self.value.dtype,
-                          device=self.value.device)
-
-
 # onnx2torch's modules whose shape operand the converted graph reads on the host, and their replacements.
-HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand, OnnxTile: HostTile,
-                OnnxConstantOfShape: HostConstantOfShape}
+HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand}
 
 
 class HostShapes(torch.nn.Module):
