@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -215,8 +216,14 @@ class GpuClassifier:
         self.top_k = top_k = o.top_k
         self.limits = o.limits
         self.batch_size = batch_size
+        # What the start took, said in one line at its end: where a small job's time goes.
+        self.start_seconds: dict[str, float] = {}
+        mark = time.perf_counter()
+        reference = getattr(network, "onnx_reference", None)  # a converted model.onnx (pipeline.gpu.onnx_torch)
+        card = self._card_folder(network)
         if half is None and self.is_cuda and network is not None and o.precision_gate:
-            half = _gated_half(network, spec, self.device)
+            half = _gated_half(network, spec, self.device, card)
+            mark = self._took("precision gate", mark)
         self.half = self.is_cuda if half is None else half
         self.dtype = torch.float16 if self.half else torch.float32
         self.use_graph = o.cuda_graph and self.is_cuda
@@ -251,6 +258,10 @@ class GpuClassifier:
         )
         if self.use_graph and self.network is not None:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
+            mark = self._took("warmup", mark)
+        if reference is not None and self.network is not None:
+            self._check_reference(reference)
+            mark = self._took("ONNX Runtime check", mark)
         # DALI after the capture: its pipelines and runner thread make CUDA calls of their own.
         self._prep = DaliPrep(
             spec,
@@ -264,6 +275,47 @@ class GpuClassifier:
             pipelines=self.prep_workers,
             depth=dali_depth,
         )
+        self._took("DALI", mark)
+        compiled = getattr(self.network, "compile_seconds", 0.0)
+        LOG.info("gpu classifier start on %s: %s%s%s", self.device,
+                 ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.start_seconds.items()),
+                 f" (torch.compile {compiled:.1f} s of the warmup)" if compiled else "",
+                 f"; network {network.load_note}" if getattr(network, "load_note", "") else "")
+
+    def _took(self, what: str, since: float) -> float:
+        now = time.perf_counter()
+        self.start_seconds[what] = now - since
+        return now
+
+    def _card_folder(self, network):
+        """The network's cache folder for this kind of card (precision verdict, compiled kernels), or None: only a
+        converted network on CUDA has one (pipeline.gpu.network_cache)."""
+        entry = getattr(network, "cache_entry", None)
+        if entry is None or not self.is_cuda:
+            return None
+        from pipeline.gpu.network_cache import card_folder, use_compile_cache  # noqa: PLC0415
+
+        folder = card_folder(entry, self._torch, self.device)
+        use_compile_cache(folder)
+        return folder
+
+    def _check_reference(self, reference) -> None:
+        """The network as it runs here (compiled, FP16 or FP32, in its CUDA graph) against ONNX Runtime's outputs on
+        the reference batch; a network that does not agree never classifies.
+
+        Raises:
+            EngineError: the outputs differ beyond ``DEVICE_REL_L2`` or a decided top-1 class changes.
+        """
+        from pipeline.gpu.onnx_torch import DEVICE_REL_L2, agreement  # noqa: PLC0415 - onnx2torch: converted only
+
+        torch = self._torch
+        x = torch.from_numpy(reference.inputs).to(self.device, self.dtype)
+        out = self.network.run(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy()
+        found = agreement(out, reference.outputs, probabilities=reference.probabilities)
+        if not found.within(DEVICE_REL_L2):
+            raise EngineError(f"the converted network on {self.device} ({'fp16' if self.half else 'fp32'}) gives "
+                              f"{found.describe()} (allowed {DEVICE_REL_L2:g}); run this model with --engine onnx")
+        LOG.info("the network on %s agrees with ONNX Runtime: %s", self.device, found.describe())
 
     # ---- public ---------------------------------------------------------------------------------
 
@@ -478,11 +530,28 @@ class GpuClassifier:
             return idx, vals, None
 
 
-def _gated_half(network, spec: PreprocessSpec, device) -> bool:
-    """The precision gate's verdict for ``network`` on ``device``, said in the log when it is FP32."""
-    from pipeline.gpu.precision import choose_half  # noqa: PLC0415
+def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:
+    """The precision gate's verdict for ``network`` on ``device``, said in the log when it is FP32; read from and
+    written to ``card`` (the network's cache folder for this kind of card) where there is one."""
+    from pipeline.gpu.precision import GateResult, choose_half  # noqa: PLC0415
 
-    gate = choose_half(network, spec, device)
+    gate = None
+    if card is not None:
+        from pipeline.gpu.network_cache import read_gate, write_gate  # noqa: PLC0415
+
+        found = read_gate(card)
+        try:
+            gate = GateResult(**found) if found is not None else None
+        except TypeError:
+            gate = None
+        if gate is None:
+            gate = choose_half(network, spec, device)
+            write_gate(card, dataclasses.asdict(gate))
+        else:
+            LOG.info("precision gate: the verdict recorded for this card in %s (%s)", card,
+                     "fp16" if gate.half else "fp32")
+    if gate is None:
+        gate = choose_half(network, spec, device)
     if not gate.half:
         LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine-option half=true forces FP16",
                     gate.describe())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,19 +96,25 @@ def load_network(bundle, network: str | None = None):
     if onnx_path is None or not onnx_path.is_file():
         raise EngineError(f"model {bundle.name!r} has no {MODEL_FILE} for the GPU paths to convert; pass its folder")
     try:
-        from pipeline.gpu.onnx_torch import convert_onnx  # noqa: PLC0415 - onnx2torch: the gpu extra
+        from pipeline.gpu.network_cache import checked_network  # noqa: PLC0415 - onnx2torch: the gpu extra
     except ImportError:
         raise EngineError(CONVERTER_MISSING) from None
-    started = time.perf_counter()
-    network = convert_onnx(onnx_path)
-    LOG.info("converted %s to torch in %.1f s", onnx_path, time.perf_counter() - started)
+    cached = checked_network(onnx_path, bundle.spec, fixed_batch=getattr(bundle, "fixed_batch", None))
+    network = cached.conversion.network
+    # What the GPU paths hold the network to, and where its per-card results go (GpuClassifier reads them).
+    network.onnx_reference = cached.conversion.reference
+    network.cache_entry = cached.entry
+    network.load_note = (f"{'loaded from the cache' if cached.from_cache else 'converted and checked'} in "
+                         f"{cached.seconds:.1f} s")
+    LOG.info("network of %s %s (%s)", bundle.name, network.load_note, cached.entry)
     return network
 
 
 def check_runnable(bundle, engine: str) -> None:
     """In the driver, before anything is written: ModelError in one line where the gpu paths cannot run ``bundle``
-    (``engine`` names the choice in the message): a layout other than NCHW, or an operator of its ``model.onnx`` that
-    the ONNX-to-torch converter lacks (the built-in model and a folder's ``model.torchscript`` are not converted).
+    (``engine`` names the choice in the message): a layout other than NCHW, an operator of its ``model.onnx`` that
+    the ONNX-to-torch converter lacks, or a converted network whose outputs differ from ONNX Runtime's (the built-in
+    model and a folder's ``model.torchscript`` are not converted). The checked conversion is cached for the actors.
 
     Raises:
         ConfigError: the converter is not installed here.
@@ -125,3 +130,11 @@ def check_runnable(bundle, engine: str) -> None:
     except ImportError:
         raise ConfigError(CONVERTER_MISSING) from None
     check_convertible(bundle)
+    from pipeline.gpu.network_cache import checked_network  # noqa: PLC0415 - onnx2torch: the gpu extra
+
+    # Converted and compared with ONNX Runtime here, in the driver, so a conversion that changes the model's answers
+    # is refused before anything is written; the checked network is cached for the node's GPU instances.
+    cached = checked_network(bundle.onnx_path, bundle.spec, fixed_batch=getattr(bundle, "fixed_batch", None))
+    LOG.info("model %s: its network for the GPU %s: %s", bundle.name,
+             "found in the cache" if cached.from_cache else f"converted in {cached.seconds:.1f} s",
+             cached.conversion.agreement.describe())

@@ -1,37 +1,58 @@
-"""A user's model.onnx as a torch network for the GPU paths: onnxslim, then onnx2torch, shape arithmetic on the host.
+"""A user's model.onnx as a torch network for the GPU paths, checked against ONNX Runtime before it runs.
 
 The GPU paths run torch networks (FP16, channels-last, one CUDA graph per batch), and the ONNX file is the model
-folder's contract, so a folder without ``model.torchscript`` is converted here, in every process that runs it:
-``onnxslim`` first (torch's legacy exporter aliases shared initializers through ``Identity`` nodes, which
-``onnx2torch`` cannot look up; slimming also folds constant shape arithmetic), then ``onnx2torch``. What the
-converter leaves of the shape arithmetic (``Shape`` of a dynamic batch, ``Reshape``'s target, slice bounds) runs on
+folder's contract, so a folder without ``model.torchscript`` is converted here by ``onnx2torch``: onnxslim's
+graph where ONNX Runtime says slimming kept the outputs (its folded shape arithmetic compiles into one graph), else
+the graph in its exact normal form (``pipeline.model.onnx_graph.normalize``: omitted optional inputs, aliased
+weights, ``Clip`` with computed bounds). What the converter leaves of the shape arithmetic (``Shape`` of a dynamic batch, ``Reshape``'s target, slice bounds) runs on
 the CPU, as in ONNX Runtime: on the GPU each would be a host sync, which a CUDA graph cannot capture.
 
-``unsupported_operators`` is the driver's check: an operator the converter lacks is named before Ray starts.
+A converted network is used only after its FP32 outputs on the reference batch (the sample photos of
+``pipeline/data/sample`` through the model's own preprocessing, plus seeded tensors) agree with ONNX Runtime's on the
+same tensors (``CONVERSION_REL_L2``, and every clearly decided top-1 class). The batch and ONNX Runtime's outputs
+travel with the network (``OnnxReference``), so that each GPU instance checks the network it actually runs
+(compiled, FP16 or FP32, in its CUDA graph) against them before it classifies anything.
+
+``unsupported_operators`` is the driver's first check: an operator the converter lacks is named before Ray starts.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx2torch
-import onnxslim
 import torch
-from onnx2torch.node_converters.registry import get_converter
+from onnx2torch.node_converters.constant_of_shape import OnnxConstantOfShape
 from onnx2torch.node_converters.expand import OnnxExpand
+from onnx2torch.node_converters.registry import get_converter
 from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
+from onnx2torch.node_converters.tile import OnnxTile
 
 from pipeline.errors import ModelError
+from pipeline.model.imaging import load_and_preprocess
+from pipeline.model.onnx_graph import faithful_slim, normalize, run_onnxruntime
 
 LOG = logging.getLogger(__name__)
 
 CONVERTER_FIX = "use --engine onnx (ONNX Runtime on the CPU) for this model"
-
-
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "sample"
+# The converted network in FP32 on the CPU against ONNX Runtime FP32: ||torch - ort|| / ||ort|| over the reference
+# batch. Measured 1e-7..1e-5 on timm's, torchvision's and Hugging Face's exports; a wrong conversion (onnxslim's
+# rewrite of EfficientNet-Lite1's padding) sits at 0.2.
+CONVERSION_REL_L2 = 1e-3
+# On the GPU, the network as it runs (TF32 convolutions in FP32; FP16 where the precision gate keeps it) against the
+# same ONNX Runtime outputs; FP16 measured up to 4.6e-3 (EfficientNet-Lite2), docs/performance.md.
+DEVICE_REL_L2 = 1e-2
+# A top-1 class counts as decided where ONNX Runtime's probability of it leads the second by at least this.
+DECIDED_MARGIN = 0.01
+REFERENCE_TENSORS = 8  # seeded random tensors in the reference batch, beside the sample photos
+REFERENCE_SEED = 48
 def unsupported_operators(onnx_path: str | Path) -> list[str]:
     """The operators of the graph that ``onnx2torch`` has no converter for, as ``domain::Op (opset N)``.
 
@@ -69,20 +90,126 @@ def check_convertible(bundle) -> None:
                          f"the ONNX-to-torch converter (onnx2torch) lacks; {CONVERTER_FIX}")
 
 
-def convert_onnx(onnx_path: str | Path):
-    """``model.onnx`` as an eval-mode FP32 torch module on the CPU (``HostShapes`` around onnx2torch's graph).
+@dataclass(frozen=True)
+class Agreement:
+    """A network's outputs against ONNX Runtime's on the reference batch."""
+
+    rel_l2: float  # ||got - want|| / ||want||
+    top1_differ: int  # images whose top-1 class differs where ONNX Runtime's is decided (DECIDED_MARGIN)
+    images: int
+
+    def within(self, rel_l2: float) -> bool:
+        return bool(np.isfinite(self.rel_l2)) and self.rel_l2 <= rel_l2 and self.top1_differ == 0
+
+    def describe(self) -> str:
+        return (f"outputs {self.rel_l2:.2e} from ONNX Runtime's (relative L2) and {self.top1_differ} of "
+                f"{self.images} reference images with another top-1 class")
+
+
+def agreement(got: np.ndarray, want: np.ndarray, *, probabilities: bool) -> Agreement:
+    """How far ``got`` ([images, classes]) is from ONNX Runtime's ``want`` on the same inputs."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return Agreement(float("inf"), len(want), len(want))
+    rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
+    if probabilities:
+        probs = want
+    else:
+        probs = np.exp(want - want.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+    top2 = np.sort(probs, axis=1)[:, -2:] if probs.shape[1] > 1 else np.hstack([np.zeros_like(probs), probs])
+    decided = (top2[:, 1] - top2[:, 0]) >= DECIDED_MARGIN
+    differ = int(((got.argmax(axis=1) != want.argmax(axis=1)) & decided).sum())
+    return Agreement(rel if np.isfinite(got).all() else float("inf"), differ, len(want))
+
+
+def reference_batch(spec) -> np.ndarray:
+    """The batch a conversion is checked on: the sample photos through the reference preprocessing (``spec``), then
+    ``REFERENCE_TENSORS`` seeded standard-normal tensors; float32 [images, C, H, W]."""
+    photos = [load_and_preprocess(p.read_bytes(), spec)[0] for p in sorted(SAMPLE_DIR.glob("*.jpg"))]
+    noise = np.random.default_rng(REFERENCE_SEED).standard_normal((REFERENCE_TENSORS, *spec.input_shape))
+    return np.concatenate([np.stack(photos), noise]).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class OnnxReference:
+    """The reference batch and ONNX Runtime's outputs on it, which every copy of the converted network is held to."""
+
+    inputs: np.ndarray  # float32 [images, C, H, W]
+    outputs: np.ndarray  # float32 [images, classes]
+    probabilities: bool  # the outputs are probabilities (the spec's output), not logits
+    fixed_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A checked conversion: the network (FP32, CPU), its reference, how it agreed, and how it was made."""
+
+    network: torch.nn.Module
+    reference: OnnxReference
+    agreement: Agreement
+    note: str
+
+
+def run_network(network, inputs: np.ndarray, fixed_batch: int | None = None) -> np.ndarray:
+    """``network``'s FP32 outputs on the CPU for ``inputs`` (in padded runs of ``fixed_batch`` where it is set)."""
+    step = fixed_batch or len(inputs)
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, len(inputs), step):
+            part = torch.from_numpy(np.ascontiguousarray(inputs[start:start + step]))
+            n = part.shape[0]
+            if fixed_batch and n < fixed_batch:
+                part = torch.cat([part, part.new_zeros((fixed_batch - n, *part.shape[1:]))])
+            parts.append(network(part).float()[:n].numpy())
+    return np.concatenate(parts)
+
+
+def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = None) -> Conversion:
+    """``model.onnx`` as an eval-mode FP32 torch module on the CPU (``HostShapes`` around onnx2torch's graph), whose
+    outputs on the reference batch agree with ONNX Runtime's on the same tensors.
+
+    onnxslim's graph is converted first where slimming kept ONNX Runtime's outputs (``faithful_slim``), then the
+    graph's exact normal form; the first conversion that agrees is kept.
 
     Raises:
-        ModelError: the converter fails on the graph (the operator, and ``--engine onnx``).
+        ModelError: no conversion agrees with ONNX Runtime, or the converter fails (the operator or the difference
+            found, and ``--engine onnx``).
     """
-    model = onnx.load(str(onnx_path))
+    inputs = reference_batch(spec)
+    wanted = run_onnxruntime(str(onnx_path), inputs, fixed_batch=fixed_batch)
+    reference = OnnxReference(inputs, wanted.astype(np.float32), bool(spec.probabilities), fixed_batch)
+    normal, notes = normalize(onnx.load(str(onnx_path)))
+    failures: list[str] = []
+    for graph, how in _candidates(normal, notes, inputs, fixed_batch):
+        try:
+            network = HostShapes(_to_torch(graph, onnx_path)).eval()
+        except ModelError as err:
+            failures.append(str(err))
+            continue
+        found = agreement(run_network(network, inputs, fixed_batch), wanted, probabilities=reference.probabilities)
+        if found.within(CONVERSION_REL_L2):
+            return Conversion(network, reference, found, how)
+        failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives "
+                        f"{found.describe()} (allowed {CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
+    raise ModelError(failures[0])
+
+
+def _candidates(normal, notes: list[str], inputs: np.ndarray, fixed_batch: int | None):
+    """The graphs to convert, in order: onnxslim's where it keeps ONNX Runtime's outputs (its folded shape arithmetic
+    compiles into one graph), then the exact normal form."""
+    written = "the graph as written" + (f" ({', '.join(notes)})" if notes else "")
+    slim, note = faithful_slim(normal, inputs[-min(2, len(inputs)):], fixed_batch=fixed_batch)
+    if slim is not None:
+        yield slim, note
+    else:
+        written += f"; {note}"
+    yield normal, written
+
+
+def _to_torch(graph, onnx_path):
     try:
-        model = onnxslim.slim(model)
-    except Exception as err:  # noqa: BLE001 - slimming is an optimisation; the converter may still take the graph
-        LOG.warning("onnxslim could not simplify %s (%s: %s); converting it as it is", onnx_path,
-                    type(err).__name__, str(err)[:200])
-    try:
-        graph = onnx2torch.convert(model)
+        return onnx2torch.convert(graph)
     except NotImplementedError as err:
         op = re.search(r"operation_type='([^']+)'", str(err))
         what = f"operator {op.group(1)}" if op else str(err)[:200]
@@ -91,7 +218,6 @@ def convert_onnx(onnx_path: str | Path):
     except Exception as err:  # noqa: BLE001 - the converter's own failures: one line, with the way out
         raise ModelError(f"{onnx_path} cannot run on the GPU: converting it to torch failed ({type(err).__name__}: "
                          f"{str(err)[:200]}); {CONVERTER_FIX}") from None
-    return HostShapes(graph).eval()
 
 
 class HostShape(OnnxShape):
@@ -122,8 +248,24 @@ class HostExpand(OnnxExpand):
         return input_tensor * torch.ones(host_ints(shape), dtype=input_tensor.dtype, device=input_tensor.device)
 
 
+class HostConstantOfShape(OnnxConstantOfShape):
+    """onnx2torch's ``ConstantOfShape`` with its shape read as Python ints (the unsimplified export of ``expand(n, -1,
+    -1)`` builds one), its value broadcast where it lives (no ``.item()``, which would wait for the GPU)."""
+
+    def forward(self, shape):
+        return self.value.reshape([]).expand(host_ints(shape)).clone()
+
+
+class HostTile(OnnxTile):
+    """onnx2torch's ``Tile`` with its repeats read as Python ints."""
+
+    def forward(self, input_tensor, repeats):
+        return input_tensor.repeat(host_ints(repeats))
+
+
 # onnx2torch's modules whose shape operand the converted graph reads on the host, and their replacements.
-HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand}
+HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand,
+                OnnxConstantOfShape: HostConstantOfShape, OnnxTile: HostTile}
 
 
 class HostShapes(torch.nn.Module):
@@ -133,6 +275,11 @@ class HostShapes(torch.nn.Module):
     # onnx2torch runs the graph one module per ONNX node; on the GPU ``TopKNetwork`` compiles it with torch.compile,
     # which fuses them (ResNet-50 alone: twice the eager rate, docs/performance.md).
     compile_by_default = True
+    # Set by pipeline.gpu.networks.load_network on the checked network it hands out (never saved with it): the
+    # reference every copy is held to, its cache entry (for per-card results) and how it was had.
+    onnx_reference: OnnxReference | None = None
+    cache_entry: Path | None = None
+    load_note = ""
 
     def __init__(self, graph):
         super().__init__()

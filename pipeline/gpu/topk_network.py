@@ -67,6 +67,7 @@ class TopKNetwork:
             self.module = torch.compile(self.module, dynamic=False)
         self.compiled = bool(compile)  # until warmup's check says otherwise
         self.compile_problem = ""  # why the compiled network was not kept
+        self.compile_seconds = 0.0  # compiling and checking it, at the first batch
 
     def warmup(self) -> None:
         """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
@@ -93,6 +94,7 @@ class TopKNetwork:
             problem = "" if rel <= COMPILE_REL_L2 else f"its logits differ from the eager network's by {rel:.2e}"
         except Exception as err:  # noqa: BLE001 - any compiler failure: the eager network still runs
             problem = f"compiling failed ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+        self.compile_seconds = time.perf_counter() - started
         if problem:
             LOG.warning("torch.compile of the network: %s; it runs uncompiled (slower)", problem)
             self.module, self.compiled, self.compile_problem = eager, False, problem

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pipeline.errors import ConfigError, ImageError, ModelError
+from pipeline.model.onnx_graph import faithful_slim
 from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
 from pipeline.model.folder import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
@@ -53,7 +54,6 @@ DEFAULT_MAX_LOGIT_DIFF = 0.08
 EXPORT_TOLERANCE = 1e-3
 DECISIVE_MARGIN = 0.1
 FORWARD_BATCH = 16
-SLIM_TOLERANCE = 1e-4  # largest output change onnxslim may make, relative to the largest output (float32 rounding)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +192,6 @@ def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:
     batch, since it has changed the outputs of some graphs (timm's TF-padded EfficientNets).
     """
     import onnx
-    import onnxslim
     import torch
 
     buffer = io.BytesIO()
@@ -208,25 +207,11 @@ def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:
     except Exception as e:  # noqa: BLE001 - the exporter raises many types; one line says which operator failed
         raise ModelError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     exported = buffer.getvalue()
-    try:
-        slim = onnxslim.slim(onnx.load_from_string(exported))
-        onnx.checker.check_model(slim)
-        slimmed = slim.SerializeToString()
-    except Exception as e:  # noqa: BLE001 - a failed simplification leaves the exporter's graph, which is valid
-        return exported, f"onnx: the exporter's graph (onnxslim failed: {type(e).__name__})"
     probe = np.random.default_rng(0).standard_normal((2, *spec.input_shape)).astype(np.float32)
-    before, after = _run_onnx(exported, probe), _run_onnx(slimmed, probe)
-    change = float(np.abs(before - after).max() / max(1.0, float(np.abs(before).max())))
-    if change > SLIM_TOLERANCE:
-        return exported, f"onnx: the exporter's graph (onnxslim's changed the outputs by {change:.1e})"
-    return slimmed, "onnx: simplified by onnxslim"
-
-
-def _run_onnx(model: bytes, batch: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-    return session.run(None, {ONNX_INPUT: batch})[0]
+    slim, note = faithful_slim(onnx.load_from_string(exported), probe)
+    if slim is None:
+        return exported, f"onnx: the exporter's graph ({note})"
+    return slim.SerializeToString(), f"onnx: {note}"
 
 
 def compare(model: SourceModel, bundle: Any, samples: list[tuple[str, bytes]]) -> Parity:

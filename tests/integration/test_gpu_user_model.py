@@ -37,13 +37,14 @@ def ort_logits(bundle, x: np.ndarray) -> np.ndarray:
 def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_host(folder):
     import onnx2torch
 
-    from pipeline.gpu.onnx_torch import HostShape, HostShapes, convert_onnx
+    from pipeline.gpu.onnx_torch import HostShape, HostShapes, convert_checked
 
     bundle = load_model(folder)
     x = np.random.default_rng(1).standard_normal((3, 3, 64, 64)).astype(np.float32)
     ref = ort_logits(bundle, x)
-    # convert_onnx slims first (the dynamic flatten becomes one Reshape); unslimmed, Shape/Gather/Concat remain.
-    for net in (convert_onnx(bundle.onnx_path), HostShapes(onnx2torch.convert(str(bundle.onnx_path)))):
+    # The graph as written: the dynamic flatten's Shape/Gather/Concat/Reshape run on the host.
+    for net in (convert_checked(bundle.onnx_path, bundle.spec).network,
+                HostShapes(onnx2torch.convert(str(bundle.onnx_path)))):
         with torch.inference_mode():
             got = net(torch.from_numpy(x)).numpy()
         assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
@@ -56,14 +57,14 @@ def test_the_converted_network_computes_the_onnx_graph_with_its_shapes_on_the_ho
 
 
 def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folder, tmp_path):
-    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.onnx_torch import convert_checked
     from pipeline.gpu.precision import GATE_IMAGES, GATE_REL_L2, choose_half
 
     bundle = load_model(folder)
-    good = choose_half(convert_onnx(bundle.onnx_path), bundle.spec, torch.device("cpu"))
+    good = choose_half(convert_checked(bundle.onnx_path, bundle.spec).network, bundle.spec, torch.device("cpu"))
     assert good.half and good.rel_l2 < GATE_REL_L2 and good.top1_differ == 0 and good.images == GATE_IMAGES
     huge = load_model(model_folder(tmp_path / "huge", TinyNet(scale=1e6)))  # logits far beyond FP16's 65504
-    bad = choose_half(convert_onnx(huge.onnx_path), huge.spec, torch.device("cpu"))
+    bad = choose_half(convert_checked(huge.onnx_path, huge.spec).network, huge.spec, torch.device("cpu"))
     assert not bad.half and bad.rel_l2 == float("inf")
     assert "relative L2" in bad.describe()
 
@@ -71,11 +72,11 @@ def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folde
 def test_a_transformer_shaped_graph_converts_and_compiles_with_its_shapes_read_on_the_host(tmp_path):
     """Expand and Reshape of computed shapes (a ViT's class token, its attention's heads) read their shape on the
     host, so the converted graph matches ONNX Runtime and compiles (torch.Size of a traced tensor does not)."""
-    from pipeline.gpu.onnx_torch import HostExpand, HostReshape, convert_onnx
+    from pipeline.gpu.onnx_torch import HostExpand, HostReshape, convert_checked
     from pipeline.gpu.topk_network import TopKNetwork
 
     bundle = load_model(model_folder(tmp_path / "token", TokenNet()))
-    net = convert_onnx(bundle.onnx_path)
+    net = convert_checked(bundle.onnx_path, bundle.spec).network
     kinds = {type(m) for m in net.modules()}
     assert HostExpand in kinds and HostReshape in kinds, kinds
     x = np.random.default_rng(3).standard_normal((3, 3, 64, 64)).astype(np.float32)
@@ -94,11 +95,11 @@ def test_a_converted_network_runs_compiled_where_its_logits_match_and_eager_wher
     """TopKNetwork compiles a converted model.onnx (on CUDA by default; asked for here on the CPU), checks the
     compiled logits against the eager network's at warmup, and keeps the eager network where compiling fails or
     answers otherwise, saying so once."""
-    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.onnx_torch import convert_checked
     from pipeline.gpu.topk_network import TopKNetwork
 
     bundle = load_model(folder)
-    net = convert_onnx(bundle.onnx_path)
+    net = convert_checked(bundle.onnx_path, bundle.spec).network
     assert net.compile_by_default
     x = torch.from_numpy(np.random.default_rng(2).standard_normal((4, 3, 64, 64)).astype(np.float32))
     with torch.inference_mode():

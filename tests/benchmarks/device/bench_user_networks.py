@@ -3,7 +3,7 @@ precision gate, and img/s of the candidates at the served batch, side by side in
 
     python tests/benchmarks/device/bench_user_networks.py [--reference] [--compile NAME,...] MODEL_DIR...
 
-For each folder (``export_models.py`` writes them): the time ``onnx_torch.convert_onnx`` takes; on 8 seeded random
+For each folder (``export_models.py`` writes them): the time ``onnx_torch.convert_checked`` takes (converting and checking against ONNX Runtime); on 8 seeded random
 inputs, the converted network's FP32 and FP16 logits on the GPU against ONNX Runtime's FP32 on the CPU
 (||a - b|| / ||b||, the largest absolute difference, top-1 agreement); the precision gate's verdict; then img/s of
 ``TopKNetwork`` (FP16, channels-last, one CUDA graph at the served batch: the classifier's own network step), and
@@ -83,7 +83,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/benchmarks: gpu_networks
     from gpu_networks import resnet50_random
-    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.onnx_torch import convert_checked
     from pipeline.gpu.precision import choose_half
     from pipeline.model.folder import load_model
     from pipeline.triton.configs import GPU_TRITON_BATCH_SIZE
@@ -99,7 +99,7 @@ def main() -> None:
         bundle = load_model(folder)
         crop = tuple(bundle.spec.crop)
         t0 = time.perf_counter()
-        net = convert_onnx(bundle.onnx_path)
+        net = convert_checked(bundle.onnx_path, bundle.spec).network
         row = {"model": folder.name, "convert_s": round(time.perf_counter() - t0, 1)}
         row["logits"] = logits_check(net, bundle.onnx_path, crop, bundle.input_name)
         gate = choose_half(net, bundle.spec, torch.device("cuda"))

@@ -25,7 +25,7 @@ def main() -> None:
     import torch
 
     from pipeline.gpu.dali import DaliPrep, host_array
-    from pipeline.gpu.onnx_torch import convert_onnx
+    from pipeline.gpu.onnx_torch import convert_checked
     from pipeline.model.imaging import DecodeLimits, load_and_preprocess
     from pipeline.model.folder import load_model_folder
 
@@ -75,7 +75,7 @@ def main() -> None:
     print(f"reference near-ties (margin < 0.01): {int((margin < 0.01).sum())}; smallest margins "
           f"{', '.join(f'{m:.4f}' for m in np.sort(margin)[:5])}")
 
-    net = convert_onnx(bundle.onnx_path).to("cuda").eval()
+    net = convert_checked(bundle.onnx_path, bundle.spec).network.to("cuda").eval()
 
     def gpu_run(x, dtype, tf32):
         torch.backends.cudnn.allow_tf32 = tf32
