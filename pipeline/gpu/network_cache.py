@@ -192,19 +192,22 @@ def _remove(entry: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def card_key(torch, device) -> tuple[str, dict[str, Any]]:
-    """What a card's results depend on (sha256 hex, fields): the GPU's name and compute capability, torch, CUDA and
-    Triton (inductor's kernels compile with it)."""
+def card_fields(torch, device) -> dict[str, Any]:
+    """What a card's results depend on: the GPU's name and compute capability, torch, CUDA and Triton (inductor's
+    kernels compile with it)."""
     props = torch.cuda.get_device_properties(device)
-    fields = {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
-              "cuda": torch.version.cuda, "triton": library_version("triton")}
-    return _sha(fields), fields
+    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": library_version("triton")}
 
 
 def card_folder(entry: Path, torch, device) -> Path:
     """The entry's folder for results on ``device``'s kind of card (made if missing)."""
-    key, fields = card_key(torch, device)
-    folder = entry / "cards" / key[:16]
+    return card_folder_for(entry, card_fields(torch, device))
+
+
+def card_folder_for(entry: Path, fields: dict[str, Any]) -> Path:
+    """The entry's folder for results on the kind of card ``fields`` describes (made if missing)."""
+    folder = entry / "cards" / _sha(fields)[:16]
     folder.mkdir(parents=True, exist_ok=True)
     card = folder / "card.json"
     if not card.is_file():

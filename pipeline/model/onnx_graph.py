@@ -135,7 +135,10 @@ def faithful_slim(model: Any, probe: np.ndarray, *, fixed_batch: int | None = No
     except Exception as e:  # noqa: BLE001 - a failed simplification leaves the original graph, which is valid
         return None, f"onnxslim failed ({type(e).__name__})"
     before = run_onnxruntime(model, probe, fixed_batch=fixed_batch)
-    after = run_onnxruntime(slim, probe, fixed_batch=fixed_batch)
+    try:
+        after = run_onnxruntime(slim, probe, fixed_batch=fixed_batch)
+    except Exception as e:  # noqa: BLE001 - a graph ONNX Runtime cannot run is no simplification
+        return None, f"ONNX Runtime cannot run onnxslim's graph ({type(e).__name__})"
     change = float(np.abs(before - after).max() / max(1.0, float(np.abs(before).max())))
     if not np.isfinite(change) or change > tolerance:
         return None, f"onnxslim's graph changed the outputs by {change:.1e}"
