@@ -40,7 +40,10 @@ class ClassifyActor:
         from pipeline.errors import ModelError
         from pipeline.model.imaging import DecodeLimits
         from pipeline.model.folder import load_model
+        from pipeline.node import follow_driver_logging
 
+        follow_driver_logging()
+        started = time.perf_counter()
         self.bundle = load_model(model)
         if model_digest is not None and self.bundle.digest != model_digest:
             # The folder changed after the driver checked it: rows of two models must never mix in one output.
@@ -59,7 +62,7 @@ class ClassifyActor:
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
         # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
         atexit.register(self.close)
-        LOG.info("actor ready: model=%s engine=%s", self.bundle.name, spec.name)
+        LOG.info("actor ready in %.1f s: model=%s engine=%s", time.perf_counter() - started, self.bundle.name, spec.name)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         data = batch.column(DATA).to_pylist()

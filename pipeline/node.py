@@ -33,6 +33,27 @@ def local_ray_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# Set by a driver run with -v for the local Ray it starts: the workers (actors, tritonserver's stubs) log INFO too, so
+# that what their start took is in the run's log.
+VERBOSE_ENV = "BULK_CLASSIFY_VERBOSE"
+
+
+def follow_driver_logging() -> None:
+    """In a worker: the package's INFO lines to stderr (which Ray sends to the driver) where the driver asked for them
+    (``VERBOSE_ENV``)."""
+    if os.environ.get(VERBOSE_ENV) != "1":
+        return
+    import logging  # noqa: PLC0415
+
+    logger = logging.getLogger("pipeline")
+    if logger.level != logging.INFO:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def pid_alive(pid: int, started: float | None = None) -> bool:
     """Is ``pid`` a running process (and, given its start time, the same process, not a reused pid)? A zombie (exited,
     not yet reaped) is not; one we may not inspect is."""

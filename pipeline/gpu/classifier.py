@@ -276,11 +276,15 @@ class GpuClassifier:
             depth=dali_depth,
         )
         self._took("DALI", mark)
+        self._load_note = getattr(network, "load_note", "")
+        LOG.info("gpu classifier start on %s: %s", self.device, self.start_report())
+
+    def start_report(self) -> str:
+        """What this classifier's start took, step by step (the network's load or conversion included)."""
         compiled = getattr(self.network, "compile_seconds", 0.0)
-        LOG.info("gpu classifier start on %s: %s%s%s", self.device,
-                 ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.start_seconds.items()),
-                 f" (torch.compile {compiled:.1f} s of the warmup)" if compiled else "",
-                 f"; network {network.load_note}" if getattr(network, "load_note", "") else "")
+        steps = ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.start_seconds.items())
+        return (steps + (f" (torch.compile {compiled:.1f} s of the warmup)" if compiled else "")
+                + (f"; network {self._load_note}" if self._load_note else ""))
 
     def _took(self, what: str, since: float) -> float:
         now = time.perf_counter()

@@ -17,7 +17,7 @@ from pipeline.io.keys import member, uri_hashes
 from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
 from pipeline.job.plan import RunPlan
-from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, local_ray_env
+from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, VERBOSE_ENV, local_ray_env
 from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
 from pipeline.storage import open_fs
 
@@ -50,6 +50,8 @@ def init_ray(plan: RunPlan) -> None:
                                   "logging_level": logging.ERROR}
         if plan.local:
             local_ray_env()
+            if LOG.isEnabledFor(logging.INFO):  # -v: the workers' start reports reach this log too
+                os.environ.setdefault(VERBOSE_ENV, "1")
             if plan.spec.actor_env and plan.gpus and plan.gpus[0] > 0:  # a local Ray's workers inherit it
                 for key, value in plan.spec.actor_env.items():
                     os.environ.setdefault(key, value)

@@ -88,6 +88,8 @@ PARAM_MAX_PIXELS = "max_pixels"
 PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
 GPU_DEFAULT_MAX_DELAY_MS = 2.0
+# A served model's log line that says what its start took; TritonServer repeats each in the run's log once ready.
+START_REPORT = "start report: "
 GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default
 GPU_DEFAULT_PREP_WORKERS = 2  # threads preparing batches ahead of the network; GpuClassifier's default
 

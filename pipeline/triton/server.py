@@ -24,6 +24,7 @@ from typing import Sequence
 
 from pipeline.errors import TritonError
 from pipeline.node import LOOPBACK, pid_alive
+from pipeline.triton import contract as tn
 from pipeline.triton.workdirs import WORKDIR_PREFIX, owned_temp_folder, sweep_dead_owner_folders
 
 LOG = logging.getLogger(__name__)
@@ -335,6 +336,8 @@ class TritonServer:
                 )
             if self.is_ready():
                 LOG.info("tritonserver ready (pid %d, grpc %s)", self._proc.pid, self.grpc_url)
+                for line in self._start_reports():
+                    LOG.info("tritonserver %d: %s", self._proc.pid, line)
                 return
             time.sleep(0.2)
         raise TritonError(
@@ -399,6 +402,14 @@ class TritonServer:
             self._terminate(graceful=False)  # it cannot serve: waiting for a clean unload only loses time
             self.restarts += 1
             self.start()
+
+    def _start_reports(self) -> list[str]:
+        """The served models' reports of what their start took (``contract.START_REPORT`` lines of the log)."""
+        path = getattr(self, "_log_path", None)
+        if path is None or not path.exists():
+            return []
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        return [line.split(tn.START_REPORT, 1)[1] for line in text.splitlines() if tn.START_REPORT in line]
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines the server wrote (stdout and stderr)."""

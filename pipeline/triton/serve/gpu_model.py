@@ -160,9 +160,10 @@ class TritonPythonModel:
         built = time.perf_counter()
         self.classifier.warmup()
         # Each instance's start, in the server's log: where a job's start goes (docs/performance.md).
-        pb_utils.Logger.log_info(f"gpu model {self.instance}: classifier built in {built - started:.1f} s, warmed up "
-                                 f"in {time.perf_counter() - built:.1f} s, {time.perf_counter() - _IMPORTED:.1f} s "
-                                 "after its module was imported")
+        report = getattr(self.classifier, "start_report", lambda: "")()
+        pb_utils.Logger.log_info(f"{tn.START_REPORT}gpu model {self.instance}: classifier built in "
+                                 f"{built - started:.1f} s ({report}), warmed up in {time.perf_counter() - built:.1f} s, "
+                                 f"{time.perf_counter() - _IMPORTED:.1f} s after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
                                     max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, str(tn.GPU_DEFAULT_MAX_DELAY_MS))) / 1000,
                                     max_backlog=float(config_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
