@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# A user's model on the GPU default gives that model's answers, and starts fast from the node's cache
+# (docs/performance.md, "A user's model on the GPU"), after the kit's setup (README.md here):
+#   KIT=DIR STEPS="import parity start steady tests" bash tests/benchmarks/device/gpu_answers.sh
+# import: the folders `bulk-classify model import` writes here: timm tf_efficientnet_lite1 (its real weights,
+#   KIT/lite1.pth), convnext_tiny and resnet50, torchvision resnet50 (random weights, seed 0); KIT/models holds the
+#   Hugging Face ViT (imported where transformers is) and the real-weight Lite2 export (export_models.py lite2);
+# parity: each folder through the default command and through --engine onnx on tests/data/parity/inputs, top-1
+#   agreement with each disagreement's margin (compare_runs.py), and what the start did (the run's -v log);
+# start: bench_job on 1,000 files: the built-in model, a user's ResNet-50 (export_models.py resnet50) with an empty
+#   cache, the same again (cache warm), the built-in model again;
+# steady: bench_job on 100,000 files: the built-in model, then the ResNet-50 (cache warm);
+# tests: the GPU tier (pytest -m gpu tests/gpu).
+# KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
+set -u
+source "$HOME/env/activate.sh"
+kit=${KIT:?set KIT to the carried folder}
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/gasite "$kit"/whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/gasite:${PYTHONPATH:-}
+models=$HOME/models48
+work=$HOME/w48
+mkdir -p "$models" "$work" "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, onnx2torch, onnxslim; from importlib.metadata import version as v
+print('torch', torch.__version__, 'onnx2torch', v('onnx2torch'), 'onnxslim', v('onnxslim'), 'onnx', v('onnx'))"
+start=$SECONDS
+left() { echo $(( ${BUDGET_S:-580} - (SECONDS - start) )); }
+
+import_models() {
+  python3 - "$work" <<'EOF'
+import sys, torch, timm, torchvision
+work = sys.argv[1]
+for name, make in {"convnext_tiny": lambda: timm.create_model("convnext_tiny"),
+                   "resnet50": lambda: timm.create_model("resnet50"),
+                   "tv-resnet50": lambda: torchvision.models.resnet50()}.items():
+    torch.manual_seed(0)
+    torch.save(make().state_dict(), f"{work}/{name}.pth")
+EOF
+  local t0
+  for spec in "lite1 timm tf_efficientnet_lite1 $kit/lite1.pth" "convnext_tiny timm convnext_tiny $work/convnext_tiny.pth" \
+              "resnet50 timm resnet50 $work/resnet50.pth" "tv-resnet50 torchvision resnet50 $work/tv-resnet50.pth"; do
+    set -- $spec
+    rm -rf "$models/$1"; t0=$SECONDS
+    python3 -m pipeline.cli model import "$2" "$3" --checkpoint "$4" --output "$models/$1" > "$OUT/import-$1.log" 2>&1
+    echo "import $1: rc=$? $(( SECONDS - t0 )) s; $(grep -E '^(parity|note: onnx)' "$OUT/import-$1.log" | tr '\n' ' ' | cut -c1-300)"
+  done
+  cp -r "$kit/models/hf-vit" "$kit/models/lite2" "$models/"
+  if [[ ! -f $models/r50user/model.onnx ]]; then  # a user's ResNet-50 (37 classes) exported by torch, for start/steady
+    rm -rf "$work/exp"; python3 tests/benchmarks/device/export_models.py "$work/exp" resnet50 >/dev/null 2>&1
+    mv "$work/exp/resnet50" "$models/r50user"
+  fi
+  ls "$models"
+}
+
+parity() {  # the default command against --engine onnx on the parity photos, one folder after another
+  local inputs=tests/data/parity/inputs m t0 rc
+  for m in ${PARITY_MODELS:-lite1 convnext_tiny resnet50 tv-resnet50 hf-vit lite2}; do
+    (( $(left) > 60 )) || { echo "parity $m: skipped, $(left) s left"; continue; }
+    rm -rf "$work/par-gpu-$m" "$work/par-cpu-$m"; t0=$SECONDS
+    timeout 150 python3 -m pipeline.cli -v run $inputs --output "$work/par-gpu-$m" --model "$models/$m" \
+      > "$OUT/par-gpu-$m.log" 2>&1; rc=$?
+    echo "== $m: default command rc=$rc $(( SECONDS - t0 )) s"; t0=$SECONDS
+    grep -E "its network for the GPU|start report|precision gate|ONNX Runtime:|runs uncompiled" "$OUT/par-gpu-$m.log" \
+      | sed 's/^.*INFO //' | cut -c1-400 | sort -u | head -8
+    timeout 120 python3 -m pipeline.cli run $inputs --output "$work/par-cpu-$m" --model "$models/$m" --engine onnx \
+      --quiet > "$OUT/par-cpu-$m.log" 2>&1; echo "   onnx engine rc=$? $(( SECONDS - t0 )) s"
+    python3 tests/benchmarks/device/compare_runs.py "$work/par-cpu-$m" "$work/par-gpu-$m" | tee "$OUT/parity-$m.txt"
+  done
+}
+
+job() {  # bench_job: IMAGES files, the variants given
+  local name=$1; shift
+  mkdir -p "$OUT/$name"
+  timeout "${JOB_S:-400}" python3 tests/benchmarks/bench_job.py --work "$HOME/job-$name" --out "$OUT/$name" "$@" \
+    --timeout-s 200 > "$OUT/$name/bench.log" 2>&1
+  echo "bench_job $name rc=$?"
+  grep -v "^[0-9: ,-]*bench_job" "$OUT/$name/bench.log" | grep -v -i warn | tail -14
+  for f in "$OUT/$name"/log-*.txt; do
+    echo "-- $(basename "$f"):"; grep -E "its network for the GPU|tritonserver [0-9]+: |actor ready" "$f" \
+      | sed 's/^.*INFO //' | cut -c1-420 | head -5
+  done
+}
+
+for step in ${STEPS:-import parity start steady tests}; do
+  echo "== $step ($(left) s left)"
+  case $step in
+    import) import_models ;;
+    parity) parity ;;
+    start) rm -rf "${BULK_CLASSIFY_CACHE_DIR:?}/gpu-networks"
+           job start --images 1000 --variant builtin= --variant r50cold="--model $models/r50user" \
+             --variant r50warm="--model $models/r50user" --variant builtin2= ;;
+    steady) job steady --images "${IMAGES:-100000}" --variant builtin= --variant r50="--model $models/r50user" ;;
+    tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
+             ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+  esac
+done
