@@ -300,7 +300,12 @@ class GpuClassifier:
         from pipeline.gpu.network_cache import card_folder, use_compile_cache  # noqa: PLC0415
 
         folder = card_folder(entry, self._torch, self.device)
-        use_compile_cache(folder)
+        if use_compile_cache(folder):
+            # Compiled before on this kind of card: inductor finds its kernels, and a pool of compile workers would
+            # only cost its start (seconds of CPU per instance).
+            import torch._inductor.config  # noqa: PLC0415
+
+            torch._inductor.config.compile_threads = 1
         return folder
 
     def _check_reference(self, reference) -> None:

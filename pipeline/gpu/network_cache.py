@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from pipeline.gpu import onnx_torch
 from pipeline.model import onnx_graph
 from pipeline.model.folder import BUILD_LOCK_TIMEOUT_S, default_cache_dir
 
@@ -46,15 +45,16 @@ GATE_FILE = "gate.json"
 INDUCTOR_FOLDER = "inductor"
 ENTRY_FORMAT = 1  # the layout of an entry's files
 KEY_LIBRARIES = ("torch", "onnx", "onnx2torch", "onnxslim", "onnxruntime")
-# The modules whose code decides a conversion: their source is part of the key.
-CODE_FILES = (Path(onnx_torch.__file__), Path(onnx_graph.__file__), Path(__file__))
+# The modules whose code decides a conversion: their source is part of the key (named by path, so that the driver
+# can find an entry without importing torch).
+CODE_FILES = (Path(__file__).with_name("onnx_torch.py"), Path(onnx_graph.__file__), Path(__file__))
 
 
 @dataclass(frozen=True)
 class CachedNetwork:
     """A checked conversion and where it came from."""
 
-    conversion: onnx_torch.Conversion
+    conversion: Any  # onnx_torch.Conversion
     entry: Path  # the entry's folder
     from_cache: bool  # found on disk (False: converted by this call)
     seconds: float  # to load it, or to convert, check and write it
@@ -106,6 +106,23 @@ def cache_root(root: str | Path | None = None) -> Path:
     return Path(root) if root is not None else default_cache_dir() / CACHE_FOLDER
 
 
+def find_entry(onnx_path: str | Path, spec, *, fixed_batch: int | None = None,
+               root: str | Path | None = None) -> dict[str, Any] | None:
+    """The record of a whole, matching cache entry for this conversion, or None; reads no network (and imports no
+    torch), so the driver of a run whose model was checked before starts at once."""
+    key, fields = entry_key(onnx_path, spec, fixed_batch)
+    entry = cache_root(root) / key[:32]
+    try:
+        record = json.loads((entry / ENTRY_FILE).read_text(encoding="utf-8"))
+        if record.get("key") != fields:
+            return None
+        if any(_file_sha(entry / name) != want for name, want in record["files"].items()):
+            return None
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return record
+
+
 def checked_network(onnx_path: str | Path, spec, *, fixed_batch: int | None = None,
                     root: str | Path | None = None) -> CachedNetwork:
     """The checked conversion of ``onnx_path``: from its cache entry where one is whole and matches, else converted
@@ -126,6 +143,8 @@ def checked_network(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
         found = _load(entry, fields)  # another process may have written it while this one waited
         if found is not None:
             return CachedNetwork(found, entry, True, time.perf_counter() - started)
+        from pipeline.gpu import onnx_torch  # noqa: PLC0415 - torch and onnx2torch: the gpu extra
+
         conversion = onnx_torch.convert_checked(onnx_path, spec, fixed_batch=fixed_batch)
         _write(entry, fields, conversion)
         LOG.info("converted %s for the GPU paths (%s; %s) in %.1f s; cached in %s", onnx_path, conversion.note,
@@ -133,12 +152,15 @@ def checked_network(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
         return CachedNetwork(conversion, entry, False, time.perf_counter() - started)
 
 
-def _load(entry: Path, fields: dict[str, Any]) -> onnx_torch.Conversion | None:
-    """The entry's conversion, or None where there is none; an entry that does not match is removed."""
+def _load(entry: Path, fields: dict[str, Any]):
+    """The entry's conversion (``onnx_torch.Conversion``), or None where there is none; an entry that does not match
+    is removed."""
     record_path = entry / ENTRY_FILE
     if not record_path.is_file():
         return None
     import torch  # noqa: PLC0415
+
+    from pipeline.gpu import onnx_torch  # noqa: PLC0415 - torch and onnx2torch: the gpu extra
 
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
@@ -161,7 +183,7 @@ def _load(entry: Path, fields: dict[str, Any]) -> onnx_torch.Conversion | None:
         return None
 
 
-def _write(entry: Path, fields: dict[str, Any], conversion: onnx_torch.Conversion) -> None:
+def _write(entry: Path, fields: dict[str, Any], conversion) -> None:
     import torch  # noqa: PLC0415
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
@@ -215,10 +237,12 @@ def card_folder_for(entry: Path, fields: dict[str, Any]) -> Path:
     return folder
 
 
-def use_compile_cache(folder: Path) -> None:
+def use_compile_cache(folder: Path) -> bool:
     """Makes torch.compile keep its artifacts (inductor's FX graphs, kernels, autotuning) in ``folder``, so a later
-    process compiling the same network on the same kind of card reuses them."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / INDUCTOR_FOLDER)
+    process compiling the same network on the same kind of card reuses them; True where some are there already."""
+    cache = folder / INDUCTOR_FOLDER
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    return cache.is_dir() and any(cache.iterdir())
 
 
 def read_gate(folder: Path) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ logits; both the gpu engine and the gpu profile's Triton models run it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -125,16 +126,21 @@ def check_runnable(bundle, engine: str) -> None:
                          "--engine onnx")
     if is_builtin(bundle) or (onnx_path is not None and (onnx_path.parent / TORCHSCRIPT_FILE).is_file()):
         return
-    try:
-        from pipeline.gpu.onnx_torch import check_convertible  # noqa: PLC0415 - onnx2torch: the gpu extra
-    except ImportError:
-        raise ConfigError(CONVERTER_MISSING) from None
-    check_convertible(bundle)
-    from pipeline.gpu.network_cache import checked_network  # noqa: PLC0415 - onnx2torch: the gpu extra
+    if importlib.util.find_spec("onnx2torch") is None:
+        raise ConfigError(CONVERTER_MISSING)
+    from pipeline.gpu.network_cache import checked_network, find_entry  # noqa: PLC0415
 
+    fixed_batch = getattr(bundle, "fixed_batch", None)
+    record = find_entry(bundle.onnx_path, bundle.spec, fixed_batch=fixed_batch)
+    if record is not None:  # converted and checked on this node before: nothing to import or convert
+        LOG.info("model %s: its network for the GPU found in the cache (%s)", bundle.name, record.get("note", ""))
+        return
+    from pipeline.gpu.onnx_torch import check_convertible  # noqa: PLC0415 - onnx2torch: the gpu extra
+
+    check_convertible(bundle)
     # Converted and compared with ONNX Runtime here, in the driver, so a conversion that changes the model's answers
     # is refused before anything is written; the checked network is cached for the node's GPU instances.
-    cached = checked_network(bundle.onnx_path, bundle.spec, fixed_batch=getattr(bundle, "fixed_batch", None))
+    cached = checked_network(bundle.onnx_path, bundle.spec, fixed_batch=fixed_batch)
     LOG.info("model %s: its network for the GPU %s: %s", bundle.name,
              "found in the cache" if cached.from_cache else f"converted in {cached.seconds:.1f} s",
              cached.conversion.agreement.describe())

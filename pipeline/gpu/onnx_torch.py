@@ -29,9 +29,11 @@ import onnx2torch
 import torch
 from onnx2torch.node_converters.constant_of_shape import OnnxConstantOfShape
 from onnx2torch.node_converters.expand import OnnxExpand
+from onnx2torch.node_converters.pad import OnnxPadDynamic
 from onnx2torch.node_converters.registry import get_converter
 from onnx2torch.node_converters.reshape import OnnxReshape
 from onnx2torch.node_converters.shape import OnnxShape
+from onnx2torch.node_converters.slice import OnnxSlice
 from onnx2torch.node_converters.tile import OnnxTile
 
 from pipeline.errors import ModelError
@@ -184,7 +186,7 @@ def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
     failures: list[str] = []
     for graph, how in _candidates(normal, notes, inputs, fixed_batch):
         try:
-            network = HostShapes(_to_torch(graph, onnx_path)).eval()
+            network = HostShapes(_to_torch(graph, onnx_path), _example(inputs, fixed_batch)).eval()
         except ModelError as err:
             failures.append(str(err))
             continue
@@ -194,6 +196,12 @@ def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
         failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives "
                         f"{found.describe()} (allowed {CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
     raise ModelError(failures[0])
+
+
+def _example(inputs: np.ndarray, fixed_batch: int | None) -> np.ndarray:
+    """One batch the converted graph takes: a row, or ``fixed_batch`` rows (repeated where the batch has fewer)."""
+    rows = fixed_batch or 1
+    return np.resize(inputs, (rows, *inputs.shape[1:])).astype(np.float32)
 
 
 def _candidates(normal, notes: list[str], inputs: np.ndarray, fixed_batch: int | None):
@@ -264,14 +272,83 @@ class HostTile(OnnxTile):
         return input_tensor.repeat(host_ints(repeats))
 
 
+def _shape_only_tensors(graph, example=None) -> list[str]:
+    """The tensors of ``graph`` (an onnx2torch ``GraphModule``) that only shape arithmetic reads, by name.
+
+    A node is shape arithmetic where it depends on no input data, only on ``Shape`` results and constants, and its
+    value is integer or read only by shape arithmetic (the float steps of a padding computed from the input's size).
+    A float value computed from constants that data meets (a ViT's class token expanded to the batch) is data: it
+    goes to the device. Which values are float is read from one run on ``example`` (without it, every float value
+    counts as data).
+    """
+    if not isinstance(graph, torch.fx.GraphModule):
+        return []
+    static: set = set()
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_module" and isinstance(graph.get_submodule(node.target), HostShape):
+            static.add(node)
+        elif node.op != "output" and all(arg in static for arg in node.all_input_nodes):
+            static.add(node)
+    floating = _floating_values(graph, example)
+    host: set = set()
+    for node in reversed(list(graph.graph.nodes)):
+        if node in static and (not floating.get(node, True)
+                               or (node.users and all(u in host or _reads_on_host(graph, u, node) for u in node.users))):
+            host.add(node)
+    names = []
+    for node in graph.graph.nodes:
+        if node not in host:
+            continue
+        if node.op == "get_attr":
+            names.append(node.target)
+        elif node.op == "call_module":  # its own constants stay beside its inputs
+            module = graph.get_submodule(node.target)
+            names += [f"{node.target}.{n}" for n, t in module.named_buffers() if t.is_floating_point()]
+            names += [f"{node.target}.{n}" for n, t in module.named_parameters() if t.is_floating_point()]
+    return names
+
+
+def _reads_on_host(graph, user, node) -> bool:
+    """Does ``user`` read ``node`` only as an operand it takes as Python numbers (a shape, pads, a fill value)?"""
+    if user.op != "call_module":
+        return False
+    positions = HOST_OPERANDS.get(type(graph.get_submodule(user.target)), ())
+    return all(i in positions for i, arg in enumerate(user.args) if arg is node) and node not in user.kwargs.values()
+
+
+def _floating_values(graph, example) -> dict:
+    """For each node of ``graph``: is its value a float tensor (one run on ``example``, on the CPU); empty without an
+    example."""
+    if example is None:
+        return {}
+    found: dict = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            found[node] = isinstance(value, torch.Tensor) and value.is_floating_point()
+            return value
+
+    with torch.inference_mode():
+        Recorder(graph).run(torch.from_numpy(np.ascontiguousarray(example)))
+    return found
+
+
 # onnx2torch's modules whose shape operand the converted graph reads on the host, and their replacements.
 HOST_MODULES = {OnnxShape: HostShape, OnnxReshape: HostReshape, OnnxExpand: HostExpand,
                 OnnxConstantOfShape: HostConstantOfShape, OnnxTile: HostTile}
+# The operands (positions) each module reads as Python numbers: where they come from constants, they stay on the host.
+HOST_OPERANDS = {HostReshape: (1,), HostExpand: (1,), HostTile: (1,), HostConstantOfShape: (0,),
+                 OnnxPadDynamic: (1, 2), OnnxSlice: (1, 2, 3, 4)}
 
 
 class HostShapes(torch.nn.Module):
-    """A converted graph whose integer constants (shapes, axes, indices) and ``Shape`` results stay on the CPU when
-    the module moves to a GPU, so that its shape arithmetic never waits for the GPU."""
+    """A converted graph whose shape arithmetic stays on the CPU when the module moves to a GPU, so that it never waits
+    for the GPU: integer constants (shapes, axes, indices), ``Shape`` results, and every constant that only shape
+    arithmetic reads (the float steps of a TF "SAME" padding computed from the input's size, as timm's ``tf_`` models
+    export it)."""
 
     # onnx2torch runs the graph one module per ONNX node; on the GPU ``TopKNetwork`` compiles it with torch.compile,
     # which fuses them (ResNet-50 alone: twice the eager rate, docs/performance.md).
@@ -282,16 +359,22 @@ class HostShapes(torch.nn.Module):
     cache_entry: Path | None = None
     load_note = ""
 
-    def __init__(self, graph):
+    def __init__(self, graph, example: np.ndarray | None = None):
         super().__init__()
         for module in graph.modules():
             host = HOST_MODULES.get(type(module))
             if host is not None:
                 module.__class__ = host
         self.graph = graph
+        # names in ``graph`` of the float tensors kept on the CPU (integer ones always are)
+        self.host_tensors = _shape_only_tensors(graph, example)
 
     def _apply(self, fn, recurse=True):
-        return super()._apply(lambda t: fn(t) if t.is_floating_point() else t, recurse)
+        keep = set()
+        for name in getattr(self, "host_tensors", ()):
+            owner, _, leaf = name.rpartition(".")
+            keep.add(id(getattr(self.graph.get_submodule(owner) if owner else self.graph, leaf)))
+        return super()._apply(lambda t: fn(t) if t.is_floating_point() and id(t) not in keep else t, recurse)
 
     def forward(self, x):
         return self.graph(x)

@@ -84,11 +84,18 @@ def test_every_imported_folder_converts_and_agrees_with_onnx_runtime(name, tmp_p
     import onnx
 
     normal, _ = onnx_graph.normalize(onnx.load(str(bundle.onnx_path)))
-    network = onnx_torch.HostShapes(onnx_torch._to_torch(normal, bundle.onnx_path)).eval()
     inputs = conversion.reference.inputs
+    network = onnx_torch.HostShapes(onnx_torch._to_torch(normal, bundle.onnx_path), inputs[:1]).eval()
     found = onnx_torch.agreement(onnx_torch.run_network(network, inputs), conversion.reference.outputs,
                                  probabilities=False)
     assert found.within(onnx_torch.CONVERSION_REL_L2), found.describe()
+    # On another device (meta stands in for a GPU here) the shape arithmetic stays on the CPU and the data goes
+    # there: no operator sees tensors of two devices (timm's tf_ padding computes in float from the input's size).
+    for net in (conversion.network, network):
+        net.to("meta")
+        with torch.inference_mode():
+            out = net(torch.empty(2, *bundle.spec.input_shape, device="meta"))
+        assert out.device.type == "meta" and out.shape == (2, conversion.reference.outputs.shape[1])
 
 
 def test_the_normal_form_keeps_the_graph_exactly_and_converts_what_onnx2torch_lacks(tmp_path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A user's model on the GPU default gives that model's answers, and starts fast from the node's cache
 # (docs/performance.md, "A user's model on the GPU"), after the kit's setup (README.md here):
-#   KIT=DIR STEPS="import parity start steady tests" bash tests/benchmarks/device/gpu_answers.sh
+#   KIT=DIR STEPS="import parity start steady tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
 # import: the folders `bulk-classify model import` writes here: timm tf_efficientnet_lite1 (its real weights,
 #   KIT/lite1.pth), convnext_tiny and resnet50, torchvision resnet50 (random weights, seed 0); KIT/models holds the
 #   Hugging Face ViT (imported where transformers is) and the real-weight Lite2 export (export_models.py lite2);
@@ -40,6 +40,7 @@ EOF
   for spec in "lite1 timm tf_efficientnet_lite1 $kit/lite1.pth" "convnext_tiny timm convnext_tiny $work/convnext_tiny.pth" \
               "resnet50 timm resnet50 $work/resnet50.pth" "tv-resnet50 torchvision resnet50 $work/tv-resnet50.pth"; do
     set -- $spec
+    [[ " ${IMPORTS:-lite1 convnext_tiny resnet50 tv-resnet50} " == *" $1 "* ]] || continue
     rm -rf "$models/$1"; t0=$SECONDS
     python3 -m pipeline.cli model import "$2" "$3" --checkpoint "$4" --output "$models/$1" > "$OUT/import-$1.log" 2>&1
     echo "import $1: rc=$? $(( SECONDS - t0 )) s; $(grep -E '^(parity|note: onnx)' "$OUT/import-$1.log" | tr '\n' ' ' | cut -c1-300)"
