@@ -14,6 +14,8 @@ import numpy as np
 URI_SAFE = "/"
 _PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its own encoding (the common case)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.~/-]+")
+SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*"  # RFC 3986's scheme: what comes before "://" in a URI, and nothing else does
+_SCHEME = re.compile(SCHEME)
 
 
 def _quoted(match: re.Match) -> str:
@@ -43,6 +45,28 @@ def uri_path(uri: str) -> str:
     if not sep:
         return uri
     return os.fsdecode(unquote_to_bytes(rest)) if scheme == "file" else unquote(rest, errors="strict")
+
+
+def canonical_uri(text: str, base: tuple[str, str] | None = None) -> str:
+    """The URI the output writes for the object ``text`` names: the one rule for a manifest's entries and prefixes.
+
+    A URI (``scheme://…``, ``file://`` included; the scheme in any case) is percent-encoded: decoded once, then
+    encoded as ``object_uri`` does. A path without a scheme is taken as written, never decoded: an absolute one is a
+    local file, a relative one is under ``base`` (scheme, decoded folder path: the list's folder; no base: the
+    working directory). Local paths are normalised (``..`` resolved) as a listing would name them.
+    """
+    text = text.strip()
+    head, sep, rest = text.partition("://")
+    if sep and _SCHEME.fullmatch(head):
+        scheme = head.lower()
+        if scheme != "file":
+            return object_uri(scheme, unquote(rest, errors="strict") if "%" in rest else rest)
+        return object_uri(scheme, os.path.normpath(os.fsdecode(unquote_to_bytes(rest)) if "%" in rest else rest))
+    if text.startswith("/") or base is None:
+        return object_uri("file", os.path.abspath(text))
+    scheme, folder = base
+    path = f"{folder.rstrip('/')}/{text}"
+    return object_uri(scheme, os.path.normpath(path) if scheme == "file" else path)
 
 
 def legacy_uri(uri: str) -> str | None:
