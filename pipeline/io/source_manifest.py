@@ -106,7 +106,10 @@ def _csv_batches(raw: Any, read_options: dict[str, Any], convert_options: Any) -
     import pyarrow.csv as pcsv
 
     stream = _unzipped(raw)
-    codec = encoding_of(stream.read(BOM_BYTES))
+    head = stream.read(BOM_BYTES)
+    if not head:  # an empty data file names no object (pyarrow would call it an error)
+        return
+    codec = encoding_of(head)
     stream.seek(0)
     options = pcsv.ReadOptions(block_size=MIB, use_threads=False, **read_options,
                                **({} if codec.startswith(UTF8) else {"encoding": codec}))
@@ -238,13 +241,9 @@ def _inventory_batches(fs: Any, unit: InventoryFile) -> Iterator[pa.RecordBatch]
         import pyarrow.csv as pcsv
 
         with fs.open(path, "rb") as raw:
-            stream = _unzipped(raw)
             names = [_norm(c) for c in unit.columns]
-            reader = pcsv.open_csv(
-                stream, read_options=pcsv.ReadOptions(column_names=names, block_size=MIB, use_threads=False),
-                convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names},
-                                                    strings_can_be_null=True))
-            yield from reader
+            yield from _csv_batches(raw, {"column_names": names}, pcsv.ConvertOptions(
+                column_types={n: pa.string() for n in names}, strings_can_be_null=True))
         return
     with fs.open(path, "rb") as f:
         if unit.fmt == "Parquet":

@@ -305,3 +305,12 @@ def test_an_unreadable_data_file_row_names_it_percent_encoded(tmp_path):
     bad.write_bytes(b"\x1f\x8b not gzip")
     [entry] = listed(f"uris+{bad}")
     assert entry[0] == f"file://{tmp_path}/bad%20list.csv"
+
+
+def test_an_empty_data_file_names_no_object(tmp_path):
+    (tmp_path / "empty.csv.gz").write_bytes(gzip.compress(b""))
+    (tmp_path / "empty.csv").write_bytes(b"")
+    fs, _ = open_fs(str(tmp_path))
+    for name in ("empty.csv.gz", "empty.csv"):
+        assert list(InventoryFile(f"file://{tmp_path}/{name}", "CSV", INVENTORY_COLUMNS, "b").entries(fs, EXT, True)) == []
+        assert list(UriListFile(f"file://{tmp_path}/{name}").entries(fs, EXT, True)) == []
