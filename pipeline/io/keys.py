@@ -16,6 +16,7 @@ _PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its o
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.~/-]+")
 SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*"  # RFC 3986's scheme: what comes before "://" in a URI, and nothing else does
 _SCHEME = re.compile(SCHEME)
+LOCALHOST = "localhost"  # the host of a local file's URI that names one (RFC 8089), as file:/// does
 
 
 def _quoted(match: re.Match) -> str:
@@ -51,9 +52,10 @@ def canonical_uri(text: str, base: tuple[str, str] | None = None) -> str:
     """The URI the output writes for the object ``text`` names: the one rule for a manifest's entries and prefixes.
 
     A URI (``scheme://…``, ``file://`` included; the scheme in any case) is percent-encoded: decoded once, then
-    encoded as ``object_uri`` does. A path without a scheme is taken as written, never decoded: an absolute one is a
-    local file, a relative one is under ``base`` (scheme, decoded folder path: the list's folder; no base: the
-    working directory). Local paths are normalised (``..`` resolved) as a listing would name them.
+    encoded as ``object_uri`` does; a local file's URI may also be ``file://localhost/…`` or ``file:/…`` (as Hadoop
+    and Java write it). A path without a scheme is taken as written, never decoded: an absolute one is a local file,
+    a relative one is under ``base`` (scheme, decoded folder path: the list's folder; no base: the working
+    directory). Local paths are normalised (``..`` resolved) as a listing would name them.
     """
     text = text.strip()
     head, sep, rest = text.partition("://")
@@ -61,12 +63,18 @@ def canonical_uri(text: str, base: tuple[str, str] | None = None) -> str:
         scheme = head.lower()
         if scheme != "file":
             return object_uri(scheme, unquote(rest, errors="strict") if "%" in rest else rest)
-        return object_uri(scheme, os.path.normpath(os.fsdecode(unquote_to_bytes(rest)) if "%" in rest else rest))
+        return _file_uri(rest[len(LOCALHOST):] if rest.startswith(LOCALHOST + "/") else rest)
+    if text[:6].lower() == "file:/":
+        return _file_uri(text[5:])
     if text.startswith("/") or base is None:
         return object_uri("file", os.path.abspath(text))
     scheme, folder = base
     path = f"{folder.rstrip('/')}/{text}"
     return object_uri(scheme, os.path.normpath(path) if scheme == "file" else path)
+
+
+def _file_uri(encoded: str) -> str:
+    return object_uri("file", os.path.normpath(os.fsdecode(unquote_to_bytes(encoded)) if "%" in encoded else encoded))
 
 
 def legacy_uri(uri: str) -> str | None:

@@ -23,7 +23,7 @@ from pipeline.io.keys import SCHEME, canonical_uri, object_uri
 from pipeline.io.source_local import Entry, list_error
 from pipeline.schema import MIB
 from pipeline.storage import INVENTORY_FORM, is_local
-from pipeline.text import BOM_BYTES, UTF8, decode_text, encoding_of, list_lines, open_text
+from pipeline.text import BOM_BYTES, SAVE_AS, UTF8, decode_text, encoding_of, list_lines, open_text
 
 URI_COLUMN = "uri"
 # Optional columns of a URI list, by the names they may go by; with them, carry-over works as for a listing.
@@ -113,7 +113,12 @@ def _csv_batches(raw: Any, read_options: dict[str, Any], convert_options: Any) -
     stream.seek(0)
     options = pcsv.ReadOptions(block_size=MIB, use_threads=False, **read_options,
                                **({} if codec.startswith(UTF8) else {"encoding": codec}))
-    yield from pcsv.open_csv(stream, read_options=options, convert_options=convert_options)
+    try:
+        yield from pcsv.open_csv(stream, read_options=options, convert_options=convert_options)
+    except pa.ArrowInvalid as err:
+        if "invalid UTF8" not in str(err):
+            raise
+        raise ValueError(f"it is not UTF-8 text ({err}); {SAVE_AS}") from None
 
 
 def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None = None,
@@ -151,7 +156,10 @@ def _uri_values(batch: pa.RecordBatch, extensions: tuple[str, ...]) -> tuple[pa.
     column = _pick(names, (URI_COLUMN, "url"))
     if column is None:
         raise ValueError(f"no {URI_COLUMN!r} column (columns: {', '.join(names[:8])})")
-    raw = pc.utf8_trim_whitespace(pc.cast(batch.column(column), pa.string()))
+    try:
+        raw = pc.utf8_trim_whitespace(pc.cast(batch.column(column), pa.string()))
+    except pa.ArrowInvalid as err:  # a CSV's column pyarrow read as bytes
+        raise ValueError(f"its {column!r} column is not UTF-8 text ({err}); {SAVE_AS}") from None
     return raw, pc.and_(pc.is_valid(raw), extension_mask(raw, extensions))
 
 

@@ -314,3 +314,18 @@ def test_an_empty_data_file_names_no_object(tmp_path):
     for name in ("empty.csv.gz", "empty.csv"):
         assert list(InventoryFile(f"file://{tmp_path}/{name}", "CSV", INVENTORY_COLUMNS, "b").entries(fs, EXT, True)) == []
         assert list(UriListFile(f"file://{tmp_path}/{name}").entries(fs, EXT, True)) == []
+
+
+def test_local_file_uris_as_hadoop_and_java_write_them_and_csv_cells_with_blanks_name_the_same_file(tmp_path):
+    (tmp_path / "spark.txt").write_text(f"file:{tmp_path}/a.jpg\nfile://localhost{tmp_path}/a.jpg\n")
+    assert [e[0] for e in listed(f"uris+{tmp_path}/spark.txt")] == [f"file://{tmp_path}/a.jpg"] * 2
+    (tmp_path / "list.csv").write_text(f"uri,size\n  file://{tmp_path}/a.jpg ,1\n")  # a spreadsheet's padding
+    assert listed(f"uris+{tmp_path}/list.csv") == [(f"file://{tmp_path}/a.jpg", 1, None, None)]
+
+
+def test_a_spreadsheets_csv_in_windows_1252_is_one_list_error_row_saying_to_save_it_as_utf8(tmp_path):
+    (tmp_path / "list.csv").write_bytes("uri\ns3://b/caf\u00e9.jpg\n".encode("cp1252"))
+    [entry] = listed(f"uris+{tmp_path}/list.csv")
+    assert entry[4] == ("list_error: cannot read this manifest data file: ValueError: its 'uri' column is not UTF-8 "
+                        "text (Invalid UTF8 payload); save it as UTF-8 (a byte-order mark and CRLF line ends are fine);"
+                        " the objects it names get rows on the run after it is fixed")
