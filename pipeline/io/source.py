@@ -24,10 +24,10 @@ from pipeline.io.source_local import (
     Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local,
 )
 from pipeline.io.source_manifest import (
-    InventoryFile, UriListFile, plan_manifest, prefix_uri, read_inventory_manifest, uri_list_schemes,
+    InventoryFile, UriListFile, plan_manifest, prefix_uri, read_inventory_manifest, unopenable_uris,
 )
 from pipeline.schema import LISTING_SCHEMA, STATUS_ERROR
-from pipeline.storage import INVENTORY_FORM, is_local, manifest_form, missing_filesystem, storage_failure
+from pipeline.storage import INVENTORY_FORM, is_local, manifest_form, storage_failure
 
 LOG = logging.getLogger(__name__)
 BLOCK_ROWS = 1000  # rows per listing block: small enough that classification starts early
@@ -79,7 +79,7 @@ def check_manifest(fs: fsspec.AbstractFileSystem, form: str, path: str, url: str
         exists = fs.exists(path)
         if exists and inventory:
             read_inventory_manifest(fs, path, url)
-        schemes = uri_list_schemes(fs, path, extensions, prefix_uri(source_prefix) if source_prefix else None) \
+        unopenable = unopenable_uris(fs, path, extensions, prefix_uri(source_prefix) if source_prefix else None) \
             if exists and not inventory and extensions else {}
     except SourceError:
         raise
@@ -91,12 +91,10 @@ def check_manifest(fs: fsspec.AbstractFileSystem, form: str, path: str, url: str
     if inventory and not _is_s3(fs):
         raise SourceError(f"manifest.json {url!r} is not on S3: an S3 Inventory report is read where S3 delivered it, "
                           "its data files from its destinationBucket; give inventory+s3://BUCKET/…/manifest.json")
-    for scheme, example in schemes.items():
-        missing = missing_filesystem(scheme)
-        if missing:
-            raise SourceError(f"URI list {url!r} names {scheme}:// objects ({example[:100]!r}) but no fsspec file "
-                              f"system for {scheme}:// is installed here ({missing}); install it, or leave those lines "
-                              "out (--source-prefix keeps one store's)")
+    for scheme, (example, missing) in unopenable.items():
+        raise SourceError(f"URI list {url!r} names {scheme}:// objects ({example[:100]!r}) but no fsspec file "
+                          f"system for {scheme}:// is installed here ({missing}); install it, or leave those lines "
+                          "out (--source-prefix keeps one store's)")
 
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -22,7 +23,7 @@ from pipeline.errors import SourceError
 from pipeline.io.keys import SCHEME, canonical_uri, object_uri
 from pipeline.io.source_local import Entry, list_error
 from pipeline.schema import MIB
-from pipeline.storage import INVENTORY_FORM, is_local
+from pipeline.storage import INVENTORY_FORM, is_local, missing_filesystem
 from pipeline.text import BOM_BYTES, SAVE_AS, UTF8, decode_text, encoding_of, list_lines, open_text
 
 URI_COLUMN = "uri"
@@ -197,11 +198,14 @@ class UriListFile:
             for b in _uri_batches(fs, fs._strip_protocol(self.url), self.row_groups)))
 
 
-def uri_list_schemes(fs: Any, path: str, extensions: tuple[str, ...], prefix: str | None = None) -> dict[str, str]:
-    """The schemes of the URIs a URI list (a file or a folder of them) names, each with the first URI that names it,
-    among the entries its listing keeps (extension, ``prefix``: ``prefix_uri``'s); a path without a scheme is on the
-    list's own store or local, so it names none. Read in the driver before anything runs; a file that cannot be read
-    is left to its listing task, which makes it a ``list_error`` row."""
+def unopenable_uris(fs: Any, path: str, extensions: tuple[str, ...], prefix: str | None = None
+                    ) -> dict[str, tuple[str, str]]:
+    """The schemes of the URIs a URI list (a file or a folder of them) names that no fsspec file system here opens,
+    each with the first URI that names it and why (``pipeline.storage.missing_filesystem``), among the entries its
+    listing keeps (extension, ``prefix``: ``prefix_uri``'s). A path without a scheme is on the list's own store or
+    local, so it names none. Read in the driver before anything runs; a Parquet file whose footer statistics show
+    one scheme that opens is not read; a file that cannot be read is left to its listing task (a ``list_error`` row).
+    """
     import pyarrow.parquet as pq
 
     only = prefix.partition("://")[0] if prefix else None
@@ -211,7 +215,12 @@ def uri_list_schemes(fs: Any, path: str, extensions: tuple[str, ...], prefix: st
             columns = None
             if not file.lower().endswith(_TEXT_SUFFIXES + _CSV_SUFFIXES):
                 with fs.open(file, "rb") as f:
-                    columns = [c for c in [_pick(pq.ParquetFile(f).schema_arrow.names, (URI_COLUMN, "url"))] if c]
+                    parquet = pq.ParquetFile(f)
+                    column = _pick(parquet.schema_arrow.names, (URI_COLUMN, "url"))
+                    known = _footer_schemes(parquet.metadata, column)
+                if column is None or (known is not None and not any(map(missing_filesystem, known))):
+                    continue
+                columns = [column]
             for batch in _uri_batches(fs, file, columns=columns):
                 raw, keep = _uri_values(batch, extensions)
                 kept = raw.filter(keep)
@@ -221,7 +230,25 @@ def uri_list_schemes(fs: Any, path: str, extensions: tuple[str, ...], prefix: st
                         found[scheme.lower()] = kept[pc.index(schemes, scheme).as_py()].as_py()
         except Exception:  # noqa: BLE001 - the listing task reports it, as a row
             continue
-    return found
+    return {scheme: (uri, why) for scheme, uri in found.items() if (why := missing_filesystem(scheme))}
+
+
+def _footer_schemes(meta: Any, column: str | None) -> set[str] | None:
+    """The schemes of a Parquet URI list's ``column`` from its row groups' min and max: every value between two
+    strings shares their common prefix, so where it holds ``scheme://`` every URI of the row group has that scheme.
+    None where a row group's statistics do not tell (no statistics, or paths and URIs of several schemes)."""
+    schemes: set[str] = set()
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        stats = next((group.column(c).statistics for c in range(group.num_columns)
+                      if group.column(c).path_in_schema == column), None)
+        if stats is None or not stats.has_min_max or not isinstance(stats.min, str):
+            return None
+        match = re.match(_SCHEME_PATTERN, os.path.commonprefix([stats.min, stats.max]))
+        if match is None:
+            return None
+        schemes.add(match.group(1).lower())
+    return schemes
 
 
 # ---- S3 Inventory ----

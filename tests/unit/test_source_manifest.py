@@ -329,3 +329,16 @@ def test_a_spreadsheets_csv_in_windows_1252_is_one_list_error_row_saying_to_save
     assert entry[4] == ("list_error: cannot read this manifest data file: ValueError: its 'uri' column is not UTF-8 "
                         "text (Invalid UTF8 payload); save it as UTF-8 (a byte-order mark and CRLF line ends are fine);"
                         " the objects it names get rows on the run after it is fixed")
+
+
+def test_a_parquet_lists_footer_tells_its_schemes_when_every_row_group_holds_one(tmp_path):
+    from pipeline.io.source_manifest import _footer_schemes
+
+    def schemes(uris: list[str], rows: int) -> set[str] | None:
+        pq.write_table(pa.table({"size": [1] * len(uris), "uri": uris}), tmp_path / "l.parquet", row_group_size=rows)
+        return _footer_schemes(pq.ParquetFile(tmp_path / "l.parquet").metadata, "uri")
+
+    assert schemes(["s3://b/a.jpg", "s3://c/z.jpg"], 2) == {"s3"}  # not read: s3 opens
+    assert schemes(["gs://b/a.jpg", "s3://b/z.jpg"], 1) == {"gs", "s3"}  # gs does not: read, then refused
+    for mixed in (["gs://b/a.jpg", "s3://b/z.jpg"], ["/abs/a.jpg", "s3://b/z.jpg"], ["S3://b/a.jpg", "s3://b/z.jpg"]):
+        assert schemes(mixed, 2) is None
