@@ -340,8 +340,8 @@ def _read_guarded(url: str, blocks: Any) -> Iterator[Entry]:
     except Exception as err:  # noqa: BLE001 - any failure of one data file is that file's row
         text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
         scheme, _, path = url.partition("://")
-        yield list_error(object_uri(scheme, path), f"cannot read this manifest data file: {text}; the objects it names get rows on the "
-                              "run after it is fixed")
+        yield list_error(object_uri(scheme, path), f"cannot read this manifest data file: {text}; the objects it "
+                                                   "names get rows on the run after it is fixed")
 
 
 # ---- planning and checks (driver) ----

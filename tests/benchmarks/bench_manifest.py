@@ -18,7 +18,8 @@ sizes were listed. Goals (issue 43): manifest >= 5x the LIST; peak memory from 1
 
 ``--baseline DIR`` (another checkout of this repository, e.g. ``git worktree add /tmp/base main``) measures each
 source with that checkout's listing code too, in the same run against the same moto, ``--rounds`` times each,
-alternating which goes first; a second table gives both sides' median and range (the spread) and the ratio of the medians.
+alternating which goes first; a second table gives both sides' median and range (the spread) and the ratio of the
+medians.
 """
 
 from __future__ import annotations

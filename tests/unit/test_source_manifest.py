@@ -312,7 +312,8 @@ def test_an_empty_data_file_names_no_object(tmp_path):
     (tmp_path / "empty.csv").write_bytes(b"")
     fs, _ = open_fs(str(tmp_path))
     for name in ("empty.csv.gz", "empty.csv"):
-        assert list(InventoryFile(f"file://{tmp_path}/{name}", "CSV", INVENTORY_COLUMNS, "b").entries(fs, EXT, True)) == []
+        inventory = InventoryFile(f"file://{tmp_path}/{name}", "CSV", INVENTORY_COLUMNS, "b")
+        assert list(inventory.entries(fs, EXT, True)) == []
         assert list(UriListFile(f"file://{tmp_path}/{name}").entries(fs, EXT, True)) == []
 
 

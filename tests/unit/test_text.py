@@ -1,4 +1,4 @@
-"""pipeline/text.py: text files as their producers write them (byte-order marks, UTF-16, CRLF) and what a list line is."""
+"""pipeline/text.py: text files as their producers write them (byte-order marks, UTF-16, CRLF), what a list line is."""
 
 from __future__ import annotations
 
