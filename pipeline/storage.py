@@ -49,12 +49,13 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
 def missing_filesystem(scheme: str) -> str | None:
     """Why no fsspec file system opens ``scheme://`` URLs here, in fsspec's words where it knows the scheme ("Please
     install gcsfs to access Google Storage"); None when one does."""
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ImportError as err:
-        return str(err)
-    except ValueError:
-        return f"fsspec knows no scheme {scheme!r}"
+    for protocol in scheme.split("::"):  # a chained URL (simplecache::s3) needs each
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as err:
+            return str(err)
+        except ValueError:
+            return f"fsspec knows no scheme {protocol!r}"
     return None
 
 
