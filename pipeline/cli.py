@@ -209,7 +209,7 @@ RUN_OPTIONS = (
     click.option("--fetch-ahead-bytes", type=int, cls=ConfigDefault, default=None, show_default=f"{FETCH_AHEAD_PER_CPU_ACTOR // MIB} MiB per CPU classify actor, {FETCH_AHEAD_PER_ACTOR // MIB} MiB per GPU actor", help="Cap on bytes fetched but not yet classified (Ray object store)."),
     click.option("--list-tasks", type=int, cls=ConfigDefault, default=None, show_default=str(_default("list_tasks")), help="Listing tasks at once, the bound on outstanding LIST calls."),
     click.option("--follow-symlinks", is_flag=True, default=None, help="Follow local symbolic links that lead out of SOURCE (links inside it are listed by their targets' own paths either way)."),
-    click.option("--source-prefix", default=None, metavar="URI", help=f"With a {URIS_FORM} or {INVENTORY_FORM} SOURCE: only the objects whose URI starts with this (s3://bucket/photos/)."),
+    click.option("--source-prefix", default=None, metavar="URI", help=f"With a {URIS_FORM} or {INVENTORY_FORM} SOURCE: only the objects under this, by whole path segments (s3://bucket/photos keeps photos/…, not photos2/…)."),
     click.option("--catalog-option", "catalog_options", multiple=True, metavar="KEY=VALUE", help=f"Iceberg catalog property for an {ICEBERG_SCHEME}NAMESPACE.TABLE output or previous, e.g. warehouse=DIR (the embedded SQLite catalog, default ./{DEFAULT_WAREHOUSE}) or uri=… type=rest; repeatable."),
     click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary."),
 )

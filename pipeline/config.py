@@ -63,8 +63,8 @@ class RunConfig:
         list_tasks: listing tasks at once, i.e. the bound on outstanding LIST calls.
         follow_symlinks: follow local symbolic links that lead out of the source (links inside it are never
             followed: their targets are listed under their own paths).
-        source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries whose object URI
-            starts with it.
+        source_prefix: with a manifest SOURCE (``uris+…``, ``inventory+…``), only the entries under it, by whole
+            path segments (``pipeline.io.source_manifest.prefix_uri``).
         catalog_options: properties of the Iceberg catalog of an ``iceberg://NAMESPACE.TABLE`` output or previous
             (``pipeline.io.iceberg_output.catalog_properties``).
         calls_per_actor: engine calls each classify actor runs at once (threads); None: the engine's

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 from pipeline.config import RunConfig, merge_options, option_types
 from pipeline.errors import ConfigError, OutputError
 from pipeline.node import ray_address
+from pipeline.text import decode_text
 
 LOG = logging.getLogger(__name__)
 DATE_PREFIX = "date="
@@ -99,9 +100,13 @@ def load_options_file(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        text = decode_text(Path(path).read_bytes())
     except OSError as err:
         raise ConfigError(f"--config {path!r}: {err.strerror or err}; give a readable YAML file") from None
+    except ValueError as err:
+        raise ConfigError(f"--config {path!r}: {err}") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"--config {path!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -154,9 +159,14 @@ def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previo
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
+    from pipeline.job.output import file_above  # noqa: PLC0415
 
     output = open_store(dest, storage_options)  # the run's output store too
     fs, root = output.fs, output.root
+    blocker = file_above(fs, root)
+    if blocker is not None:
+        raise OutputError(f"--output-root {output_root!r}: {blocker!r} is a file, so no date folder can be made "
+                          "there; choose another --output-root (or move that file)")
     try:
         done = read_json(fs, root, SUCCESS)
         shards = committed_parts(fs, root)

@@ -46,6 +46,19 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
         raise ConfigError(f"bad --storage-option for {url!r}: {err}") from None
 
 
+def missing_filesystem(scheme: str) -> str | None:
+    """Why no fsspec file system opens ``scheme://`` URLs here, in fsspec's words where it knows the scheme ("Please
+    install gcsfs to access Google Storage"); None when one does."""
+    for protocol in scheme.split("::"):  # a chained URL (simplecache::s3) needs each
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as err:
+            return str(err)
+        except ValueError:
+            return f"fsspec knows no scheme {protocol!r}"
+    return None
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protocols or "local" in protocols

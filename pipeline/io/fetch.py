@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import ImageError
+from pipeline.errors import ConfigError, ImageError
 from pipeline.io.keys import uri_path
 from pipeline.schema import DATA, ERROR, FETCH_S, SIZE_BYTES, STATUS, STATUS_ERROR, URI
 from pipeline.storage import manifest_form, open_fs
@@ -117,6 +117,8 @@ def fetch_batch(
             data[i] = read_with_retries(fs, fs._strip_protocol(uri_path(uris[i])), retries)
         except ImageError as err:
             status[i], error[i] = STATUS_ERROR, str(err)
+        except ConfigError as err:  # a scheme this worker has no file system for (the driver checked its own)
+            status[i], error[i] = STATUS_ERROR, str(ImageError("fetch_error", f"{err} on this worker"))
 
     start = time.perf_counter()
     list(_pool(threads).map(one, range(len(uris))))

@@ -14,6 +14,10 @@ import numpy as np
 URI_SAFE = "/"
 _PLAIN = re.compile(r"[A-Za-z0-9_.~/-]*")  # a path of these characters is its own encoding (the common case)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.~/-]+")
+# A URI's scheme: what comes before its first "://", holding no "/" (so dir/a://b.jpg is a path); fsspec's chained
+# schemes (simplecache::s3) are schemes too.
+SCHEME = r"[^/]+"
+LOCALHOST = "localhost"  # the host of a local file's URI that names one (RFC 8089), as file:/// does
 
 
 def _quoted(match: re.Match) -> str:
@@ -43,6 +47,35 @@ def uri_path(uri: str) -> str:
     if not sep:
         return uri
     return os.fsdecode(unquote_to_bytes(rest)) if scheme == "file" else unquote(rest, errors="strict")
+
+
+def canonical_uri(text: str, base: tuple[str, str] | None = None) -> str:
+    """The URI the output writes for the object ``text`` names: the one rule for a manifest's entries and prefixes.
+
+    A URI (``scheme://…``, ``file://`` included; the scheme in any case) is percent-encoded: decoded once, then
+    encoded as ``object_uri`` does; a local file's URI may also be ``file://localhost/…`` or ``file:/…`` (as Hadoop
+    and Java write it). A path without a scheme is taken as written, never decoded: an absolute one is a local file,
+    a relative one is under ``base`` (scheme, decoded folder path: the list's folder; no base: the working
+    directory). Local paths are normalised (``..`` resolved) as a listing would name them.
+    """
+    text = text.strip()
+    head, sep, rest = text.partition("://")
+    if sep and head and "/" not in head:  # SCHEME, tested without a regex on the listing's hot path
+        scheme = head.lower()
+        if scheme != "file":
+            return object_uri(scheme, unquote(rest, errors="strict") if "%" in rest else rest)
+        return _file_uri(rest[len(LOCALHOST):] if rest.startswith(LOCALHOST + "/") else rest)
+    if text[:6].lower() == "file:/":
+        return _file_uri(text[5:])
+    if text.startswith("/") or base is None:
+        return object_uri("file", os.path.abspath(text))
+    scheme, folder = base
+    path = f"{folder.rstrip('/')}/{text}"
+    return object_uri(scheme, os.path.normpath(path) if scheme == "file" else path)
+
+
+def _file_uri(encoded: str) -> str:
+    return object_uri("file", os.path.normpath(os.fsdecode(unquote_to_bytes(encoded)) if "%" in encoded else encoded))
 
 
 def legacy_uri(uri: str) -> str | None:

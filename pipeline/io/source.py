@@ -24,7 +24,7 @@ from pipeline.io.source_local import (
     Claim, Entry, is_error, list_error, local_files, os_error_text, stat_local, walk_local,
 )
 from pipeline.io.source_manifest import (
-    InventoryFile, UriListFile, canonical_uri, plan_manifest, read_inventory_manifest,
+    InventoryFile, UriListFile, plan_manifest, prefix_uri, read_inventory_manifest, unopenable_uris,
 )
 from pipeline.schema import LISTING_SCHEMA, STATUS_ERROR
 from pipeline.storage import INVENTORY_FORM, is_local, manifest_form, storage_failure
@@ -45,11 +45,12 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions: tuple[str, ...] | None = None,
-                 *, follow_symlinks: bool = False) -> None:
-    """Fail before any work when the source is missing, unlistable or unreachable, or (``extensions``) empty."""
+                 *, follow_symlinks: bool = False, source_prefix: str | None = None) -> None:
+    """Fail before any work when the source is missing, unlistable or unreachable, or (``extensions``) empty; a
+    manifest also when it is malformed or names objects on a store no file system here opens (``check_manifest``)."""
     form = manifest_form(url)
     if form is not None:
-        return check_manifest(fs, form[0], root, url)
+        return check_manifest(fs, form[0], root, url, extensions, source_prefix)
     try:
         exists = fs.exists(root)
         kind = fs.info(root).get("type") if exists else None
@@ -67,20 +68,33 @@ def check_source(fs: fsspec.AbstractFileSystem, root: str, url: str, extensions:
                                "classify; check SOURCE and --extensions")
 
 
-def check_manifest(fs: fsspec.AbstractFileSystem, form: str, path: str, url: str) -> None:
-    """Fail before any work when a manifest SOURCE is missing or not a manifest (its data files are read in the
-    listing tasks: one that cannot be read is a ``list_error`` row)."""
+def check_manifest(fs: fsspec.AbstractFileSystem, form: str, path: str, url: str,
+                   extensions: tuple[str, ...] | None = None, source_prefix: str | None = None) -> None:
+    """Fail before any work when a manifest SOURCE is missing or not a manifest (a ``manifest.json`` is checked
+    whole), or (``extensions``) when a URI list names objects whose scheme no fsspec file system here opens: one line
+    naming the package to install. Its data files are read in the listing tasks: one that cannot be read is a
+    ``list_error`` row."""
+    inventory = form == INVENTORY_FORM
     try:
         exists = fs.exists(path)
-        if exists and form == INVENTORY_FORM:
+        if exists and inventory:
             read_inventory_manifest(fs, path, url)
+        unopenable = unopenable_uris(fs, path, extensions, prefix_uri(source_prefix) if source_prefix else None) \
+            if exists and not inventory and extensions else {}
     except SourceError:
         raise
     except Exception as err:  # noqa: BLE001 - any storage failure here is the user's to fix
         raise SourceError(storage_failure(url, err)) from None
     if not exists:
-        what = "manifest.json" if form == INVENTORY_FORM else "URI list"
+        what = "manifest.json" if inventory else "URI list"
         raise SourceError(f"{what} {url!r} does not exist; check the URL after {form!r}")
+    if inventory and not _is_s3(fs):
+        raise SourceError(f"manifest.json {url!r} is not on S3: an S3 Inventory report is read where S3 delivered it, "
+                          "its data files from its destinationBucket; give inventory+s3://BUCKET/…/manifest.json")
+    for scheme, (example, missing) in unopenable.items():
+        raise SourceError(f"URI list {url!r} names {scheme}:// objects ({example[:100]!r}) but no fsspec file "
+                          f"system for {scheme}:// is installed here ({missing}); install it, or leave those lines "
+                          "out (--source-prefix keeps one store's)")
 
 
 def _holds_any(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str, ...], follow: bool) -> bool:
@@ -138,7 +152,7 @@ def plan_listing(fs: fsspec.AbstractFileSystem, root: str, extensions: tuple[str
     tasks = max(1, tasks)
     form = manifest_form(source or "")
     if form is not None:  # a manifest: one unit per data file, however its objects are stored
-        units = plan_manifest(fs, form[0], root, form[1], canonical_uri(source_prefix) if source_prefix else None)
+        units = plan_manifest(fs, form[0], root, form[1], prefix_uri(source_prefix) if source_prefix else None)
     elif is_local(fs):
         units = _plan_local(root, tasks, follow_symlinks)
     elif _is_s3(fs):

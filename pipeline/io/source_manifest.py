@@ -9,7 +9,6 @@ that cannot be read is one ``list_error`` entry naming it, and the rest of the m
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import re
@@ -21,10 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import SourceError
-from pipeline.io.keys import object_uri, uri_path
+from pipeline.io.keys import SCHEME, canonical_uri, object_uri
 from pipeline.io.source_local import Entry, list_error
 from pipeline.schema import MIB
-from pipeline.storage import INVENTORY_FORM
+from pipeline.storage import INVENTORY_FORM, is_local, missing_filesystem
+from pipeline.text import BOM_BYTES, SAVE_AS, UTF8, decode_text, encoding_of, list_lines, open_text
 
 URI_COLUMN = "uri"
 # Optional columns of a URI list, by the names they may go by; with them, carry-over works as for a listing.
@@ -35,6 +35,7 @@ READ_ROWS = 8192  # rows read from a data file at a time: memory stays flat what
 INVENTORY_FORMATS = ("CSV", "Parquet", "ORC")
 _TEXT_SUFFIXES = (".txt", ".txt.gz", ".lst")
 _CSV_SUFFIXES = (".csv", ".csv.gz")
+_SCHEME_PATTERN = f"^(?P<scheme>{SCHEME})://"  # a URI's scheme, as canonical_uri tells a URI from a path
 
 
 def _norm(name: str) -> str:
@@ -52,25 +53,10 @@ def extension_mask(keys: pa.Array, extensions: tuple[str, ...]) -> pa.Array:
     return pc.fill_null(pc.match_substring_regex(keys, pattern, ignore_case=True), False)
 
 
-def canonical_uri(text: str, base: str | None = None) -> str:
-    """A URI as the output writes it (percent-encoded path). Without a scheme: a local path if absolute, else a
-    path relative to ``base`` (the URL of the list's folder)."""
-    text = text.strip()
-    scheme, sep, rest = text.partition("://")
-    if sep and scheme != "file" and "%" not in rest:  # nothing to decode: encode it as is (the common case)
-        return object_uri(scheme, rest)
-    if not sep:
-        if text.startswith("/") or base is None:
-            return object_uri("file", os.path.abspath(text))
-        text = f"{base.rstrip('/')}/{text}"
-    return object_uri(*uri_path_parts(text))
-
-
-def uri_path_parts(uri: str) -> tuple[str, str]:
-    """(scheme, decoded path) of a URI; a local path is normalised (``..`` resolved), as a listing would name it."""
-    scheme = uri.partition("://")[0]
-    path = uri_path(uri)
-    return scheme, os.path.normpath(path) if scheme == "file" else path
+def prefix_uri(text: str) -> str:
+    """``--source-prefix`` as the URIs it keeps begin: ``canonical_uri`` of it, ending in one ``/``, so that it
+    matches whole path segments (``…/cam1`` and ``…/cam1/`` keep ``…/cam1/x.jpg``, never ``…/cam10/x.jpg``)."""
+    return canonical_uri(text).rstrip("/") + "/"
 
 
 def _mtimes(column: pa.ChunkedArray | pa.Array | None) -> list:
@@ -102,7 +88,8 @@ def _entries(uris: list[str], sizes: list, etags: list, mtimes: list) -> list[En
 
 
 def _prefix_mask(uris: list[str], prefix: str | None) -> list[bool] | None:
-    return None if not prefix else [u.startswith(prefix) for u in uris]
+    """Which ``uris`` are under ``prefix`` (``prefix_uri``'s) or are the object it names."""
+    return None if not prefix else [u.startswith(prefix) or u == prefix[:-1] for u in uris]
 
 
 def _unzipped(raw: Any) -> Any:
@@ -114,16 +101,37 @@ def _unzipped(raw: Any) -> Any:
 
 # ---- URI lists ----
 
-def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iterator[pa.RecordBatch]:
+def _csv_batches(raw: Any, read_options: dict[str, Any], convert_options: Any) -> Iterator[pa.RecordBatch]:
+    """The batches of a CSV file (gzip or not), in the encoding ``pipeline.text`` reads text in (pyarrow skips a
+    UTF-8 byte-order mark itself and transcodes UTF-16 or UTF-32)."""
+    import pyarrow.csv as pcsv
+
+    stream = _unzipped(raw)
+    head = stream.read(BOM_BYTES)
+    if not head:  # an empty data file names no object (pyarrow would call it an error)
+        return
+    codec = encoding_of(head)
+    stream.seek(0)
+    options = pcsv.ReadOptions(block_size=MIB, use_threads=False, **read_options,
+                               **({} if codec.startswith(UTF8) else {"encoding": codec}))
+    try:
+        yield from pcsv.open_csv(stream, read_options=options, convert_options=convert_options)
+    except pa.ArrowInvalid as err:
+        if "invalid UTF8" not in str(err):
+            raise
+        raise ValueError(f"it is not UTF-8 text ({err}); {SAVE_AS}") from None
+
+
+def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None = None,
+                 columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """A URI list file's rows in batches: a text file's entries (``pipeline.text.list_lines``) as a ``uri`` column,
+    a CSV's or Parquet file's columns (``columns``: only those of a Parquet file)."""
     lower = path.lower()
     if lower.endswith(_TEXT_SUFFIXES):
         with fs.open(path, "rb") as raw:
-            stream = _unzipped(raw)
             lines: list[str] = []
-            for line in io.TextIOWrapper(stream, encoding="utf-8"):
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    lines.append(line)
+            for line in list_lines(open_text(_unzipped(raw))):
+                lines.append(line)
                 if len(lines) >= READ_ROWS:
                     yield pa.record_batch([pa.array(lines, pa.string())], names=[URI_COLUMN])
                     lines = []
@@ -134,32 +142,45 @@ def _uri_batches(fs: Any, path: str, row_groups: tuple[int, ...] | None) -> Iter
         import pyarrow.csv as pcsv
 
         with fs.open(path, "rb") as raw:
-            stream = _unzipped(raw)
-            reader = pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=MIB, use_threads=False),
-                                   convert_options=pcsv.ConvertOptions(strings_can_be_null=True))
-            yield from reader
+            yield from _csv_batches(raw, {}, pcsv.ConvertOptions(strings_can_be_null=True))
         return
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb") as f:
-        yield from pq.ParquetFile(f).iter_batches(batch_size=READ_ROWS, row_groups=row_groups)
+        yield from pq.ParquetFile(f).iter_batches(batch_size=READ_ROWS, row_groups=row_groups, columns=columns)
 
 
-def _uri_list_entries(batch: pa.RecordBatch, extensions: tuple[str, ...], prefix: str | None,
-                      base: str) -> list[Entry]:
+def _uri_values(batch: pa.RecordBatch, extensions: tuple[str, ...]) -> tuple[pa.Array, pa.Array]:
+    """A URI list batch's URIs as written, without the blanks around them, and which of them the listing keeps (not
+    null, a listed extension)."""
     names = batch.schema.names
     column = _pick(names, (URI_COLUMN, "url"))
     if column is None:
         raise ValueError(f"no {URI_COLUMN!r} column (columns: {', '.join(names[:8])})")
-    raw = pc.cast(batch.column(column), pa.string())
-    keep = pc.and_(pc.is_valid(raw), extension_mask(raw, extensions))
+    try:
+        raw = pc.utf8_trim_whitespace(pc.cast(batch.column(column), pa.string()))
+    except pa.ArrowInvalid as err:  # a CSV's column pyarrow read as bytes
+        raise ValueError(f"its {column!r} column is not UTF-8 text ({err}); {SAVE_AS}") from None
+    return raw, pc.and_(pc.is_valid(raw), extension_mask(raw, extensions))
+
+
+def _uri_list_entries(batch: pa.RecordBatch, extensions: tuple[str, ...], prefix: str | None,
+                      base: tuple[str, str]) -> list[Entry]:
+    raw, keep = _uri_values(batch, extensions)
     rows = batch.filter(keep)
-    uris = [canonical_uri(u, base) for u in pc.cast(rows.column(column), pa.string()).to_pylist()]
+    uris = [canonical_uri(u, base) for u in raw.filter(keep).to_pylist()]
+    names = batch.schema.names
     get = {k: rows.column(c) if (c := _pick(names, choices)) else None
            for k, choices in (("size", SIZE_COLUMNS), ("etag", ETAG_COLUMNS), ("mtime", MTIME_COLUMNS))}
     entries = _entries(uris, _ints(get["size"]), _strings(get["etag"]), _mtimes(get["mtime"]))
     mask = _prefix_mask(uris, prefix)
     return entries if mask is None else [e for e, m in zip(entries, mask) if m]
+
+
+def _folder_of(url: str) -> tuple[str, str]:
+    """(scheme, folder path) of the file at ``url`` (as fsspec names it: not percent-encoded)."""
+    scheme, _, path = url.partition("://")
+    return scheme, path.rsplit("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -173,8 +194,61 @@ class UriListFile:
 
     def entries(self, fs, extensions: tuple[str, ...], stat: bool) -> Iterator[Entry]:
         return _read_guarded(self.url, lambda: (
-            _uri_list_entries(b, extensions, self.prefix, self.url.rsplit("/", 1)[0])
+            _uri_list_entries(b, extensions, self.prefix, _folder_of(self.url))
             for b in _uri_batches(fs, fs._strip_protocol(self.url), self.row_groups)))
+
+
+def unopenable_uris(fs: Any, path: str, extensions: tuple[str, ...], prefix: str | None = None
+                    ) -> dict[str, tuple[str, str]]:
+    """The schemes of the URIs a URI list (a file or a folder of them) names that no fsspec file system here opens,
+    each with the first URI that names it and why (``pipeline.storage.missing_filesystem``), among the entries its
+    listing keeps (extension, ``prefix``: ``prefix_uri``'s). A path without a scheme is on the list's own store or
+    local, so it names none. Read in the driver before anything runs; a Parquet file whose footer statistics show
+    one scheme that opens is not read; a file that cannot be read is left to its listing task (a ``list_error`` row).
+    """
+    import pyarrow.parquet as pq
+
+    only = prefix.partition("://")[0] if prefix else None
+    found: dict[str, str] = {}
+    for file in _list_files(fs, path):
+        try:
+            columns = None
+            if not file.lower().endswith(_TEXT_SUFFIXES + _CSV_SUFFIXES):
+                with fs.open(file, "rb") as f:
+                    parquet = pq.ParquetFile(f)
+                    column = _pick(parquet.schema_arrow.names, (URI_COLUMN, "url"))
+                    known = _footer_schemes(parquet.metadata, column)
+                if column is None or (known is not None and not any(map(missing_filesystem, known))):
+                    continue
+                columns = [column]
+            for batch in _uri_batches(fs, file, columns=columns):
+                raw, keep = _uri_values(batch, extensions)
+                kept = raw.filter(keep)
+                schemes = pc.struct_field(pc.extract_regex(kept, _SCHEME_PATTERN), [0])
+                for scheme in pc.unique(schemes).drop_null().to_pylist():
+                    if scheme.lower() not in found and only in (None, scheme.lower()):
+                        found[scheme.lower()] = kept[pc.index(schemes, scheme).as_py()].as_py()
+        except Exception:  # noqa: BLE001 - the listing task reports it, as a row
+            continue
+    return {scheme: (uri, why) for scheme, uri in found.items() if (why := missing_filesystem(scheme))}
+
+
+def _footer_schemes(meta: Any, column: str | None) -> set[str] | None:
+    """The schemes of a Parquet URI list's ``column`` from its row groups' min and max: every value between two
+    strings shares their common prefix, so where it holds ``scheme://`` every URI of the row group has that scheme.
+    None where a row group's statistics do not tell (no statistics, or paths and URIs of several schemes)."""
+    schemes: set[str] = set()
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        stats = next((group.column(c).statistics for c in range(group.num_columns)
+                      if group.column(c).path_in_schema == column), None)
+        if stats is None or not stats.has_min_max or not isinstance(stats.min, str):
+            return None
+        match = re.match(_SCHEME_PATTERN, os.path.commonprefix([stats.min, stats.max]))
+        if match is None:
+            return None
+        schemes.add(match.group(1).lower())
+    return schemes
 
 
 # ---- S3 Inventory ----
@@ -202,13 +276,9 @@ def _inventory_batches(fs: Any, unit: InventoryFile) -> Iterator[pa.RecordBatch]
         import pyarrow.csv as pcsv
 
         with fs.open(path, "rb") as raw:
-            stream = _unzipped(raw)
             names = [_norm(c) for c in unit.columns]
-            reader = pcsv.open_csv(
-                stream, read_options=pcsv.ReadOptions(column_names=names, block_size=MIB, use_threads=False),
-                convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names},
-                                                    strings_can_be_null=True))
-            yield from reader
+            yield from _csv_batches(raw, {"column_names": names}, pcsv.ConvertOptions(
+                column_types={n: pa.string() for n in names}, strings_can_be_null=True))
         return
     with fs.open(path, "rb") as f:
         if unit.fmt == "Parquet":
@@ -269,8 +339,9 @@ def _read_guarded(url: str, blocks: Any) -> Iterator[Entry]:
             yield from block
     except Exception as err:  # noqa: BLE001 - any failure of one data file is that file's row
         text = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
-        yield list_error(url, f"cannot read this manifest data file: {text}; the objects it names get rows on the "
-                              "run after it is fixed")
+        scheme, _, path = url.partition("://")
+        yield list_error(object_uri(scheme, path), f"cannot read this manifest data file: {text}; the objects it "
+                                                   "names get rows on the run after it is fixed")
 
 
 # ---- planning and checks (driver) ----
@@ -280,42 +351,91 @@ def _url_of(fs: Any, path: str) -> str:
     return f"{scheme}://{rest}"
 
 
-def read_inventory_manifest(fs: Any, path: str, url: str) -> dict[str, Any]:
-    """The parsed ``manifest.json`` of an S3 Inventory report, checked for the fields this reader needs."""
+@dataclass(frozen=True)
+class InventoryManifest:
+    """What the listing takes from an S3 Inventory ``manifest.json``: its data files' URLs, their format (one of
+    INVENTORY_FORMATS) and CSV columns, and the bucket their keys are in."""
+
+    fmt: str
+    columns: tuple[str, ...]
+    source_bucket: str
+    urls: tuple[str, ...]
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    """A JSON object's fields by their names in lower case (AWS writes ``key``, boto3's spelling is ``Key``)."""
+    return {str(k).lower(): v for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _bucket(value: Any) -> str:
+    """A bucket's name, also from its ARN (``arn:aws:s3:::bucket``, as ``destinationBucket`` holds it)."""
+    return str(value or "").rsplit(":", 1)[-1].strip()
+
+
+def read_inventory_manifest(fs: Any, path: str, url: str) -> InventoryManifest:
+    """The ``manifest.json`` of an S3 Inventory report, read whole and checked in the driver: as AWS writes it
+    (``files`` of ``{"key": …}``) or by hand (field names in any case, ``"Key"``, ``files`` as plain keys; a
+    byte-order mark). A field the listing needs that is missing or malformed fails in one line naming it."""
     try:
-        manifest = json.loads(fs.cat_file(path))
+        text = decode_text(fs.cat_file(path))
+    except ValueError as err:
+        raise SourceError(f"manifest.json {url!r}: {err}") from None
+    try:
+        fields = _fields(json.loads(text))
     except ValueError as err:
         raise SourceError(f"{url!r} is not JSON ({err}); give the manifest.json of an S3 Inventory report") from None
-    fmt = manifest.get("fileFormat") if isinstance(manifest, dict) else None
-    canonical = {f.lower(): f for f in INVENTORY_FORMATS}.get(str(fmt).lower())
-    if canonical is None or not isinstance(manifest.get("files"), list):
-        raise SourceError(f"{url!r} is not an S3 Inventory manifest (fileFormat {fmt!r}, files); give the "
-                          f"manifest.json of a report in {', '.join(INVENTORY_FORMATS)} format")
-    manifest["fileFormat"] = canonical
-    return manifest
+    fmt = {f.lower(): f for f in INVENTORY_FORMATS}.get(str(fields.get("fileformat")).lower())
+    files = fields.get("files")
+    if fmt is None or not isinstance(files, list):
+        raise SourceError(f"{url!r} is not an S3 Inventory manifest (fileFormat {fields.get('fileformat')!r}, files);"
+                          f" give the manifest.json of a report in {', '.join(INVENTORY_FORMATS)} format")
+    keys = []
+    for i, entry in enumerate(files):
+        key = entry if isinstance(entry, str) else _fields(entry).get("key")
+        if not isinstance(key, str) or not key.strip():
+            what = f"fields {', '.join(map(str, entry))}" if isinstance(entry, dict) else f"{entry!r}"
+            raise SourceError(f"manifest.json {url!r}: files[{i}] ({what[:80]}) names no data file; give each as "
+                              '{"key": "KEY"} (S3 Inventory\'s own form) or as the key itself')
+        keys.append(key.strip())
+    dest = _bucket(fields.get("destinationbucket")) or ("" if is_local(fs) else path.split("/", 1)[0])
+    if not dest:
+        raise SourceError(f"manifest.json {url!r}: no destinationBucket, the bucket its data files are in; add "
+                          '"destinationBucket": "arn:aws:s3:::BUCKET"')
+    schema = fields.get("fileschema")
+    columns = tuple(c.strip() for c in schema.split(",")) if isinstance(schema, str) else ()
+    source_bucket = _bucket(fields.get("sourcebucket"))
+    if fmt == "CSV" and "key" not in map(_norm, columns):
+        raise SourceError(f"manifest.json {url!r}: fileSchema {schema!r} names no Key column; a CSV report's data "
+                          'files have no header, so fileSchema lists their columns, e.g. "Bucket, Key, Size"')
+    if fmt == "CSV" and not source_bucket and "bucket" not in map(_norm, columns):
+        raise SourceError(f"manifest.json {url!r}: no sourceBucket, and no Bucket column in fileSchema, so its keys "
+                          'name no bucket; add "sourceBucket": "BUCKET"')
+    return InventoryManifest(fmt, columns, source_bucket, tuple(f"s3://{dest}/{k}" for k in keys))
+
+
+def _list_files(fs: Any, path: str) -> list[str]:
+    """The files of a URI list: the file itself, or a folder's files but those named ``.*`` or ``_*``."""
+    if fs.isdir(path):
+        return sorted(p for p in fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_")))
+    return [path]
 
 
 def plan_manifest(fs: Any, form: str, path: str, url: str, prefix: str | None = None) -> list:
     """The units of a manifest SOURCE: one per data file (per row group of a lone Parquet URI list)."""
     if form == INVENTORY_FORM:
         manifest = read_inventory_manifest(fs, path, url)
-        dest = str(manifest.get("destinationBucket") or "").rsplit(":", 1)[-1] or path.split("/", 1)[0]
-        columns = tuple(c.strip() for c in str(manifest.get("fileSchema") or "").split(","))
-        source_bucket = str(manifest.get("sourceBucket") or "")
-        urls = [f"s3://{dest}/{f['key']}" for f in manifest["files"]]
-        rows = _footer_rows(fs, urls, manifest["fileFormat"])
-        return [InventoryFile(u, manifest["fileFormat"], columns, source_bucket, prefix, n) for u, n in zip(urls, rows)]
-    if fs.isdir(path):
-        files = sorted(p for p in fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_")))
-        return [UriListFile(_url_of(fs, p), prefix) for p in files]
-    if path.lower().endswith((".parquet", ".pq")):
+        rows = _footer_rows(fs, list(manifest.urls), manifest.fmt)
+        return [InventoryFile(u, manifest.fmt, manifest.columns, manifest.source_bucket, prefix, n)
+                for u, n in zip(manifest.urls, rows)]
+    files = _list_files(fs, path)
+    if files == [path] and path.lower().endswith((".parquet", ".pq")):
         import pyarrow.parquet as pq
 
         with fs.open(path, "rb") as f:
             meta = pq.ParquetFile(f).metadata
         return [UriListFile(_url_of(fs, path), prefix, (g,), meta.row_group(g).num_rows)
                 for g in range(meta.num_row_groups)]
-    return [UriListFile(_url_of(fs, path), prefix)]
+    return [UriListFile(_url_of(fs, p), prefix) for p in files]
 
 
 def _footer_rows(fs: Any, urls: list[str], fmt: str) -> list[int | None]:

@@ -198,6 +198,10 @@ def check_output(fs: Any, root: str, url: str) -> None:
     try:
         if fs.exists(root) and fs.info(root).get("type") == "file":
             raise OutputError(f"--output {url!r} is a file; give a folder or prefix")
+        blocker = file_above(fs, root)
+        if blocker is not None:
+            raise OutputError(f"--output {url!r} is under {blocker!r}, which is a file, so no folder can be made "
+                              "there; choose another --output (or move that file)")
         if not is_local(fs):
             bucket = root.strip("/").split("/", 1)[0]
             if not fs.exists(bucket):
@@ -207,6 +211,17 @@ def check_output(fs: Any, root: str, url: str) -> None:
         raise
     except Exception as err:  # noqa: BLE001
         raise OutputError(storage_failure(url, err)) from None
+
+
+def file_above(fs: Any, path: str) -> str | None:
+    """The file a local ``path`` would be a folder under (``afile`` of ``afile/sub``), or None: on object stores a
+    key and a prefix of the same name live side by side."""
+    if not is_local(fs):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent if os.path.exists(parent) and not os.path.isdir(parent) else None
 
 
 def begin_output(fs: Any, root: str, run_info: Mapping[str, Any], *, overwrite: bool = False) -> None:

@@ -113,7 +113,8 @@ def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | No
     if output is None or output.url != config.output:
         output = open_store(config.output, config.storage_options)
     check_output_location(source, output)  # an output that is the source or holds it: refused before anything else
-    check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks)
+    check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks,
+                 source_prefix=config.source_prefix)
     check_output(output.fs, output.root, config.output)
     return RunPlan(config=config, spec=spec, ray_address=address, output_url=output_url, source=source,
                    output=output, previous=previous, table=table, previous_parts=previous_parts, gpus=gpus)

@@ -15,6 +15,11 @@ N, and peak RSS at the largest size / the smallest.
 moto's ListObjectsV2 filters and sorts every key of the bucket on each call (a page costs O(keys in the bucket)),
 so a LIST of 1,000,000 keys on moto takes hours: ``--list-sizes`` defaults to 100,000, and the table says which
 sizes were listed. Goals (issue 43): manifest >= 5x the LIST; peak memory from 100k to 1M <= 1.2x.
+
+``--baseline DIR`` (another checkout of this repository, e.g. ``git worktree add /tmp/base main``) measures each
+source with that checkout's listing code too, in the same run against the same moto, ``--rounds`` times each,
+alternating which goes first; a second table gives both sides' median and range (the spread) and the ratio of the
+medians.
 """
 
 from __future__ import annotations
@@ -125,10 +130,30 @@ def measure(source: str) -> None:
                       "units": sum(map(len, groups)), "peak_mb": vm_hwm_mb(), "base_mb": base}), flush=True)
 
 
-def run_measure(source: str, env: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--measure", source], env=env, capture_output=True, text=True,
-                         check=True)
+def run_measure(source: str, env: dict, code: Path = REPO) -> dict:
+    """``measure(source)`` in a fresh subprocess, with the listing code of the checkout ``code``."""
+    script = code / "tests" / "benchmarks" / Path(__file__).name
+    out = subprocess.run([sys.executable, str(script), "--measure", source], env={**env, "PYTHONPATH": str(code)},
+                         capture_output=True, text=True, check=True, cwd=code)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_comparison(pairs: list[tuple[str, int, list[dict], list[dict]]], baseline: Path) -> None:
+    """Both sides' seconds (plan, and plan + listing) as median [min-max] over the rounds, and this / baseline."""
+    import statistics
+
+    def spread(rs: list[dict], key: str) -> str:
+        values = [r[key] for r in rs]
+        return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+    print(f"\nthis checkout ({REPO.name}) against {baseline}, median [min-max] of {len(pairs[0][2])} rounds")
+    print(f"{'source':<22}{'entries':>11}{'plan s, this':>22}{'plan s, baseline':>22}{'ratio':>7}"
+          f"{'plan+list s, this':>22}{'plan+list s, base':>22}{'ratio':>7}")
+    for kind, n, mine, base in pairs:
+        ratios = [statistics.median(r[k] for r in mine) / statistics.median(r[k] for r in base)
+                  for k in ("plan_s", "seconds")]
+        print(f"{kind:<22}{n:>11,}{spread(mine, 'plan_s'):>22}{spread(base, 'plan_s'):>22}{ratios[0]:>6.2f}x"
+              f"{spread(mine, 'seconds'):>22}{spread(base, 'seconds'):>22}{ratios[1]:>6.2f}x")
 
 
 def main() -> None:
@@ -136,6 +161,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000", help="Manifest sizes (entries).")
     parser.add_argument("--list-sizes", default="100000", help="Sizes of the buckets LISTed on moto.")
     parser.add_argument("--inventory-file-rows", type=int, default=250_000, help="Rows per inventory data file.")
+    parser.add_argument("--baseline", type=Path, default=None, help="Another checkout to measure side by side.")
+    parser.add_argument("--rounds", type=int, default=1, help="Measurements of each manifest (and side).")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,11 +195,17 @@ def main() -> None:
             r = run_measure(f"s3://bench-list-{n}/photos", env)
             results.append(("LIST (moto)", n, r))
             print(f"LIST {n:,}: {r}", flush=True)
+        pairs: list[tuple[str, int, list[dict], list[dict]]] = []
         for n in [int(s) for s in args.sizes.split(",")]:
             for kind, src in write_manifests(client, n, args.inventory_file_rows).items():
-                r = run_measure(src, env)
-                results.append((kind, n, r))
-                print(f"{kind} {n:,}: {r}", flush=True)
+                mine, base = [], []
+                for i in range(max(1, args.rounds)):
+                    sides = [(mine, REPO, "")] + ([(base, args.baseline, " (baseline)")] if args.baseline else [])
+                    for side, code, label in sides if i % 2 == 0 else sides[::-1]:  # who goes first alternates
+                        side.append(run_measure(src, env, code))
+                        print(f"{kind} {n:,}{label}: {side[-1]}", flush=True)
+                results.append((kind, n, mine[0]))
+                pairs.append((kind, n, mine, base))
     finally:
         server.kill()
         server.wait()
@@ -190,6 +223,8 @@ def main() -> None:
               f"{r['peak_mb']:>9.0f}{r['peak_mb'] - r['base_mb']:>7.0f}{r['peak_mb'] / smallest[kind]:>17.2f}x")
     if any(n not in list_rate for _k, n, _r in results):
         print(f"* against the LIST of {max(list_rate):,} keys (the largest listed on moto)" if list_rate else "")
+    if args.baseline is not None:
+        print_comparison(pairs, args.baseline)
 
 
 if __name__ == "__main__":

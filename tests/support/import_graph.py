@@ -25,6 +25,7 @@ FLOORS = {
     "pipeline.schema": 1,
     "pipeline.node": 1,
     "pipeline.terminal": 1,
+    "pipeline.text": 1,
     "pipeline.storage": 2,
     "pipeline.io": 3,
     "pipeline.model": 3,

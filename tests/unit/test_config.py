@@ -219,6 +219,19 @@ def test_defaults_then_environment_then_the_nightly_file_then_the_command_line(t
     assert RunConfig.build({"source": "in/", "output": "out/"}, env={}).top_k == 5  # the default
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_the_nightly_file_reads_as_its_editor_saved_it_or_says_how_to_save_it(tmp_path, encoding):
+    from pipeline.nightly import load_options_file
+
+    options = tmp_path / "nightly.yaml"
+    options.write_bytes("source: s3://photos/caf\u00e9\r\ntop_k: 4\r\n".encode(encoding))
+    assert load_options_file(str(options)) == {"source": "s3://photos/caf\u00e9", "top_k": 4}
+    options.write_bytes("source: s3://photos/caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^--config '{options}': it is not UTF-8 text \(bytes e9 0a: invalid "
+                                          r"continuation byte\); save it as UTF-8"):
+        load_options_file(str(options))
+
+
 def test_ray_address_is_read_in_one_place():
     """Only pipeline.node reads RAY_ADDRESS; everything else asks ``ray_address()`` or the run's plan."""
     import re

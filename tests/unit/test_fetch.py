@@ -102,3 +102,14 @@ def test_fetch_batch_fills_bytes_and_error_rows(fs, monkeypatch):
     assert errors[2] == "too_large: 100 bytes > max_bytes=50; raise --max-bytes"
     assert "/bucket/old.jpg" not in fs.reads and "/bucket/big.jpg" not in fs.reads  # neither is read at all
     assert all(s >= 0 for s in out.column(FETCH_S).to_pylist())
+
+
+def test_a_uri_whose_scheme_this_worker_cannot_open_is_a_fetch_error_row():
+    # The driver refuses a list naming a scheme it cannot open; a worker without the driver's package gets rows.
+    batch = _batch([{"uri": "nosuchfs://bucket/a.jpg", "size_bytes": 7}])
+    out = fetch.fetch_batch(batch, source="uris+/lists/today.txt", storage_options={}, threads=1, max_bytes=50,
+                            retries=0)
+    assert out.column("status").to_pylist() == ["error"]
+    assert out.column("error").to_pylist() == [
+        "fetch_error: cannot open 'nosuchfs://': unknown scheme 'nosuchfs'; use a folder, file:// or s3://, or "
+        "install the fsspec package for that scheme on this worker"]

@@ -76,3 +76,14 @@ def test_begin_output_overwrite_removes_only_this_tools_files(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="is a file; give a folder or prefix"):
         check_output(*open_fs(str(tmp_path / "file")), str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize("below", ["sub", "sub/deeper"])
+def test_an_output_under_a_file_is_refused_in_one_line_before_anything_is_written(tmp_path, below):
+    (tmp_path / "afile").write_text("not a folder")
+    url = str(tmp_path / "afile" / below)
+    fs, root = open_fs(url)
+    with pytest.raises(OutputError, match=rf"^--output '{url}' is under '{tmp_path}/afile', which is a file, so no "
+                                          r"folder can be made there; choose another --output \(or move that file\)$"):
+        check_output(fs, root, url)
+    assert (tmp_path / "afile").read_text() == "not a folder"

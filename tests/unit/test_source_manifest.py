@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import importlib.util
 import json
 
 import numpy as np
@@ -35,7 +37,7 @@ LIVE = ["s3://src-bucket/photos/a.jpg", "s3://src-bucket/photos/b%20c.jpg", "s3:
 
 def listed(source: str, prefix: str | None = None) -> list[tuple]:
     fs, root = open_fs(source)
-    check_source(fs, root, source, EXT)
+    check_source(fs, root, source, EXT, source_prefix=prefix)
     groups = plan_listing(fs, root, EXT, 4, source=source, source_prefix=prefix)
     return [e for group in groups for unit in group for e in list_unit(fs, unit, EXT)]
 
@@ -168,3 +170,176 @@ def test_an_object_a_manifest_names_twice_keeps_one_row_when_the_output_is_made_
     assert dedupe_output(fs, root, out) == 2
     uris = pads.dataset(out, format="parquet").to_table(columns=["uri"]).column("uri").to_pylist()
     assert sorted(uris) == ["s3://b/a.jpg", "s3://b/c.jpg", "s3://b/d.jpg"]
+
+
+# ---- inputs as their producers write them (issue 49) ----
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-be-bom", "utf-32"])
+def test_a_uri_list_with_a_byte_order_mark_and_crlf_lists_the_same_uris(tmp_path, encoding):
+    lines = [f"{tmp_path}/a.jpg", f"file://{tmp_path}/b.jpg", "s3://b/c d.jpg", "rel/e.jpg"]
+    text = "\r\n".join(lines) + "\r\n"
+    data = codecs.BOM_UTF16_BE + text.encode("utf-16-be") if encoding == "utf-16-be-bom" else text.encode(encoding)
+    (tmp_path / "list.txt").write_bytes(data)
+    (tmp_path / "list.txt.gz").write_bytes(gzip.compress(data))
+    expected = [(f"file://{tmp_path}/a.jpg", None, None, None), (f"file://{tmp_path}/b.jpg", None, None, None),
+                ("s3://b/c%20d.jpg", None, None, None), (f"file://{tmp_path}/rel/e.jpg", None, None, None)]
+    assert listed(f"uris+{tmp_path}/list.txt") == expected
+    assert listed(f"uris+{tmp_path}/list.txt.gz") == expected
+    (tmp_path / "list.csv").write_bytes(("uri,size\r\n" + "".join(f"{u},1\r\n" for u in lines)).encode(
+        "utf-16" if encoding == "utf-16-be-bom" else encoding))
+    assert listed(f"uris+{tmp_path}/list.csv") == [(u, 1, None, None) for u, *_ in expected]
+
+
+def test_a_text_list_in_another_encoding_is_one_list_error_row_saying_how_to_fix(tmp_path):
+    (tmp_path / "list.txt").write_bytes(f"{tmp_path}/caf\u00e9.jpg\n".encode("latin-1"))
+    [entry] = listed(f"uris+{tmp_path}/list.txt")
+    assert entry[0] == f"file://{tmp_path}/list.txt"
+    assert entry[4] == ("list_error: cannot read this manifest data file: ValueError: it is not UTF-8 text (bytes e9 "
+                        "2e 6a 70: invalid continuation byte); save it as UTF-8 (a byte-order mark and CRLF line ends "
+                        "are fine); the objects it names get rows on the run after it is fixed")
+
+
+def test_a_path_is_taken_as_written_relative_or_absolute_and_a_uri_is_percent_decoded_once(tmp_path):
+    folder = tmp_path / "my%20photos"  # a folder whose name holds '%20', as wget saves one
+    folder.mkdir()
+    (folder / "list.txt").write_text(f"{folder}/a%20b.jpg\na%20b.jpg\n./a%20b.jpg\nsub/../a%20b.jpg\n"
+                                     f"file://{tmp_path}/my%2520photos/a%2520b.jpg\n"
+                                     f"FILE://{tmp_path}/my%2520photos/a%2520b.jpg\nS3://b/x%20y.jpg\n")
+    same = f"file://{tmp_path}/my%2520photos/a%2520b.jpg"  # the file named a%20b.jpg, six times
+    assert [e[0] for e in listed(f"uris+{folder}/list.txt")] == [same] * 6 + ["s3://b/x%20y.jpg"]
+
+
+@pytest.mark.parametrize("prefix", ["file://{d}/cam1/", "file://{d}/cam1", "{d}/cam1/", "{d}/cam1"])
+def test_source_prefix_matches_whole_path_segments_on_every_scheme(tmp_path, prefix):
+    names = ["cam1/a.jpg", "cam10/a.jpg", "cam1x/a.jpg", "cam1/deep/b.jpg"]
+    (tmp_path / "list.txt").write_text("".join(f"file://{tmp_path}/{n}\ns3://b/{n}\n" for n in names))
+    kept = [f"file://{tmp_path}/cam1/a.jpg", f"file://{tmp_path}/cam1/deep/b.jpg"]
+    assert [e[0] for e in listed(f"uris+{tmp_path}/list.txt", prefix=prefix.format(d=tmp_path))] == kept
+    for s3_prefix in ("s3://b/cam1/", "s3://b/cam1"):
+        assert [e[0] for e in listed(f"uris+{tmp_path}/list.txt", prefix=s3_prefix)] == [
+            "s3://b/cam1/a.jpg", "s3://b/cam1/deep/b.jpg"]
+
+
+MANIFEST = {"sourceBucket": "src-bucket", "destinationBucket": "arn:aws:s3:::inv-dest", "fileFormat": "CSV",
+            "fileSchema": "Bucket, Key, Size"}
+
+
+@pytest.mark.parametrize("files, spelling", [
+    ([{"key": "inv/data/a.csv.gz", "size": 1, "MD5checksum": "x"}, {"key": "inv/data/b.csv.gz"}], {}),  # AWS's
+    ([{"Key": "inv/data/a.csv.gz", "Size": 1}, {"Key": "inv/data/b.csv.gz"}], {}),  # boto3's spelling
+    (["inv/data/a.csv.gz", "inv/data/b.csv.gz"], {}),  # plain keys
+    ([{"KEY": "inv/data/a.csv.gz"}, "inv/data/b.csv.gz"], {"utf-8-sig": True}),  # mixed, with a byte-order mark
+    ([{"key": "inv/data/a.csv.gz"}, {"key": "inv/data/b.csv.gz"}], {"utf-16": True, "Capitalised": True}),
+])
+def test_a_manifest_json_in_either_spelling_plans_its_data_files(tmp_path, files, spelling):
+    from pipeline.io.source_manifest import plan_manifest
+    from pipeline.storage import INVENTORY_FORM
+
+    manifest = {**MANIFEST, "files": files}
+    if spelling.get("Capitalised"):
+        manifest = {k[0].upper() + k[1:]: v for k, v in manifest.items()}
+    text = json.dumps(manifest, indent=2).replace("\n", "\r\n")
+    encoding = next((e for e in ("utf-8-sig", "utf-16") if spelling.get(e)), "utf-8")
+    (tmp_path / "manifest.json").write_bytes(text.encode(encoding))
+    fs, path = open_fs(f"inventory+{tmp_path}/manifest.json")
+    units = plan_manifest(fs, INVENTORY_FORM, path, f"inventory+{tmp_path}/manifest.json")
+    assert [(u.url, u.fmt, u.columns, u.bucket) for u in units] == [
+        (f"s3://inv-dest/inv/data/{n}.csv.gz", "CSV", ("Bucket", "Key", "Size"), "src-bucket") for n in "ab"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"files": [{"key": "a.csv.gz"}, {"path": "b.csv.gz", "size": 1}]},
+     r"files\[1\] \(fields path, size\) names no data file; give each as \{\"key\": \"KEY\"\} \(S3 Inventory's own "
+     r"form\) or as the key itself$"),
+    ({"files": ["a.csv.gz", 7]}, r"files\[1\] \(7\) names no data file; give each as"),
+    ({"files": [{"key": ""}]}, r"files\[0\] \(fields key\) names no data file"),
+    ({"fileSchema": None}, r"fileSchema None names no Key column; a CSV report's data files have no header, so "
+                           r"fileSchema lists their columns, e\.g\. \"Bucket, Key, Size\"$"),
+    ({"sourceBucket": None, "fileSchema": "Key, Size"},
+     r"no sourceBucket, and no Bucket column in fileSchema, so its keys name no bucket; add "
+     r"\"sourceBucket\": \"BUCKET\"$"),
+    ({"destinationBucket": None}, r"no destinationBucket, the bucket its data files are in; add "
+                                  r"\"destinationBucket\": \"arn:aws:s3:::BUCKET\"$"),
+])
+def test_a_manifest_json_missing_what_the_listing_needs_fails_in_one_line_naming_the_field(tmp_path, change, message):
+    from pipeline.io.source_manifest import read_inventory_manifest
+
+    manifest = {**MANIFEST, "files": [{"key": "a.csv.gz"}], **change}
+    (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if v is not None}))
+    fs, path = open_fs(str(tmp_path / "manifest.json"))
+    with pytest.raises(SourceError, match=rf"^manifest.json 'inventory\+{tmp_path}/manifest.json': {message}"):
+        read_inventory_manifest(fs, path, f"inventory+{tmp_path}/manifest.json")
+
+
+def test_a_manifest_json_not_on_s3_is_refused_in_one_line(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({**MANIFEST, "files": [{"key": "a.csv.gz"}]}))
+    with pytest.raises(SourceError, match=rf"^manifest.json 'inventory\+{tmp_path}/manifest.json' is not on S3: an S3 "
+                                          r"Inventory report is read where S3 delivered it, its data files from its "
+                                          r"destinationBucket; give inventory\+s3://BUCKET/…/manifest.json$"):
+        listed(f"inventory+{tmp_path}/manifest.json")
+
+
+def test_a_uri_list_naming_a_scheme_no_file_system_opens_is_refused_in_one_line_naming_the_package(tmp_path):
+    pytest.importorskip("s3fs")
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    (tmp_path / "list.txt").write_text(f"{tmp_path}/a.jpg\ns3://b/c.jpg\ngs://bucket/photos/x.jpg\n")
+    with pytest.raises(SourceError, match=rf"^URI list 'uris\+{tmp_path}/list.txt' names gs:// objects "
+                                          r"\('gs://bucket/photos/x.jpg'\) but no fsspec file system for gs:// is "
+                                          r"installed here \(Please install gcsfs to access Google Storage\); "
+                                          r"install it, or leave those lines out \(--source-prefix keeps one "
+                                          r"store's\)$"):
+        listed(f"uris+{tmp_path}/list.txt")
+    pq.write_table(pa.table({"uri": ["s3://b/a.jpg", "nosuchfs://b/z.png"]}), tmp_path / "list.parquet")
+    with pytest.raises(SourceError, match=r"names nosuchfs:// objects \('nosuchfs://b/z.png'\) but no fsspec file "
+                                          r"system for nosuchfs:// is installed here \(fsspec knows no scheme "
+                                          r"'nosuchfs'\); install it"):
+        listed(f"uris+{tmp_path}/list.parquet")
+    # what the listing would not keep is not asked for: another extension, or out of --source-prefix
+    (tmp_path / "list.txt").write_text("s3://b/c.jpg\ngs://bucket/notes.txt\ngs://bucket/x.jpg\n")
+    assert [e[0] for e in listed(f"uris+{tmp_path}/list.txt", prefix="s3://b/")] == ["s3://b/c.jpg"]
+
+
+def test_an_unreadable_data_file_row_names_it_percent_encoded(tmp_path):
+    bad = tmp_path / "bad list.csv"
+    bad.write_bytes(b"\x1f\x8b not gzip")
+    [entry] = listed(f"uris+{bad}")
+    assert entry[0] == f"file://{tmp_path}/bad%20list.csv"
+
+
+def test_an_empty_data_file_names_no_object(tmp_path):
+    (tmp_path / "empty.csv.gz").write_bytes(gzip.compress(b""))
+    (tmp_path / "empty.csv").write_bytes(b"")
+    fs, _ = open_fs(str(tmp_path))
+    for name in ("empty.csv.gz", "empty.csv"):
+        inventory = InventoryFile(f"file://{tmp_path}/{name}", "CSV", INVENTORY_COLUMNS, "b")
+        assert list(inventory.entries(fs, EXT, True)) == []
+        assert list(UriListFile(f"file://{tmp_path}/{name}").entries(fs, EXT, True)) == []
+
+
+def test_local_file_uris_as_hadoop_and_java_write_them_and_csv_cells_with_blanks_name_the_same_file(tmp_path):
+    (tmp_path / "spark.txt").write_text(f"file:{tmp_path}/a.jpg\nfile://localhost{tmp_path}/a.jpg\n")
+    assert [e[0] for e in listed(f"uris+{tmp_path}/spark.txt")] == [f"file://{tmp_path}/a.jpg"] * 2
+    (tmp_path / "list.csv").write_text(f"uri,size\n  file://{tmp_path}/a.jpg ,1\n")  # a spreadsheet's padding
+    assert listed(f"uris+{tmp_path}/list.csv") == [(f"file://{tmp_path}/a.jpg", 1, None, None)]
+
+
+def test_a_spreadsheets_csv_in_windows_1252_is_one_list_error_row_saying_to_save_it_as_utf8(tmp_path):
+    (tmp_path / "list.csv").write_bytes("uri\ns3://b/caf\u00e9.jpg\n".encode("cp1252"))
+    [entry] = listed(f"uris+{tmp_path}/list.csv")
+    assert entry[4] == ("list_error: cannot read this manifest data file: ValueError: its 'uri' column is not UTF-8 "
+                        "text (Invalid UTF8 payload); save it as UTF-8 (a byte-order mark and CRLF line ends are fine);"
+                        " the objects it names get rows on the run after it is fixed")
+
+
+def test_a_parquet_lists_footer_tells_its_schemes_when_every_row_group_holds_one(tmp_path):
+    from pipeline.io.source_manifest import _footer_schemes
+
+    def schemes(uris: list[str], rows: int) -> set[str] | None:
+        pq.write_table(pa.table({"size": [1] * len(uris), "uri": uris}), tmp_path / "l.parquet", row_group_size=rows)
+        return _footer_schemes(pq.ParquetFile(tmp_path / "l.parquet").metadata, "uri")
+
+    assert schemes(["s3://b/a.jpg", "s3://c/z.jpg"], 2) == {"s3"}  # not read: s3 opens
+    assert schemes(["gs://b/a.jpg", "s3://b/z.jpg"], 1) == {"gs", "s3"}  # gs does not: read, then refused
+    for mixed in (["gs://b/a.jpg", "s3://b/z.jpg"], ["/abs/a.jpg", "s3://b/z.jpg"], ["S3://b/a.jpg", "s3://b/z.jpg"]):
+        assert schemes(mixed, 2) is None
