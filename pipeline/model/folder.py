@@ -229,13 +229,14 @@ def read_labels(path: Path) -> tuple[str, ...]:
     return labels
 
 
-def check_unique_labels(labels: tuple[str, ...], where: str) -> None:
-    """ModelError where two classes share a name: their rows, label counts and drift could not be told apart."""
+def check_unique_labels(labels: tuple[str, ...], where: str, *,
+                        fix: str = "give every class its own name, e.g. 'crane (bird)' and 'crane (machine)'") -> None:
+    """ModelError where two classes share a name (``where``: a file, lines counted from 1): their rows, label counts
+    and drift could not be told apart."""
     first: dict[str, int] = {}
     for line, label in enumerate(labels, 1):
         if label in first:
-            raise ModelError(f"{where} names {label!r} twice (lines {first[label]} and {line}); give every class its "
-                             "own name, e.g. 'crane (bird)' and 'crane (machine)'")
+            raise ModelError(f"{where} names {label!r} twice (lines {first[label]} and {line}); {fix}")
         first[label] = line
 
 

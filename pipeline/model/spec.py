@@ -209,7 +209,7 @@ def _triple(value: Any, name: str, problems: list[str]) -> tuple[float, ...]:
             return triple
     except (TypeError, ValueError):
         pass
-    problems.append(f"{name} must have 3 finite numbers (one per channel) or one for all, got {value!r}")
+    problems.append(f"{name} must have 3 values (one per channel) or one for all, finite numbers, got {value!r}")
     return ()
 
 

@@ -79,6 +79,6 @@ def test_output_kind_is_declared_and_canonical_only_when_not_the_default():
     spec = PreprocessSpec.from_dict({"resize_shorter": 256, "output": "probabilities"})
     assert spec.probabilities and spec.to_dict()["output"] == "probabilities"
     assert not PreprocessSpec.from_dict({"resize_shorter": 256, "output": "logits"}).probabilities
-    with pytest.raises(ModelError, match="output must be one of logits, probabilities, got 'softmax'"):
+    with pytest.raises(ModelError, match="output must be one of logits, probabilities, sigmoid, got 'softmax'"):
         PreprocessSpec.from_dict({"resize_shorter": 256, "output": "softmax"})
     assert np.isfinite(spec.scale)
