@@ -99,7 +99,8 @@ def test_external_weights_are_part_of_the_digest_and_a_missing_or_outside_locati
     second = model_folder(tmp_path / "second", external=True, seed=2)
     assert (first / MODEL_FILE).read_bytes() == (second / MODEL_FILE).read_bytes()  # only the weights differ
     a, b = load_model_folder(first), load_model_folder(second)
-    assert a.data_files == (EXTERNAL_DATA,) and a.digest != b.digest
+    assert a.digest != b.digest
+    assert a.data_files == (EXTERNAL_DATA,)
 
     # A folder without external data hashes as it always has, so outputs written before keep their digest.
     inline = model_folder(tmp_path / "inline", seed=1)
