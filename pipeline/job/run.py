@@ -72,10 +72,10 @@ def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> 
     from pipeline.model.folder import fixed_batch_note, top_k_note
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
-    # The model's contract, as `model check` runs it (and the cache built once), before any actor starts.
-    bundle = check_contract(config.model)
-    # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
-    spec.check_model(bundle, config.engine_options, plan.gpus)
+    # The model's contract, as `model check` runs it (and the cache built once), before any actor starts; within it,
+    # before the network runs, the engine's own (INT8, the gpu paths' network and layout).
+    bundle = check_contract(config.model,
+                            engine_check=lambda loaded: spec.check_model(loaded, config.engine_options, plan.gpus))
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
     if config.top_k > bundle.num_classes:  # every engine, record and carry-over then uses the model's class count

@@ -31,15 +31,19 @@ SUMS_TO_ONE_TOLERANCE = 1e-3
 ORT_QUIET = 4
 
 
-def check_contract(ref: str | os.PathLike | None = None, *, cache_dir: Path | None = None) -> ModelBundle:
-    """The model ``ref`` (a folder, or None/"default") loaded and checked: the folder's contract, then the network on
-    the synthetic sample (``contract_sample``) through ONNX Runtime (``check_outputs``).
+def check_contract(ref: str | os.PathLike | None = None, *, cache_dir: Path | None = None,
+                   engine_check: Callable[[ModelBundle], None] | None = None) -> ModelBundle:
+    """The model ``ref`` (a folder, or None/"default") loaded and checked: the folder's contract, then
+    ``engine_check`` (a run's engine's own refusals, which need no network run), then the network on the synthetic
+    sample (``contract_sample``) through ONNX Runtime (``check_outputs``).
 
     Raises:
-        ModelError: one line naming the file, the value and the fix.
+        ModelError: one line naming the file, the value and the fix (``engine_check`` raises its own).
     """
     started = time.perf_counter()
     bundle = load_model(ref, cache_dir=cache_dir)
+    if engine_check is not None:
+        engine_check(bundle)
     session = reference_session(bundle)
     check_outputs(bundle, reference_outputs(bundle, contract_sample(bundle.spec), session))
     LOG.info("model %s: contract checked in %.2f s", bundle.name, time.perf_counter() - started)
