@@ -271,7 +271,7 @@ def test_a_job_writes_non_finite_outputs_as_error_rows_and_refuses_a_network_tha
 
     never = model_folder(tmp_path / "never", "nonfinite", spec={**SPEC, "mean": [-1.0, -1.0, -1.0]})
     line = _run_refused(tmp_path, never)
-    assert line == (f"Error: {never / MODEL_FILE} returns NaN or infinity for every one of the 4 sample images; "
+    assert line == (f"Error: {never / MODEL_FILE} returns NaN or infinity for every one of the 2 sample images; "
                     "check its weights and its export (an FP16 export that overflows?)")
     assert _check_refused(never) == line
 
