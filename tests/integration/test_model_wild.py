@@ -27,7 +27,7 @@ from pipeline.errors import ModelError, OutputError
 from pipeline.model.folder import CACHE_ENV, LABELS_FILE, MODEL_FILE, SPEC_FILE, load_model, load_model_folder
 from pipeline.model.imaging import load_and_preprocess
 from support.every_engine import classify_everywhere
-from support.odd_models import CLASSES, EXTERNAL_DATA, NONFINITE_PHOTOS, SPEC, model_folder
+from support.odd_models import BRIGHT_IMAGES, CLASSES, EXTERNAL_DATA, SPEC, bright_images, model_folder
 from support.paths import PHOTOS
 
 PHOTO_NAMES = tuple(sorted(p.name for p in PHOTOS.glob("*.jpg")))
@@ -243,31 +243,36 @@ def test_nan_or_infinity_in_the_spec_is_refused_in_one_line(tmp_path, field, lit
 
 def test_a_non_finite_output_is_an_engine_error_row_on_every_engine(tmp_path, photos):
     folder = model_folder(tmp_path / "nonfinite", "nonfinite", seed=4)
+    images = photos + list(bright_images().values())  # the photos finite, the light one infinite, the white one NaN
     expected = _softmax(_ort_logits(model_folder(tmp_path / "finite", seed=4), photos))
-    rows = classify_everywhere(folder, photos, tmp_path, top_k=3)
+    assert not np.isfinite(_ort_logits(folder, images[len(photos):])).all(axis=1).any()
+    rows = classify_everywhere(folder, images, tmp_path, top_k=3)
     assert set(rows) >= {"onnx", "triton-portable"}
     for engine, results in rows.items():
-        for name, result, want in zip(PHOTO_NAMES, results, expected):
-            if name in NONFINITE_PHOTOS:
-                assert (result.status, result.error, result.scores) == ("error", NONFINITE_ERROR, []), engine
-            else:
-                assert result.status == "ok" and all(math.isfinite(s) for s in result.scores), engine
-                assert result.scores == pytest.approx(sorted(want, reverse=True)[:3], abs=TOLERANCE[engine]), engine
+        for result in results[len(photos):]:
+            assert (result.status, result.error, result.scores) == ("error", NONFINITE_ERROR, []), engine
+        for result, want in zip(results, expected):
+            assert result.status == "ok" and all(math.isfinite(s) for s in result.scores), engine
+            assert result.scores == pytest.approx(sorted(want, reverse=True)[:3], abs=TOLERANCE[engine]), engine
 
 
 def test_a_job_writes_non_finite_outputs_as_error_rows_and_refuses_a_network_that_is_never_finite(tmp_path,
                                                                                                  ray_local):
     from pipeline.job import run_job
 
+    source = tmp_path / "src"
+    shutil.copytree(PHOTOS, source)
+    for name, data in bright_images().items():
+        (source / name).write_bytes(data)
     folder = model_folder(tmp_path / "nonfinite", "nonfinite")
-    summary = run_job(RunConfig(source=str(PHOTOS), output=str(tmp_path / "out"), model=str(folder)))
-    assert summary.counts == {"ok": 7, "error": 3}
+    summary = run_job(RunConfig(source=str(source), output=str(tmp_path / "out"), model=str(folder)))
+    assert summary.counts == {"ok": 10, "error": 2}
     rows = _rows(tmp_path / "out")
-    assert sorted(n for n, r in rows.items() if r["status"] == "error") == sorted(NONFINITE_PHOTOS)
-    assert {rows[n]["error"] for n in NONFINITE_PHOTOS} == {NONFINITE_ERROR}
+    assert sorted(n for n, r in rows.items() if r["status"] == "error") == sorted(BRIGHT_IMAGES)
+    assert {rows[n]["error"] for n in BRIGHT_IMAGES} == {NONFINITE_ERROR}
     assert all(not any(math.isnan(s) for s in r["scores"]) for r in rows.values())
-    check = _cli("model", "check", folder, "--engine", "onnx")
-    assert check.exit_code == 1 and f"3 of 10 images failed: {NONFINITE_ERROR}" in check.stdout
+    check = _cli("model", "check", folder, "--engine", "onnx", "--images", source)
+    assert check.exit_code == 1 and f"2 of 12 images failed: {NONFINITE_ERROR}" in check.stdout
 
     never = model_folder(tmp_path / "never", "nonfinite", spec={**SPEC, "mean": [-1.0, -1.0, -1.0]})
     line = _run_refused(tmp_path, never)
