@@ -493,12 +493,13 @@ def model_check(folder: str, images: str | None, engines: tuple[str, ...], sampl
 @click.option("--checkpoint", metavar="FILE", help="timm: a state dict, train.py checkpoint or safetensors file; torchvision: a state dict.")
 @click.option("--labels", metavar="FILE", help="Class names, one a line in output order (default: the checkpoint's, ImageNet-1k's for an ImageNet timm architecture, torchvision's categories, id2label).")
 @click.option("--preset", metavar="ENTRY", help="torchvision: the weights entry whose transforms and categories apply, e.g. IMAGENET1K_V2 (default: DEFAULT).")
+@click.option("--use-ema", is_flag=True, help="timm: take a train.py checkpoint's EMA weights (state_dict_ema) instead of its state_dict.")
 @click.option("--images", metavar="SOURCE", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Folder or URL of sample photos for the parity check.")
 @click.option("--sample", type=int, default=IMPORT_SAMPLE, show_default=True, help="Sample photos compared.")
 @click.option("--min-agreement", type=float, default=IMPORT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos.")
 @click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest median over the photos of the logit difference from the framework, as a share of the photo's logit range.")
 def model_import(source: str, name: str, output: str, checkpoint: str | None, labels: str | None, preset: str | None,
-                 images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
+                 use_ema: bool, images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
     """Write a model folder from a trained network, kept only if it classifies like its framework.
 
     \b
@@ -510,7 +511,8 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
     from pipeline.model_import.core import format_result, import_model
 
     options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement, max_logit_diff=max_logit_diff)
-    result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset, options=options)
+    result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset, use_ema=use_ema,
+                          options=options)
     _echo(format_result(result))
 
 

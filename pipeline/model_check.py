@@ -1,10 +1,9 @@
 """``bulk-classify model check``: a model folder's contract, then sample images through the reference and each engine.
 
-The contract is what ``pipeline.model.folder.load_model`` and each engine's ``model_check`` refuse (labels against the output,
-the input's rank, size and layout against the spec, 0..1 mean/std with scale 1, an undeclared Softmax); on top, the
-outputs of the sample must not already sum to 1 unless the spec declares probabilities. Then every engine available
-here classifies the sample, and its top-1 and scores are compared with the CPU reference (pipeline.model.imaging +
-ONNX Runtime, softmax per the spec).
+The contract is ``pipeline.model.contract.check_contract``, the same function ``run`` calls in its driver (the
+folder's checks, then the network on a synthetic sample: its input layout and its output kind), and each engine's
+``model_check``. Then every engine available here classifies the sample images, and its top-1 and scores are
+compared with the CPU reference (pipeline.model.imaging + ONNX Runtime, scored per the spec).
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from pipeline.engines.onnx import fixed_batches
 from pipeline.engines.registry import ENGINE_NAMES, engine_spec, make_engine
-from pipeline.errors import BulkClassifyError, ConfigError, ImageError, ModelError
-from pipeline.model.folder import fixed_batch_note, load_model
+from pipeline.errors import BulkClassifyError, ConfigError, ImageError
+from pipeline.model.contract import check_contract, reference_outputs
+from pipeline.model.folder import fixed_batch_note
 from pipeline.model.imaging import load_and_preprocess
+from pipeline.model.scores import scores_of
 from pipeline.node import node_gpus
 from pipeline.schema import DEFAULT_EXTENSIONS
 from pipeline.storage import open_fs
@@ -33,8 +33,7 @@ DEFAULT_IMAGES = Path(__file__).resolve().parents[1] / "tests" / "data" / "photo
 DEFAULT_SAMPLE = 16
 DEFAULT_MIN_AGREEMENT = 0.9  # top-1 agreement with the reference an engine needs over the sample
 DEFAULT_MAX_SCORE_DIFF = 0.05  # the largest |engine score - reference probability| of the same class allowed
-SUMS_TO_ONE_TOLERANCE = 1e-3  # a row of non-negative outputs within this of 1 is a probability distribution
-CHECK_TOP_K = 5
+CHECK_TOP_K = 5  # classes compared per image (the model's all where it has fewer)
 
 
 @dataclass
@@ -84,7 +83,7 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
     """
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs
 
-    bundle = load_model(folder)
+    bundle = check_contract(folder)
     report = CheckReport(model=str(folder))
     if bundle.fixed_batch:
         report.notes.append(fixed_batch_note(bundle))
@@ -95,9 +94,7 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
             arrays.append(_reference_input(data, bundle))
         except ImageError as err:
             raise ConfigError(f"sample image {name} cannot be used ({err}); pass --images with ordinary photos")
-    raw = reference_outputs(bundle, np.stack(arrays))
-    check_output_kind(bundle, raw)
-    probs = raw.astype(np.float64) if bundle.spec.probabilities else _softmax(raw)
+    probs = scores_of(reference_outputs(bundle, np.stack(arrays)), bundle.spec.output)
     report.images = len(blobs)
     for name in engines or ENGINE_NAMES:
         spec = engine_spec(name)
@@ -138,53 +135,8 @@ def read_sample(images: str | None, sample: int, storage_options: Mapping[str, A
     return blobs
 
 
-def reference_outputs(bundle: Any, batch: np.ndarray) -> np.ndarray:
-    """The network's raw outputs on ``batch`` by ONNX Runtime, run in the fixed batch size where it has one."""
-    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
-    import onnxruntime as ort
-
-
-    session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
-
-    def forward(x: np.ndarray) -> np.ndarray:
-        return session.run([bundle.output_name], {bundle.input_name: x})[0]
-
-    try:
-        out = (fixed_batches(forward, bundle.fixed_batch) if bundle.fixed_batch else forward)(batch)
-    except Exception as err:  # ORT's own types: the model cannot run the spec's input
-        raise ModelError(f"{bundle.onnx_path} fails on the spec's input in ONNX Runtime: {err}") from None
-    if out.ndim != 2 or out.shape[1] != bundle.num_classes:
-        raise ModelError(f"{bundle.onnx_path} returns shape {list(out.shape)} for {len(batch)} images; "
-                         f"expected [{len(batch)}, {bundle.num_classes}] (one column per line of labels.txt)")
-    return out
-
-
-def check_output_kind(bundle: Any, raw: np.ndarray) -> None:
-    """ModelError where the outputs contradict the spec's ``output``: rows of probabilities declared as logits (they
-    would get a second softmax), or declared probabilities that are not."""
-    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
-    sums_to_one = bool((raw >= 0).all() and np.abs(raw.sum(axis=1) - 1).max() <= SUMS_TO_ONE_TOLERANCE)
-    where = Path(bundle.onnx_path).parent / "preprocess.json"
-    if sums_to_one and not bundle.spec.probabilities:
-        raise ModelError(f'{bundle.onnx_path}: every output row is non-negative and sums to 1 (probabilities), but '
-                         f'{where} declares logits (the default); add "output": "probabilities" to it so that no '
-                         "second softmax is applied")
-    if bundle.spec.probabilities and not sums_to_one:
-        worst = float(np.abs(raw.sum(axis=1) - 1).max())
-        raise ModelError(f'{where} declares "output": "probabilities" but {bundle.onnx_path}\'s rows are not '
-                         f"(min {float(raw.min()):.3g}, a row sum off 1 by {worst:.3g}); drop the field if they "
-                         "are logits")
-
-
 def _reference_input(data: bytes, bundle: Any) -> np.ndarray:
     return load_and_preprocess(data, bundle.spec)[0]
-
-
-def _softmax(raw: np.ndarray) -> np.ndarray:
-    import numpy as np  # noqa: PLC0415 - numpy only when the command runs
-    x = raw.astype(np.float64)
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def _unavailable(spec: Any) -> str:
@@ -200,7 +152,7 @@ def _unavailable(spec: Any) -> str:
 
 
 def _classify(name: str, bundle: Any, blobs: list[bytes]) -> list[Any]:
-    engine = make_engine(name, bundle, top_k=CHECK_TOP_K)
+    engine = make_engine(name, bundle, top_k=min(CHECK_TOP_K, bundle.num_classes))
     try:
         return engine.classify(blobs)
     finally:

@@ -8,6 +8,7 @@ driver, before Ray starts or anything is written. ``pipeline.engines.registry`` 
 from __future__ import annotations
 
 import importlib
+import math
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
@@ -17,11 +18,16 @@ from pipeline.schema import STATUS_ERROR, STATUS_OK
 from pipeline.triton import contract as tn  # stdlib only: names
 
 DEFAULT_BATCH_SIZE = 64
+# The error row of an image whose network output holds NaN or infinity: every engine's scores turn NaN for it
+# (pipeline.model.scores, the served top-k head, TopKNetwork), and results_from_topk writes this instead of them.
+NONFINITE_ERROR = ("engine_error: the network's output for this image is NaN or infinite, so it has no scores; check "
+                   "the model's weights and export (FP16 overflow?) with bulk-classify model check")
 
 
 @dataclass
 class Result:
-    """One input's outcome. Scores are softmax probabilities, descending."""
+    """One input's outcome. Scores descending: softmax probabilities, the model's own probabilities, or a sigmoid
+    per class, per its spec's ``output``."""
 
     status: str
     error: str | None = None
@@ -59,7 +65,7 @@ def results_from_topk(
     sizes: Sequence[tuple[int | None, int | None]],
     errors: Sequence[str | None] | None = None,
 ) -> list[Result]:
-    """The one place top-k arrays become ``Result`` rows.
+    """The one place top-k arrays become ``Result`` rows; a row whose scores are not finite is ``NONFINITE_ERROR``.
 
     Args:
         class_ids, scores: (N, k) arrays, best first.
@@ -71,6 +77,9 @@ def results_from_topk(
     for i, (ids, probs, (width, height)) in enumerate(zip(class_ids, scores, sizes)):
         if errors is not None and errors[i]:
             out.append(Result.failed(str(errors[i]), width, height))
+            continue
+        if not all(math.isfinite(p) for p in probs):
+            out.append(Result.failed(NONFINITE_ERROR, width, height))
             continue
         ids = [int(c) for c in ids]
         out.append(Result(

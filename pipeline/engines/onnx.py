@@ -1,5 +1,5 @@
-"""The ``onnx`` engine: ONNX Runtime on the actor's CPU cores, decoding on a thread pool; top-k of the softmax of
-logits (or of the probabilities a model declares it outputs)."""
+"""The ``onnx`` engine: ONNX Runtime on the actor's CPU cores, decoding on a thread pool; top-k of the scores the
+spec's ``output`` makes of the network's outputs (``pipeline.model.scores``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.engines.base import EngineSpec, Result, positive_int, results_from_topk
+from pipeline.engines.base import NONFINITE_ERROR, EngineSpec, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError, ImageError
+from pipeline.model.contract import fixed_batches
 from pipeline.model.folder import ModelBundle
 from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, load_and_preprocess
+from pipeline.model.scores import scores_of, top_scores
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES
 from pipeline.schema import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK
 
 LOG = logging.getLogger(__name__)
@@ -52,59 +55,30 @@ SPEC = EngineSpec(
 )
 
 
-def topk_softmax(logits: np.ndarray, k: int, *, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over the classes, then the k most probable per row.
+def topk_softmax(logits: np.ndarray, k: int, *, probabilities: bool = False,
+                 output: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k highest scores per row: of the softmax over the classes, of the rows as given (``probabilities``), or per
+    ``output`` (the spec's kind: ``pipeline.model.scores``).
 
     Args:
         logits: (N, C) array.
         k: how many classes to keep; capped at C.
-        probabilities: the rows are probabilities already (the spec's ``output``): no softmax.
 
     Returns:
-        (ids (N, k) int64, probabilities (N, k) float32), probabilities descending.
+        (ids (N, k) int64, scores (N, k) float32), descending; a row holding NaN or infinity scores NaN.
     """
-    logits = np.asarray(logits, dtype=np.float64)
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be (batch, classes), got shape {logits.shape}")
-    k = max(1, min(int(k), logits.shape[1]))
-    if probabilities:
-        probs = logits
-    else:
-        exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs = exp / exp.sum(axis=1, keepdims=True)
-    if k < probs.shape[1]:
-        part = np.argpartition(-probs, k - 1, axis=1)[:, :k]
-    else:
-        part = np.tile(np.arange(probs.shape[1]), (probs.shape[0], 1))
-    part_probs = np.take_along_axis(probs, part, axis=1)
-    order = np.argsort(-part_probs, axis=1, kind="stable")
-    ids = np.take_along_axis(part, order, axis=1).astype(np.int64)
-    return ids, np.take_along_axis(part_probs, order, axis=1).astype(np.float32)
+    kind = output or (OUTPUT_PROBABILITIES if probabilities else OUTPUT_LOGITS)
+    return top_scores(scores_of(logits, kind), k)
 
 
 def results_from_logits(
     logits: np.ndarray, labels: Sequence[str], top_k: int, sizes: Sequence[tuple[int, int]], *,
-    probabilities: bool = False,
+    output: str = OUTPUT_LOGITS,
 ) -> list[Result]:
-    """OK results from a batch of logits (or ``probabilities``) and the original (width, height) of each image."""
-    ids, probs = topk_softmax(logits, top_k, probabilities=probabilities)
-    return results_from_topk(ids, probs, labels, sizes)
-
-
-def fixed_batches(forward: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.ndarray], np.ndarray]:
-    """``forward`` for a network whose batch axis is fixed at ``size``: any batch runs in runs of exactly ``size``,
-    the last one padded with zeros whose rows are dropped."""
-
-    def run(batch: np.ndarray) -> np.ndarray:
-        outs = []
-        for start in range(0, len(batch), size):
-            part = batch[start : start + size]
-            if len(part) < size:
-                part = np.concatenate([part, np.zeros((size - len(part), *part.shape[1:]), part.dtype)])
-            outs.append(forward(part)[: len(batch) - start])
-        return np.concatenate(outs)
-
-    return run
+    """Results from a batch of raw outputs, scored per ``output`` (the spec's), and the original (width, height) of
+    each image; a row holding NaN or infinity is an engine_error row."""
+    ids, scores = topk_softmax(logits, top_k, output=output)
+    return results_from_topk(ids, scores, labels, sizes)
 
 
 class OnnxEngine:
@@ -206,7 +180,7 @@ class OnnxEngine:
             batch = np.stack([decoded[i][0] for i in ok])
             sizes = [(decoded[i][1], decoded[i][2]) for i in ok]
             results = self._infer(batch, sizes)
-            if len(results) > 1 and all(r.status != STATUS_OK for r in results):
+            if len(results) > 1 and all(r.status != STATUS_OK and r.error != NONFINITE_ERROR for r in results):
                 # Every image failing alone means the model or runtime is broken, not the inputs.
                 raise EngineError(f"ONNX Runtime failed on every image of a batch of {len(results)}: {results[0].error}")
             for i, result in zip(ok, results):
@@ -226,8 +200,7 @@ class OnnxEngine:
             LOG.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
             half = len(batch) // 2
             return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
-        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes,
-                                   probabilities=self.bundle.spec.probabilities)
+        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes, output=self.bundle.spec.output)
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         start = time.perf_counter()

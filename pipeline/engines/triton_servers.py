@@ -73,8 +73,9 @@ class ServerSupervisor:
 
         if repository is None:
             sweep_dead_owner_folders(REPOSITORY_PREFIX)
-            repository = str(cached_repository(self.profile, bundle, top_k=max(top_k, tn.DEFAULT_TOP_K),
-                                               instances=instances))
+            # one repository serves every top-k up to the default, but never more classes than the model has
+            served_k = min(max(top_k, tn.DEFAULT_TOP_K), bundle.num_classes)
+            repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances))
         preflight(repository)
 
         def start():

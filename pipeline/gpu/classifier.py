@@ -236,7 +236,7 @@ class GpuClassifier:
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
             cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
-            compile=o.compile)
+            compile=o.compile, sigmoid=spec.sigmoid)
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.

@@ -1,5 +1,5 @@
 """TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k
-(top-k alone for a network whose output is probabilities already).
+(a sigmoid per class for a multi-label model, top-k alone for a network whose output is probabilities already).
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process (the benchmarks' ensemble
 shape, ``tests/benchmarks/gpu_ensemble.py``, runs it alone in a ``network`` model).
@@ -31,6 +31,7 @@ class TopKNetwork:
         cuda_graph: capture the network per batch size (CUDA only).
         top_k: classes per image.
         probabilities: the network outputs probabilities (the spec's ``output``): no softmax after it.
+        sigmoid: the network outputs a multi-label model's logits (the spec's ``output``): a sigmoid per class.
         fixed_batch: the network takes only batches of this size (its ONNX batch axis is a number): a batch runs in
             runs of exactly that many, the last one padded.
         compile: run the network through ``torch.compile`` (None: on CUDA, for a network that asks for it with a
@@ -41,7 +42,7 @@ class TopKNetwork:
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
                  top_k: int, probabilities: bool = False, fixed_batch: int | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, sigmoid: bool = False):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -55,6 +56,7 @@ class TopKNetwork:
         self.use_graph = cuda_graph and self.is_cuda
         self.top_k = top_k
         self.probabilities = probabilities
+        self.sigmoid = sigmoid
         # A private copy: converting dtype/layout in place would change a module another classifier holds.
         net = copy.deepcopy(network).eval().to(device)
         net = net.to(memory_format=torch.channels_last)
@@ -130,13 +132,15 @@ class TopKNetwork:
         return self.run(part)[:n]
 
     def scores(self, x):
-        """(top-k probabilities float32 [N, k], their class ids int32 [N, k]) on the device, best first."""
+        """(top-k scores float32 [N, k], their class ids int32 [N, k]) on the device, best first; every score of a row
+        whose output holds NaN or infinity is NaN (its image becomes an error row)."""
         torch = self._torch
         with torch.inference_mode():
             out = self.run(x).float()
-            probs = out if self.probabilities else out.softmax(dim=-1)
+            probs = out if self.probabilities else out.sigmoid() if self.sigmoid else out.softmax(dim=-1)
             top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-            return top.values, top.indices.to(torch.int32)
+            # 0 * x is NaN exactly where x is NaN or infinite: summed over the classes, it spoils the whole row
+            return top.values + (out * 0).sum(dim=-1, keepdim=True), top.indices.to(torch.int32)
 
     def clear(self) -> None:
         self._graphs.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -67,14 +68,20 @@ def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> 
     config, spec, out = plan.config, plan.spec, plan.output
     dst_fs, dst_root = out.fs, out.root
 
-    from pipeline.model.folder import fixed_batch_note, load_model
+    from pipeline.model.contract import check_contract
+    from pipeline.model.folder import fixed_batch_note, top_k_note
 
     # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
-    bundle = load_model(config.model)  # fail fast (and build the cache once) before any actor starts
-    # the engine's own model contract (INT8, the gpu paths' network and layout): before Ray starts or DEST is touched
-    spec.check_model(bundle, config.engine_options, plan.gpus)
+    # The model's contract, as `model check` runs it (and the cache built once), before any actor starts; within it,
+    # before the network runs, the engine's own (INT8, the gpu paths' network and layout).
+    bundle = check_contract(config.model,
+                            engine_check=lambda loaded: spec.check_model(loaded, config.engine_options, plan.gpus))
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
+    if config.top_k > bundle.num_classes:  # every engine, record and carry-over then uses the model's class count
+        LOG.warning("%s", top_k_note(config.top_k, bundle))
+        plan = dataclasses.replace(plan, config=dataclasses.replace(config, top_k=bundle.num_classes))
+        config = plan.config
     check_compatible(dst_fs, dst_root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)
     t_index = time.perf_counter()
     previous = read_previous(plan.previous, bundle, config.top_k, plan.previous_parts) if plan.previous else None

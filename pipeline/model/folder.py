@@ -2,13 +2,15 @@
 
 A model folder holds (docs/models.md, "The folder"):
     model.onnx       one float32 input [batch, 3, H, W] (or NHWC, per the spec), one output [batch, classes] of logits
-                     (or probabilities, per the spec's ``output``); the batch axis dynamic, or fixed at any size
-    labels.txt       one class name per line, in output order (as many lines as classes)
+                     (or probabilities, or a multi-label model's logits, per the spec's ``output``); the batch axis
+                     dynamic, or fixed at any size; its weights inside it or in external data files beside it
+    labels.txt       one class name per line, in output order (as many lines as classes, each name once)
     preprocess.json  a PreprocessSpec as JSON, e.g. pipeline/data/efficientnet_lite0_preprocess.json
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import json
@@ -23,7 +25,7 @@ from typing import Any
 from pipeline.errors import ModelError
 from pipeline.model import default_model
 from pipeline.model.default_model import file_sha256
-from pipeline.model.imaging import PreprocessSpec
+from pipeline.model.imaging import OUTPUT_LOGITS, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -41,9 +43,14 @@ QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", 
 CACHE_ENV = "BULK_CLASSIFY_CACHE_DIR"
 APP_NAME = "bulk-classify"
 BUILD_LOCK_TIMEOUT_S = 600  # how long a process waits for another building the same cache entry
-# Every file an engine may load the network from: each is part of the model's digest, present or not.
+# Every file an engine may load the network from: each is part of the model's digest, present or not; so is each
+# external data file model.onnx names (ModelBundle.data_files).
 NETWORK_FILES = (MODEL_FILE, TORCHSCRIPT_FILE)
-DIGEST_VERSION = 1  # bump when what model_digest covers changes, so no old digest matches a new meaning
+# Bump when what model_digest covers changes for a folder it already covered, so no old digest matches a new meaning.
+# (External data files add lines of their own: a folder without them hashes as before, one with them differently.)
+DIGEST_VERSION = 1
+# How text files a user hands over may start: a byte-order mark (Notepad, PowerShell) says UTF-8 or UTF-16.
+TEXT_BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 # The name the built-in model's rows carry; outputs written before digests were recorded name it this way alone.
 BUILTIN_NAME = "efficientnet-lite0"
 
@@ -65,6 +72,7 @@ class ModelBundle:
     precision: str = PRECISION_FP32
     digest: str = ""  # model_digest() of the folder: identifies the model by what decides its answers
     fixed_batch: int | None = None  # the ONNX input's batch axis where it is a number: every run is that size
+    data_files: tuple[str, ...] = ()  # model.onnx's external data files, relative to its folder (ONNX ``location``)
 
     @property
     def num_classes(self) -> int:
@@ -76,14 +84,17 @@ class ModelBundle:
         return self.digest[:12]
 
 
-def model_digest(folder: Path, labels: tuple[str, ...], spec: PreprocessSpec) -> str:
-    """sha256 (hex) of what decides a model's answers: every network file's bytes, the labels in order, and the
-    canonical preprocessing spec; never its folder's name, path or times."""
+def model_digest(folder: Path, labels: tuple[str, ...], spec: PreprocessSpec, data_files: tuple[str, ...] = ()) -> str:
+    """sha256 (hex) of what decides a model's answers: every network file's bytes (``data_files``: model.onnx's
+    external data, relative to ``folder``), the labels in order, and the canonical preprocessing spec; never its
+    folder's name, path or times."""
 
     h = hashlib.sha256(f"bulk-classify model digest v{DIGEST_VERSION}\n".encode())
     for name in NETWORK_FILES:
         path = Path(folder) / name
         h.update(f"{name}\0{file_sha256(path) if path.is_file() else '-'}\n".encode())
+    for name in sorted(data_files):
+        h.update(f"{MODEL_FILE}:{name}\0{file_sha256(Path(folder) / name)}\n".encode())
     h.update(json.dumps(list(labels), ensure_ascii=False).encode() + b"\n")
     h.update(json.dumps(spec.to_dict(), sort_keys=True).encode())
     return h.hexdigest()
@@ -146,14 +157,13 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
     if missing:
         raise ModelError(f"model folder {folder} lacks {', '.join(missing)}; a model folder needs {MODEL_FILE}, "
                          f"{LABELS_FILE} (one class name a line) and {SPEC_FILE} (the preprocessing spec)")
+    spec_text = read_text(folder / SPEC_FILE)
     try:
-        spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
+        spec = PreprocessSpec.from_json(spec_text)
     except ModelError as e:
         raise ModelError(f"{folder / SPEC_FILE}: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelError(f"cannot read {folder / SPEC_FILE}: {e}") from None
     labels = read_labels(folder / LABELS_FILE)
-    input_name, output_name, width, precision, fixed_batch = _inspect_onnx(folder / MODEL_FILE, spec)
+    input_name, output_name, width, precision, fixed_batch, data_files = _inspect_onnx(folder / MODEL_FILE, spec)
     if width is not None and width != len(labels):
         raise ModelError(
             f"{folder / LABELS_FILE} has {len(labels)} labels but the model outputs {width} classes; "
@@ -167,8 +177,9 @@ def load_model_folder(folder: Path, *, name: str | None = None) -> ModelBundle:
         input_name=input_name,
         output_name=output_name,
         precision=precision,
-        digest=model_digest(folder, labels, spec),
+        digest=model_digest(folder, labels, spec, data_files),
         fixed_batch=fixed_batch,
+        data_files=data_files,
     )
 
 
@@ -183,13 +194,29 @@ def fixed_batch_note(bundle: ModelBundle) -> str:
             f"exactly {bundle.fixed_batch} images (the last one padded); export with a dynamic batch axis for speed")
 
 
-def read_labels(path: Path) -> tuple[str, ...]:
-    """One label per line; a trailing newline is fine, blank lines in between are not."""
+def top_k_note(top_k: int, bundle: ModelBundle) -> str:
+    """The one line said where --top-k asks for more classes than the model has: the run writes them all."""
+    return (f"--top-k {top_k} is more than the {bundle.num_classes} classes of model {bundle.name!r}: each row holds "
+            f"all {bundle.num_classes}, best first")
+
+
+def read_text(path: Path) -> str:
+    """A text file as its editor wrote it: UTF-8, with or without a byte-order mark, or UTF-16 with one (PowerShell's
+    ``>``); line ends are the caller's (``splitlines`` reads LF, CRLF and CR alike)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelError(f"cannot read {path} as UTF-8 text: {e}") from None
-    lines = text.splitlines()
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e}") from None
+    encoding = next((name for bom, name in TEXT_BOMS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ModelError(f"cannot read {path} as UTF-8 text ({e}); save it as UTF-8") from None
+
+
+def read_labels(path: Path) -> tuple[str, ...]:
+    """One label per line, each once; a trailing newline is fine, blank lines in between are not."""
+    lines = read_text(path).splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
@@ -197,12 +224,26 @@ def read_labels(path: Path) -> tuple[str, ...]:
     blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
     if blank:
         raise ModelError(f"{path} has blank label lines ({', '.join(map(str, blank[:5]))}); name every class")
-    return tuple(line.strip() for line in lines)
+    labels = tuple(line.strip() for line in lines)
+    check_unique_labels(labels, str(path))
+    return labels
 
 
-def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | None, str, int | None]:
+def check_unique_labels(labels: tuple[str, ...], where: str, *,
+                        fix: str = "give every class its own name, e.g. 'crane (bird)' and 'crane (machine)'") -> None:
+    """ModelError where two classes share a name (``where``: a file, lines counted from 1): their rows, label counts
+    and drift could not be told apart."""
+    first: dict[str, int] = {}
+    for line, label in enumerate(labels, 1):
+        if label in first:
+            raise ModelError(f"{where} names {label!r} twice (lines {first[label]} and {line}); {fix}")
+        first[label] = line
+
+
+def _inspect_onnx(path: Path, spec: PreprocessSpec
+                  ) -> tuple[str, str, int | None, str, int | None, tuple[str, ...]]:
     """Checks the ONNX graph's one input and output against the spec; returns (input name, output name, output width,
-    precision, fixed batch size or None)."""
+    precision, fixed batch size or None, external data files)."""
     import onnx
 
     try:
@@ -211,6 +252,7 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
         raise ModelError(f"cannot read {path} as ONNX ({type(e).__name__}: {e}); export the model with "
                          "torch.onnx.export or tf2onnx and save it as model.onnx") from None
     graph = model.graph
+    data_files = external_data_files(model, path)
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
     if len(inputs) != 1 or len(graph.output) != 1:
@@ -229,13 +271,58 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec) -> tuple[str, str, int | Non
     out_dims = _dims(out)
     if len(out_dims) != 2:
         raise ModelError(f"{path}: output {out.name!r} has shape {_fmt_dims(out_dims)}; expected [batch, classes]")
-    if not spec.probabilities and _ends_in_softmax(graph, out.name):
+    last = _last_op(graph, out.name)
+    if last == "Softmax" and not spec.probabilities:
         raise ModelError(f'{path}: output {out.name!r} is a Softmax, so it holds probabilities, but {SPEC_FILE} '
-                         'declares logits (the default); add "output": "probabilities" to it so that no second '
-                         "softmax is applied")
+                         f'declares {spec.output}{" (the default)" if spec.output == OUTPUT_LOGITS else ""}; set '
+                         '"output": "probabilities" in it so that no second softmax is applied')
+    if last == "Sigmoid":
+        raise ModelError(f"{path}: output {out.name!r} is a Sigmoid (independent per-class probabilities); export the "
+                         f'network without its final Sigmoid and set "output": "sigmoid" in {SPEC_FILE}: the engines '
+                         "apply the sigmoid")
     precision = PRECISION_INT8 if any(n.op_type in QUANTIZED_OPS for n in graph.node) else PRECISION_FP32
     width = out_dims[1] if out_dims[1] is not None else _inferred_width(model, out.name)
-    return inp.name, out.name, width, precision, dims[0]
+    return inp.name, out.name, width, precision, dims[0], data_files
+
+
+def external_data_files(model: Any, path: Path) -> tuple[str, ...]:
+    """The files beside ``path`` that ``model``'s tensors keep their data in (ONNX external data, as
+    ``onnx.save_model(..., save_as_external_data=True)`` and torch's exporter past 2 GB write it), from their
+    ``location`` fields, without reading the data; ModelError for a location outside the folder or a missing file."""
+    import onnx
+
+    folder = Path(path).parent
+    found: set[str] = set()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (folder / location).resolve()
+        if not location or Path(location).is_absolute() or not target.is_relative_to(folder.resolve()):
+            raise ModelError(f"{path}: tensor {tensor.name!r} keeps its data at {location!r}, outside the model "
+                             "folder; save the model with its external data beside model.onnx (a relative location)")
+        if not target.is_file():
+            raise ModelError(f"{path}: tensor {tensor.name!r} keeps its data in {location!r}, which is not in "
+                             f"{folder}; copy {location} beside {MODEL_FILE} (it holds the model's weights)")
+        found.add(Path(os.path.normpath(location)).as_posix())
+    return tuple(sorted(found))
+
+
+def _all_tensors(graph: Any):
+    """Every tensor a graph holds: initializers (sparse ones' parts too) and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _all_tensors(sub)
 
 
 def _inferred_width(model: Any, output: str) -> int | None:
@@ -257,29 +344,37 @@ def _dims(value: Any) -> list[int | None]:
 
 
 def _shape_fix(dims: list[int | None], spec: PreprocessSpec) -> str:
-    """What to change where the ONNX input and the spec disagree: the layout when the axes are merely swapped."""
-    if len(dims) == 4 and dims[1] == 3 and spec.layout == "NHWC":
+    """What to change where the ONNX input and the spec disagree: the layout when the axes are merely swapped, the
+    network's input where it does not take 3 channels, else the crop."""
+    if len(dims) != 4:
+        return "export a model with one [batch, 3, height, width] (or NHWC) image input"
+    if dims[1] == 3 and spec.layout == "NHWC":
         return 'the model is channels first: set "layout": "NCHW" in preprocess.json'
-    if len(dims) == 4 and dims[3] == 3 and spec.layout == "NCHW":
+    if dims[3] == 3 and spec.layout == "NCHW":
         return 'the model is channels last: set "layout": "NHWC" in preprocess.json'
-    if len(dims) == 4:
-        h, w = (dims[2], dims[3]) if dims[1] == 3 else (dims[1], dims[2])
-        return f"set \"crop\": [{h}, {w}] in preprocess.json (the model's input size), or re-export the model"
-    return "export a model with one [batch, 3, height, width] (or NHWC) image input"
+    channels = dims[1] if spec.layout == "NCHW" else dims[3]
+    if channels is not None and channels != 3:
+        kind = " (grayscale)" if channels == 1 else ""
+        return (f"the model takes {channels} channel{'s' if channels != 1 else ''}{kind} and bulk-classify feeds 3 (RGB) only; "
+                "export it with a 3-channel input (for a gray network, a first layer that turns RGB into gray, "
+                "e.g. 0.299 R + 0.587 G + 0.114 B)")
+    h, w = (dims[2], dims[3]) if spec.layout == "NCHW" else (dims[1], dims[2])
+    crop = [spec.crop[0] if h is None else h, spec.crop[1] if w is None else w]
+    return f"set \"crop\": {crop} in preprocess.json (the model's input size), or re-export the model"
 
 
 # Nodes that pass a tensor's values on unchanged: a Softmax behind them still makes the output probabilities.
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"})
 
 
-def _ends_in_softmax(graph: Any, name: str) -> bool:
-    """Whether the tensor ``name`` comes from a Softmax through nodes that keep its values (a LogSoftmax needs no
-    declaration: softmax of log-probabilities gives the same probabilities back)."""
+def _last_op(graph: Any, name: str) -> str | None:
+    """The operator that computes the tensor ``name``'s values, through nodes that keep them (a Softmax there makes
+    probabilities; a LogSoftmax needs no declaration: softmax of log-probabilities gives the same probabilities)."""
     producers = {o: n for n in graph.node for o in n.output}
     node = producers.get(name)
     while node is not None and node.op_type in _PASS_THROUGH and node.input:
         node = producers.get(node.input[0])
-    return node is not None and node.op_type == "Softmax"
+    return None if node is None else node.op_type
 
 
 def _fmt_dims(dims: list[int | None]) -> str:

@@ -168,9 +168,11 @@ def crop_box(width: float, height: float, spec: PreprocessSpec) -> tuple[float, 
     if spec.resize == RESIZE_SQUASH:
         return 0.0, 0.0, float(width), float(height)
     crop_h, crop_w = spec.crop
-    factor = spec.resize_shorter / min(width, height)
-    box_w, box_h = crop_w / factor, crop_h / factor
-    return (width - box_w) / 2.0, (height - box_h) / 2.0, box_w, box_h
+    shorter = min(width, height)
+    # Multiplied before dividing: a crop as large as resize_shorter spans the shorter side exactly, where dividing
+    # by the factor first could overshoot it by an ulp (a negative offset, which Pillow refuses).
+    box_w, box_h = crop_w * shorter / spec.resize_shorter, crop_h * shorter / spec.resize_shorter
+    return max(0.0, (width - box_w) / 2.0), max(0.0, (height - box_h) / 2.0), box_w, box_h
 
 
 def _resample(

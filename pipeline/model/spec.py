@@ -20,9 +20,10 @@ LAYOUTS = ("NCHW", "NHWC")
 # stretched to the crop size (aspect ratio not kept, nothing cut off; common for product classifiers).
 RESIZE_SHORTER, RESIZE_SQUASH = "shorter", "squash"
 RESIZE_MODES = (RESIZE_SHORTER, RESIZE_SQUASH)
-# What the model's output holds: logits (the engines apply softmax) or probabilities already (they do not).
-OUTPUT_LOGITS, OUTPUT_PROBABILITIES = "logits", "probabilities"
-OUTPUT_KINDS = (OUTPUT_LOGITS, OUTPUT_PROBABILITIES)
+# What the model's output holds and how the engines score it: logits of one class out of many (a softmax over the
+# classes), probabilities already (as given), or logits of independent classes, a multi-label model (a sigmoid each).
+OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID = "logits", "probabilities", "sigmoid"
+OUTPUT_KINDS = (OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID)
 # The scale that turns 0..255 pixels into 0..1, written as a spec needs it (repr of 1/255).
 UNIT_SCALE = 1 / 255
 # timm's pretrained_cfg fields that preprocess.json accepts too; its crop_pct when only input_size is given.
@@ -41,7 +42,8 @@ class PreprocessSpec:
     The scale factor is exact (no rounding of the intermediate size): equivalent to cropping the source to
     ``crop * shorter / resize_shorter`` pixels around its centre and resizing that region to ``crop``.
     ``antialias`` means the resampling kernel is widened when downscaling (Pillow always does this; DALI's
-    ``fn.resize(antialias=True)`` matches it). ``output`` says whether the network gives logits or probabilities.
+    ``fn.resize(antialias=True)`` matches it). ``output`` says what the network gives: logits (scored by a softmax),
+    probabilities (scored as given) or independent logits of a multi-label model (scored by a sigmoid each).
     ``to_dict`` leaves out ``resize`` and ``output`` at their defaults, so specs written before them keep their
     canonical JSON (and the model digest that hashes it).
     """
@@ -95,8 +97,9 @@ class PreprocessSpec:
             problems.append(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.output not in OUTPUT_KINDS:
             problems.append(f"output must be one of {', '.join(OUTPUT_KINDS)}, got {self.output!r}")
-        if isinstance(self.scale, bool) or not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            problems.append(f"scale must be a positive number, got {self.scale!r}")
+        if isinstance(self.scale, bool) or not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
+                                                and self.scale > 0):
+            problems.append(f"scale must be a positive finite number, got {self.scale!r}")
         if len(std) == 3 and any(v <= 0 for v in std):
             problems.append(f"std must have 3 positive values, got {list(std)!r}")
         if problems:
@@ -119,6 +122,11 @@ class PreprocessSpec:
     def probabilities(self) -> bool:
         """Whether the network's output is already probabilities (no softmax after it)."""
         return self.output == OUTPUT_PROBABILITIES
+
+    @property
+    def sigmoid(self) -> bool:
+        """Whether each class is scored alone, by a sigmoid of its logit (a multi-label model; no softmax)."""
+        return self.output == OUTPUT_SIGMOID
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical form: every field, except ``resize``/``output`` at their defaults and ``resize_shorter``
@@ -160,11 +168,23 @@ class PreprocessSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "PreprocessSpec":
+        """The spec of a JSON text; a key written twice is refused (json keeps the last silently)."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ModelError(f"bad preprocessing spec: not valid JSON ({e})") from None
         return cls.from_dict(data)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, or ModelError naming the first key written twice."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ModelError(f"bad preprocessing spec: {key!r} is written twice (JSON keeps the last one silently); "
+                             "keep one")
+        seen[key] = value
+    return seen
 
 
 def _pair(value: Any, problems: list[str]) -> tuple[int, ...]:
@@ -181,14 +201,15 @@ def _pair(value: Any, problems: list[str]) -> tuple[int, ...]:
 
 
 def _triple(value: Any, name: str, problems: list[str]) -> tuple[float, ...]:
-    """``mean``/``std`` per channel: a scalar means the same for all three."""
+    """``mean``/``std`` per channel: a scalar means the same for all three; NaN and infinity are refused (Python's
+    json reads them)."""
     try:
         triple = (float(value),) * 3 if isinstance(value, (int, float)) else tuple(float(v) for v in value)
-        if len(triple) == 3:
+        if len(triple) == 3 and all(math.isfinite(v) for v in triple):
             return triple
     except (TypeError, ValueError):
         pass
-    problems.append(f"{name} must have 3 values (one per channel) or one for all, got {value!r}")
+    problems.append(f"{name} must have 3 values (one per channel) or one for all, finite numbers, got {value!r}")
     return ()
 
 

@@ -28,7 +28,11 @@ from pipeline.errors import ConfigError, ImageError, ModelError
 from pipeline.model.onnx_graph import faithful_slim
 from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
-from pipeline.model.folder import LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, load_model_folder, read_labels
+from pipeline.model.folder import (
+    LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, check_unique_labels, load_model_folder, read_labels,
+)
+from pipeline.model.scores import scores_of
+from pipeline.model.spec import OUTPUT_LOGITS
 from pipeline.model_import.base import SourceModel
 
 LOG = logging.getLogger(__name__)
@@ -117,7 +121,7 @@ class ImportResult:
 
 
 def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoint: str | None = None,
-                 labels: str | None = None, preset: str | None = None,
+                 labels: str | None = None, preset: str | None = None, use_ema: bool = False,
                  options: ImportOptions = ImportOptions()) -> ImportResult:
     """Writes the model folder ``output`` from ``name`` of ``source`` (a key of SOURCES), if it passes parity.
 
@@ -126,6 +130,7 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
         checkpoint: the weights file (timm, torchvision).
         labels: a labels file (one class a line) instead of the source's own class names.
         preset: torchvision's weights entry whose transforms and categories apply (e.g. IMAGENET1K_V2).
+        use_ema: timm: a train.py checkpoint's EMA weights (``state_dict_ema``) instead of its ``state_dict``.
 
     Raises:
         ConfigError: a bad argument, or ``output`` holds files. ModelError: the source cannot be loaded, its
@@ -141,7 +146,9 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
     label_names = read_labels(Path(labels).expanduser()) if labels else None
     loader = _loader(source)
     model = loader(name, checkpoint=Path(checkpoint).expanduser() if checkpoint else None, labels=label_names,
-                   preset=preset)
+                   preset=preset, use_ema=use_ema)
+    check_unique_labels(model.labels, f"the {LABELS_FILE} of {model.description}",
+                        fix="pass --labels FILE with one name per class, each once")
     try:
         spec = PreprocessSpec.from_dict(model.spec)
     except ModelError as e:
@@ -238,18 +245,19 @@ def compare(model: SourceModel, bundle: Any, samples: list[tuple[str, bytes]]) -
         ours.append(session.run([bundle.output_name], {bundle.input_name: np.stack(arrays)})[0])
         exported.append(session.run([bundle.output_name], {bundle.input_name: batch.float().numpy()})[0])
     framework_logits = np.concatenate(framework)
-    export_diff = parity_of(framework_logits, np.concatenate(exported)).max_logit_diff
-    return dataclasses.replace(parity_of(framework_logits, np.concatenate(ours)), export_diff=export_diff)
+    output = bundle.spec.output
+    export_diff = parity_of(framework_logits, np.concatenate(exported), output).max_logit_diff
+    return dataclasses.replace(parity_of(framework_logits, np.concatenate(ours), output), export_diff=export_diff)
 
 
-def parity_of(framework: np.ndarray, ours: np.ndarray) -> Parity:
-    """The agreement of two [images, classes] logit arrays."""
+def parity_of(framework: np.ndarray, ours: np.ndarray, output: str = OUTPUT_LOGITS) -> Parity:
+    """The agreement of two [images, classes] logit arrays; ``output``: how the spec scores them (which images the
+    framework decides clearly)."""
     framework, ours = framework.astype(np.float64), ours.astype(np.float64)
     diff = np.abs(framework - ours).max(axis=1)
     spread = np.maximum(framework.max(axis=1) - framework.min(axis=1), 1e-12)
     relative = diff / spread
-    probs = np.exp(framework - framework.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
+    probs = scores_of(framework, output)
     top2 = np.sort(probs, axis=1)[:, -2:] if probs.shape[1] > 1 else np.hstack([np.zeros_like(probs), probs])
     decisive = (top2[:, 1] - top2[:, 0]) >= DECISIVE_MARGIN
     same = framework.argmax(axis=1) == ours.argmax(axis=1)

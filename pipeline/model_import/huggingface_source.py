@@ -12,11 +12,15 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassi
 from transformers.utils import logging as hf_logging
 
 from pipeline.errors import ConfigError, ModelError
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_SIGMOID
 from pipeline.model_import.base import SourceModel, spec_fields
 
 CONFIG_FILE = "config.json"
 PROCESSOR_FILE = "preprocessor_config.json"
 CONVNEXT_SQUASH_FROM = 384  # ConvNextImageProcessor squashes to shortest_edge from this size on
+# config.json's problem_type -> how its logits are scored (the spec's output); None is how most configs leave it.
+PROBLEM_OUTPUTS = {None: OUTPUT_LOGITS, "single_label_classification": OUTPUT_LOGITS,
+                   "multi_label_classification": OUTPUT_SIGMOID}
 
 
 class Logits(torch.nn.Module):
@@ -30,11 +34,14 @@ class Logits(torch.nn.Module):
         return self.model(pixel_values=pixel_values).logits
 
 
-def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None) -> SourceModel:
-    """The model folder ``name`` as ``from_pretrained`` reads it, local files only."""
+def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None,
+         use_ema: bool = False) -> SourceModel:
+    """The model folder ``name`` as ``from_pretrained`` reads it, local files only; a ``multi_label_classification``
+    model's spec declares ``"output": "sigmoid"``."""
     folder = Path(name).expanduser()
-    if checkpoint or preset:
-        raise ConfigError("a Hugging Face folder holds its weights and preprocessing; drop --checkpoint and --preset")
+    if checkpoint or preset or use_ema:
+        raise ConfigError("a Hugging Face folder holds its weights and preprocessing; drop --checkpoint, --preset and "
+                          "--use-ema")
     missing = [f for f in (CONFIG_FILE, PROCESSOR_FILE) if not (folder / f).is_file()]
     if missing:
         raise ConfigError(f"{folder} is not a Hugging Face image-classification folder: it lacks {', '.join(missing)} "
@@ -49,6 +56,10 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"transformers cannot load {folder} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
+    problem = getattr(config, "problem_type", None)
+    if problem not in PROBLEM_OUTPUTS:
+        raise ModelError(f"{folder / CONFIG_FILE} has problem_type {problem!r}, not a classifier; import a model whose "
+                         f"problem_type is one of {', '.join(str(p) for p in PROBLEM_OUTPUTS)}")
     classes = int(config.num_labels)
     if labels is None:
         labels = tuple(str(config.id2label[i]) for i in range(classes))
@@ -59,9 +70,13 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     def transform(image: Image.Image) -> torch.Tensor:
         return torch.from_numpy(processor(images=image, return_tensors="np")["pixel_values"][0])
 
-    return SourceModel(network=Logits(model).eval(), transform=transform, labels=labels,
-                       spec=spec_from_processor(processor), description=f"{type(model).__name__} from {folder.name}",
-                       notes=[f"preprocessing: {type(processor).__name__} of {PROCESSOR_FILE}"])
+    notes = [f"preprocessing: {type(processor).__name__} of {PROCESSOR_FILE}"]
+    spec = spec_from_processor(processor)
+    if PROBLEM_OUTPUTS[problem] != OUTPUT_LOGITS:
+        spec["output"] = PROBLEM_OUTPUTS[problem]
+        notes.append(f'scores: "output": "{spec["output"]}", a sigmoid per class (problem_type {problem})')
+    return SourceModel(network=Logits(model).eval(), transform=transform, labels=labels, spec=spec,
+                       description=f"{type(model).__name__} from {folder.name}", notes=notes)
 
 
 def spec_from_processor(processor: Any) -> dict[str, Any]:

@@ -20,12 +20,17 @@ from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
 
 # Where a checkpoint may keep its class names (timm's own train.py keeps none; many fine-tuning scripts do).
 LABEL_KEYS = ("class_names", "classes", "labels", "label_names")
+# Where a checkpoint keeps its weights, in the order timm's load_state_dict looks: the EMA copies (train.py's
+# --model-ema) only when asked (--use-ema, as timm's validate.py spells it), else the trained weights.
+EMA_KEYS = ("state_dict_ema", "model_ema")
+WEIGHT_KEYS = ("state_dict", "model")
 IMAGENET_CLASSES = 1000
 
 
-def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None) -> SourceModel:
+def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None,
+         use_ema: bool = False) -> SourceModel:
     """The timm architecture ``name`` with the weights of ``checkpoint`` (a state dict, timm's train.py checkpoint,
-    or safetensors); nothing is downloaded."""
+    or safetensors; ``use_ema``: its EMA weights); nothing is downloaded."""
     if preset:
         raise ConfigError("--preset is for torchvision; timm's preprocessing comes from the model's pretrained_cfg")
     if checkpoint is None:
@@ -35,7 +40,7 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         raise ConfigError(f"timm has no architecture {name!r}" + (f"; did you mean {', '.join(close)}?" if close
                                                                   else "; see timm.list_models()"))
-    state, names = read_checkpoint(checkpoint)
+    state, names, taken = read_checkpoint(checkpoint, use_ema=use_ema)
     probe = timm.create_model(name, pretrained=False)
     classes = _classes_in(state, probe.pretrained_cfg.get("classifier")) or probe.num_classes
     labels = labels or names
@@ -44,7 +49,7 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
                          "--labels with one name per class")
     network = timm.create_model(name, pretrained=False, num_classes=classes)
     fit_weights(network, state, checkpoint, f"timm's {name} with {classes} classes")
-    notes = []
+    notes = [taken]
     if labels is None:
         if classes != IMAGENET_CLASSES or timm.data.infer_imagenet_subset(network) != "imagenet-1k":
             raise ConfigError(f"{checkpoint} holds no class names; pass --labels FILE (one per line, {classes} lines)")
@@ -74,22 +79,37 @@ def spec_from_config(config: dict[str, Any]) -> dict[str, Any]:
                        mean=config["mean"], std=config["std"])
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], tuple[str, ...] | None]:
-    """(state dict, class names or None) of a weights file, read without running code from it."""
+def read_checkpoint(path: Path, *, use_ema: bool = False) -> tuple[dict[str, Any], tuple[str, ...] | None, str]:
+    """(state dict, class names or None, which weights were taken: one line) of a weights file, read without running
+    code from it. A train.py checkpoint gives its ``state_dict``, or with ``use_ema`` its ``state_dict_ema``."""
     if not path.is_file():
         raise ConfigError(f"--checkpoint {path} is not a file")
-    names = None
+    names, keys = None, []
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):  # timm's train.py saves its arguments
             if path.suffix != ".safetensors":
                 raw = torch.load(str(path), map_location="cpu", weights_only=True)
                 found = [raw[k] for k in LABEL_KEYS if isinstance(raw, dict) and isinstance(raw.get(k), (list, tuple))]
                 names = tuple(str(v) for v in found[0]) if found else None
-            state = load_state_dict(str(path), use_ema=False, weights_only=True)
+                keys = [k for k in (*EMA_KEYS, *WEIGHT_KEYS) if isinstance(raw, dict) and isinstance(raw.get(k), dict)]
+            ema = next((k for k in EMA_KEYS if k in keys), None)
+            if use_ema and ema is None:
+                raise ConfigError(f"--use-ema: {path} holds no EMA weights ({' or '.join(EMA_KEYS)}); drop --use-ema "
+                                  "to import its trained weights")
+            state = load_state_dict(str(path), use_ema=use_ema, weights_only=True)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - torch.load and safetensors raise many types
         raise ModelError(f"cannot read {path} as a checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                          "save the weights with torch.save(model.state_dict(), path) or as safetensors") from None
-    return state, names
+    if use_ema:
+        taken = f"weights: the checkpoint's EMA weights ({ema}), as asked by --use-ema"
+    else:
+        key = next((k for k in WEIGHT_KEYS if k in keys), None)
+        taken = f"weights: the checkpoint's {key}" if key else "weights: the file's state dict"
+        if ema:
+            taken += f"; it also holds EMA weights ({ema}): --use-ema imports those instead"
+    return state, names, taken
 
 
 def _classes_in(state: dict[str, Any], classifier: Any) -> int | None:

@@ -12,9 +12,13 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
 
 
-def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None) -> SourceModel:
+def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None,
+         use_ema: bool = False) -> SourceModel:
     """torchvision's ``name`` with the state dict in ``checkpoint``; ``preset`` names the weights entry (default:
     the model's DEFAULT) whose eval transforms and categories apply. Its weights are never downloaded."""
+    if use_ema:
+        raise ConfigError("--use-ema is for timm's train.py checkpoints; a torchvision state dict holds one set of "
+                          "weights")
     if name not in models.list_models(module=models):
         raise ConfigError(f"torchvision has no classification model {name!r}; see "
                           "torchvision.models.list_models(module=torchvision.models)")

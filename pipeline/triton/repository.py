@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.default_model import DEFAULT_SPEC
-from pipeline.model.folder import LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, load_model
+from pipeline.model.folder import (
+    LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, external_data_files, load_model,
+)
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -92,17 +95,23 @@ def preprocess():
 
 
 def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str | None = None,
-                  probabilities: bool = False) -> Path:
-    """Writes the classifier with Softmax and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
+                  output: str = OUTPUT_LOGITS, probabilities: bool = False) -> Path:
+    """Writes the classifier with its scoring and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
 
-    Scores become probabilities inside the graph (TopK alone where the model outputs ``probabilities``, per its
-    spec), so TensorRT (production) and ONNX Runtime (portable) return only k ids and scores per image."""
+    Scores are made inside the graph per the spec's ``output`` (``probabilities=True`` stands for
+    ``output="probabilities"``): a Softmax over logits, a Sigmoid per class, or TopK alone for probabilities; a row
+    whose outputs hold NaN or infinity scores NaN (``pipeline.model.scores`` does the same on the CPU). TensorRT
+    (production) and ONNX Runtime (portable) thus return only k ids and scores per image. A network whose weights are
+    external data keeps them so: beside ``out_path`` in ``<its name>.data``."""
     import onnx  # noqa: PLC0415
     from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
 
     import numpy as np  # noqa: PLC0415
 
-    model = onnx.load(str(onnx_path))
+    if probabilities:
+        output = OUTPUT_PROBABILITIES
+    model = onnx.load(str(onnx_path))  # external data too, from beside it
+    external = bool(external_data_files(onnx.load(str(onnx_path), load_external_data=False), Path(onnx_path)))
     graph = model.graph
     if len(graph.output) != 1:
         raise ModelError(f"{onnx_path} has {len(graph.output)} outputs; the classifier must have one (logits)")
@@ -114,13 +123,29 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     if classes is not None and not 1 <= k <= classes:
         raise ConfigError(f"top_k={k} must be between 1 and the model's {classes} classes")
     batch = dims[0].dim_param or "batch" if dims else "batch"
-    graph.initializer.append(numpy_helper.from_array(np.array([k], dtype=np.int64), "bc_top_k"))
-    scores = logits.name if probabilities else "bc_probabilities"
-    softmax = [] if probabilities else [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")]
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    graph.initializer.extend([numpy_helper.from_array(np.array([k], dtype=np.int64), "bc_top_k"),
+                              numpy_helper.from_array(np.array(0, dtype=np.float32), "bc_zero")])
+    scores = logits.name if output == OUTPUT_PROBABILITIES else "bc_scores"
+    scoring = {OUTPUT_LOGITS: [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")],
+               OUTPUT_SIGMOID: [helper.make_node("Sigmoid", [logits.name], [scores], name="bc_sigmoid")],
+               OUTPUT_PROBABILITIES: []}[output]
+    # 0 * x is NaN exactly where x is NaN or infinite; summed over the classes and added to the top-k scores, it
+    # turns every score of such a row NaN, and the client writes the row as an engine error.
+    if opset >= 13:
+        graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "bc_class_axis"))
+        reduce = helper.make_node("ReduceSum", ["bc_zeroed", "bc_class_axis"], ["bc_finite"], keepdims=1,
+                                  name="bc_finite_sum")
+    else:
+        reduce = helper.make_node("ReduceSum", ["bc_zeroed"], ["bc_finite"], axes=[-1], keepdims=1,
+                                  name="bc_finite_sum")
     graph.node.extend([
-        *softmax,
-        helper.make_node("TopK", [scores, "bc_top_k"], [tn.OUTPUT_SCORES, "bc_indices"],
+        *scoring,
+        helper.make_node("Mul", [logits.name, "bc_zero"], ["bc_zeroed"], name="bc_zeroed"),
+        reduce,
+        helper.make_node("TopK", [scores, "bc_top_k"], ["bc_top_scores", "bc_indices"],
                          axis=-1, largest=1, sorted=1, name="bc_topk"),
+        helper.make_node("Add", ["bc_top_scores", "bc_finite"], [tn.OUTPUT_SCORES], name="bc_nonfinite"),
         helper.make_node("Cast", ["bc_indices"], [tn.OUTPUT_CLASS_IDS], to=TensorProto.INT32, name="bc_cast"),
     ])
     del graph.output[:]
@@ -128,8 +153,16 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
         helper.make_tensor_value_info(tn.OUTPUT_SCORES, TensorProto.FLOAT, [batch, k]),
         helper.make_tensor_value_info(tn.OUTPUT_CLASS_IDS, TensorProto.INT32, [batch, k]),
     ])
-    onnx.checker.check_model(model)
-    onnx.save(model, str(out_path))
+    out_path = Path(out_path)
+    if external:  # past protobuf's 2 GB a model can only be saved (and checked) with its weights outside
+        data = out_path.with_name(out_path.name + ".data")
+        data.unlink(missing_ok=True)  # save_model appends to an existing data file
+        onnx.save_model(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name)
+        onnx.checker.check_model(str(out_path))
+    else:
+        onnx.checker.check_model(model)
+        onnx.save(model, str(out_path))
     return out_path
 
 
@@ -220,7 +253,7 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(Path(onnx_path).read_bytes()):
+    if not parser.parse_from_file(str(onnx_path)):  # from the file: its external data is read from beside it
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise ModelError(f"TensorRT cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
@@ -300,7 +333,7 @@ def _build_portable(model, output, *, top_k, instances, max_batch_size, artifact
     if artifacts:
         bundle = load_model(model)
         add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name,
-                      probabilities=bundle.spec.probabilities)
+                      output=bundle.spec.output)
         (folder / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
         (folder / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
     return out
@@ -323,7 +356,7 @@ def _build_production(model, output, *, top_k, instances, max_batch_size, artifa
     plans = {}
     if artifacts:
         head = add_topk_head(bundle.onnx_path, trt_dir / VERSION / MODEL_FILE, k=top_k,
-                             output_name=bundle.output_name, probabilities=bundle.spec.probabilities)
+                             output_name=bundle.output_name, output=bundle.spec.output)
         (ens_dir / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
         key = build_trt_plan(head, trt_dir, bundle.spec, max_batch_size=max_batch_size)
         if key is not None:
@@ -337,7 +370,8 @@ def _build_production(model, output, *, top_k, instances, max_batch_size, artifa
 
 def gpu_model_files(model: str | None) -> tuple[Any, list[Path]]:
     """The spec of ``model`` (a model folder, or None for the default) and the files a served network loads (a user's
-    ``model.onnx``, which each instance converts to torch, and any ``model.torchscript``).
+    ``model.onnx`` with its external data files, which each instance converts to torch, and any
+    ``model.torchscript``), each copied under its name relative to the folder.
 
     Raises:
         ModelError: an INT8 model.
@@ -348,7 +382,9 @@ def gpu_model_files(model: str | None) -> tuple[Any, list[Path]]:
     if bundle.precision == PRECISION_INT8:
         raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
                          "portable for it, or pass the FP32 model")
-    return bundle.spec, [p for p in (Path(bundle.onnx_path), Path(model) / TORCHSCRIPT_FILE) if p.is_file()]
+    folder = Path(bundle.onnx_path).parent
+    files = [Path(bundle.onnx_path), *(folder / name for name in bundle.data_files), folder / TORCHSCRIPT_FILE]
+    return bundle.spec, [p for p in files if p.is_file()]
 
 
 def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path:
@@ -369,8 +405,10 @@ def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path
     spec, network_files = gpu_model_files(model)
     version = Path(output).expanduser() / tn.MODEL_NAME / VERSION
     version.mkdir(parents=True, exist_ok=True)
-    for path in network_files:
-        shutil.copyfile(path, version / path.name)
+    for path in network_files:  # external data keeps its place relative to model.onnx
+        target = version / path.relative_to(network_files[0].parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
     (version.parent / CONFIG_FILE).write_text(config, encoding="utf-8")
     (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
                                      encoding="utf-8")

@@ -199,7 +199,7 @@ def test_timm_checkpoints_as_training_scripts_save_them(tmp_path):
                 "optimizer": torch.optim.SGD(network.parameters(), lr=0.1).state_dict(), "epoch": 3}, train)
     save_file(network.state_dict(), tmp_path / "model.safetensors")
     for path in (train, tmp_path / "model.safetensors"):
-        state, names = timm_source.read_checkpoint(path)
+        state, names, _taken = timm_source.read_checkpoint(path)
         assert set(state) == set(network.state_dict()) and names is None
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelError, match=r"cannot read .*junk.pth as a checkpoint .*save the weights with torch.save"):

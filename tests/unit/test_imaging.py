@@ -220,3 +220,13 @@ def test_table_lookup_normalization_is_bit_identical_to_the_arithmetic(layout, o
     assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == want.shape
     assert np.array_equal(got, want)  # exactly, not approximately
     assert np.array_equal(normalize_array(rgb.astype(np.float32), spec), want)  # the float path agrees
+
+
+@pytest.mark.parametrize("size, shorter", [(32, 253), (224, 374), (384, 482)])
+def test_a_crop_as_large_as_resize_shorter_spans_the_shorter_side_of_every_size(size, shorter):
+    """crop == resize_shorter (timm's crop_pct 1, a processor whose shortest_edge is its crop): the box is the whole
+    shorter side; dividing by the scale factor first overshot it by an ulp for these sizes, which Pillow refused."""
+    spec = PreprocessSpec(resize_shorter=size, crop=size)
+    for width, height in ((shorter + 67, shorter), (shorter, shorter + 67)):
+        x = preprocess_image(Image.new("RGB", (width, height), (90, 120, 200)), spec)
+        assert x.shape == (3, size, size) and np.allclose(x[:, 0, 0], [90, 120, 200])

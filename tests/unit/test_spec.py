@@ -79,6 +79,31 @@ def test_output_kind_is_declared_and_canonical_only_when_not_the_default():
     spec = PreprocessSpec.from_dict({"resize_shorter": 256, "output": "probabilities"})
     assert spec.probabilities and spec.to_dict()["output"] == "probabilities"
     assert not PreprocessSpec.from_dict({"resize_shorter": 256, "output": "logits"}).probabilities
-    with pytest.raises(ModelError, match="output must be one of logits, probabilities, got 'softmax'"):
+    with pytest.raises(ModelError, match="output must be one of logits, probabilities, sigmoid, got 'softmax'"):
         PreprocessSpec.from_dict({"resize_shorter": 256, "output": "softmax"})
     assert np.isfinite(spec.scale)
+
+
+def test_sigmoid_is_an_output_kind_of_its_own():
+    spec = PreprocessSpec.from_json('{"resize_shorter": 256, "output": "sigmoid"}')
+    assert spec.sigmoid and not spec.probabilities and spec.to_dict()["output"] == "sigmoid"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"resize_shorter": 256, "mean": NaN}',
+     "mean must have 3 values (one per channel) or one for all, finite numbers, got nan"),
+    ('{"resize_shorter": 256, "std": [1, Infinity, 1]}',
+     "std must have 3 values (one per channel) or one for all, finite numbers, got [1, inf, 1]"),
+    ('{"resize_shorter": 256, "scale": -Infinity}', "scale must be a positive finite number, got -inf"),
+])
+def test_nan_and_infinity_which_pythons_json_reads_are_refused(text, problem):
+    with pytest.raises(ModelError) as info:
+        PreprocessSpec.from_json(text)
+    assert str(info.value) == f"bad preprocessing spec: {problem}"
+
+
+def test_a_key_written_twice_is_refused_naming_it():
+    with pytest.raises(ModelError) as info:
+        PreprocessSpec.from_json('{"resize_shorter": 256, "crop": 224, "resize_shorter": 288}')
+    assert str(info.value) == ("bad preprocessing spec: 'resize_shorter' is written twice (JSON keeps the last one "
+                               "silently); keep one")
