@@ -112,8 +112,17 @@ class Agreement:
 def agreement(got: np.ndarray, want: np.ndarray, *, probabilities: bool) -> Agreement:
     """How far ``got`` ([images, classes]) is from ONNX Runtime's ``want`` on the same inputs."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    images = len(want)
     if got.shape != want.shape:
-        return Agreement(float("inf"), len(want), len(want))
+        return Agreement(float("inf"), images, images)
+    # A row ONNX Runtime cannot compute (NaN or Inf: an engine_error row on every engine) must be one here too.
+    finite = np.isfinite(want).all(axis=1)
+    mismatch = int((np.isfinite(got).all(axis=1) != finite).sum())
+    if mismatch:
+        return Agreement(float("inf"), mismatch, images)
+    got, want = got[finite], want[finite]
+    if not len(want):
+        return Agreement(0.0, 0, images)
     rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
     if probabilities:
         probs = want
@@ -123,7 +132,7 @@ def agreement(got: np.ndarray, want: np.ndarray, *, probabilities: bool) -> Agre
     top2 = np.sort(probs, axis=1)[:, -2:] if probs.shape[1] > 1 else np.hstack([np.zeros_like(probs), probs])
     decided = (top2[:, 1] - top2[:, 0]) >= DECIDED_MARGIN
     differ = int(((got.argmax(axis=1) != want.argmax(axis=1)) & decided).sum())
-    return Agreement(rel if np.isfinite(got).all() else float("inf"), differ, len(want))
+    return Agreement(rel, differ, images)
 
 
 def reference_batch(spec) -> np.ndarray:

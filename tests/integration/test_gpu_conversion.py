@@ -353,3 +353,16 @@ def test_the_driver_converts_and_checks_once_then_finds_the_cache(folder, tmp_pa
         wrong_converter(monkeypatch)
         spec.check_model(load_model(model_folder(tmp_path / "other", TinyNet(scale=3.0))), {},
                          gpus=(1, "this machine"))
+
+
+def test_rows_onnx_runtime_cannot_compute_must_be_such_rows_after_the_conversion_too():
+    """A network that is NaN on some input is NaN there after conversion as well (an engine_error row on every
+    engine), and agrees; a conversion that computes a number where ONNX Runtime could not does not."""
+    want = np.array([[1.0, 2.0, 0.5], [np.nan, 1.0, 0.0], [3.0, 0.1, 0.2]], np.float32)
+    same = want + 1e-6
+    assert onnx_torch.agreement(same, want, probabilities=False).within(onnx_torch.CONVERSION_REL_L2)
+    invented = np.nan_to_num(want)
+    found = onnx_torch.agreement(invented, want, probabilities=False)
+    assert not found.within(onnx_torch.CONVERSION_REL_L2) and found.top1_differ == 1
+    flipped = np.roll(want, 1, axis=1)
+    assert onnx_torch.agreement(flipped, want, probabilities=False).top1_differ == 2
