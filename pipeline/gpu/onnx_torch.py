@@ -200,11 +200,31 @@ def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
             failures.append(str(err))
             continue
         found = agreement(run_network(network, inputs, fixed_batch), wanted, probabilities=reference.probabilities)
-        if found.within(CONVERSION_REL_L2):
-            return Conversion(network, reference, found, how)
-        failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives "
-                        f"{found.describe()} (allowed {CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
+        if not found.within(CONVERSION_REL_L2):
+            failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives "
+                            f"{found.describe()} (allowed {CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
+            continue
+        problem = off_host_problem(network, _example(inputs, fixed_batch))
+        if problem:
+            failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) fails "
+                            f"off the CPU ({problem}); {CONVERTER_FIX}")
+            continue
+        return Conversion(network, reference, found, how)
     raise ModelError(failures[0])
+
+
+def off_host_problem(network, example: np.ndarray) -> str:
+    """Why ``network`` cannot run with its data on another device than its shape arithmetic ("" where it can): a copy
+    on the meta device (shapes only, no arithmetic) runs ``example``'s shape, so an operator that would see tensors
+    of the GPU and of the CPU fails here, in the driver, before any GPU does."""
+    import copy  # noqa: PLC0415
+
+    try:
+        with torch.inference_mode():
+            copy.deepcopy(network).to("meta")(torch.empty(example.shape, device="meta"))
+    except Exception as err:  # noqa: BLE001 - any failure off the host is the answer
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    return ""
 
 
 def _example(inputs: np.ndarray, fixed_batch: int | None) -> np.ndarray:

@@ -366,3 +366,25 @@ def test_rows_onnx_runtime_cannot_compute_must_be_such_rows_after_the_conversion
     assert not found.within(onnx_torch.CONVERSION_REL_L2) and found.top1_differ == 1
     flipped = np.roll(want, 1, axis=1)
     assert onnx_torch.agreement(flipped, want, probabilities=False).top1_differ == 2
+
+
+def test_a_conversion_whose_shape_arithmetic_would_meet_gpu_data_is_refused_in_the_driver(folder, monkeypatch):
+    """Where a converted graph would mix the host's shape tensors with the device's data (as timm's tf_ padding did
+    before its float constants stayed on the host), the driver's check runs it on the meta device and refuses it in
+    one line, instead of a GPU instance failing to start."""
+    bundle = load_model(folder)
+    real = onnx_torch._to_torch
+
+    class HostTensorMeetsData(torch.nn.Module):  # a host tensor added to the data, as that padding's constants were
+        def __init__(self, graph):
+            super().__init__()
+            self.graph = graph
+
+        def forward(self, x):
+            out = self.graph(x)
+            return out + torch.zeros(out.shape[1:])
+
+    monkeypatch.setattr(onnx_torch, "_to_torch", lambda graph, path: HostTensorMeetsData(real(graph, path)))
+    with pytest.raises(ModelError, match=r"cannot run on the GPU: its network converted to torch \(.*\) fails off the "
+                                         r"CPU \(RuntimeError: .*\); use --engine onnx"):
+        onnx_torch.convert_checked(bundle.onnx_path, bundle.spec)
