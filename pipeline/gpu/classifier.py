@@ -542,25 +542,20 @@ class GpuClassifier:
 def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:
     """The precision gate's verdict for ``network`` on ``device``, said in the log when it is FP32; read from and
     written to ``card`` (the network's cache folder for this kind of card) where there is one."""
+    from pipeline.gpu.network_cache import read_gate, write_gate  # noqa: PLC0415
     from pipeline.gpu.precision import GateResult, choose_half  # noqa: PLC0415
 
-    gate = None
-    if card is not None:
-        from pipeline.gpu.network_cache import read_gate, write_gate  # noqa: PLC0415
-
-        found = read_gate(card)
-        try:
-            gate = GateResult(**found) if found is not None else None
-        except TypeError:
-            gate = None
-        if gate is None:
-            gate = choose_half(network, spec, device)
-            write_gate(card, dataclasses.asdict(gate))
-        else:
-            LOG.info("precision gate: the verdict recorded for this card in %s (%s)", card,
-                     "fp16" if gate.half else "fp32")
-    if gate is None:
+    found = read_gate(card) if card is not None else None
+    try:
+        gate = GateResult(**found) if found is not None else None
+    except TypeError:  # a record of other fields: measured again
+        gate = None
+    if gate is not None:
+        LOG.info("precision gate: the verdict recorded for this card in %s (%s)", card, "fp16" if gate.half else "fp32")
+    else:
         gate = choose_half(network, spec, device)
+        if card is not None:
+            write_gate(card, dataclasses.asdict(gate))
     if not gate.half:
         LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine-option half=true forces FP16",
                     gate.describe())

@@ -33,7 +33,8 @@ import numpy as np
 from filelock import FileLock
 
 from pipeline.model import onnx_graph
-from pipeline.model.folder import BUILD_LOCK_TIMEOUT_S, default_cache_dir
+from pipeline.model.default_model import file_sha256
+from pipeline.model.folder import BUILD_LOCK_TIMEOUT_S, default_cache_dir, external_data_files
 
 LOG = logging.getLogger(__name__)
 
@@ -67,37 +68,15 @@ def library_version(name: str) -> str:
         return "absent"
 
 
-def onnx_files(onnx_path: Path) -> list[Path]:
-    """``onnx_path`` and the external data files its initializers name, in order (read without the weights)."""
-    import onnx  # noqa: PLC0415
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    names: dict[str, None] = {}
-    for tensor in onnx_graph_tensors(model):
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                names[entry.value] = None
-    return [onnx_path] + [onnx_path.parent / name for name in names]
-
-
-def onnx_graph_tensors(model: Any):
-    yield from model.graph.initializer
-    for node in model.graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-
-
 def entry_key(onnx_path: str | Path, spec, fixed_batch: int | None) -> tuple[str, dict[str, Any]]:
     """The cache key of a conversion (sha256 hex) and the fields it hashes."""
-    digest = hashlib.sha256()
-    for path in onnx_files(Path(onnx_path)):
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+    import onnx  # noqa: PLC0415
+
+    path = Path(onnx_path)
+    data = external_data_files(onnx.load(str(path), load_external_data=False), path)
     code = hashlib.sha256(b"".join(p.read_bytes() for p in CODE_FILES)).hexdigest()
-    fields = {"format": ENTRY_FORMAT, "onnx_sha256": digest.hexdigest(), "spec": spec.to_json(),
-              "fixed_batch": fixed_batch, "code_sha256": code,
+    fields = {"format": ENTRY_FORMAT, "onnx_sha256": [file_sha256(path)] + [file_sha256(path.parent / n) for n in data],
+              "spec": spec.to_json(), "fixed_batch": fixed_batch, "code_sha256": code,
               **{name: library_version(name) for name in KEY_LIBRARIES}}
     return _sha(fields), fields
 
@@ -116,7 +95,7 @@ def find_entry(onnx_path: str | Path, spec, *, fixed_batch: int | None = None,
         record = json.loads((entry / ENTRY_FILE).read_text(encoding="utf-8"))
         if record.get("key") != fields:
             return None
-        if any(_file_sha(entry / name) != want for name, want in record["files"].items()):
+        if any(file_sha256(entry / name) != want for name, want in record["files"].items()):
             return None
     except (OSError, ValueError, KeyError, AttributeError):
         return None
@@ -167,7 +146,7 @@ def _load(entry: Path, fields: dict[str, Any]):
         if record.get("key") != fields:
             raise ValueError("its key fields differ")
         for name, want in record["files"].items():
-            if _file_sha(entry / name) != want:
+            if file_sha256(entry / name) != want:
                 raise ValueError(f"{name} does not match its recorded sha256")
         with np.load(entry / REFERENCE_FILE) as saved:
             inputs, outputs = saved["inputs"], saved["outputs"]
@@ -192,7 +171,7 @@ def _write(entry: Path, fields: dict[str, Any], conversion) -> None:
         np.savez(tmp / REFERENCE_FILE, inputs=conversion.reference.inputs, outputs=conversion.reference.outputs)
         record = {"key": fields, "note": conversion.note, "agreement": asdict(conversion.agreement),
                   "probabilities": conversion.reference.probabilities,
-                  "files": {name: _file_sha(tmp / name) for name in (NETWORK_FILE, REFERENCE_FILE)}}
+                  "files": {name: file_sha256(tmp / name) for name in (NETWORK_FILE, REFERENCE_FILE)}}
         (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=1), encoding="utf-8")
         if entry.exists():  # a damaged entry _load could not remove
             _remove(entry)
@@ -266,11 +245,3 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _sha(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _file_sha(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
