@@ -10,6 +10,7 @@
 # start: bench_job on 1,000 files: the built-in model, a user's ResNet-50 (export_models.py resnet50) with an empty
 #   cache, the same again (cache warm), the built-in model again;
 # steady: bench_job on 100,000 files: the built-in model, then the ResNet-50 (cache warm);
+# FP32_MODELS: after parity, these folders again through --engine gpu in FP32 (half=false) against --engine onnx;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -66,6 +67,14 @@ parity() {  # the default command against --engine onnx on the parity photos, on
     timeout 120 python3 -m pipeline.cli run $inputs --output "$work/par-cpu-$m" --model "$models/$m" --engine onnx \
       --quiet > "$OUT/par-cpu-$m.log" 2>&1; echo "   onnx engine rc=$? $(( SECONDS - t0 )) s"
     python3 tests/benchmarks/device/compare_runs.py "$work/par-cpu-$m" "$work/par-gpu-$m" | tee "$OUT/parity-$m.txt"
+  done
+  for m in ${FP32_MODELS:-}; do  # the in-process gpu engine in FP32: what the precision gate's FP16 moved
+    (( $(left) > 40 )) || { echo "fp32 $m: skipped, $(left) s left"; continue; }
+    rm -rf "$work/par-fp32-$m"; t0=$SECONDS
+    timeout 120 python3 -m pipeline.cli run $inputs --output "$work/par-fp32-$m" --model "$models/$m" --engine gpu \
+      --engine-option half=false --quiet > "$OUT/par-fp32-$m.log" 2>&1
+    echo "== $m: --engine gpu --engine-option half=false rc=$? $(( SECONDS - t0 )) s"
+    python3 tests/benchmarks/device/compare_runs.py "$work/par-cpu-$m" "$work/par-fp32-$m" | tee "$OUT/parity-fp32-$m.txt"
   done
 }
 
