@@ -69,6 +69,20 @@ def test_the_precision_gate_keeps_fp16_and_refuses_it_where_fp16_overflows(folde
     assert "relative L2" in bad.describe()
 
 
+def test_the_precision_gate_refuses_fp16_for_a_network_that_decides_too_little_of_its_sample(folder, tmp_path):
+    """Near-uniform logits (random weights, an untrained head) leave no top-1 the near-tie rule could check: FP32."""
+    from pipeline.gpu.onnx_torch import convert_checked
+    from pipeline.gpu.precision import GATE_MIN_DECIDED, choose_half
+
+    bundle = load_model(folder)
+    good = choose_half(convert_checked(bundle.onnx_path, bundle.spec).network, bundle.spec, torch.device("cpu"))
+    assert good.half and good.decided >= GATE_MIN_DECIDED
+    flat = load_model(model_folder(tmp_path / "flat", TinyNet(scale=1e-4)))  # the same network, every margin tiny
+    gate = choose_half(convert_checked(flat.onnx_path, flat.spec).network, flat.spec, torch.device("cpu"))
+    assert not gate.half and gate.decided < GATE_MIN_DECIDED and gate.top1_differ == 0
+    assert f"the gate needs {GATE_MIN_DECIDED}" in gate.describe()
+
+
 def test_a_transformer_shaped_graph_converts_and_compiles_with_its_shapes_read_on_the_host(tmp_path):
     """Expand and Reshape of computed shapes (a ViT's class token, its attention's heads) read their shape on the
     host, so the converted graph matches ONNX Runtime and compiles (torch.Size of a traced tensor does not)."""
