@@ -259,7 +259,7 @@ def test_each_kind_of_card_has_its_own_folder_for_the_gate_and_compiled_kernels(
     card = network_cache.card_folder_for(entry, h100)
     assert json.loads((card / "card.json").read_text()) == h100
     assert network_cache.read_gate(card) is None
-    network_cache.write_gate(card, {"half": False, "rel_l2": 0.004, "top1_differ": 1, "images": 16})
+    network_cache.write_gate(card, {"half": False, "rel_l2": 0.004, "top1_differ": 1, "images": 16, "decided": 12})
     assert network_cache.read_gate(card)["half"] is False
     (card / network_cache.GATE_FILE).write_text("{")  # torn: computed again, never trusted
     assert network_cache.read_gate(card) is None
