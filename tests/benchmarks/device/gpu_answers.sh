@@ -46,8 +46,8 @@ EOF
     python3 -m pipeline.cli model import "$2" "$3" --checkpoint "$4" --output "$models/$1" > "$OUT/import-$1.log" 2>&1
     echo "import $1: rc=$? $(( SECONDS - t0 )) s; $(grep -E '^(parity|note: onnx)' "$OUT/import-$1.log" | tr '\n' ' ' | cut -c1-300)"
   done
-  cp -r "$kit/models/hf-vit" "$kit/models/lite2" "$models/"
-  if [[ ! -f $models/r50user/model.onnx ]]; then  # a user's ResNet-50 (37 classes) exported by torch, for start/steady
+  [[ -d $kit/models ]] && cp -r "$kit/models/hf-vit" "$kit/models/lite2" "$models/"
+  if [[ " ${STEPS:-start} " == *" st"* && ! -f $models/r50user/model.onnx ]]; then  # a user's ResNet-50 (37 classes), for start/steady
     rm -rf "$work/exp"; python3 tests/benchmarks/device/export_models.py "$work/exp" resnet50 >/dev/null 2>&1
     mv "$work/exp/resnet50" "$models/r50user"
   fi
