@@ -30,8 +30,9 @@ from pipeline.engines.triton_checks import check_caps, error_text
 from pipeline.engines.triton_servers import EVENT_FAILOVERS, EVENT_RESTARTS, EVENT_STARTS, ServerSupervisor
 from pipeline.engines.triton_wire import AnswerMismatch, check_answer, encode_request, parse_response, plan_requests
 from pipeline.errors import ConfigError, EngineError, ImageError, TritonError
+from pipeline.gpu.defaults import NO_INT8
 from pipeline.model.imaging import DecodeLimits
-from pipeline.schema import STAGE_INFER
+from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, PROFILES, choose_profile
 from pipeline.triton.server import HEALTH_TIMEOUT_S, STARTUP_TIMEOUT_S
@@ -97,7 +98,7 @@ SPEC = EngineSpec(
     # The server still dies with its owner's launcher thread (PR_SET_PDEATHSIG, server.py). An actor's own
     # server (the portable profile) keeps Ray's default, which stops it before the job's end.
     actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
-    int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {tn.NO_INT8}",
+    int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {NO_INT8}",
     node_start=f"{__name__}:start_node_servers",
 )
 
@@ -148,7 +149,7 @@ class TritonEngine:
         self,
         bundle,
         *,
-        top_k: int = tn.DEFAULT_TOP_K,
+        top_k: int = DEFAULT_TOP_K,
         limits: DecodeLimits = DecodeLimits(),
         profile: str = AUTO,
         repository: str | None = None,

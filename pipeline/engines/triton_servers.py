@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from pipeline.errors import TritonError
-from pipeline.triton import contract as tn
+from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton.profiles import ServingProfile
 from pipeline.triton.server import HEALTH_TIMEOUT_S
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
@@ -74,7 +74,7 @@ class ServerSupervisor:
         if repository is None:
             sweep_dead_owner_folders(REPOSITORY_PREFIX)
             # one repository serves every top-k up to the default, but never more classes than the model has
-            served_k = min(max(top_k, tn.DEFAULT_TOP_K), bundle.num_classes)
+            served_k = min(max(top_k, DEFAULT_TOP_K), bundle.num_classes)
             repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances))
         preflight(repository)
 

@@ -32,7 +32,7 @@ def test_every_module_has_a_floor_and_imports_run_down():
 def test_the_floors_hold_the_job_over_the_engines_over_triton_over_the_data():
     floor = import_graph.floor
     assert floor("pipeline.cli") > floor("pipeline.job.run") > floor("pipeline.engines.triton")
-    assert floor("pipeline.engines.triton") > floor("pipeline.gpu.classifier") > floor("pipeline.triton.server")
+    assert floor("pipeline.engines.triton") > floor("pipeline.triton.server") > floor("pipeline.gpu.classifier")
     assert floor("pipeline.triton.serve.gpu_model") > floor("pipeline.gpu.classifier")
     assert floor("pipeline.engines.base") > floor("pipeline.io.writer") > floor("pipeline.schema")
     assert floor("model_repository.gpu.classifier.1.model") == max(import_graph.FLOORS.values())
