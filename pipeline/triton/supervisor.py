@@ -1,4 +1,4 @@
-"""The Triton engine's server supervision: the tritonserver it talks to, whether its own (started under a private MPS
+"""The Triton client's server supervision: the tritonserver it talks to, whether its own (started under a private MPS
 daemon, restarted when it dies, watched while shared), one shared with the other actors of its GPU (the lease, and
 the failover when its owner's server stops answering), or an external one at a given url."""
 
@@ -21,7 +21,7 @@ LOG = logging.getLogger(__name__)
 # The owner of a shared server checks its process this often, between its own requests too: the server's other
 # users wait for the owner to restart it, and an owner with no batch in flight would leave them waiting.
 WATCH_S = 1.0
-# The supervision's counters, part of the engine's (``pipeline.engines.triton.EVENTS``).
+# The supervision's counters, part of the engine's (``pipeline.triton.client.EVENTS``).
 EVENT_STARTS = "server_starts"  # tritonservers this engine started (a shared one counts for its owner only)
 EVENT_RESTARTS = "server_restarts"  # restarts of a server this engine owns
 EVENT_FAILOVERS = "server_failovers"  # moves of a shared-server user to another server (restarted, or its own)

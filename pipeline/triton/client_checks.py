@@ -1,6 +1,6 @@
-"""The Triton engine's checks before it sends: its preflight (a repository, a tritonserver, the gpu profile's stack),
-its model check in the driver, each input's byte and pixel caps by its header; and the error row of an input whose
-request the server refused. The answers' own check (each image's TAG echoed) is ``pipeline.engines.triton_wire``'s."""
+"""The Triton client's checks before it sends: the triton engine's preflight (a repository, a tritonserver, the gpu
+profile's stack) and model check in the driver, each input's byte and pixel caps by its header; and the error row of an input whose
+request the server refused. The answers' own check (each image's TAG echoed) is ``pipeline.triton.wire``'s."""
 
 from __future__ import annotations
 
