@@ -64,7 +64,7 @@ class _Item:
     info: JpegInfo | None  # None: not for DALI (the reference, Pillow, decodes it)
     width: int = 0  # upright, after EXIF
     height: int = 0
-    tag: int = 0  # the client's TAG of this image (pipeline.triton.contract), travelling with it to its answer
+    tag: int = 0  # the caller's tag of this image (a served model's TAG), travelling with it to its answer
 
 
 @dataclass
