@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from pipeline.gpu.defaults import (
-    DALI_THREADS, GPU_DEFAULT_BATCH_SIZE, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS,
-)
+from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS
 from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
 
@@ -21,8 +19,9 @@ GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts
 # context: in one process DALI and the network take turns on the GPU, several keep it busy (docs/performance.md).
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
-# The network batch of the gpu profile's model (the gpu engine in process keeps GPU_DEFAULT_BATCH_SIZE): smaller
-# batches from several instances under MPS keep the GPU busier than one instance's large ones.
+# The network batch of the gpu profile's model (the gpu engine in process keeps GPU_DEFAULT_BATCH_SIZE, in
+# pipeline.gpu.defaults): smaller batches from several instances under MPS keep the GPU busier than one instance's
+# large ones.
 GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance takes before its execute() waits, so that the server
 # hands the next requests to an instance with less work (pipeline.gpu.stream; 0: never waits); with it more
