@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.errors import ERROR_KINDS, ConfigError, ImageError, ModelError, TritonError
-from pipeline.gpu.defaults import NO_INT8
+from pipeline.gpu.defaults import GPU_EXTRA_HINT, NO_INT8, missing_gpu_stack
 from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, GPU, PORTABLE, choose_profile, visible_gpus
@@ -35,8 +35,6 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
                           f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
-        from pipeline.gpu.defaults import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
-
         missing = missing_gpu_stack()
         if missing:
             raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
