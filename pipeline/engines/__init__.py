@@ -2,6 +2,7 @@
 ``registry``.
 
 ``base`` holds the contract every engine keeps (``Engine``, ``Result``, ``results_from_topk``, ``EngineSpec``);
-``registry`` the engines by name, which the config, the CLI, the actor and the job read. Engines import from
-``pipeline.triton``, never the other way round.
+``registry`` the engines by name, which the config, the CLI, the actor and the job read. ``triton`` and ``gpu`` are
+thin adapters over ``pipeline.triton`` (the client) and ``pipeline.gpu`` (the classifier), which never import an
+engine.
 """

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pipeline.node import importable, local_ray_env, node_gpus, ray_address
+from pipeline.gpu.defaults import GPU_EXTRA_HINT, missing_gpu_stack
+from pipeline.node import local_ray_env, node_gpus, ray_address
 
 LOG = logging.getLogger(__name__)
 
@@ -19,8 +20,6 @@ AUTO_ENGINE = "auto"
 # with the in-process gpu engine).
 GPU_CHOICE = "triton"
 CPU_CHOICE = "onnx"
-GPU_STACK = ("torch", "nvidia.dali")  # what the gpu profile's model imports inside the server
-GPU_EXTRA_HINT = "pip install 'bulk-classify[gpu]' and PyTorch with CUDA"
 
 
 @dataclass(frozen=True)
@@ -30,11 +29,6 @@ class Choice:
     engine: str
     gpus: int
     reason: str
-
-
-def missing_gpu_stack() -> list[str]:
-    """The gpu profile's imports that this machine lacks."""
-    return [m for m in GPU_STACK if not importable(m)]
 
 
 def cluster_gpus(address: str | None) -> tuple[int, str]:

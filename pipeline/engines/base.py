@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import ConfigError
+from pipeline.gpu.defaults import NO_INT8  # stdlib only: names
 from pipeline.schema import STATUS_ERROR, STATUS_OK
-from pipeline.triton import contract as tn  # stdlib only: names
 
 DEFAULT_BATCH_SIZE = 64
+# Where an engine without INT8 sends an INT8 model: ONNX Runtime's integer kernels run it.
+INT8_FIX = "use --engine onnx, or --engine triton with the portable profile, or the FP32 model"
 # The error row of an image whose network output holds NaN or infinity: every engine's scores turn NaN for it
 # (pipeline.model.scores, the served top-k head, TopKNetwork), and results_from_topk writes this instead of them.
 NONFINITE_ERROR = ("engine_error: the network's output for this image is NaN or infinite, so it has no scores; check "
@@ -216,8 +218,8 @@ class EngineSpec:
         from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415 - Pillow: only where a model was loaded
 
         if getattr(bundle, "precision", None) == PRECISION_INT8 and not self.runs_int8:
-            raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {tn.NO_INT8}; "
-                              f"{tn.INT8_FIX}")
+            raise ConfigError(f"model {bundle.name!r} is INT8 and --engine {self.name} has {NO_INT8}; "
+                              f"{INT8_FIX}")
         if self.model_check:
             if gpus is None:
                 from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with RAY_ADDRESS

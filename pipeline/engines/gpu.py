@@ -12,15 +12,15 @@ import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
-from pipeline.engines.base import EngineSpec, Option, Result, positive_int, results_from_topk
+from pipeline.engines.base import INT8_FIX, EngineSpec, Option, Result, positive_int, results_from_topk
 from pipeline.errors import ConfigError, EngineError
 from pipeline.gpu.classifier import RawResults
 from pipeline.gpu.dali import DALI_INSTALL
+from pipeline.gpu.defaults import CUDA_SYNC_MODES, NO_INT8
 from pipeline.model.folder import is_builtin
 from pipeline.model.imaging import DecodeLimits
 from pipeline.node import importable
 from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
-from pipeline.triton import contract as tn
 
 SPEC = EngineSpec(
     name="gpu",
@@ -43,7 +43,7 @@ SPEC = EngineSpec(
         positive_int("prep_workers", "threads preparing batches (at dali_depth 1: one DALI pipeline each), e.g. 2"),
         Option("hw_decoder_load", float, "share of each batch for DALI's hardware JPEG decoder, 0..1"),
         Option("cuda_sync", str, "how threads wait for the GPU: auto (CUDA's: spin), spin, yield or block",
-               choices=tn.CUDA_SYNC_MODES),
+               choices=CUDA_SYNC_MODES),
     ),
     needs_gpu=True,
     gpu_only=True,
@@ -56,7 +56,7 @@ SPEC = EngineSpec(
     actors_per_gpu=3,
     gpu_batch_size=2048,
     runs_int8=False,
-    int8=f"INT8 models: none ({tn.NO_INT8}); {tn.INT8_FIX}",
+    int8=f"INT8 models: none ({NO_INT8}); {INT8_FIX}",
 )
 
 

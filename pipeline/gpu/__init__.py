@@ -1,8 +1,10 @@
-"""The gpu engine: DALI decode + resize and a torch network on one GPU.
+"""GPU classification: DALI decode + resize and a torch network on one GPU, all of it, for the gpu engine
+(``pipeline.engines.gpu``) and the gpu profile's served model (``pipeline.triton.serve.gpu_model``) alike.
 
-``jpeg`` triages on the CPU, ``dali`` (``DaliPrep``, with ``dali_runner``) decodes and resizes with DALI,
-``classifier`` (``GpuClassifier``) runs the pipelined batches through the network, ``engine`` (``GpuEngine``) adapts
-it to the engine contract, ``stream`` feeds requests into one pipeline and ``networks`` builds the torch networks;
-``pipeline.triton.serve.gpu_model`` serves ``GpuClassifier`` as the gpu profile of a Triton repository. torch and
-DALI are imported only when a classifier is built.
+``defaults`` holds the values and names the GPU paths share (stdlib only), ``jpeg`` triages on the CPU,
+``dali_graph`` is the DALI preprocessing graph, ``dali`` (``DaliPrep``, with ``dali_runner``) decodes and resizes
+with it, ``classifier`` (``GpuClassifier``) runs the pipelined batches through the network, ``stream`` feeds requests
+into one pipeline, ``networks`` builds the torch networks (``onnx_torch`` converts a user's, ``network_cache`` keeps
+the checked conversion, ``precision`` gates FP16). Nothing here imports Triton or an engine; torch and DALI are
+imported only when a classifier is built.
 """

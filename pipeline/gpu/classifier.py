@@ -43,11 +43,11 @@ from pipeline.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.gpu.dali import (
     DALI_MISSING, DEFAULT_DALI_DEPTH, DEFAULT_HW_DECODER_LOAD, DaliPrep, dali_available, host_array,
 )
+from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_BATCH_SIZE, GPU_DEFAULT_PREP_WORKERS
 from pipeline.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.gpu.topk_network import TopKNetwork
 from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, PreprocessSpec
-from pipeline.triton import contract as tn
-from pipeline.triton.dali_pipeline import DALI_THREADS
+from pipeline.schema import DEFAULT_TOP_K
 
 LOG = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _Item:
     info: JpegInfo | None  # None: not for DALI (the reference, Pillow, decodes it)
     width: int = 0  # upright, after EXIF
     height: int = 0
-    tag: int = 0  # the client's TAG of this image (pipeline.triton.contract), travelling with it to its answer
+    tag: int = 0  # the caller's tag of this image (a served model's TAG), travelling with it to its answer
 
 
 @dataclass
@@ -154,16 +154,16 @@ class ClassifierOptions:
         EngineError: a batch size below 1 or an unknown ``cuda_sync``.
     """
 
-    top_k: int = tn.DEFAULT_TOP_K
+    top_k: int = DEFAULT_TOP_K
     limits: DecodeLimits = DecodeLimits()
-    batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE
+    batch_size: int = GPU_DEFAULT_BATCH_SIZE
     device: str | None = None
     cuda_graph: bool = True
     half: bool | None = None
     precision_gate: bool = True
     cpu_decode_threads: int | None = None
     pipeline: bool = True
-    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS
+    prep_workers: int = GPU_DEFAULT_PREP_WORKERS
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
     dali_threads: int = DALI_THREADS
     dali_depth: int = DEFAULT_DALI_DEPTH

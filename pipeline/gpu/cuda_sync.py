@@ -17,7 +17,7 @@ import ctypes
 import logging
 
 from pipeline.errors import EngineError
-from pipeline.triton.contract import CUDA_SYNC_MODES
+from pipeline.gpu.defaults import CUDA_SYNC_MODES
 
 LOG = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gpu engine's preprocessing on DALI: the production ensemble's DALI graph, fed in process, torch-free.
 
-``DaliPrep`` runs ``pipeline.triton.dali_pipeline.preprocess_graph`` (the same definition the production profile's
+``DaliPrep`` runs ``pipeline.gpu.dali_graph.preprocess_graph`` (the same definition the production profile's
 DALI model uses) over one batch of unpadded encoded files, and the reference (``pipeline.model.imaging``, Pillow) over what
 DALI does not take:
 
@@ -31,9 +31,9 @@ import numpy as np
 
 from pipeline.errors import EngineError, ImageError
 from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
-from pipeline.triton import contract as tn
+from pipeline.gpu.dali_graph import ENCODED, first_line, preprocess_graph
 from pipeline.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
-from pipeline.triton.dali_pipeline import DALI_THREADS, first_line, preprocess_graph
+from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_BATCH_SIZE
 
 LOG = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DaliPrep:
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
-                 batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE, num_threads: int = DALI_THREADS,
+                 batch_size: int = GPU_DEFAULT_BATCH_SIZE, num_threads: int = DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
                  pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
         if not dali_available():
@@ -123,7 +123,7 @@ class DaliPrep:
         @pipeline_def(batch_size=a["batch_size"], num_threads=a["num_threads"], device_id=a["device_id"],
                       prefetch_queue_depth=self.depth, exec_async=True, exec_pipelined=True)
         def graph():
-            encoded = fn.external_source(name=tn.INPUT_IMAGE, dtype=types.UINT8, ndim=1, device="cpu")
+            encoded = fn.external_source(name=ENCODED, dtype=types.UINT8, ndim=1, device="cpu")
             out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
                                          hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
                                          layout=a["layout"], fancy_upsampling=a["fancy_upsampling"])
@@ -147,7 +147,7 @@ class DaliPrep:
         pipe = self._pool.get()
         try:
             try:
-                pipe.feed_input(tn.INPUT_IMAGE, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+                pipe.feed_input(ENCODED, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
                 (out,) = pipe.run()
             except DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable

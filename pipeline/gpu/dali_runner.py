@@ -18,8 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.triton import contract as tn
-from pipeline.triton.dali_pipeline import first_line
+from pipeline.gpu.dali_graph import ENCODED, first_line
 
 # What a failed DALI run raises (one undecodable file fails the batch).
 DALI_ERRORS = (RuntimeError, IndexError, ValueError)
@@ -95,7 +94,7 @@ class Runner:
                 flight.clear()
 
     def _schedule(self, job: _Job) -> None:
-        self._pipe.feed_input(tn.INPUT_IMAGE, job.arrays)
+        self._pipe.feed_input(ENCODED, job.arrays)
         self._pipe.schedule_run()
 
     def _collect(self, job: _Job) -> None:

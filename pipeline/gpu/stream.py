@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.gpu.classifier import STOP, RawResults, Chunk, triage
 from pipeline.errors import ImageError
 from pipeline.model.imaging import DecodeLimits
-from pipeline.triton import contract as tn
+from pipeline.gpu.defaults import GPU_DEFAULT_MAX_DELAY_MS
 
 LOG = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class RequestStream:
     """
 
     def __init__(self, classifier, respond: Callable[[Any, RawResults, int], None], *, top_k: int,
-                 max_delay_s: float = tn.GPU_DEFAULT_MAX_DELAY_MS / 1000, max_backlog: float = 0):
+                 max_delay_s: float = GPU_DEFAULT_MAX_DELAY_MS / 1000, max_backlog: float = 0):
         self.classifier = classifier
         self.respond = respond
         self.top_k = top_k

@@ -25,7 +25,7 @@ class ShardStats:
             cannot separate decoding from inference.
         engine_calls: engine calls behind the classified rows (fractions per row, summed).
         engine_events: what the engines counted, by event (the triton engine's server starts, restarts and
-            failovers, requests, answers checked and mismatched: ``pipeline.engines.triton.EVENTS``).
+            failovers, requests, answers checked and mismatched: ``pipeline.triton.client.EVENTS``).
     """
 
     rows: int = 0

@@ -183,7 +183,7 @@ def _resample(
     The order is fixed on purpose. One ``Image.resize`` call runs the passes in that order up to Pillow 12, but
     Pillow 13 runs the vertical pass first when it drops more than twice as many rows as columns (Pillow#9549):
     on tall photos that moves pixels by up to 12 levels. Two explicit calls keep the reference the same on every
-    Pillow, and let DALI (``pipeline.triton.dali_pipeline``, also the gpu engine's resize) do exactly what it does.
+    Pillow, and let DALI (``pipeline.gpu.dali_graph``, also the gpu engine's resize) do exactly what it does.
     """
     crop_h, crop_w = spec.crop
     resample = _PIL_FILTERS[spec.interpolation]

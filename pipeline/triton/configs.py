@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
+from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS
+from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
-from pipeline.triton.dali_pipeline import DALI_THREADS
 
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_PORTABLE_INSTANCES = 1
@@ -18,8 +19,9 @@ GPU_MAX_BATCH_SIZE = 1024  # images per request at most; the model's stream cuts
 # context: in one process DALI and the network take turns on the GPU, several keep it busy (docs/performance.md).
 GPU_INSTANCES = 3
 GPU_QUEUE_DELAY_US = 100
-# The network batch of the gpu profile's model (the gpu engine in process keeps tn.GPU_DEFAULT_BATCH_SIZE): smaller
-# batches from several instances under MPS keep the GPU busier than one instance's large ones.
+# The network batch of the gpu profile's model (the gpu engine in process keeps GPU_DEFAULT_BATCH_SIZE, in
+# pipeline.gpu.defaults): smaller batches from several instances under MPS keep the GPU busier than one instance's
+# large ones.
 GPU_TRITON_BATCH_SIZE = 128
 # Batches' worth of images a model instance takes before its execute() waits, so that the server
 # hands the next requests to an instance with less work (pipeline.gpu.stream; 0: never waits); with it more
@@ -55,21 +57,21 @@ class GpuModelOptions:
         ConfigError: an unknown ``half`` or a negative ``max_backlog``.
     """
 
-    top_k: int = tn.DEFAULT_TOP_K
+    top_k: int = DEFAULT_TOP_K
     max_batch_size: int = GPU_MAX_BATCH_SIZE
     batch_size: int | None = None
     network: str = "auto"
     cuda_graph: bool = True
     queue_delay_us: int = GPU_QUEUE_DELAY_US
     error_output: bool | None = None
-    prep_workers: int = tn.GPU_DEFAULT_PREP_WORKERS
+    prep_workers: int = GPU_DEFAULT_PREP_WORKERS
     dali_depth: int | None = None
     dali_threads: int | None = None
     hw_decoder_load: float | None = None
     half: str = "auto"
     cuda_sync: str | None = None
     instances: int | None = None
-    max_delay_ms: float = tn.GPU_DEFAULT_MAX_DELAY_MS
+    max_delay_ms: float = GPU_DEFAULT_MAX_DELAY_MS
     max_backlog: float = GPU_MAX_BACKLOG
 
     def __post_init__(self) -> None:
@@ -130,7 +132,7 @@ def numpy_can_send_bytes() -> bool:
     return int(np.__version__.split(".")[0]) < 2
 
 
-def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
+def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
                     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None) -> str:
     """config.pbtxt of the portable profile's one model (python backend, CPU).
 
@@ -144,7 +146,7 @@ def portable_config(*, top_k: int = tn.DEFAULT_TOP_K, instances: int = DEFAULT_P
     return _text(config)
 
 
-def production_configs(spec, *, onnx_input: str, top_k: int = tn.DEFAULT_TOP_K,
+def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
                        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                        plans: dict[str, str] | None = None) -> dict[str, str]:
     """config.pbtxt of each production model: DALI preprocess, TensorRT classifier, and the ensemble joining them.

@@ -25,13 +25,6 @@ Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tens
 format for every profile keeps the engine profile-agnostic.
 """
 
-from pipeline.schema import DEFAULT_TOP_K  # noqa: F401 - the top-k a repository serves unless told otherwise
-
-# Where INT8 models run: ONNX Runtime's integer kernels (the onnx engine, the portable profile); the GPU paths run
-# torch networks in FP32/FP16 and would need TensorRT for INT8.
-NO_INT8 = "no INT8 on the GPU paths without TensorRT"
-INT8_FIX = "use --engine onnx, or --engine triton with the portable profile, or the FP32 model"
-
 MODEL_NAME = "classifier"
 
 INPUT_IMAGE = "IMAGE"
@@ -73,9 +66,7 @@ GPU_PARAM_CUDA_GRAPH = "cuda_graph"
 GPU_PARAM_PREP_WORKERS = "prep_workers"
 GPU_PARAM_DALI_DEPTH = "dali_depth"  # DALI: batches in flight on one pipeline (1: a pipeline per preparing thread)
 GPU_PARAM_DALI_THREADS = "dali_threads"  # DALI: CPU threads per pipeline
-GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: one of CUDA_SYNC_MODES
-# How the gpu paths' threads wait for the GPU (pipeline.gpu.cuda_sync): CUDA's default, spin, yield or sleep.
-CUDA_SYNC_MODES = ("auto", "spin", "yield", "block")
+GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: one of pipeline.gpu.defaults' modes
 # Batches' worth of images one model instance holds before its execute() waits (so the server gives the next
 # requests to another instance); "0": never waits.
 GPU_PARAM_MAX_BACKLOG = "max_backlog"
@@ -87,11 +78,8 @@ PARAM_MAX_PIXELS = "max_pixels"
 # its own header check of every file.
 PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
-GPU_DEFAULT_MAX_DELAY_MS = 2.0
 # A served model's log line that says what its start took; TritonServer repeats each in the run's log once ready.
 START_REPORT = "start report: "
-GPU_DEFAULT_BATCH_SIZE = 256  # network batch inside one execute(); GpuClassifier's default
-GPU_DEFAULT_PREP_WORKERS = 2  # threads preparing batches ahead of the network; GpuClassifier's default
 
 
 def failure_message(errors: list[str], n: int) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from pipeline.errors import ModelError, TritonError
 from pipeline.model.folder import load_model
+from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
@@ -76,7 +77,7 @@ def _serves_the_contract(folder: Path) -> bool:
     return True
 
 
-def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = tn.DEFAULT_TOP_K,
+def prepare(repository: str, model: str | None, *, plan_cache: str | None = None, top_k: int = DEFAULT_TOP_K,
             max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, key: Any = None,
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
     """Make ``repository`` a production repository whose plan matches this node; return what was done.

@@ -18,6 +18,8 @@ from pipeline.model.folder import (
     LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, external_data_files, load_model,
 )
 from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID
+from pipeline.gpu.defaults import DALI_THREADS, NO_INT8
+from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -27,7 +29,6 @@ from pipeline.triton.configs import (
     portable_config,
     production_configs,
 )
-from pipeline.triton.dali_pipeline import DALI_THREADS
 from pipeline.triton.profiles import GPU, PORTABLE, PRODUCTION
 from pipeline.triton.server import STUB_PATH_ENV
 
@@ -274,7 +275,7 @@ def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: in
 # ---- build -------------------------------------------------------------------------------------------------
 
 
-def build_repository(profile: str, model: str | None, output: str, *, top_k: int = tn.DEFAULT_TOP_K,
+def build_repository(profile: str, model: str | None, output: str, *, top_k: int = DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True, error_output: bool | None = None,
                      max_backlog: float | None = None) -> Path:
@@ -380,7 +381,7 @@ def gpu_model_files(model: str | None) -> tuple[Any, list[Path]]:
         return DEFAULT_SPEC, []
     bundle = load_model(model)
     if bundle.precision == PRECISION_INT8:
-        raise ModelError(f"{model} is an INT8 model and the gpu profile has {tn.NO_INT8}; build --profile "
+        raise ModelError(f"{model} is an INT8 model and the gpu profile has {NO_INT8}; build --profile "
                          "portable for it, or pass the FP32 model")
     folder = Path(bundle.onnx_path).parent
     files = [Path(bundle.onnx_path), *(folder / name for name in bundle.data_files), folder / TORCHSCRIPT_FILE]

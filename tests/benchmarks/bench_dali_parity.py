@@ -1,6 +1,6 @@
 """DALI parity on the CPU: the shared DALI graph against the reference preprocessing, before and after, in one run.
 
-The graph is ``pipeline.triton.dali_pipeline.preprocess_graph`` (the one definition behind the production ensemble's
+The graph is ``pipeline.gpu.dali_graph.preprocess_graph`` (the one definition behind the production ensemble's
 DALI model and the gpu engine's ``GpuClassifier``), built with DALI's CPU backend; the reference is
 ``pipeline.model.imaging`` (Pillow). DALI's CPU decoder is libjpeg-turbo like Pillow's (the "decode" row checks that they
 give the same pixels), so on the CPU every difference left is resize, crop and normalize. The set is image_sets.py's
@@ -47,7 +47,7 @@ from image_sets import make_set  # noqa: E402
 from pipeline.model.default_model import DEFAULT_SPEC  # noqa: E402
 from pipeline.model.imaging import PreprocessSpec, decode_image, normalize_array, preprocess_image  # noqa: E402
 from pipeline.model.folder import load_model  # noqa: E402
-from pipeline.triton.dali_pipeline import _INTERP, preprocess_graph  # noqa: E402
+from pipeline.gpu.dali_graph import _INTERP, preprocess_graph  # noqa: E402
 
 LOG = logging.getLogger("bench_dali_parity")
 BATCH = 32

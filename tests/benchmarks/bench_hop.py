@@ -2,7 +2,7 @@
 back, with a model that does no work (hop_model.py), side by side in one run.
 
 Rows differ in the client's wire format (``message``: a ModelInferRequest message with the files appended, the
-engine's path before ``triton_wire.encode_request``; ``encoded``: the request serialized by us, the files copied
+engine's path before ``pipeline.triton.wire.encode_request``; ``encoded``: the request serialized by us, the files copied
 once), in the model's instances (stub processes) and in the client processes (actors) sending at once. Variants
 alternate round by round, and each row is the median round. CPU figures are per image: the client processes, and
 the server with its stub processes. Every answer is checked against its own image.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
 from hop_model import serve_hop  # noqa: E402
 from pipeline.engines.triton import TritonEngine  # noqa: E402
-from pipeline.engines.triton_wire import _lengths, _padded, _tag_bytes, request_header  # noqa: E402
+from pipeline.triton.wire import _lengths, _padded, _tag_bytes, request_header  # noqa: E402
 
 WIRES = ("message", "encoded")
 PYTHON_SHM_ARGS = ["--backend-config=python,shm-default-byte-size=268435456",
@@ -41,7 +41,7 @@ PYTHON_SHM_ARGS = ["--backend-config=python,shm-default-byte-size=268435456",
 
 
 def build_request(model_name: str, blobs: list[bytes], outputs, limits, tags):
-    """The request as a protobuf message (three copies of the files): ``triton_wire.encode_request``'s reference."""
+    """The request as a protobuf message (three copies of the files): ``pipeline.triton.wire.encode_request``'s reference."""
     longest = max(1, max(len(b) for b in blobs))
     request = request_header(model_name, len(blobs), longest, outputs, limits)
     request.raw_input_contents.append(b"".join(_padded(blobs, longest)))

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.gpu.classifier import Chunk  # noqa: E402
+from pipeline.gpu.defaults import GPU_DEFAULT_BATCH_SIZE  # noqa: E402
 from pipeline.model.folder import SPEC_FILE  # noqa: E402
 from pipeline.model.imaging import DecodeLimits, PreprocessSpec  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
@@ -186,7 +187,7 @@ class PreprocessModel:
         self.half = out["data_type"] == "TYPE_FP16"
         self.has_error = any(t["name"] == tn.OUTPUT_ERROR for t in config["output"])
         self.limits = config_limits(config)
-        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(GPU_DEFAULT_BATCH_SIZE)))
         device = instance_device(args)
         self.classifier = self._build_classifier(config, spec, device, batch_size)
         LOG.info("preprocess model ready on %s", device)
@@ -255,7 +256,7 @@ class NetworkModel:
         config, folder, spec = model_setup(args)
         tensor, shape = _dims(config, "input", tn.PREPROCESSED)
         _, (self.top_k,) = _dims(config, "output", tn.OUTPUT_CLASS_IDS)
-        self.batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        self.batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(GPU_DEFAULT_BATCH_SIZE)))
         self._load_network(args, config, folder, spec, tensor, shape)
 
     def _load_network(self, args: dict, config: dict, folder, spec, tensor: dict, shape: list[int]) -> None:
@@ -335,7 +336,7 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
     if pre_count < 1 or network_instances < 1:
         raise ConfigError(f"preprocess_instances={pre_count} and network_instances={network_instances} must be "
                           "at least 1")
-    batch_size = tn.GPU_DEFAULT_BATCH_SIZE if o.batch_size is None else o.batch_size
+    batch_size = GPU_DEFAULT_BATCH_SIZE if o.batch_size is None else o.batch_size
     error_output = o.sends_error()
     top_k, max_batch_size = o.top_k, o.max_batch_size
     mc = model_config()

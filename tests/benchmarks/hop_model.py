@@ -21,7 +21,9 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from pipeline.errors import ImageError  # noqa: E402
 from pipeline.gpu.classifier import STOP, triage  # noqa: E402
+from pipeline.gpu.defaults import GPU_DEFAULT_BATCH_SIZE  # noqa: E402
 from pipeline.model.imaging import DecodeLimits  # noqa: E402
+from pipeline.schema import DEFAULT_TOP_K  # noqa: E402
 from pipeline.triton import contract as tn  # noqa: E402
 from pipeline.triton.repository import SHIM_FILE, VERSION  # noqa: E402
 from pipeline.triton.serve.backend import as_numpy  # noqa: E402
@@ -70,7 +72,7 @@ class NullClassifier:
 
     decoder_name = HOP
 
-    def __init__(self, *, batch_size: int = tn.GPU_DEFAULT_BATCH_SIZE, top_k: int = tn.DEFAULT_TOP_K,
+    def __init__(self, *, batch_size: int = GPU_DEFAULT_BATCH_SIZE, top_k: int = DEFAULT_TOP_K,
                  in_flight: int = 4):
         self.batch_size = batch_size
         self.top_k = top_k

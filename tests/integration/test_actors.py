@@ -96,14 +96,14 @@ def test_the_driver_starts_the_shared_server_while_ray_starts_and_the_actors_sha
                                                                                       monkeypatch):
     """Where the actors share a server (the gpu profile's default; share_server=true here), the driver of a local Ray
     starts it before any actor exists: both actors use it and start none, and it is gone once the run returns."""
-    from pipeline.engines import triton as triton_engine
+    from pipeline.triton import client as triton_client
 
     src = tmp_path / "src"
     src.mkdir()
     for i in range(50):
         (src / f"small{i:03d}.jpg").write_bytes(make_jpeg(i))
     driver_servers = []
-    stop = triton_engine.NodeServers._stop
+    stop = triton_client.NodeServers._stop
 
     def recording_stop(self):
         for thread in self._threads:
@@ -111,7 +111,7 @@ def test_the_driver_starts_the_shared_server_while_ray_starts_and_the_actors_sha
         driver_servers.extend((e.server.pid, psutil.Process(e.server.pid).ppid()) for e in self.engines)
         stop(self)
 
-    monkeypatch.setattr(triton_engine.NodeServers, "_stop", recording_stop)
+    monkeypatch.setattr(triton_client.NodeServers, "_stop", recording_stop)
     summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "out"), engine="triton", num_actors=2,
                                 batch_size=8, shard_size=25, engine_options={"share_server": True}))
 
@@ -119,8 +119,8 @@ def test_the_driver_starts_the_shared_server_while_ray_starts_and_the_actors_sha
     assert len(driver_servers) == 1 and driver_servers[0][1] == os.getpid(), driver_servers
     events = summary.report["engine_events"]
     # One start in the whole run, the driver's: neither actor started a server of its own, none failed over.
-    assert events[triton_engine.EVENT_STARTS] == 1 and triton_engine.EVENT_FAILOVERS not in events, events
-    assert events[triton_engine.EVENT_CHECKED] == 50
+    assert events[triton_client.EVENT_STARTS] == 1 and triton_client.EVENT_FAILOVERS not in events, events
+    assert events[triton_client.EVENT_CHECKED] == 50
     assert not psutil.pid_exists(driver_servers[0][0]), "the driver's tritonserver outlived the run"
 
 

@@ -19,7 +19,8 @@ from pipeline.model.folder import load_model
 from pipeline.triton import contract as tn
 
 pytest.importorskip("nvidia.dali", reason="DALI parity needs nvidia-dali-cuda130 (the test extra)")
-from pipeline.triton.dali_pipeline import first_line, pipeline_graph  # noqa: E402
+from pipeline.gpu.dali_graph import first_line  # noqa: E402
+from pipeline.triton.dali_pipeline import pipeline_graph  # noqa: E402
 from support.paths import PHOTOS  # noqa: E402
 
 LOG = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from support.oddities import oddities
 
 from pipeline.triton import contract as tn
 from pipeline.engines.registry import make_engine
-from pipeline.engines.triton import plan_requests
+from pipeline.triton.wire import plan_requests
 from pipeline.errors import ConfigError
 from pipeline.model.folder import MODEL_FILE, SPEC_FILE, load_model
 from pipeline.model.imaging import DecodeLimits
@@ -144,7 +144,7 @@ def test_encoded_request_is_the_protobuf_message_byte_for_byte_in_meaning():
     sys.path.insert(0, str(BENCHMARKS))
     from bench_hop import build_request  # noqa: PLC0415 - the message path the benchmarks compare against
 
-    from pipeline.engines.triton_wire import encode_request
+    from pipeline.triton.wire import encode_request
     from pipeline.model.imaging import DecodeLimits
 
     limits = DecodeLimits(max_bytes=123_456_789, max_pixels=7)

@@ -137,7 +137,7 @@ def test_gpu_extra_holds_what_the_gpu_profile_imports_as_cuda_13_builds():
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
-    from pipeline.engines.auto import GPU_STACK
+    from pipeline.gpu.defaults import GPU_STACK
 
     extra = gpu_extra()
     providers = {"torch": "torch", "nvidia.dali": "nvidia-dali-cuda130"}

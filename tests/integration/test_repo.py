@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.triton import contract as tn
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.folder import load_model
+from pipeline.schema import DEFAULT_TOP_K
+from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.repository import (
     CONFIG_FILE,
@@ -60,7 +61,7 @@ def test_committed_and_generated_repositories_pass_the_check():
     assert set(check_repository(None)) == {"gpu/classifier", "portable/classifier", "production/classifier",
                                            "production/classifier_trt", "production/preprocess"}
     assert check_repository(str(MODEL_REPOSITORY / "production")) == ["classifier", "classifier_trt", "preprocess"]
-    assert repository_top_k(MODEL_REPOSITORY / "portable") == tn.DEFAULT_TOP_K
+    assert repository_top_k(MODEL_REPOSITORY / "portable") == DEFAULT_TOP_K
 
 
 def _edit(repo: Path, model: str, old: str, new: str) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_jpeg
-from pipeline.engines import triton as triton_engine
+from pipeline.triton import client as triton_client
 from pipeline.engines.registry import make_engine
 from pipeline.errors import ModelError, TritonError
 from pipeline.model.folder import load_model
@@ -105,8 +105,8 @@ def test_answers_for_other_images_are_retried_and_never_taken(bundle, tmp_path):
                         request_batch=4, concurrency=1)
     try:
         want = clean.classify(blobs)
-        assert clean.events[triton_engine.EVENT_CHECKED] == len(blobs)
-        assert clean.events[triton_engine.EVENT_MISMATCHES] == 0
+        assert clean.events[triton_client.EVENT_CHECKED] == len(blobs)
+        assert clean.events[triton_client.EVENT_MISMATCHES] == 0
     finally:
         clean.close()
     mixing = make_engine("triton", bundle, top_k=TOP_K, repository=str(_mixing_repo(tmp_path / "mix", 3)),
@@ -117,12 +117,12 @@ def test_answers_for_other_images_are_retried_and_never_taken(bundle, tmp_path):
     finally:
         mixing.close()
     # one request at a time: sends 3, 6, 9 and 12 were the request before's answer; 14 sends for 10 requests
-    assert events[triton_engine.EVENT_MISMATCHES] == 4, events
+    assert events[triton_client.EVENT_MISMATCHES] == 4, events
     assert [r.status for r in got] == ["ok"] * len(blobs), [r.error for r in got if r.error][:3]
     assert _own(got, 0) == []
     assert [(r.class_ids, r.width, r.height) for r in got] == [(r.class_ids, r.width, r.height) for r in want]
-    assert events[triton_engine.EVENT_CHECKED] == len(blobs)
-    assert events[triton_engine.EVENT_REQUESTS] == 14
+    assert events[triton_client.EVENT_CHECKED] == len(blobs)
+    assert events[triton_client.EVENT_REQUESTS] == 14
 
 
 def test_a_server_that_always_answers_for_other_images_gives_engine_errors(bundle, tmp_path):
@@ -140,7 +140,7 @@ def test_a_server_that_always_answers_for_other_images_gives_engine_errors(bundl
     assert _own(rows, 100) == []
     assert all(r.error.startswith("engine_error: tritonserver answered 3 times for other images (")
                for r in rows if r.status == "error")
-    assert events[triton_engine.EVENT_MISMATCHES] == 1 + triton_engine.MAX_MISMATCH_RETRIES
+    assert events[triton_client.EVENT_MISMATCHES] == 1 + triton_client.MAX_MISMATCH_RETRIES
 
 
 def test_a_repository_without_the_echo_is_refused_naming_repo_build(bundle, tmp_path):
@@ -187,9 +187,9 @@ def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_an
             totals += shard
     assert totals.ok == 16
     events = totals.engine_events
-    assert events[triton_engine.EVENT_STARTS] == 1 and events[triton_engine.EVENT_RESTARTS] == 1
-    assert events[triton_engine.EVENT_CHECKED] == 16 and events[triton_engine.EVENT_REQUESTS] == 4
-    assert events.get(triton_engine.EVENT_MISMATCHES, 0) == 0 and triton_engine.EVENT_FAILOVERS not in events
+    assert events[triton_client.EVENT_STARTS] == 1 and events[triton_client.EVENT_RESTARTS] == 1
+    assert events[triton_client.EVENT_CHECKED] == 16 and events[triton_client.EVENT_REQUESTS] == 4
+    assert events.get(triton_client.EVENT_MISMATCHES, 0) == 0 and triton_client.EVENT_FAILOVERS not in events
     report = build_run_report({**totals.report_fields(), "elapsed_s": 1.0})
     assert report["engine_events"] == dict(sorted(events.items()))
     assert "engine events       answers checked 16  requests 4  server restarts 1  server starts 1" in \
@@ -217,7 +217,7 @@ def test_a_shared_server_that_stops_answering_for_a_while_is_waited_for_not_repl
     restart it, nor the other engine start one of its own; every row comes back when it answers again."""
     health_s = 1.0
     monkeypatch.setattr(triton_server, "HEALTH_TIMEOUT_S", health_s)
-    monkeypatch.setattr(triton_engine, "HEALTH_TIMEOUT_S", health_s)
+    monkeypatch.setattr(triton_client, "HEALTH_TIMEOUT_S", health_s)
     repo = str(build_repository("portable", None, str(tmp_path / "repo"), top_k=TOP_K))
     owner, other = _pair(bundle, repo, request_batch=4, concurrency=2)
     try:
@@ -225,7 +225,7 @@ def test_a_shared_server_that_stops_answering_for_a_while_is_waited_for_not_repl
         blobs = _images(0, 24)
         _together((owner, blobs[:4]), (other, blobs[4:8]))
         os.kill(pid, signal.SIGSTOP)
-        resume = threading.Timer(health_s * 5 + sum(triton_engine.EXTERNAL_RETRY_S), os.kill, (pid, signal.SIGCONT))
+        resume = threading.Timer(health_s * 5 + sum(triton_client.EXTERNAL_RETRY_S), os.kill, (pid, signal.SIGCONT))
         resume.start()
         try:
             started = time.monotonic()
@@ -240,8 +240,8 @@ def test_a_shared_server_that_stops_answering_for_a_while_is_waited_for_not_repl
         assert _own(mine, 8) == [] and _own(theirs, 16) == []
         assert owner.server.pid == pid and owner.server.restarts == 0 and owner.url == other.url == url
         assert other.server is None
-        assert owner.events[triton_engine.EVENT_RESTARTS] == 0 and other.events[triton_engine.EVENT_FAILOVERS] == 0
-        assert owner.events[triton_engine.EVENT_STARTS] == 1 and other.events[triton_engine.EVENT_STARTS] == 0
+        assert owner.events[triton_client.EVENT_RESTARTS] == 0 and other.events[triton_client.EVENT_FAILOVERS] == 0
+        assert owner.events[triton_client.EVENT_STARTS] == 1 and other.events[triton_client.EVENT_STARTS] == 0
     finally:
         other.close()
         owner.close()
@@ -258,8 +258,8 @@ def test_a_killed_shared_server_is_restarted_by_its_owner_and_the_other_follows(
         assert [r.status for r in mine + theirs] == ["ok"] * 32, [r.error for r in mine + theirs if r.error][:3]
         assert _own(mine, 0) == [] and _own(theirs, 16) == []
         assert owner.url != old and other.url == owner.url and other.server is None  # one server, the owner's
-        assert owner.events[triton_engine.EVENT_RESTARTS] == 1
-        assert other.events[triton_engine.EVENT_FAILOVERS] == 1 and other.events[triton_engine.EVENT_STARTS] == 0
+        assert owner.events[triton_client.EVENT_RESTARTS] == 1
+        assert other.events[triton_client.EVENT_FAILOVERS] == 1 and other.events[triton_client.EVENT_STARTS] == 0
     finally:
         other.close()
         owner.close()
@@ -312,10 +312,10 @@ def test_an_idle_owner_restarts_its_dead_shared_server_for_the_users_waiting_on_
         dead = owner.server.pid
         os.kill(dead, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (owner.events[triton_engine.EVENT_RESTARTS] == 0
+        while time.monotonic() < deadline and (owner.events[triton_client.EVENT_RESTARTS] == 0
                                                or not owner.server.is_ready()):
             time.sleep(0.2)
-        assert owner.events[triton_engine.EVENT_RESTARTS] == 1 and owner.events[triton_engine.EVENT_REQUESTS] == 0
+        assert owner.events[triton_client.EVENT_RESTARTS] == 1 and owner.events[triton_client.EVENT_REQUESTS] == 0
         record = owner._lease.read()
         assert record is not None and record["pid"] == owner.server.pid != dead
         assert record["url"] == owner.url
@@ -340,7 +340,7 @@ def test_the_other_engine_starts_its_own_server_once_the_owner_process_is_gone(b
             rows = other.classify(_images(0, 8))
             assert [r.status for r in rows] == ["ok"] * 8 and _own(rows, 0) == []
             assert other.server is not None
-            assert other.events[triton_engine.EVENT_FAILOVERS] == 1 and other.events[triton_engine.EVENT_STARTS] == 1
+            assert other.events[triton_client.EVENT_FAILOVERS] == 1 and other.events[triton_client.EVENT_STARTS] == 1
         finally:
             other.close()
     finally:
@@ -420,15 +420,15 @@ def test_stress_every_answer_checked_under_many_clients_timeouts_and_server_kill
             c.kill()
         owner.close()
 
-    checked = sum(e[triton_engine.EVENT_CHECKED] for e in events)
-    requests = sum(e[triton_engine.EVENT_REQUESTS] for e in events)
-    restarts = sum(e[triton_engine.EVENT_RESTARTS] for e in events)
+    checked = sum(e[triton_client.EVENT_CHECKED] for e in events)
+    requests = sum(e[triton_client.EVENT_REQUESTS] for e in events)
+    restarts = sum(e[triton_client.EVENT_RESTARTS] for e in events)
     print(f"stress: {requests} requests, {restarts} restarts, {checked} answers checked, "
-          f"{sum(e[triton_engine.EVENT_MISMATCHES] for e in events)} mismatches, "
-          f"{sum(e[triton_engine.EVENT_TIMEOUTS] for e in events)} timeouts, "
-          f"{sum(e[triton_engine.EVENT_FAILOVERS] for e in events)} failovers")
-    assert len(kills) == 2 and restarts >= 2 and events[0][triton_engine.EVENT_RESTARTS] >= 2
-    assert all(e[triton_engine.EVENT_MISMATCHES] == 0 for e in events), events
+          f"{sum(e[triton_client.EVENT_MISMATCHES] for e in events)} mismatches, "
+          f"{sum(e[triton_client.EVENT_TIMEOUTS] for e in events)} timeouts, "
+          f"{sum(e[triton_client.EVENT_FAILOVERS] for e in events)} failovers")
+    assert len(kills) == 2 and restarts >= 2 and events[0][triton_client.EVENT_RESTARTS] >= 2
+    assert all(e[triton_client.EVENT_MISMATCHES] == 0 for e in events), events
     for k in range(3):
         assert [r.status for r in results[k]] == ["ok"] * 30, [r.error for r in results[k] if r.error][:3]
         assert _own(results[k], k * 100) == []
@@ -437,13 +437,13 @@ def test_stress_every_answer_checked_under_many_clients_timeouts_and_server_kill
         rows = out["rows"]
         assert [r[0] for r in rows] == ["ok"] * 48, [r[1] for r in rows if r[1]][:3]
         assert [(r[2], r[3]) for r in rows] == [_size(1000 + 100 * k + i) for i in range(48)]
-        assert out["events"][triton_engine.EVENT_STARTS] == 0  # never a server of their own
-        assert out["events"][triton_engine.EVENT_FAILOVERS] >= 1  # they followed the owner's restarts
+        assert out["events"][triton_client.EVENT_STARTS] == 0  # never a server of their own
+        assert out["events"][triton_client.EVENT_FAILOVERS] >= 1  # they followed the owner's restarts
     # the SLOW files never answer within the client's timeout: retried, then engine_error rows
     row = timed_rows[0]
     assert row.status == "error"
     assert row.error.startswith(f"engine_error: no answer within request_timeout_s={CLIENT_TIMEOUT_S:g} s, "), row.error
-    assert events[1][triton_engine.EVENT_TIMEOUTS] >= len(triton_engine.EXTERNAL_RETRY_S) + 1
+    assert events[1][triton_client.EVENT_TIMEOUTS] >= len(triton_client.EXTERNAL_RETRY_S) + 1
     # the timed client's images: their own answer, or (a loaded host) no answer in time; never another's
     assert _own(timed_rows[1:], 500) == []
     assert all(r.status == "ok" or r.error.startswith("engine_error: no answer within") for r in timed_rows[1:])
@@ -530,7 +530,7 @@ def test_an_owner_that_is_done_keeps_its_server_until_the_other_users_leave(bund
         other.stdin.flush()
         answer = json.loads(other.stdout.readline())
         assert [row[0] for row in answer["rows"]] == ["ok"] * 6
-        assert answer["events"][triton_engine.EVENT_FAILOVERS] == 0 and answer["events"][triton_engine.EVENT_STARTS] == 0
+        assert answer["events"][triton_client.EVENT_FAILOVERS] == 0 and answer["events"][triton_client.EVENT_STARTS] == 0
         other.wait(60)
         assert closed.wait(30)  # ...and once it has left, the owner stops the server
         assert owner.server is None and not list(owner._lease._users.glob("*"))
@@ -569,7 +569,7 @@ def test_an_owner_process_that_exits_serves_its_other_users_until_they_leave(bun
             assert owner.poll() is None  # ...which keeps the server while this engine uses it
             rows = other.classify(_images(0, 8))
             assert [r.status for r in rows] == ["ok"] * 8 and _own(rows, 0) == []
-            assert other.events[triton_engine.EVENT_FAILOVERS] == 0 and other.server is None
+            assert other.events[triton_client.EVENT_FAILOVERS] == 0 and other.server is None
         finally:
             other.close()
         assert owner.wait(60) == 0  # the last user left: the owner stopped its server and exited
@@ -632,7 +632,7 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     out = ray.get(other.__call__.remote(_work_batch(8, 8)))
     assert out.column("status").to_pylist() == ["ok"] * 8
     events = [json.loads(e) for e in out.column(ENGINE_EVENTS).to_pylist() if e]
-    assert not any(e.get(triton_engine.EVENT_FAILOVERS) or e.get(triton_engine.EVENT_STARTS) for e in events)
+    assert not any(e.get(triton_client.EVENT_FAILOVERS) or e.get(triton_client.EVENT_STARTS) for e in events)
     assert first.column("status").to_pylist() == ["ok"] * 4
     del other  # the last user leaves: the owner stops the server and its worker exits
     server.wait(60)

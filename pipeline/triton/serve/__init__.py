@@ -2,6 +2,6 @@
 
 ``portable_model`` (reference decode + ONNX Runtime), ``gpu_model`` (``GpuClassifier`` behind a request stream, the
 gpu profile) and ``backend`` (config parameters, tensors, caps and errors of the python backend). Only the shims that
-``pipeline.triton.repository`` writes import these modules, inside the server's stub processes; they sit above the
-engines, whose gpu parts they serve.
+``pipeline.triton.repository`` writes import these modules, inside the server's stub processes; they are part of
+``pipeline.triton``'s room, standing on ``pipeline.gpu`` and below the engines.
 """

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.gpu.defaults import (
+    DALI_THREADS, GPU_DEFAULT_BATCH_SIZE, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS,
+)
 from pipeline.gpu.stream import RequestStream
 from pipeline.model.imaging import DecodeLimits, PreprocessSpec
 from pipeline.model.folder import MODEL_FILE, SPEC_FILE
@@ -113,7 +116,6 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         DEFAULT_DALI_DEPTH,
         DEFAULT_HW_DECODER_LOAD,
     )
-    from pipeline.triton.dali_pipeline import DALI_THREADS  # noqa: PLC0415
 
     if half is None:
         value = config_param(config, tn.GPU_PARAM_HALF, "auto").lower()
@@ -125,7 +127,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         batch_size=batch_size,
         device=device,
         cuda_graph=config_param(config, tn.GPU_PARAM_CUDA_GRAPH, "true").lower() == "true",
-        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, str(tn.GPU_DEFAULT_PREP_WORKERS))),
+        prep_workers=int(config_param(config, tn.GPU_PARAM_PREP_WORKERS, str(GPU_DEFAULT_PREP_WORKERS))),
         dali_depth=int(config_param(config, tn.GPU_PARAM_DALI_DEPTH, str(DEFAULT_DALI_DEPTH))),
         dali_threads=int(config_param(config, tn.GPU_PARAM_DALI_THREADS, str(DALI_THREADS))),
         half=half,
@@ -155,7 +157,7 @@ class TritonPythonModel:
         self.instance = args.get("model_instance_name", "?")
         net_name = config_param(config, tn.GPU_PARAM_NETWORK, "auto")
         self.limits = config_limits(config)
-        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(tn.GPU_DEFAULT_BATCH_SIZE)))
+        batch_size = int(config_param(config, tn.GPU_PARAM_BATCH_SIZE, str(GPU_DEFAULT_BATCH_SIZE)))
         self.classifier = self._build_classifier(config, folder, spec, device, net_name, batch_size)
         built = time.perf_counter()
         self.classifier.warmup()
@@ -165,7 +167,7 @@ class TritonPythonModel:
                                  f"{built - started:.1f} s ({report}), warmed up in {time.perf_counter() - built:.1f} s, "
                                  f"{time.perf_counter() - _IMPORTED:.1f} s after its module was imported")
         self.stream = RequestStream(self.classifier, self._respond, top_k=self.top_k,
-                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, str(tn.GPU_DEFAULT_MAX_DELAY_MS))) / 1000,
+                                    max_delay_s=float(config_param(config, tn.GPU_PARAM_MAX_DELAY_MS, str(GPU_DEFAULT_MAX_DELAY_MS))) / 1000,
                                     max_backlog=float(config_param(config, tn.GPU_PARAM_MAX_BACKLOG, "0")))
         LOG.info("gpu model ready on %s (decoder %s)", device, self.classifier.decoder_name)
 

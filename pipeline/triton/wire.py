@@ -1,4 +1,4 @@
-"""The Triton engine's wire format: requests encoded as ModelInfer protobuf bytes directly, responses read from
+"""The Triton client's wire format: requests encoded as ModelInfer protobuf bytes directly, responses read from
 their raw outputs (pipeline.triton.contract).
 
 The client's CPU per image is what one actor process can send to its GPU. tritonclient's InferInput path copies

@@ -1,6 +1,6 @@
-"""The Triton engine's checks before it sends: its preflight (a repository, a tritonserver, the gpu profile's stack),
-its model check in the driver, each input's byte and pixel caps by its header; and the error row of an input whose
-request the server refused. The answers' own check (each image's TAG echoed) is ``pipeline.engines.triton_wire``'s."""
+"""The Triton client's checks before it sends: the triton engine's preflight (a repository, a tritonserver, the gpu
+profile's stack) and model check in the driver, each input's byte and pixel caps by its header; and the error row of an input whose
+request the server refused. The answers' own check (each image's TAG echoed) is ``pipeline.triton.wire``'s."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.errors import ERROR_KINDS, ConfigError, ImageError, ModelError, TritonError
+from pipeline.gpu.defaults import GPU_EXTRA_HINT, NO_INT8, missing_gpu_stack
 from pipeline.model.imaging import DecodeLimits, decode_image, follow_pixel_cap
 from pipeline.triton import contract as tn
 from pipeline.triton.profiles import AUTO, GPU, PORTABLE, choose_profile, visible_gpus
@@ -34,8 +35,6 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and this machine has "
                           f"none; use --engine onnx, or --engine-option profile={PORTABLE}")
     if repository is None and choose_profile(options.get("profile", AUTO)).needs_gpu:
-        from pipeline.engines.auto import GPU_EXTRA_HINT, missing_gpu_stack  # noqa: PLC0415
-
         missing = missing_gpu_stack()
         if missing:
             raise ConfigError(f"--engine triton serves the gpu profile on this GPU machine, which needs "
@@ -64,7 +63,7 @@ def check_model(bundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> No
         from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415
 
         if bundle.precision == PRECISION_INT8:
-            raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {tn.NO_INT8}; "
+            raise ModelError(f"model {bundle.name!r} is INT8 and the triton engine's gpu profile has {NO_INT8}; "
                              f"pass --engine-option profile={PORTABLE}, or the FP32 model")
         check_runnable(bundle, "--engine triton with the gpu profile")
 

@@ -1,4 +1,4 @@
-"""The Triton engine's server supervision: the tritonserver it talks to, whether its own (started under a private MPS
+"""The Triton client's server supervision: the tritonserver it talks to, whether its own (started under a private MPS
 daemon, restarted when it dies, watched while shared), one shared with the other actors of its GPU (the lease, and
 the failover when its owner's server stops answering), or an external one at a given url."""
 
@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from pipeline.errors import TritonError
-from pipeline.triton import contract as tn
+from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton.profiles import ServingProfile
 from pipeline.triton.server import HEALTH_TIMEOUT_S
 from pipeline.triton.workdirs import REPOSITORY_PREFIX, sweep_dead_owner_folders
@@ -21,7 +21,7 @@ LOG = logging.getLogger(__name__)
 # The owner of a shared server checks its process this often, between its own requests too: the server's other
 # users wait for the owner to restart it, and an owner with no batch in flight would leave them waiting.
 WATCH_S = 1.0
-# The supervision's counters, part of the engine's (``pipeline.engines.triton.EVENTS``).
+# The supervision's counters, part of the engine's (``pipeline.triton.client.EVENTS``).
 EVENT_STARTS = "server_starts"  # tritonservers this engine started (a shared one counts for its owner only)
 EVENT_RESTARTS = "server_restarts"  # restarts of a server this engine owns
 EVENT_FAILOVERS = "server_failovers"  # moves of a shared-server user to another server (restarted, or its own)
@@ -74,7 +74,7 @@ class ServerSupervisor:
         if repository is None:
             sweep_dead_owner_folders(REPOSITORY_PREFIX)
             # one repository serves every top-k up to the default, but never more classes than the model has
-            served_k = min(max(top_k, tn.DEFAULT_TOP_K), bundle.num_classes)
+            served_k = min(max(top_k, DEFAULT_TOP_K), bundle.num_classes)
             repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances))
         preflight(repository)
 
