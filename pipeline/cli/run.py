@@ -176,31 +176,12 @@ def nightly(config_file: str | None, quiet: bool, no_previous: bool, **options: 
     \b
     Exit status: 0 done or already complete, 2 bad options or storage (the message says the fix), 1 a crash.
     """
-    from pipeline.nightly import DATE_PREFIX, nightly_scan
+    from pipeline.nightly import format_scan, nightly_scan
 
     scan = nightly_options(config_file, no_previous, options)
     with _ray_output_to_stderr():
         result = nightly_scan(scan, progress=None if quiet else _nightly_progress())
-    if result.status == "already_complete":
-        rec = result.success or {}
-        echo(f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
-             f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
-        return
-    from pipeline.quality.report import format_run_report
-
-    summary = result.summary
-    if result.resumed_shards:
-        echo(f"resumed an interrupted scan: {result.resumed_shards} shard(s) were already committed")
-    if result.previous:
-        echo(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
-    if not quiet:
-        echo(format_run_report(summary.report))
-    if result.drift:
-        d = result.drift
-        echo(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
-             + ("no threshold crossed" if d["passed"] else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
-    counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
-    echo(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
+    echo(format_scan(result, report=not quiet))
 
 
 def nightly_options(config_file: str | None, no_previous: bool, options: dict[str, Any]) -> dict[str, Any]:
