@@ -193,3 +193,15 @@ def test_the_command_line_catches_no_library_error_itself():
     source = "\n".join(p.read_text() for p in Path(cli.__file__).parent.glob("*.py"))
     assert "except BulkClassifyError" not in source.replace("except BulkClassifyError as err:\n        raise click.", "")
     assert "sys.exit(" not in source and "check_requirements" not in source and ".resolved(" not in source
+
+
+def test_listing_the_commands_imports_none_of_the_library():
+    """`bulk-classify --help` imports the command modules, not the rooms they call (pyarrow, numpy, the engines):
+    each command declares its options, and imports its library, only when it parses or shows its own help."""
+    code = ("import sys\nfrom pipeline.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'pyarrow', 'numpy', 'ray')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import ast
+
+    loaded = {m for m in ast.literal_eval(done.stdout.splitlines()[-1]) if not m.startswith("pipeline.cli")}
+    assert loaded == {"pipeline", "pipeline.errors", "pipeline.terminal"}
