@@ -13,6 +13,21 @@ class ModelError(BulkClassifyError):
     """A model folder, file or format that cannot be loaded."""
 
 
+class GateFailed(ModelError):
+    """The INT8 model fell below the gate (or the sample cannot judge it); no model was written.
+
+    ``result`` is ``quantize_model``'s ``QuantizeResult``: the full report is at ``result.report_path``.
+    """
+
+    def __init__(self, message: str, result: object):
+        super().__init__(message)
+        self.result = result
+
+
+class ParityFailed(ModelError):
+    """The written folder does not classify like the source framework; nothing was kept."""
+
+
 class SourceError(BulkClassifyError):
     """The source cannot be listed (missing, unreachable, no permission)."""
 

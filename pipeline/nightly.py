@@ -207,3 +207,30 @@ def collect_options(config_file: str | None, flags: Mapping[str, Any]) -> dict[s
     (``merge_options``: ``storage_options`` and ``engine_options`` merge key by key, the command line's keys winning).
     The environment goes below both in ``nightly_scan``."""
     return merge_options(load_options_file(config_file) if config_file else {}, flags, env={}, types={})
+
+
+def format_scan(result: NightlyResult, *, report: bool = True) -> str:
+    """What ``bulk-classify nightly`` prints of a scan: "already complete", or what it resumed and carried over, the
+    run report (``report``), the comparison with the previous date and the closing line."""
+    if result.status == "already_complete":
+        rec = result.success or {}
+        return (f"nightly scan {DATE_PREFIX}{result.date} already complete at {result.dest} "
+                f"({rec.get('rows', '?')} rows, finished {rec.get('finished_at', '?')}); nothing to do")
+    from pipeline.quality.report import format_run_report  # noqa: PLC0415 - only where a run happened
+
+    summary = result.summary
+    lines = []
+    if result.resumed_shards:
+        lines.append(f"resumed an interrupted scan: {result.resumed_shards} shard(s) were already committed")
+    if result.previous:
+        lines.append(f"previous: {result.previous} ({summary.carried} unchanged row(s) carried over)")
+    if report:
+        lines.append(format_run_report(summary.report))
+    if result.drift:
+        d = result.drift
+        lines.append(f"quality against {d['against']}: PSI {d['psi']:.3f}, label JS {d['js_divergence']:.3f}: "
+                     + ("no threshold crossed" if d["passed"]
+                        else "DRIFT: " + "; ".join(b["message"] for b in d["breaches"])))
+    counts = "  ".join(f"{k} {v}" for k, v in sorted(summary.counts.items()))
+    lines.append(f"nightly scan {DATE_PREFIX}{result.date} complete: {summary.total} rows ({counts}) -> {result.dest}")
+    return "\n".join(lines)

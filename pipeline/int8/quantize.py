@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-from pipeline.errors import ConfigError, ImageError, ModelError
+from pipeline.errors import ConfigError, GateFailed, ImageError, ModelError
 from pipeline.int8.gate import (
     GateThresholds, class_noise, gate, held_out_figures, noise_summary, pixel_noise, sample_failures,
 )
@@ -283,14 +283,6 @@ class QuantizeResult:
     report: dict[str, Any]
     report_path: Path
     model_dir: Path | None
-
-
-class GateFailed(ModelError):
-    """The INT8 model fell below the gate (or the sample cannot judge it); no model was written."""
-
-    def __init__(self, message: str, result: QuantizeResult):
-        super().__init__(message)
-        self.result = result
 
 
 def side_report_path(output: str | os.PathLike) -> Path:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.errors import ConfigError, ImageError, ModelError
+from pipeline.errors import ConfigError, ImageError, ModelError, ParityFailed
 from pipeline.model.onnx_graph import faithful_slim
 from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
@@ -104,10 +104,6 @@ class Parity:
             found.append(f"the exported network alone differs by {self.export_diff:.1e} of the logit range on the "
                          f"framework's own tensors (allowed {EXPORT_TOLERANCE:.0e}): the ONNX export is wrong")
         return found
-
-
-class ParityFailed(ModelError):
-    """The written folder does not classify like the source framework; nothing was kept."""
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def test_rayjob_runs_the_nightly_script_and_cleans_up(rayjob):
 def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
     """The entrypoint as the nightly parses it: no engine or shape option, so auto picks triton (the gpu profile,
     three actors per GPU, 2,048 images a call) on the GPU workers, and onnx on a cluster without GPUs."""
-    from pipeline import cli
+    from pipeline.cli import run as cli_run
     from pipeline.config import RunConfig
     from pipeline.job.stages import actor_plan
     from pipeline.nightly import NIGHTLY_KEYS
@@ -198,9 +198,9 @@ def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
     argv = rayjob["spec"]["entrypoint"].split()[2:]
     for flag in ("--engine", "--engine-option", "--num-gpus-per-actor", "--batch-size", "--num-actors"):
         assert flag not in argv, f"{flag}: the entrypoint follows the default engine and its shape"
-    params = dict(cli.nightly.make_context("nightly_scan.py", argv).params)
+    params = dict(cli_run.nightly.make_context("nightly_scan.py", argv).params)
     params.pop("quiet")
-    opts = cli.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
+    opts = cli_run.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
     run = {k: v for k, v in opts.items() if k not in NIGHTLY_KEYS}
     config = RunConfig.build({**run, "source": opts["source"], "output": "s3://x/date=2026-12-01"}, env={})
     assert config.engine == "auto" and config.batch_size is None and config.num_gpus_per_actor is None

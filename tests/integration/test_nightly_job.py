@@ -15,7 +15,8 @@ import pytest
 
 from click.testing import CliRunner
 
-from pipeline import cli
+from pipeline.cli import main
+from pipeline.cli import run as cli_run
 from pipeline import nightly as ns
 from pipeline.errors import ConfigError
 from support.paths import REPO
@@ -25,9 +26,9 @@ PHOTOS = REPO / "tests" / "data" / "photos"
 
 def parse_args(argv: list[str]) -> dict:
     """What `bulk-classify nightly ARGV` hands to nightly_scan."""
-    params = dict(cli.nightly.make_context("nightly", list(argv)).params)
+    params = dict(cli_run.nightly.make_context("nightly", list(argv)).params)
     params.pop("quiet")
-    return cli.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
+    return cli_run.nightly_options(params.pop("config_file"), params.pop("no_previous"), params)
 
 
 # --- the nightly logic, no cluster -------------------------------------------------------------------
@@ -93,7 +94,7 @@ def test_missing_required_options_say_how_to_fix(tmp_path):
         ns.nightly_scan({"source": str(PHOTOS)})
     with pytest.raises(ConfigError, match="give --output-root, not output"):
         ns.nightly_scan({"source": str(PHOTOS), "output_root": str(tmp_path), "output": str(tmp_path)})
-    result = CliRunner().invoke(cli.main, ["nightly", "--source", str(PHOTOS)])
+    result = CliRunner().invoke(main, ["nightly", "--source", str(PHOTOS)])
     assert result.exit_code == 2 and "--output-root is required" in result.output
 
 

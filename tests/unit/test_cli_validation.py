@@ -1,4 +1,4 @@
-"""pipeline/cli.py: every bad option is refused in the driver, at once, in one line, before anything is written.
+"""pipeline/cli/: every bad option is refused in the driver, at once, in one line, before anything is written.
 
 The four cases issue #15 names run as real `bulk-classify` processes (import time counts): each must exit
 non-zero in under 3 s with one ``Error:`` line naming the fix, and leave DEST as it was, whether DEST did not
@@ -147,7 +147,8 @@ def test_nightly_checks_options_before_reading_storage(tmp_path, monkeypatch, ar
 
 
 def test_help_shows_the_defaults_of_the_modules_that_own_them():
-    from pipeline.cli import nightly, report, run
+    from pipeline.cli.report import report
+    from pipeline.cli.run import nightly, run
     from pipeline.config import RunConfig
     from pipeline.quality.statistics import DriftThresholds
 
@@ -167,7 +168,7 @@ def test_help_shows_the_defaults_of_the_modules_that_own_them():
 
 def test_one_table_maps_the_librarys_exceptions_to_exit_statuses():
     """EXIT_STATUSES: the first row whose command and class match; no row, a crash (the exception itself)."""
-    from pipeline.cli import EXIT_STATUSES, failure
+    from pipeline.cli.output import EXIT_STATUSES, failure
     from pipeline.errors import ConfigError, EmptySourceError, OutputError
     from pipeline.model_import.core import ParityFailed
 
@@ -187,10 +188,20 @@ def test_one_table_maps_the_librarys_exceptions_to_exit_statuses():
 def test_the_command_line_catches_no_library_error_itself():
     """Every library error leaves through the table: no command catches BulkClassifyError, calls sys.exit or
     runs the engine's preflight itself."""
-    import inspect
-
     import pipeline.cli as cli
 
-    source = inspect.getsource(cli)
+    source = "\n".join(p.read_text() for p in Path(cli.__file__).parent.glob("*.py"))
     assert "except BulkClassifyError" not in source.replace("except BulkClassifyError as err:\n        raise click.", "")
     assert "sys.exit(" not in source and "check_requirements" not in source and ".resolved(" not in source
+
+
+def test_listing_the_commands_imports_none_of_the_library():
+    """`bulk-classify --help` imports the command modules, not the rooms they call (pyarrow, numpy, the engines):
+    each command declares its options, and imports its library, only when it parses or shows its own help."""
+    code = ("import sys\nfrom pipeline.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'pyarrow', 'numpy', 'ray')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import ast
+
+    loaded = {m for m in ast.literal_eval(done.stdout.splitlines()[-1]) if not m.startswith("pipeline.cli")}
+    assert loaded == {"pipeline", "pipeline.errors", "pipeline.terminal"}

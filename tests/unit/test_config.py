@@ -249,13 +249,13 @@ def test_every_command_line_option_is_a_field_the_environment_sets_and_every_ent
     (the repeatable ``--storage-option``, ``--engine-option``, ``--catalog-option`` are ``..._OPTIONS``); the CLI, the
     nightly and the Python API all go through ``merge_options``."""
     from pipeline import api
-    from pipeline.cli import main
+    from pipeline.cli.run import nightly, run
     from pipeline.nightly import NIGHTLY_KEYS, SCAN_TYPES, nightly_scan
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    run_params = {p.name for p in main.commands["run"].params} - {"quiet"}
+    run_params = {p.name for p in run.params} - {"quiet"}
     assert run_params == fields
-    nightly_params = {p.name for p in main.commands["nightly"].params} - {"quiet", "config_file", "no_previous"}
+    nightly_params = {p.name for p in nightly.params} - {"quiet", "config_file", "no_previous"}
     assert nightly_params == set(SCAN_TYPES) == (fields - {"output"}) | set(NIGHTLY_KEYS)
     bad = {"BULK_CLASSIFY_TOP_K": "x"}
     with pytest.raises(ConfigError, match=r"BULK_CLASSIFY_TOP_K='x' is not an integer"):
