@@ -165,13 +165,14 @@ def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_an
     import psutil
 
     from pipeline.actor import ClassifyActor
+    from pipeline.engines.registry import REGISTRY
     from pipeline.quality.report import build_run_report, format_run_report
     from pipeline.io.stats import ShardStats
     from pipeline.io.writer import write_shard
 
     batch = _work_batch  # the job's working rows of _images(start, n)
 
-    actor = ClassifyActor(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
+    actor = ClassifyActor(model=None, engine=REGISTRY["triton"], top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                           engine_options={"request_batch": 4})
     try:
         outs = [actor(batch(0, 8))]
