@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import shutil
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from import_graph import FLOORS, room  # noqa: E402
+from trace_run import sample_folder  # noqa: E402
 
 # (module, class) of the objects walked; a class missing from the tree is skipped.
 WATCHED = (("pipeline.config", "RunConfig"), ("pipeline.job.plan", "RunPlan"))
@@ -98,11 +98,7 @@ def main(engine: str | None = None) -> Walk:
     from pipeline.config import RunConfig
     from pipeline.job import run_job
 
-    tmp = Path(tempfile.mkdtemp(prefix="config-walk-"))
-    src, out = tmp / "src", tmp / "out"
-    src.mkdir()
-    for name in ("coffee.jpg", "chelsea.jpg"):
-        shutil.copy(REPO / "tests" / "data" / "photos" / name, src / name)
+    tmp, src, out = sample_folder("config-walk-")
     walk = Walk()
     config = RunConfig(source=str(src), output=str(out), **({"engine": engine} if engine else {}))
     undo = watch(walk)  # from the config run_job is given on
