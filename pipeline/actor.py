@@ -13,7 +13,6 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from pipeline.engines.base import EngineSpec
-from pipeline.engines.registry import engine_spec, spec_kwargs
 from pipeline.schema import (
     CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
     MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
@@ -29,11 +28,10 @@ class ClassifyActor:
         self,
         *,
         model: str | None,
-        engine: str | EngineSpec,
+        engine: EngineSpec,
         top_k: int,
         max_bytes: int,
         max_pixels: int,
-        decode_threads: int | None = None,
         engine_options: Mapping[str, Any] | None = None,
         model_digest: str | None = None,
     ):
@@ -49,13 +47,10 @@ class ClassifyActor:
             # The folder changed after the driver checked it: rows of two models must never mix in one output.
             raise ModelError(f"model {model!r} changed during the run (digest {self.bundle.short_digest}, the run "
                              f"started with {model_digest[:12]}); rerun once the model folder stays unchanged")
-        # ``engine``: a registered engine's name, or its spec where the caller (the job's plan) has looked it up.
-        spec = engine_spec(engine) if isinstance(engine, str) else engine
-        # --decode-threads goes to the option the engine registered for it (none for a server that decodes).
-        options = spec_kwargs(spec, engine_options or {}, decode_threads=decode_threads)
-        self.engine = spec.build(
-            self.bundle, top_k=top_k, limits=DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels), options=options
-        )
+        # ``engine`` and ``engine_options`` as the driver decided them: the spec looked up, the options parsed.
+        spec = engine
+        limits = DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels)
+        self.engine = spec.build(self.bundle, top_k=top_k, limits=limits, options=engine_options or {})
         self.engine_name = spec.name
         self._reported: dict[str, int] = {}  # the engine's ``events`` as far as rows carry them already
         self._events_lock = threading.Lock()

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 import pyarrow as pa
 
 from pipeline.actor import ClassifyActor
-from pipeline.config import RunConfig
-from pipeline.engines.registry import AUTO_ENGINE, engine_spec, spec_kwargs
+from pipeline.config import RunConfig, check_top_k
+from pipeline.engines.registry import DEFAULT_ENGINE
 from pipeline.errors import ConfigError, LIST_ERROR
 from pipeline.io.fetch import fetch_batch
 from pipeline.io.keys import object_uri
@@ -29,7 +29,6 @@ RESULT_COLUMNS = ("status", "error", "class_ids", "labels", "scores", "width", "
                   "engine")
 DEFAULT_URI_COLUMN = "uri"
 DEFAULT_BYTES_COLUMN = "bytes"  # the column ``ray.data.read_binary_files`` gives
-DEFAULT_ENGINE = "onnx"  # runs anywhere; a GPU engine is named, with the actor's num_gpus, by the pipeline's author
 
 
 @dataclass(frozen=True)
@@ -108,8 +107,9 @@ class Classifier:
     Args:
         model: a model folder (``model.onnx``, ``labels.txt``, ``preprocess.json``), or None for the built-in
             EfficientNet-Lite0.
-        engine: a registered engine (``bulk-classify engines`` lists them): onnx, openvino, triton, gpu. A GPU engine
-            wants ``num_gpus=`` in ``map_batches``.
+        engine: ``auto``, the default as for ``bulk-classify run`` (the triton engine's gpu profile where this
+            process sees a GPU, onnx elsewhere), or a registered engine (``bulk-classify engines`` lists them): onnx,
+            openvino, triton, gpu. A GPU engine wants ``num_gpus=`` in ``map_batches``.
         engine_options: the engine's options, as ``--engine-option NAME=VALUE`` takes them.
         top_k: labels per image.
         uri_column: the column of object URIs (``s3://…``, ``file://…``, any fsspec URL, or a local path), read
@@ -130,20 +130,15 @@ class Classifier:
                  storage_options: Mapping[str, Any] | None = None, fetch_threads: int = 16, retries: int = 5,
                  max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS,
                  decode_threads: int | None = None):
-        if not isinstance(top_k, int) or not 1 <= top_k <= 1000:
-            raise ConfigError(f"top_k must be an integer within 1..1000, got {top_k!r}")
-        if engine == AUTO_ENGINE:
-            raise ConfigError("Classifier runs the engine it is given: name one (engine='onnx' on CPUs; 'gpu' or "
-                              "'triton' with num_gpus=1 in map_batches); auto is the job's choice by its cluster's GPUs")
-        spec = engine_spec(engine)  # ConfigError lists the engines
-        options = spec_kwargs(spec, engine_options or {}, decode_threads=decode_threads)
-        spec.check(options)  # the engine's requirements on this node (torch, tritonserver, ...), in one line
+        from pipeline.job.plan import classifier_engine  # noqa: PLC0415
+
+        check_top_k(top_k, "top_k")
+        spec, options = classifier_engine(engine, engine_options, decode_threads)  # ConfigError lists the engines
         self.uri_column, self.bytes_column = uri_column, bytes_column
         self.storage_options = dict(storage_options or {})
         self.fetch_threads, self.retries, self.max_bytes = fetch_threads, retries, max_bytes
         self._actor = ClassifyActor(model=None if model is None else str(model), engine=spec, top_k=top_k,
-                                    max_bytes=max_bytes, max_pixels=max_pixels, decode_threads=decode_threads,
-                                    engine_options=engine_options)
+                                    max_bytes=max_bytes, max_pixels=max_pixels, engine_options=options)
         spec.check_model(self._actor.bundle, options)  # INT8 or a layout this engine cannot run: refused here
         self.model_name, self.model_digest = self._actor.bundle.name, self._actor.bundle.digest
 

@@ -1,5 +1,6 @@
-"""The one frozen run configuration, validated up front, and the one option merge: defaults < environment < the
-nightly's file < explicit options."""
+"""The run's options as plain data, each value checked on its own, and the one option merge: defaults < environment <
+the nightly's file < explicit options. What the options make of the run (the engine, its parsed options, the model)
+is decided in ``pipeline.job.plan``."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engines.base import DEFAULT_BATCH_SIZE
-from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE, engine_spec
+from pipeline.engines.registry import AUTO_ENGINE, DEFAULT_ENGINE
 from pipeline.errors import ConfigError
 from pipeline.io.iceberg_output import TableRef, is_iceberg
 from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
-from pipeline.node import ray_address
 from pipeline.schema import DEFAULT_EXTENSIONS, DEFAULT_TOP_K, MIB
 from pipeline.storage import manifest_form
 
@@ -30,6 +29,7 @@ FETCH_AHEAD_IMAGE_BYTES = 256 * 1024
 DEFAULT_LIST_TASKS = 8
 # Classify actors where they take no GPU, by default (--num-actors): one per this many CPUs.
 CPUS_PER_CPU_ACTOR = 4
+MAX_TOP_K = 1000  # the classes of the largest ImageNet head
 
 def parse_option(item: str, flag: str = "--storage-option", example: str = "anon=true") -> tuple[str, Any]:
     """Parse one ``KEY=VALUE`` of ``flag``; JSON values (true, 3, {...}) are decoded, anything else stays text."""
@@ -45,17 +45,17 @@ def parse_option(item: str, flag: str = "--storage-option", example: str = "anon
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Everything one classification run needs; built once, never mutated.
+    """Everything one classification run is given; never mutated (``pipeline.job.plan`` makes the resolved copy).
 
     Attributes:
         source: folder or fsspec URL (``s3://bucket/prefix``, ``file://…``) listed recursively, or a manifest that
             names the objects: ``uris+URL`` (a URI list) or ``inventory+URL`` (an S3 Inventory manifest.json).
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder.
-        engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (``resolved()`` picks one by the
-            cluster's GPUs); ``engine_options`` are checked against its options.
+        engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (the plan picks one by the cluster's
+            GPUs); ``engine_options``: the engine's options, which the plan parses against its spec.
         batch_size: images per engine call (None: the engine's ``gpu_batch_size`` where its actors take GPUs,
-            else DEFAULT_BATCH_SIZE; set by ``resolved()``); shard_size: rows per committed Parquet shard.
+            else DEFAULT_BATCH_SIZE; filled in by the plan); shard_size: rows per committed Parquet shard.
         previous: an earlier run's output; unchanged objects are carried over instead of reclassified.
         fetch_ahead_bytes: cap on the object-store bytes of the running pipeline (fetched, not yet classified);
             None: FETCH_AHEAD_PER_ACTOR per classify actor on a GPU, FETCH_AHEAD_PER_CPU_ACTOR per actor on CPUs,
@@ -118,15 +118,11 @@ class RunConfig:
         if self.engine == AUTO_ENGINE and self.engine_options:
             raise ConfigError("--engine-option needs an engine: add --engine onnx or --engine triton (auto picks "
                               "one by the cluster's GPUs; 'bulk-classify engines' shows which)")
-        spec = None if self.engine == AUTO_ENGINE else engine_spec(self.engine)
-        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise ConfigError(f"--batch-size must be a positive integer, got {self.batch_size!r}")
-        for name in ("top_k", "shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.top_k > 1000:
-            raise ConfigError(f"--top-k {self.top_k} is larger than any ImageNet head; use 1..1000")
+        if self.batch_size is not None:
+            check_positive("batch_size", self.batch_size)
+        check_top_k(self.top_k)
+        for name in ("shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
+            check_positive(name, getattr(self, name))
         if self.retries < 0:
             raise ConfigError(f"--retries must be 0 or more, got {self.retries}")
         if self.num_gpus_per_actor is not None and self.num_gpus_per_actor < 0:
@@ -148,34 +144,7 @@ class RunConfig:
         object.__setattr__(self, "extensions", exts)
         object.__setattr__(self, "storage_options", dict(self.storage_options))
         object.__setattr__(self, "catalog_options", dict(self.catalog_options))
-        if spec is not None:
-            object.__setattr__(self, "engine_options", spec.parse_options(dict(self.engine_options)))
-
-    def resolved(self, gpus: int | None = None, where: str = "this machine") -> "RunConfig":
-        """This config with ``auto`` resolved to an engine and the batch size filled in, both by the GPUs of the
-        cluster the job runs on (counted here, or given as ``gpus``); a config already resolved is returned as is."""
-        return self.resolve(gpus, where)[0]
-
-    def resolve(self, gpus: int | None = None, where: str = "this machine", *, spec: Any = None
-                ) -> tuple["RunConfig", Any]:
-        """``resolved()`` and the resolved engine's ``EngineSpec``, looked up once (``spec``: this config's engine's,
-        already looked up by the caller)."""
-        if spec is None and self.engine != AUTO_ENGINE:
-            spec = engine_spec(self.engine)
-        if spec is not None and self.batch_size is not None:
-            return self, spec
-        from pipeline.engines.auto import choose, cluster_gpus  # noqa: PLC0415
-
-        if gpus is None and spec is not None and not spec.needs_gpu:
-            gpus = 0  # a CPU engine's batch does not depend on the cluster
-        if gpus is None:
-            gpus, where = cluster_gpus(ray_address())
-        if spec is None:
-            spec = engine_spec(choose(gpus, where).engine)
-        batch = self.batch_size
-        if batch is None:
-            batch = spec.gpu_batch_size if spec.needs_gpu and gpus > 0 and spec.gpu_batch_size else DEFAULT_BATCH_SIZE
-        return dataclasses.replace(self, engine=spec.name, batch_size=batch), spec
+        object.__setattr__(self, "engine_options", dict(self.engine_options))
 
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":
@@ -193,6 +162,20 @@ class RunConfig:
         out["engine_options"] = {k: v for k, v in self.engine_options.items() if "secret" not in k.lower()}
         out["extensions"] = list(self.extensions)
         return out
+
+
+def check_positive(name: str, value: Any, flag: str | None = None) -> None:
+    """ConfigError unless ``value`` of option ``name`` (``flag``: as the caller spells it) is a positive integer."""
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{flag or '--' + name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def check_top_k(top_k: Any, flag: str = "--top-k") -> None:
+    """The one check of a top-k: a positive integer within any ImageNet head's classes (1..MAX_TOP_K); the model's
+    own class count caps it once the model is loaded (``pipeline.job.plan``)."""
+    check_positive("top_k", top_k, flag)
+    if top_k > MAX_TOP_K:
+        raise ConfigError(f"{flag} {top_k} is larger than any ImageNet head; use 1..{MAX_TOP_K}")
 
 
 def _strip(url: str) -> str:

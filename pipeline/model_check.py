@@ -26,6 +26,9 @@ from pipeline.storage import open_fs
 if TYPE_CHECKING:
     import numpy as np
 
+    from pipeline.engines.base import EngineSpec
+    from pipeline.model.folder import ModelBundle
+
 LOG = logging.getLogger(__name__)
 
 # The sample when no --images is given: the repository's photos (a checkout or an sdist has them).
@@ -135,11 +138,11 @@ def read_sample(images: str | None, sample: int, storage_options: Mapping[str, A
     return blobs
 
 
-def _reference_input(data: bytes, bundle: Any) -> np.ndarray:
+def _reference_input(data: bytes, bundle: ModelBundle) -> np.ndarray:
     return load_and_preprocess(data, bundle.spec)[0]
 
 
-def _unavailable(spec: Any) -> str:
+def _unavailable(spec: EngineSpec) -> str:
     """Why engine ``spec`` cannot run on this machine, or ""."""
     if spec.gpu_only:
         if node_gpus() == 0:
@@ -151,7 +154,7 @@ def _unavailable(spec: Any) -> str:
     return ""
 
 
-def _classify(name: str, bundle: Any, blobs: list[bytes]) -> list[Any]:
+def _classify(name: str, bundle: ModelBundle, blobs: list[bytes]) -> list[Any]:
     engine = make_engine(name, bundle, top_k=min(CHECK_TOP_K, bundle.num_classes))
     try:
         return engine.classify(blobs)

@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping
 
 from pipeline.config import RunConfig, merge_options, option_types
 from pipeline.errors import ConfigError, OutputError
-from pipeline.node import ray_address
 from pipeline.text import decode_text
 
 LOG = logging.getLogger(__name__)
@@ -154,8 +153,7 @@ def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previo
     from pipeline.job import choose_engine, make_plan, open_store, run_job  # noqa: PLC0415 - once the options are good
 
     # Every option and the engine's requirements are checked before any storage is read or Ray starts.
-    address = ray_address()  # the cluster, asked once for the engine and the plan
-    config, spec, gpus = choose_engine(RunConfig.build({**options, "output": dest}, env={}), address=address)
+    choice = choose_engine(RunConfig.build({**options, "output": dest}, env={}))
 
     from pipeline.schema import SUCCESS  # noqa: PLC0415 - pyarrow: only once the options are good
     from pipeline.io.reader import committed_parts, read_json  # noqa: PLC0415
@@ -185,8 +183,8 @@ def _scan(options: dict[str, Any], day: str, dest: str, output_root: str, previo
     if shards and not options.get("overwrite"):
         LOG.info("resuming %s%s: %d shard(s) already committed", DATE_PREFIX, day, len(shards))
 
-    plan = make_plan(dataclasses.replace(config, previous=previous), spec=spec, gpus=gpus, output=output,
-                     address=address)
+    plan = make_plan(dataclasses.replace(choice, config=dataclasses.replace(choice.config, previous=previous)),
+                     output=output)
     summary = run_job(plan, progress=progress)
     from pipeline.quality.statistics import record_drift  # noqa: PLC0415
 

@@ -11,11 +11,14 @@ import importlib
 import math
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import ConfigError
 from pipeline.gpu.defaults import NO_INT8  # stdlib only: names
 from pipeline.schema import STATUS_ERROR, STATUS_OK
+
+if TYPE_CHECKING:
+    from pipeline.model.folder import ModelBundle
 
 DEFAULT_BATCH_SIZE = 64
 # Where an engine without INT8 sends an INT8 model: ONNX Runtime's integer kernels run it.
@@ -205,12 +208,25 @@ class EngineSpec:
                               f"(see 'bulk-classify engines')")
         return {name: known[name].parse(self.name, value) for name, value in raw.items()}
 
+    def with_decode_threads(self, options: Mapping[str, Any], decode_threads: int | None) -> dict[str, Any]:
+        """Parsed ``options`` with ``--decode-threads`` in the option this engine registered for it, unless given
+        (none for a server that decodes)."""
+        options = dict(options)
+        if decode_threads is not None and self.decode_threads_option:
+            options.setdefault(self.decode_threads_option, decode_threads)
+        return options
+
+    def default_batch_size(self, gpus: int) -> int:
+        """Images per actor call unless ``--batch-size`` says: ``gpu_batch_size`` where the actors take GPUs (a GPU
+        engine on a cluster of ``gpus`` > 0), else DEFAULT_BATCH_SIZE."""
+        return self.gpu_batch_size if self.needs_gpu and gpus > 0 and self.gpu_batch_size else DEFAULT_BATCH_SIZE
+
     def check(self, options: Mapping[str, Any]) -> None:
         """Runs the engine's preflight (requirements on this machine) on parsed options."""
         if self.preflight:
             _load(self.preflight)(options)
 
-    def check_model(self, bundle: Any, options: Mapping[str, Any] | None = None,
+    def check_model(self, bundle: ModelBundle, options: Mapping[str, Any] | None = None,
                     gpus: tuple[int, str] | None = None) -> None:
         """Refuses, in the driver, a model this engine cannot run: an INT8 model on an engine without INT8, and
         whatever the engine's ``model_check`` refuses, by ``gpus``: (GPUs, where they were counted) of the cluster
@@ -228,11 +244,11 @@ class EngineSpec:
                 gpus = cluster_gpus(ray_address())
             _load(self.model_check)(bundle, dict(options or {}), gpus)
 
-    def start_node(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
+    def start_node(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
         """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""
         return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options) if self.node_start else None
 
-    def build(self, bundle: Any, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
+    def build(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
         """The engine itself (heavy: loads the runtime, may start a server)."""
         return _load(self.factory)(bundle, top_k=top_k, limits=limits, **options)
 

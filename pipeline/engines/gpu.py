@@ -17,7 +17,7 @@ from pipeline.errors import ConfigError, EngineError
 from pipeline.gpu.classifier import RawResults
 from pipeline.gpu.dali import DALI_INSTALL
 from pipeline.gpu.defaults import CUDA_SYNC_MODES, NO_INT8
-from pipeline.model.folder import is_builtin
+from pipeline.model.folder import ModelBundle, is_builtin
 from pipeline.model.imaging import DecodeLimits
 from pipeline.node import importable
 from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
@@ -152,7 +152,7 @@ def check_requirements(options: Mapping[str, Any]) -> None:
         raise ConfigError(f"--engine gpu {DALI_INSTALL} (the gpu extra includes it), or use --engine onnx")
 
 
-def check_model(bundle: Any, options: Mapping[str, Any], gpus: tuple[int, str]) -> None:
+def check_model(bundle: ModelBundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> None:
     """The gpu engine's ``EngineSpec.model_check``, in the driver: a model the gpu paths can run (also the triton
     engine's gpu profile, which runs the same classifier), on the cluster's ``gpus`` (count, where it was taken)."""
     from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside functions

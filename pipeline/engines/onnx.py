@@ -105,8 +105,6 @@ class OnnxEngine:
         intra_op_threads: int | None = DEFAULT_INTRA_OP_THREADS,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
-        if top_k < 1:
-            raise ConfigError(f"top_k must be at least 1, got {top_k}")
         if max_batch < 1:
             raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
         self.bundle = bundle

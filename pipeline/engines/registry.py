@@ -8,13 +8,16 @@ starts.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pipeline.engines.auto import AUTO_ENGINE  # the GPU path where the cluster has GPUs, onnx elsewhere
 from pipeline.engines.base import Engine, EngineSpec
 from pipeline.errors import ConfigError
 from pipeline.model.imaging import DecodeLimits
 from pipeline.schema import DEFAULT_TOP_K
+
+if TYPE_CHECKING:
+    from pipeline.model.folder import ModelBundle
 
 # The engine modules, each exporting ``SPEC``, in the order --help and `bulk-classify engines` list them.
 ENGINE_MODULES = (
@@ -41,18 +44,11 @@ def engine_spec(name: str) -> EngineSpec:
 
 def engine_kwargs(name: str, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
     """``raw`` options parsed for engine ``name``, with ``--decode-threads`` filled in where the engine takes it."""
-    return spec_kwargs(engine_spec(name), raw, decode_threads=decode_threads)
+    spec = engine_spec(name)
+    return spec.with_decode_threads(spec.parse_options(raw), decode_threads)
 
 
-def spec_kwargs(spec: EngineSpec, raw: Mapping[str, Any], *, decode_threads: int | None = None) -> dict[str, Any]:
-    """``engine_kwargs`` of an engine whose ``spec`` the caller holds."""
-    options = spec.parse_options(raw)
-    if decode_threads is not None and spec.decode_threads_option:
-        options.setdefault(spec.decode_threads_option, decode_threads)
-    return options
-
-
-def make_engine(name: str, bundle: Any, *, top_k: int = DEFAULT_TOP_K, limits: Any = None, **options: Any) -> Engine:
+def make_engine(name: str, bundle: ModelBundle, *, top_k: int = DEFAULT_TOP_K, limits: Any = None, **options: Any) -> Engine:
     """Builds the engine called ``name`` with typed ``options``; raises ConfigError for unknown or bad ones."""
     spec = engine_spec(name)
     return spec.build(bundle, top_k=top_k, limits=limits if limits is not None else DecodeLimits(),

@@ -1,7 +1,7 @@
 """Wiring the job: listing → fetch → classify (actor pool) → atomic Parquet shards, resumable, with a report.
 
-``run`` tells the story of a run; ``plan`` decides once what the run is (the engine, local Ray or a cluster, the
-opened stores); ``output`` prepares DEST and reads the resume and carry-over sets from shard records (no Ray);
+``run`` tells the story of a run; ``plan`` decides once what the run is (the engine and its parsed options, the model
+checked, local Ray or a cluster, the opened stores); ``output`` prepares DEST and reads the resume and carry-over sets from shard records (no Ray);
 ``local_ray`` marks a local Ray we start and sweeps what dead runs left; ``stages`` decides the
 actors' shares of the cluster once Ray is up, and builds the Ray Data pipeline and the carry tasks.
 """

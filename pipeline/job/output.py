@@ -14,7 +14,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +28,9 @@ from pipeline.io.source import LocalDir
 from pipeline.io.writer import TEMP_RE, part_name, shard_id, write_json, write_shard
 from pipeline.schema import BOOKKEEPING, BOOKKEEPING_KEYS, RUN_INFO, STATUS_ERROR, STATUS_OK, SUCCESS
 from pipeline.storage import is_local, open_fs, storage_failure
+
+if TYPE_CHECKING:
+    from pipeline.model.folder import ModelBundle
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
@@ -76,7 +79,7 @@ class OutputIndex:
         return sum(self.counts.values())
 
 
-def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
+def same_model(digest: str | None, name: str | None, bundle: ModelBundle) -> bool:
     """Were rows recorded with this model digest (and name) written by ``bundle``'s model?
 
     Outputs written before digests were recorded name their model alone: rows named as the built-in model count as
@@ -90,7 +93,7 @@ def same_model(digest: str | None, name: str | None, bundle: Any) -> bool:
     return name == BUILTIN_NAME and is_builtin(bundle)
 
 
-def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: Any = None,
+def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: ModelBundle | None = None,
                  carry_top_k: int | None = None, parts: list[str] | None = None) -> OutputIndex:
     """Read every shard's record under ``root`` (or of ``parts``: an Iceberg snapshot's shards).
 
@@ -137,7 +140,7 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(previous: Store, bundle: Any, top_k: int, parts: list[str] | None = None) -> OutputIndex:
+def read_previous(previous: Store, bundle: ModelBundle, top_k: int, parts: list[str] | None = None) -> OutputIndex:
     """The ``previous`` store (``parts``: an Iceberg table's current shards): its shards and the identities of the
     rows this run may carry (same model digest and ``top_k``, ok).
 
@@ -337,7 +340,7 @@ def drop_rows(fs: Any, root: str, path: str, uri_keys: np.ndarray,
     return int((~keep).sum()), f"{root.rstrip('/')}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
 
 
-def check_compatible(fs: Any, root: str, url: str, bundle: Any, *, top_k: int, overwrite: bool) -> None:
+def check_compatible(fs: Any, root: str, url: str, bundle: ModelBundle, *, top_k: int, overwrite: bool) -> None:
     """Refuse to mix rows of another model (by digest: a retrained model in the same folder is another model) or
     top-k into DEST (unless --overwrite)."""
     info = read_json(fs, root, RUN_INFO)

@@ -1,20 +1,46 @@
-"""The run decided once, before Ray starts or DEST is touched: the config checked and resolved, the engine's spec,
-local Ray or a cluster, and the opened stores (the actors' shares of the cluster are decided once Ray is up:
-``pipeline.job.stages.plan_shares``). The stages and the output module take these, never the raw options."""
+"""The run decided once, before Ray starts or DEST is touched: the engine (``auto`` resolved) and its spec, its options
+parsed, the batch size, local Ray or a cluster and its GPUs, the model loaded and checked, and the opened stores, in
+one frozen ``RunPlan`` (the actors' shares of the cluster are decided once Ray is up:
+``pipeline.job.stages.plan_shares``). The stages, the actors and the output module take the plan, never the raw
+options."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-from pipeline.node import local_ray_env, ray_address
 from pipeline.config import RunConfig
 from pipeline.engines.registry import AUTO_ENGINE, engine_spec
 from pipeline.io.iceberg_output import IcebergOutput, is_iceberg, table_parts
-from pipeline.job.output import Store, check_output, check_output_location, open_store
+from pipeline.job.output import Store, check_compatible, check_output, check_output_location, open_store
+from pipeline.node import local_ray_env, node_gpus, ray_address
 
-ASK = object()  # choose_engine's address when the caller has not read it: ask pipeline.node.ray_address()
+if TYPE_CHECKING:
+    from pipeline.engines.base import EngineSpec
+    from pipeline.model.folder import ModelBundle
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine a run takes, decided before any storage is read.
+
+    Attributes:
+        config: the options with ``auto`` resolved to an engine, the batch size filled in and the engine options
+            parsed (typed, checked).
+        spec: the resolved engine's ``EngineSpec``.
+        gpus: (GPUs, where they were counted) of the cluster the job runs on, counted once for ``auto`` and the GPU
+            engines (their batch size, model check and actors' environment); None: a CPU engine, not counted.
+        ray_address: the cluster the job joins (``RAY_ADDRESS``); None: a local Ray the job starts.
+    """
+
+    config: RunConfig
+    spec: EngineSpec
+    gpus: tuple[int, str] | None
+    ray_address: str | None
 
 
 @dataclass(frozen=True)
@@ -22,12 +48,14 @@ class RunPlan:
     """What a run is, decided before anything is written or Ray starts.
 
     Attributes:
-        config: the options with ``auto`` resolved to an engine, the batch size filled in, and an ``iceberg://``
-            output or previous replaced by its table's data folder.
+        config: the options as ``EngineChoice.config``, with ``top_k`` capped at the model's classes and an
+            ``iceberg://`` output or previous replaced by its table's data folder.
         spec: the resolved engine's ``EngineSpec``.
+        bundle: the model, loaded and checked (its contract and the engine's own refusals).
+        engine_options: the options the engine is built with: ``config.engine_options`` (parsed) and
+            ``--decode-threads`` in the option the engine registered for it.
         ray_address: the cluster the job joins (``RAY_ADDRESS``); None: a local Ray the job starts.
-        gpus: (GPUs, where they were counted) of the cluster the job runs on, counted once for ``auto`` and the GPU
-            engines (their batch size, model check and actors' environment); None: a CPU engine, not counted.
+        gpus: as ``EngineChoice.gpus``.
         output_url: the output as the user named it (an ``iceberg://`` table, or the folder).
         source, output, previous: the opened stores (previous None: nothing is carried over).
         table: the output's Iceberg table (None: a folder output); previous_parts: the previous table's current
@@ -35,7 +63,9 @@ class RunPlan:
     """
 
     config: RunConfig
-    spec: Any
+    spec: EngineSpec
+    bundle: ModelBundle
+    engine_options: Mapping[str, Any]
     ray_address: str | None
     output_url: str
     source: Store
@@ -51,58 +81,75 @@ class RunPlan:
         return self.ray_address is None
 
 
-def choose_engine(config: RunConfig, *, address: str | None | object = ASK
-                  ) -> tuple[RunConfig, Any, tuple[int, str] | None]:
-    """The engine's preflight, then ``auto`` resolved to an engine and the batch size filled in, by the GPUs of the
-    cluster the job runs on: ``config`` resolved, its engine's ``EngineSpec``, and the GPU count it was resolved by
-    ((GPUs, where they were counted); None for a CPU engine, which does not count them). Reads no storage.
+def engine_of(engine: str, gpus: tuple[int, str] | None = None) -> EngineSpec:
+    """The ``EngineSpec`` of ``engine``: the one it names, or the one ``auto`` runs on ``gpus`` ((GPUs, where they
+    were counted); ``pipeline.engines.auto.choose``). ConfigError lists the engines for an unknown name."""
+    if engine == AUTO_ENGINE:
+        from pipeline.engines.auto import choose  # noqa: PLC0415
 
-    ``address``: the cluster's, as ``pipeline.node.ray_address()`` gives it (asked here by default); None: a local
-    Ray. The preflight runs in this driver only for a local Ray: a cluster's nodes must meet it.
+        engine = choose(*gpus).engine
+    return engine_spec(engine)
+
+
+def resolved(config: RunConfig, spec: EngineSpec, options: Mapping[str, Any], gpus: tuple[int, str] | None
+             ) -> RunConfig:
+    """``config`` run by ``spec`` with the parsed ``options`` and its batch size filled in by the ``gpus`` counted."""
+    batch = config.batch_size or spec.default_batch_size(gpus[0] if gpus else 0)
+    return dataclasses.replace(config, engine=spec.name, batch_size=batch, engine_options=dict(options))
+
+
+def resolve(config: RunConfig, gpus: int, where: str = "this machine") -> tuple[RunConfig, EngineSpec]:
+    """``config`` resolved as a run would resolve it on a cluster of ``gpus`` GPUs, counted ``where``, and its engine's
+    spec, without a preflight or a count (what ``bulk-classify size``, the tests and the benchmarks ask)."""
+    spec = engine_of(config.engine, (gpus, where))
+    return resolved(config, spec, spec.parse_options(config.engine_options), (gpus, where)), spec
+
+
+def choose_engine(config: RunConfig) -> EngineChoice:
+    """The engine's options parsed and its preflight, then ``auto`` resolved to an engine and the batch size filled
+    in, by the GPUs of the cluster the job runs on. Reads no storage.
+
+    The cluster is ``pipeline.node.ray_address()``'s (asked here, once); None: a local Ray. The preflight runs in this
+    driver only for a local Ray: a cluster's nodes must meet it.
     """
-    if address is ASK:
-        address = ray_address()
+    address = ray_address()
     local = address is None
     if local:
         local_ray_env()  # before anything imports ray: Ray reads its loopback switch then
-    given = preflight(config, address=address)  # before the GPUs are counted: a bad engine fails in a second
+    named, options = preflight(config, address)  # before the GPUs are counted: a bad engine fails in a second
     gpus = None
-    if given is None or given.needs_gpu:  # counted once: the engine, its batch size, model check and actors use it
+    if named is None or named.needs_gpu:  # counted once: the engine, its batch size, model check and actors use it
         from pipeline.engines.auto import cluster_gpus  # noqa: PLC0415 - ray, only with a cluster's address
 
         gpus = cluster_gpus(address)
-    # auto -> an engine, and the batch size (a CPU engine's does not depend on the cluster)
-    config, spec = config.resolve(*gpus, spec=given) if gpus else config.resolve(spec=given)
-    if local and given is None:
-        spec.check(config.engine_options)
-    return config, spec, gpus
+    spec = named if named is not None else engine_of(config.engine, gpus)
+    if local and named is None:
+        spec.check(options)
+    return EngineChoice(config=resolved(config, spec, options, gpus), spec=spec, gpus=gpus, ray_address=address)
 
 
-def preflight(config: RunConfig, *, address: str | None | object = ASK) -> Any:
-    """``config``'s engine's ``EngineSpec`` (None for ``auto``, an engine only once the GPUs are counted), its
-    preflight (torch, tritonserver, a repository) run on this machine where the job starts a local Ray: ``address``
-    None (asked by default). On a cluster its nodes, not this driver, must meet the requirements."""
-    if address is ASK:
-        address = ray_address()
-    spec = None if config.engine == AUTO_ENGINE else engine_spec(config.engine)
-    if address is None and spec is not None:
-        spec.check(config.engine_options)
-    return spec
+def preflight(config: RunConfig, address: str | None) -> tuple[EngineSpec | None, dict[str, Any]]:
+    """``config``'s engine's ``EngineSpec`` (None for ``auto``, an engine only once the GPUs are counted) and its
+    options parsed, the one parse of them; its preflight (torch, tritonserver, a repository) run on this machine where
+    the job starts a local Ray (``address`` None). On a cluster its nodes, not this driver, must meet it."""
+    if config.engine == AUTO_ENGINE:
+        return None, {}  # auto takes no options (RunConfig refuses them)
+    spec = engine_of(config.engine)
+    options = spec.parse_options(config.engine_options)
+    if address is None:
+        spec.check(options)
+    return spec, options
 
 
-def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | None = None,
-              output: Store | None = None, address: str | None | object = ASK) -> RunPlan:
-    """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``; with ``spec``,
-    ``config`` is already resolved, ``spec`` its engine's and ``gpus`` the count it was resolved by), then the
-    stores opened (``output``: DEST already opened by the caller) and checked, read-only. ``address``: the cluster's,
-    as ``choose_engine`` was given it (asked here by default).
+def make_plan(config: RunConfig | EngineChoice, *, output: Store | None = None) -> RunPlan:
+    """Everything a run decides before Ray starts or DEST is touched: the engine (``choose_engine``, unless
+    ``config`` is its choice already), then the stores opened (``output``: DEST already opened by the caller) and
+    checked, and the model loaded and checked against the engine and DEST, read-only.
     """
     from pipeline.io.source import check_source  # noqa: PLC0415
 
-    if address is ASK:
-        address = ray_address()
-    if spec is None:
-        config, spec, gpus = choose_engine(config, address=address)
+    choice = config if isinstance(config, EngineChoice) else choose_engine(config)
+    config, spec = choice.config, choice.spec
     output_url = config.output
     table = None
     if is_iceberg(config.output):
@@ -116,8 +163,39 @@ def make_plan(config: RunConfig, *, spec: Any = None, gpus: tuple[int, str] | No
     check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks,
                  source_prefix=config.source_prefix)
     check_output(output.fs, output.root, config.output)
-    return RunPlan(config=config, spec=spec, ray_address=address, output_url=output_url, source=source,
-                   output=output, previous=previous, table=table, previous_parts=previous_parts, gpus=gpus)
+    config, bundle = _check_model(config, spec, choice.gpus)
+    check_compatible(output.fs, output.root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)
+    return RunPlan(config=config, spec=spec, bundle=bundle,
+                   engine_options=spec.with_decode_threads(config.engine_options, config.decode_threads),
+                   ray_address=choice.ray_address, output_url=output_url, source=source, output=output,
+                   previous=previous, table=table, previous_parts=previous_parts, gpus=choice.gpus)
+
+
+def classifier_engine(engine: str, raw: Mapping[str, Any] | None, decode_threads: int | None
+                      ) -> tuple[EngineSpec, dict[str, Any]]:
+    """The engine ``pipeline.api.Classifier`` runs in its process and the options it is built with: ``auto`` resolved
+    by the GPUs this process sees, the options parsed, the preflight run here."""
+    spec = engine_of(engine, (node_gpus(), "this machine") if engine == AUTO_ENGINE else None)
+    options = spec.with_decode_threads(spec.parse_options(raw or {}), decode_threads)
+    spec.check(options)  # the engine's requirements on this node (torch, tritonserver, ...), in one line
+    return spec, options
+
+
+def _check_model(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | None) -> tuple[RunConfig, ModelBundle]:
+    """The model's contract, as ``model check`` runs it (and the cache built once), and within it, before the network
+    runs, the engine's own refusals (INT8, the gpu paths' network and layout); ``config`` with ``top_k`` capped at
+    the model's classes, which every engine, record and carry-over then uses."""
+    from pipeline.model.contract import check_contract  # noqa: PLC0415 - onnxruntime: once the options are good
+    from pipeline.model.folder import fixed_batch_note, top_k_note  # noqa: PLC0415
+
+    bundle = check_contract(config.model, engine_check=lambda loaded: spec.check_model(loaded, config.engine_options,
+                                                                                        gpus))
+    if bundle.fixed_batch:
+        LOG.warning("%s", fixed_batch_note(bundle))
+    if config.top_k > bundle.num_classes:
+        LOG.warning("%s", top_k_note(config.top_k, bundle))
+        config = dataclasses.replace(config, top_k=bundle.num_classes)
+    return config, bundle
 
 
 def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str] | None]:

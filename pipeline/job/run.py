@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.config import RunConfig
-from pipeline.engines.registry import spec_kwargs
 from pipeline.errors import LIST_ERROR
 from pipeline.io.iceberg_output import IcebergOutput
 from pipeline.io.reader import committed_parts
@@ -22,12 +20,15 @@ from pipeline.io.writer import write_json
 from pipeline.job.lease import Lease
 from pipeline.job.local_ray import ray_owned
 from pipeline.job.output import (
-    OutputIndex, RecordCounter, begin_output, check_compatible, dedupe_output, excluded_prefix, index_output,
+    OutputIndex, RecordCounter, begin_output, dedupe_output, excluded_prefix, index_output,
     read_previous, storage_errors, without_folder,
 )
 from pipeline.job.plan import RunPlan, make_plan
 from pipeline.job.stages import Shares, count_cluster, plan_shares
 from pipeline.schema import REPORT, SUCCESS
+
+if TYPE_CHECKING:
+    from pipeline.model.folder import ModelBundle
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
@@ -64,25 +65,10 @@ def run_job(config: RunConfig | RunPlan, *, progress: ProgressCallback | None = 
 def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> RunSummary:
     started_at = datetime.now(timezone.utc)
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
+    # Every check reads only: DEST is changed first by the lease, and only once all of them (the plan's) have passed.
     plan = config if isinstance(config, RunPlan) else make_plan(config)
-    config, spec, out = plan.config, plan.spec, plan.output
+    config, bundle, out = plan.config, plan.bundle, plan.output
     dst_fs, dst_root = out.fs, out.root
-
-    from pipeline.model.contract import check_contract
-    from pipeline.model.folder import fixed_batch_note, top_k_note
-
-    # Every check reads only: DEST is changed first by the lease, and only once all of them have passed.
-    # The model's contract, as `model check` runs it (and the cache built once), before any actor starts; within it,
-    # before the network runs, the engine's own (INT8, the gpu paths' network and layout).
-    bundle = check_contract(config.model,
-                            engine_check=lambda loaded: spec.check_model(loaded, config.engine_options, plan.gpus))
-    if bundle.fixed_batch:
-        LOG.warning("%s", fixed_batch_note(bundle))
-    if config.top_k > bundle.num_classes:  # every engine, record and carry-over then uses the model's class count
-        LOG.warning("%s", top_k_note(config.top_k, bundle))
-        plan = dataclasses.replace(plan, config=dataclasses.replace(config, top_k=bundle.num_classes))
-        config = plan.config
-    check_compatible(dst_fs, dst_root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)
     t_index = time.perf_counter()
     previous = read_previous(plan.previous, bundle, config.top_k, plan.previous_parts) if plan.previous else None
     with storage_errors(config.output, dst_root):
@@ -94,7 +80,7 @@ def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> 
                                             "started_at": started_at.isoformat()}, overwrite=config.overwrite)
             done = index_output(dst_fs, dst_root)  # resume: the uri hashes of committed rows, from shard records
         index_s = time.perf_counter() - t_index
-        run = _Run(plan, progress, bundle)
+        run = _Run(plan, progress)
         try:
             try:
                 with storage_errors(config.output, dst_root):
@@ -107,8 +93,7 @@ def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> 
                 if plan.table is not None:
                     commit_table(plan.table, dst_fs, dst_root, lease, {
                         "model": bundle.name, "model-digest": bundle.digest, "started-at": started_at.isoformat()})
-                return _finish(plan, lease, totals, skipped, bundle, started_at, t0, index_s + list_s,
-                               run.writer_actors)
+                return _finish(plan, lease, totals, skipped, started_at, t0, index_s + list_s, run.writer_actors)
         finally:
             run.wait_closed()  # the node's servers stop while the output is finished
     finally:
@@ -121,23 +106,23 @@ def commit_table(table: IcebergOutput, fs: Any, root: str, lease: Lease, run: di
     table.commit(fs, committed_parts(fs, root), run)
 
 
-def start_node(plan: RunPlan, bundle: Any) -> Any:
+def start_node(plan: RunPlan) -> Any:
     """What the engine starts in the driver of a local Ray for the node's actors (``EngineSpec.node_start``: the
     triton engine's shared servers), begun before Ray starts; None for most engines."""
     from pipeline.model.imaging import DecodeLimits
 
     config = plan.config
     return plan.spec.start_node(
-        bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
-        options=spec_kwargs(plan.spec, config.engine_options or {}, decode_threads=config.decode_threads))
+        plan.bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
+        options=plan.engine_options)
 
 
-def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, bundle: Any, started_at: datetime,
-            t0: float, list_s: float, writer_actors: int) -> RunSummary:
+def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, started_at: datetime, t0: float,
+            list_s: float, writer_actors: int) -> RunSummary:
     """Count the committed rows (each URI's row already unique) and write ``_REPORT.json`` and then ``_SUCCESS``."""
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    dst_fs, dst_root = plan.output.fs, plan.output.root
+    dst_fs, dst_root, bundle = plan.output.fs, plan.output.root, plan.bundle
     report = assemble_report(plan.config.engine, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
@@ -166,7 +151,7 @@ def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, bundl
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(engine: str, totals: ShardStats, *, bundle: Any, already_done: int, list_s: float,
+def assemble_report(engine: str, totals: ShardStats, *, bundle: ModelBundle, already_done: int, list_s: float,
                     elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity (``engine``: the
@@ -190,12 +175,12 @@ def assemble_report(engine: str, totals: ShardStats, *, bundle: Any, already_don
 class _Run:
     """The Ray part of a run: the listing counter, the metrics endpoint, the classify pipeline and the carry tasks."""
 
-    def __init__(self, plan: RunPlan, progress: ProgressCallback | None, bundle: Any):
+    def __init__(self, plan: RunPlan, progress: ProgressCallback | None):
         from pipeline.job.stages import init_ray, limit_fetch_ahead
         from pipeline.metrics import JobMetrics
 
-        self.plan, self.config, self.progress, self.bundle = plan, plan.config, progress, bundle
-        self.node = start_node(plan, bundle) if plan.local else None
+        self.plan, self.config, self.progress, self.bundle = plan, plan.config, progress, plan.bundle
+        self.node = start_node(plan) if plan.local else None
         self._node_closing = False
         try:
             init_ray(plan)

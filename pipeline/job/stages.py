@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -16,10 +16,13 @@ from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
 from pipeline.io.keys import member, uri_hashes
 from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
-from pipeline.job.plan import RunPlan
+from pipeline.job.plan import RunPlan, resolve
 from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, VERBOSE_ENV, local_ray_env
 from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
 from pipeline.storage import open_fs
+
+if TYPE_CHECKING:
+    from pipeline.engines.base import EngineSpec
 
 LOG = logging.getLogger(__name__)
 FETCH_BATCH = 32
@@ -110,8 +113,8 @@ class Shares:
     Attributes:
         cpus, gpus: the cluster's, counted once.
         actors, actor_cpus, gpus_per_actor: the classify actor pool and each actor's CPU and GPU request.
-        calls: engine calls each actor runs at once; engine_options: the actors' engine options (``calls`` and the
-            threads per call filled in where not given); actor_options: their Ray options (``runtime_env``).
+        calls: engine calls each actor runs at once; engine_options: the actors' engine options, parsed (the plan's,
+            with ``calls`` and the threads per call filled in where not given); actor_options: their Ray options (``runtime_env``).
         fetch_ahead_bytes: the object-store budget of the running pipeline.
         writer_actors: writer actors (none: the driver commits the shards); list_tasks: listing tasks at once.
     """
@@ -154,13 +157,13 @@ def plan_shares(plan: RunPlan, cpus: int, gpus: int) -> Shares:
     # waits on no network: more tasks than cores would only start more worker processes (each imports Ray Data).
     list_tasks = min(config.list_tasks, cpus) if plan.source.local else config.list_tasks
     return Shares(cpus=cpus, gpus=gpus, actors=actors, actor_cpus=actor_cpus, gpus_per_actor=gpus_per_actor,
-                  calls=calls, engine_options=actor_engine_options(spec, config.engine_options, cpus, actors, calls,
+                  calls=calls, engine_options=actor_engine_options(spec, plan.engine_options, cpus, actors, calls,
                                                                    on_gpu=on_gpu),
                   actor_options=classify_actor_options(spec, on_gpu=on_gpu, local=plan.local),
                   fetch_ahead_bytes=budget, writer_actors=writer_actors(cpus), list_tasks=max(1, list_tasks))
 
 
-def actor_shares(spec: Any, cpus: int, gpus: int, *, num_actors: int | None, num_gpus_per_actor: float | None
+def actor_shares(spec: EngineSpec, cpus: int, gpus: int, *, num_actors: int | None, num_gpus_per_actor: float | None
                  ) -> tuple[int, float, float]:
     """(actors, CPUs per actor, GPUs per actor) of engine ``spec`` on ``cpus`` CPUs and ``gpus`` GPUs: a GPU engine's
     actors take 1 / its ``actors_per_gpu`` of a GPU each unless ``--num-gpus-per-actor`` says otherwise."""
@@ -180,7 +183,7 @@ def actor_shares(spec: Any, cpus: int, gpus: int, *, num_actors: int | None, num
 def actor_plan(config: RunConfig, cpus: int, gpus: int) -> tuple[int, float, float]:
     """(actors, CPUs per actor, GPUs per actor) that ``config`` gets on a cluster of ``cpus`` CPUs and ``gpus`` GPUs
     (``auto`` resolved as the job would resolve it there)."""
-    config, spec = config.resolve(gpus=gpus, where="the Ray cluster")
+    config, spec = resolve(config, gpus, "the Ray cluster")
     return actor_shares(spec, cpus, gpus, num_actors=config.num_actors, num_gpus_per_actor=config.num_gpus_per_actor)
 
 
@@ -247,8 +250,7 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
         ClassifyActor,
         fn_constructor_kwargs={"model": config.model, "engine": plan.spec, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
-                               "decode_threads": config.decode_threads, "model_digest": model_digest,
-                               "engine_options": dict(shares.engine_options)},
+                               "model_digest": model_digest, "engine_options": dict(shares.engine_options)},
         batch_size=config.batch_size,
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=shares.actors, max_concurrent_calls_per_actor=shares.calls,
@@ -276,9 +278,9 @@ def call_threads(cpus: int, actors: int, calls: int) -> int:
     return max(1, cpus // max(1, actors) // max(1, calls))
 
 
-def actor_engine_options(spec: Any, engine_options: Any, cpus: int, actors: int, calls: int, *, on_gpu: bool
-                         ) -> dict[str, Any]:
-    """The classify actors' engine options: ``--engine-option``s as given; where not given, the engine's (``spec``)
+def actor_engine_options(spec: EngineSpec, engine_options: Mapping[str, Any], cpus: int, actors: int, calls: int, *,
+                         on_gpu: bool) -> dict[str, Any]:
+    """The classify actors' engine options: the parsed ``engine_options``; where not given, the engine's (``spec``)
     ``calls_option`` set to ``calls`` and, on CPU actors, its ``call_threads_option`` set by ``call_threads``."""
     options = dict(engine_options or {})
     if spec.calls_option and spec.calls_option not in options:
@@ -288,7 +290,7 @@ def actor_engine_options(spec: Any, engine_options: Any, cpus: int, actors: int,
     return options
 
 
-def classify_actor_options(spec: Any, *, on_gpu: bool, local: bool) -> dict[str, Any]:
+def classify_actor_options(spec: EngineSpec, *, on_gpu: bool, local: bool) -> dict[str, Any]:
     """Ray options of the classify actors that their engine (``spec``) asks for: on GPUs its ``EngineSpec.actor_env``,
     as a ``runtime_env`` where the workers do not inherit it already (a ``local`` Ray started with it in its
     environment; a runtime_env costs each actor a worker process of its own)."""

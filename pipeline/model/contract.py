@@ -67,7 +67,7 @@ def contract_sample(spec: PreprocessSpec) -> np.ndarray:
     return np.stack(arrays)
 
 
-def reference_session(bundle: Any) -> Any:
+def reference_session(bundle: ModelBundle) -> Any:
     """An ONNX Runtime CPU session of ``bundle``'s network (its external data read from beside it)."""
     import onnxruntime as ort
 
@@ -80,7 +80,7 @@ def reference_session(bundle: Any) -> Any:
                          "onnx.checker") from None
 
 
-def reference_outputs(bundle: Any, batch: np.ndarray, session: Any = None) -> np.ndarray:
+def reference_outputs(bundle: ModelBundle, batch: np.ndarray, session: Any = None) -> np.ndarray:
     """The network's raw outputs on ``batch`` by ONNX Runtime, run in the fixed batch size where it has one; a
     failure names the layout to set where the network runs the other one."""
     session = session or reference_session(bundle)
@@ -100,7 +100,7 @@ def reference_outputs(bundle: Any, batch: np.ndarray, session: Any = None) -> np
     return out
 
 
-def check_outputs(bundle: Any, raw: np.ndarray) -> None:
+def check_outputs(bundle: ModelBundle, raw: np.ndarray) -> None:
     """ModelError where the sample's outputs contradict the spec's ``output``, or none of them is finite: rows of
     probabilities declared as logits (they would get a second softmax), declared probabilities that are not, or
     log-probabilities declared as probabilities or as a multi-label model's logits."""
@@ -151,11 +151,11 @@ def fixed_batches(forward: Callable[[np.ndarray], np.ndarray], size: int) -> Cal
     return run
 
 
-def _runner(session: Any, bundle: Any) -> Callable[[np.ndarray], np.ndarray]:
+def _runner(session: Any, bundle: ModelBundle) -> Callable[[np.ndarray], np.ndarray]:
     return lambda x: session.run([bundle.output_name], {bundle.input_name: x})[0]
 
 
-def _input_problem(bundle: Any, batch: np.ndarray, forward: Callable[[np.ndarray], np.ndarray], err: Exception) -> str:
+def _input_problem(bundle: ModelBundle, batch: np.ndarray, forward: Callable[[np.ndarray], np.ndarray], err: Exception) -> str:
     """The one line of a network that cannot run the spec's input: the layout to set where it runs the other."""
     layout = bundle.spec.layout
     other = "NHWC" if layout == "NCHW" else "NCHW"

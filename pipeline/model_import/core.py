@@ -29,7 +29,8 @@ from pipeline.model.onnx_graph import faithful_slim
 from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
 from pipeline.model.folder import (
-    LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, check_unique_labels, load_model_folder, read_labels,
+    LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, ModelBundle, check_unique_labels, load_model_folder,
+    read_labels,
 )
 from pipeline.model.scores import scores_of
 from pipeline.model.spec import OUTPUT_LOGITS
@@ -217,7 +218,7 @@ def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:
     return slim.SerializeToString(), f"onnx: {note}"
 
 
-def compare(model: SourceModel, bundle: Any, samples: list[tuple[str, bytes]]) -> Parity:
+def compare(model: SourceModel, bundle: ModelBundle, samples: list[tuple[str, bytes]]) -> Parity:
     """Both sides on each sample image, decoded once (upright, RGB) so that only the preprocessing and the network
     differ."""
     import onnxruntime as ort

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipeline.errors import ModelError, TritonError
+from pipeline.job.plan import resolve
 from support.paths import REPO
 
 DOCKER = REPO / "infra" / "docker"
@@ -208,12 +209,12 @@ def test_rayjob_entrypoint_takes_the_default_engine_and_its_gpu_shape(rayjob):
     worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     gpus = worker["replicas"] * int(worker["rayStartParams"]["num-gpus"])
     cpus = worker["replicas"] * int(containers(worker)[0]["resources"]["limits"]["cpu"])
-    on_gpus = config.resolved(gpus=gpus, where="the Ray cluster")
+    on_gpus = resolve(config, gpus, "the Ray cluster")[0]
     assert (on_gpus.engine, on_gpus.batch_size) == ("triton", 2048)
     actors, actor_cpus, gpus_per_actor = actor_plan(on_gpus, cpus, gpus)
     assert actors == 3 * gpus and gpus_per_actor == pytest.approx(1 / 3)
     assert actors * actor_cpus < cpus  # CPUs left for fetch, writes and the servers' DALI threads
-    assert config.resolved(gpus=0, where="the Ray cluster").engine == "onnx"
+    assert resolve(config, 0, "the Ray cluster")[0].engine == "onnx"
 
 
 def containers(group: dict) -> list[dict]:

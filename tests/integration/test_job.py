@@ -186,7 +186,7 @@ def test_previous_output_is_carried_over_not_reclassified(tmp_path, ray_local):
 
 def test_bad_arguments_fail_before_work(tmp_path):
     with pytest.raises(ConfigError, match="--engine 'tpu' is unknown; choose one of auto, onnx, openvino, triton, gpu"):
-        RunConfig(source="a", output="b", engine="tpu")
+        run_job(RunConfig(source=str(tmp_path / "missing"), output=str(tmp_path / "o"), engine="tpu"))  # the plan's
     with pytest.raises(ConfigError, match="--output must differ from SOURCE"):
         RunConfig(source=str(tmp_path), output=str(tmp_path) + "/")
     with pytest.raises(SourceError, match="does not exist; check the path"):
@@ -227,15 +227,20 @@ def test_fetch_ahead_budget_bounds_the_blocks_of_fetched_images(tmp_path, ray_lo
     ("triton", {"engine_options": {"profile": "portable"}, "num_actors": 1}),
 ])
 def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options):
-    """Following run_job in the driver: the engine spec looked up, the config resolved, the cluster's GPUs and
-    resources counted and each store opened once; RAY_ADDRESS is read only by ``pipeline.node.ray_address``, once."""
+    """Following run_job in the driver: the engine spec looked up, its options parsed, the model loaded and checked,
+    the cluster's GPUs and resources counted and each store opened once, all in the plan; top_k checked at one place
+    (RunConfig's own validation) and capped by the model once; RAY_ADDRESS is read only by
+    ``pipeline.node.ray_address``, once."""
     import sys
     import threading
     from collections import Counter
 
     from pipeline import node
     from pipeline.config import RunConfig as Config
-    from pipeline.engines import auto, registry
+    from pipeline import config as config_module
+    from pipeline.engines import auto, base, registry
+    from pipeline.job import plan as plan_module
+    from pipeline.model import contract
     from pipeline.storage import open_fs
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -244,9 +249,12 @@ def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options
     for name in ("coffee.jpg", "chelsea.jpg"):
         shutil.copy(PHOTOS / name, src / name)
     watched = {registry.engine_spec.__code__: "engine_spec", open_fs.__code__: "open_fs",
-               Config.resolve.__code__: "resolve", auto.cluster_gpus.__code__: "cluster_gpus",
-               node.node_gpus.__code__: "node_gpus", node.ray_address.__code__: "ray_address"}
+               plan_module.choose_engine.__code__: "choose_engine", auto.cluster_gpus.__code__: "cluster_gpus",
+               node.node_gpus.__code__: "node_gpus", node.ray_address.__code__: "ray_address",
+               base.EngineSpec.parse_options.__code__: "parse_options", config_module.check_top_k.__code__: "top_k",
+               contract.check_contract.__code__: "check_contract", Config.__post_init__.__code__: "RunConfig"}
     calls: Counter = Counter()
+    callers: dict[str, set] = {}
     driver = threading.main_thread().ident
 
     def profile(frame, event, _arg):
@@ -255,10 +263,9 @@ def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options
             name = None  # the driver's decisions, not a thread of an engine's server supervision
         if name == "open_fs":
             calls["open_fs " + frame.f_locals["url"]] += 1
-        elif name == "engine_spec":  # RunConfig's own validation (__post_init__) parses engine options on every copy
-            calls["engine_spec" if frame.f_back.f_code.co_name != "__post_init__" else "validation"] += 1
         elif name is not None:
             calls[name] += 1
+            callers.setdefault(name, set()).add(f"{frame.f_back.f_globals['__name__']}:{frame.f_back.f_code.co_name}")
 
     cluster_resources = ray_local.cluster_resources
 
@@ -275,7 +282,11 @@ def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options
         sys.setprofile(None)
         threading.setprofile(None)
     assert summary.counts.get("ok") == 2
-    assert calls["engine_spec"] == 1 and calls["resolve"] == 1 and calls["cluster_resources"] == 1, calls
+    assert calls["engine_spec"] == 1 and calls["choose_engine"] == 1 and calls["cluster_resources"] == 1, calls
+    assert calls["parse_options"] == 1 and callers["parse_options"] == {"pipeline.job.plan:preflight"}, callers
+    assert calls["check_contract"] == 1 and callers["check_contract"] == {"pipeline.job.plan:_check_model"}, callers
+    # top_k: checked where RunConfig validates itself, on the config given and on the plan's resolved copy only
+    assert callers["top_k"] == {"pipeline.config:__post_init__"} and calls["top_k"] == calls["RunConfig"] == 2, calls
     gpu_counts = 1 if registry.engine_spec(engine).needs_gpu else 0  # a CPU engine's run never counts GPUs
     assert calls["cluster_gpus"] == gpu_counts and calls["node_gpus"] == gpu_counts, calls
     assert calls[f"open_fs {src}"] == 1 and calls[f"open_fs {out}"] == 1

@@ -19,6 +19,7 @@ from pipeline.cli import main
 from pipeline.cli import run as cli_run
 from pipeline import nightly as ns
 from pipeline.errors import ConfigError
+from pipeline.job.plan import resolve
 from support.paths import REPO
 
 PHOTOS = REPO / "tests" / "data" / "photos"
@@ -107,8 +108,8 @@ def test_example_config_is_valid():
     config = RunConfig.build({**run_opts, "source": opts["source"], "output": "s3://x/date=2026-11-29"}, env={})
     # the default engine: triton (its gpu shape) on a cluster with GPUs, onnx without
     assert config.engine == "auto" and config.batch_size is None and config.num_gpus_per_actor is None
-    assert config.resolved(gpus=4, where="the Ray cluster").engine == "triton"
-    assert config.resolved(gpus=0).engine == "onnx"
+    assert resolve(config, 4, "the Ray cluster")[0].engine == "triton"
+    assert resolve(config, 0)[0].engine == "onnx"
 
 
 # --- real `ray job submit` against a real local Ray cluster and moto S3 ---------------------------------

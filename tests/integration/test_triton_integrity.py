@@ -165,13 +165,14 @@ def test_the_run_report_counts_the_engines_server_starts_restarts_and_checked_an
     import psutil
 
     from pipeline.actor import ClassifyActor
+    from pipeline.engines.registry import REGISTRY
     from pipeline.quality.report import build_run_report, format_run_report
     from pipeline.io.stats import ShardStats
     from pipeline.io.writer import write_shard
 
     batch = _work_batch  # the job's working rows of _images(start, n)
 
-    actor = ClassifyActor(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
+    actor = ClassifyActor(model=None, engine=REGISTRY["triton"], top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                           engine_options={"request_batch": 4})
     try:
         outs = [actor(batch(0, 8))]
@@ -609,7 +610,7 @@ def test_a_shared_server_outlives_its_owners_ray_actor_for_the_other_users(ray_l
     # the options of the job's GPU actors (this test shares one server on the CPU, as a GPU's actors do)
     remote = ray.remote(ClassifyActor).options(num_cpus=0, **classify_actor_options(engine_spec("triton"), on_gpu=True,
                                                                                       local=True))
-    kwargs = dict(model=None, engine="triton", top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
+    kwargs = dict(model=None, engine=engine_spec("triton"), top_k=TOP_K, max_bytes=10_000_000, max_pixels=50_000_000,
                   engine_options={"repository": repo, "share_server": True, "request_batch": 4})
 
     folder = sharing.ServerLease("probe").folder  # the workers' temp folder is this process's

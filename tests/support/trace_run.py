@@ -22,6 +22,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
+def sample_folder(prefix: str) -> tuple[Path, Path, Path]:
+    """A temp folder (``prefix``) with two sample photos in ``src/`` and room for ``out/``: (tmp, src, out)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    src, out = tmp / "src", tmp / "out"
+    src.mkdir()
+    for name in ("coffee.jpg", "chelsea.jpg"):
+        shutil.copy(REPO / "tests" / "data" / "photos" / name, src / name)
+    return tmp, src, out
+
+
 def main(engine: str = "auto", previous: bool = False) -> Counter:
     from pipeline.job import run_job
     from pipeline.node import local_ray_env
@@ -35,11 +45,7 @@ def main(engine: str = "auto", previous: bool = False) -> Counter:
     from pipeline.engines import registry
     from pipeline.storage import open_fs
 
-    tmp = Path(tempfile.mkdtemp(prefix="trace-run-"))
-    src, out = tmp / "src", tmp / "out"
-    src.mkdir()
-    for name in ("coffee.jpg", "chelsea.jpg"):
-        shutil.copy(REPO / "tests" / "data" / "photos" / name, src / name)
+    tmp, src, out = sample_folder("trace-run-")
     options = {} if engine in ("auto", "cli") else {"engine": engine}
     if engine == "triton":
         options["engine_options"] = {"profile": "portable"}

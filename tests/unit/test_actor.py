@@ -9,6 +9,7 @@ import pytest
 
 from support.oddities import oddities
 from pipeline.actor import ClassifyActor
+from pipeline.engines.registry import REGISTRY
 from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S, WORK_SCHEMA
 
 
@@ -16,8 +17,8 @@ from pipeline.schema import CALLS, DATA, DECODE_S, INFER_S, WORK_SCHEMA
 def actor(default_bundle, model_cache):
     mp = pytest.MonkeyPatch()
     mp.setenv("BULK_CLASSIFY_CACHE_DIR", str(model_cache))  # the session's built model, not the user's cache
-    a = ClassifyActor(model=None, engine="onnx", top_k=3, max_bytes=10_000_000, max_pixels=50_000_000,
-                      decode_threads=2, engine_options={"max_batch": 4})
+    a = ClassifyActor(model=None, engine=REGISTRY["onnx"], top_k=3, max_bytes=10_000_000, max_pixels=50_000_000,
+                      engine_options={"max_batch": 4, "decode_threads": 2})
     yield a
     a.close()
     mp.undo()

@@ -10,6 +10,7 @@ from pipeline.engines.base import DEFAULT_BATCH_SIZE
 from pipeline.engines.registry import REGISTRY
 from pipeline import node
 from pipeline.errors import ConfigError
+from pipeline.job.plan import resolve
 from pipeline.triton import profiles
 
 
@@ -73,16 +74,15 @@ def test_a_read_only_array_is_made_exportable_by_dlpack():
     assert dlpack_ready(writeable) is writeable  # no copy where none is needed
 
 
-def test_resolved_fills_the_engine_and_the_batch_size_by_the_gpus():
-    assert (config().resolved(gpus=0).engine, config().resolved(gpus=0).batch_size) == ("onnx", DEFAULT_BATCH_SIZE)
-    on_gpus = config().resolved(gpus=1, where="the Ray cluster at x")
+def test_resolve_fills_the_engine_and_the_batch_size_by_the_gpus():
+    assert (resolve(config(), 0)[0].engine, resolve(config(), 0)[0].batch_size) == ("onnx", DEFAULT_BATCH_SIZE)
+    on_gpus = resolve(config(), 1, "the Ray cluster at x")[0]
     assert (on_gpus.engine, on_gpus.batch_size) == (auto.GPU_CHOICE, REGISTRY[auto.GPU_CHOICE].gpu_batch_size)
-    assert config(engine="triton").resolved(gpus=1, where="x").batch_size == REGISTRY["triton"].gpu_batch_size
-    assert config(batch_size=8).resolved(gpus=1, where="the Ray cluster at x").batch_size == 8  # explicit wins
-    assert config(engine="triton").resolved(gpus=0).batch_size == DEFAULT_BATCH_SIZE  # portable profile, CPU
-    assert config(engine="onnx").resolved(gpus=4).batch_size == DEFAULT_BATCH_SIZE
-    resolved = config(engine="onnx", batch_size=16)
-    assert resolved.resolved() is resolved
+    assert resolve(config(engine="triton"), 1, "x")[0].batch_size == REGISTRY["triton"].gpu_batch_size
+    assert resolve(config(batch_size=8), 1, "the Ray cluster at x")[0].batch_size == 8  # explicit wins
+    assert resolve(config(engine="triton"), 0)[0].batch_size == DEFAULT_BATCH_SIZE  # portable profile, CPU
+    assert resolve(config(engine="onnx"), 4)[0].batch_size == DEFAULT_BATCH_SIZE
+    assert resolve(config(engine="onnx", batch_size=16), 4)[0] == config(engine="onnx", batch_size=16)  # given as is
 
 
 def test_engine_options_need_an_engine():
@@ -115,7 +115,7 @@ def test_the_gpu_shape_scales_with_the_gpus_of_a_node(gpus, cpus):
     left for the fetch, write and listing tasks, and the fetch-ahead budget growing with the actors."""
     from pipeline.job.stages import actor_plan, fetch_budget
 
-    resolved = config().resolved(gpus=gpus, where="the Ray cluster at x")
+    resolved = resolve(config(), gpus, "the Ray cluster at x")[0]
     actors, actor_cpus, gpus_each = actor_plan(resolved, cpus, gpus)
     assert (actors, actor_cpus) == (3 * gpus, 1.0) and gpus_each == pytest.approx(1 / 3)
     assert cpus - actors * actor_cpus >= 13 * gpus  # the other tasks' share of a 16-core GPU's node

@@ -1,4 +1,5 @@
-"""pipeline/config.py: the one frozen RunConfig, its merge order, its checks and the engine preflight."""
+"""pipeline/config.py: the one frozen RunConfig, its merge order and its checks; the plan's engine preflight and the
+one parse of the engine options (pipeline/job/plan.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import pytest
 
 from pipeline.config import DEFAULT_EXTENSIONS, RunConfig, parse_option
 from pipeline.errors import ConfigError
-from pipeline.job.plan import preflight
+from pipeline.job.plan import preflight as plan_preflight
+from pipeline.node import ray_address
 
 
 def config(**kw) -> RunConfig:
     return RunConfig(**{"source": "in/", "output": "out/", **kw})
+
+
+def preflight(c: RunConfig):
+    """The plan's preflight as a run asks it: on this machine unless RAY_ADDRESS names a cluster."""
+    return plan_preflight(c, ray_address())
 
 
 def test_defaults_and_frozen():
@@ -35,7 +42,6 @@ def test_defaults_then_environment_then_explicit_options():
 @pytest.mark.parametrize("kw, message", [
     ({"source": ""}, "SOURCE is empty"),
     ({"output": "in/"}, "--output must differ from SOURCE"),
-    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of auto, onnx, openvino, triton, gpu"),
     ({"top_k": 0}, "--top-k must be a positive integer, got 0"),
     ({"top_k": 1001}, "--top-k 1001 is larger than any ImageNet head"),
     ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),
@@ -45,6 +51,14 @@ def test_defaults_then_environment_then_explicit_options():
     ({"decode_threads": 0}, "--decode-threads must be at least 1"),
     ({"metrics_port": 70000}, "--metrics-port 70000 is not a TCP port"),
     ({"extensions": ("jpg", "a/b")}, "is not a list like jpg,png,webp"),
+])
+def test_bad_values_name_the_option_and_the_fix(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"engine": "tpu"}, "--engine 'tpu' is unknown; choose one of auto, onnx, openvino, triton, gpu"),
     ({"engine": "onnx", "engine_options": {"bogus": 1}}, "engine 'onnx' has no option bogus; its options are decode_threads"),
     ({"engine": "onnx", "engine_options": {"max_batch": 0}}, r"--engine-option max_batch=0 \(engine 'onnx'\) must be at least 1"),
     ({"engine": "triton", "engine_options": {"request_batch": -5}}, "request_batch=-5 .* must be at least 1"),
@@ -53,17 +67,21 @@ def test_defaults_then_environment_then_explicit_options():
     ({"engine": "gpu", "engine_options": {"cuda_sync": "jpegturbo"}}, "cuda_sync='jpegturbo' .* is not one of auto"),
     ({"engine": "gpu", "engine_options": {"half": "maybe"}}, "half='maybe' .* is not true or false"),
 ])
-def test_bad_values_name_the_option_and_the_fix(kw, message):
+def test_the_plan_names_a_bad_engine_or_option_and_the_fix(kw, message, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # the parse only: a cluster's nodes run the preflight
+    c = config(**kw)  # plain data: the engine and its options are the plan's to check
     with pytest.raises(ConfigError, match=message):
-        config(**kw)
+        preflight(c)
 
 
-def test_engine_options_are_typed_once_in_the_driver():
-    c = config(engine="triton", engine_options={"request_batch": "16", "server_args": "--log-verbose=1 --a=b"})
-    assert c.engine_options == {"request_batch": 16, "server_args": ["--log-verbose=1", "--a=b"]}
-    c = config(engine="gpu", engine_options={"half": "false", "cuda_graph": True})
-    assert c.engine_options == {"half": False, "cuda_graph": True}
-    assert dataclasses.replace(c, previous="x").engine_options == c.engine_options  # parsing twice is a no-op
+def test_engine_options_are_typed_once_in_the_driver(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    raw = {"request_batch": "16", "server_args": "--log-verbose=1 --a=b"}
+    c = config(engine="triton", engine_options=raw)
+    assert c.engine_options == raw  # as given: RunConfig is plain data
+    assert preflight(c)[1] == {"request_batch": 16, "server_args": ["--log-verbose=1", "--a=b"]}
+    assert preflight(config(engine="gpu", engine_options={"half": "false", "cuda_graph": True}))[1] == {
+        "half": False, "cuda_graph": True}
 
 
 def test_parse_option_names_the_flag_it_came_from():

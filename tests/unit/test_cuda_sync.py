@@ -49,8 +49,10 @@ def test_the_gpu_profile_carries_the_option_to_its_model():
 def test_the_gpu_engine_option_refuses_a_wrong_mode_before_the_run():
     from pipeline.config import RunConfig
     from pipeline.errors import ConfigError
+    from pipeline.job.plan import preflight
 
+    cluster = "ray://head:10001"  # the plan's parse of the options; a cluster's nodes would run the preflight
     with pytest.raises(ConfigError, match=r"cuda_sync='sleep' \(engine 'gpu'\) is not one of auto, spin, yield, block"):
-        RunConfig(source="in/", output="out/", engine="gpu", engine_options={"cuda_sync": "sleep"})
+        preflight(RunConfig(source="in/", output="out/", engine="gpu", engine_options={"cuda_sync": "sleep"}), cluster)
     ok = RunConfig(source="in/", output="out/", engine="gpu", engine_options={"cuda_sync": "block"})
-    assert ok.engine_options == {"cuda_sync": "block"}
+    assert preflight(ok, cluster)[1] == {"cuda_sync": "block"}

@@ -10,6 +10,7 @@ import pytest
 from pipeline.engines.base import Option, _load, results_from_topk
 from pipeline.engines.registry import DEFAULT_ENGINE, ENGINE_NAMES, REGISTRY, engine_kwargs, engine_spec
 from pipeline.errors import ConfigError
+from pipeline.job.plan import resolve
 from pipeline.schema import STATUS_ERROR, STATUS_OK
 
 
@@ -117,10 +118,11 @@ def test_actor_plan_puts_three_gpu_actors_on_each_gpu():
 
 
 def actor_engine_options(config, *args, **kw):
-    """The classify actors' engine options the job gives ``config``'s engine."""
+    """The classify actors' engine options the job gives ``config``'s engine (its options parsed as the plan does)."""
     from pipeline.job.stages import actor_engine_options as options
 
-    return options(REGISTRY[config.engine], config.engine_options, *args, **kw)
+    config, spec = resolve(config, 0)
+    return options(spec, config.engine_options, *args, **kw)
 
 
 def test_each_onnx_call_gets_the_actors_share_of_the_cores_unless_told():
@@ -180,6 +182,6 @@ def test_the_default_gpu_plan_scales_with_the_gpus_of_a_node(gpus):
     actors, actor_cpus, gpus_each = actor_plan(config, 16 * gpus, gpus)
     assert actors == 3 * gpus and actor_cpus == 1.0 and abs(gpus_each - 1 / 3) < 1e-9
     assert 16 * gpus - actors * actor_cpus == 13 * gpus
-    batch = config.resolved(gpus=gpus, where="the Ray cluster").batch_size
+    batch = resolve(config, gpus, "the Ray cluster")[0].batch_size
     one = fetch_budget(actor_plan(config, 16, 1)[0], batch, on_gpu=True)
     assert fetch_budget(actors, batch, on_gpu=True) == gpus * one
