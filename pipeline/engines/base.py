@@ -41,6 +41,12 @@ class Result:
     scores: list[float] = field(default_factory=list)
     width: int | None = None
     height: int | None = None
+    # The model's embedding (float32, L2-normalised where its spec says), where its folder declares one.
+    embedding: list[float] | None = None
+    # A model set's other models' answers, in the set's order after this one's; each has its own status, error,
+    # top-k and embedding (width and height are this Result's). Empty for one model, and for an image that failed to
+    # decode: its error is every model's.
+    more: list["Result"] = field(default_factory=list)
 
     @classmethod
     def failed(cls, error: str, width: int | None = None, height: int | None = None) -> "Result":
@@ -151,7 +157,8 @@ class EngineSpec:
 
     Attributes:
         name: the ``--engine`` value.
-        factory: ``"module:Class"``, called as ``Class(bundle, top_k=, limits=, **options)`` inside the actor.
+        factory: ``"module:Class"``, called as ``Class(bundle, top_k=, limits=, **options)`` inside the actor; for a
+            model set, ``more=(bundle, ...)`` too: the set's other models, whose answers go in ``Result.more``.
         summary: one line for ``--help``.
         options: the options it accepts; anything else is refused in the driver.
         needs_gpu: actors take one GPU each when the cluster has GPUs.
@@ -173,6 +180,8 @@ class EngineSpec:
         runs_int8: runs INT8 (QDQ) model folders, as written by ``bulk-classify model quantize``.
         int8: one line for ``bulk-classify engines``: where INT8 models run with this engine.
         actor_env: environment variables of the classify actors' worker processes where they take GPUs.
+        several_models: it runs a model set (``--model NAME=DIR`` given more than once) in one pass: decoding each image
+            once, each model's own preprocessing and network on that decode (the factory's ``more``).
         node_start: ``"module:function"`` the driver of a local Ray calls before Ray starts, as
             ``function(bundle, top_k=, limits=, options=)``: it starts in the background what the node's actors
             will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
@@ -197,6 +206,7 @@ class EngineSpec:
     int8: str = "INT8 models: yes (ONNX Runtime's integer kernels)"
     actor_env: Mapping[str, str] = field(default_factory=dict)
     node_start: str | None = None
+    several_models: bool = False
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -248,8 +258,11 @@ class EngineSpec:
         """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""
         return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options) if self.node_start else None
 
-    def build(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Engine:
-        """The engine itself (heavy: loads the runtime, may start a server)."""
+    def build(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any],
+              more: Sequence[ModelBundle] = ()) -> Engine:
+        """The engine itself (heavy: loads the runtime, may start a server); ``more``: a model set's other models."""
+        if more:
+            return _load(self.factory)(bundle, top_k=top_k, limits=limits, more=tuple(more), **options)
         return _load(self.factory)(bundle, top_k=top_k, limits=limits, **options)
 
 

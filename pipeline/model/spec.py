@@ -32,6 +32,39 @@ TIMM_DEFAULT_CROP_PCT = 0.875
 _TIMM_CROP_MODES = {"center": RESIZE_SHORTER, "squash": RESIZE_SQUASH}
 
 @dataclass(frozen=True, kw_only=True)
+class EmbeddingSpec:
+    """A model's embedding (``"embedding"`` in preprocess.json): the ONNX tensor that holds it (a graph output, or a
+    named intermediate tensor the engines fetch as one), its width, and whether each row is L2-normalised before it
+    is written (what cosine-similarity search wants)."""
+
+    output: str
+    dim: int
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.output, str) or not self.output:
+            problems.append(f"embedding.output must name an ONNX tensor, got {self.output!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            problems.append(f"embedding.dim must be a positive integer (the tensor's width), got {self.dim!r}")
+        if not isinstance(self.normalize, bool):
+            problems.append(f"embedding.normalize must be true or false, got {self.normalize!r}")
+        if problems:
+            raise ModelError("bad preprocessing spec: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "EmbeddingSpec":
+        """``{"output": NAME, "dim": D, "normalize": true}``; ModelError for anything else."""
+        if isinstance(data, EmbeddingSpec):
+            return data
+        known = {"output", "dim", "normalize"}
+        if not isinstance(data, dict) or not {"output", "dim"} <= set(data) or set(data) - known:
+            raise ModelError('bad preprocessing spec: "embedding" must be {"output": TENSOR, "dim": WIDTH, '
+                             f'"normalize": true|false}}, got {data!r}')
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PreprocessSpec:
     """How a model wants its input tensor made from a decoded RGB image (docs/models.md, "The folder").
 
@@ -44,8 +77,9 @@ class PreprocessSpec:
     ``antialias`` means the resampling kernel is widened when downscaling (Pillow always does this; DALI's
     ``fn.resize(antialias=True)`` matches it). ``output`` says what the network gives: logits (scored by a softmax),
     probabilities (scored as given) or independent logits of a multi-label model (scored by a sigmoid each).
-    ``to_dict`` leaves out ``resize`` and ``output`` at their defaults, so specs written before them keep their
-    canonical JSON (and the model digest that hashes it).
+    ``embedding`` (an ``EmbeddingSpec``, or None) names the tensor of the model's embedding, if it has one.
+    ``to_dict`` leaves out ``resize``, ``output`` and ``embedding`` at their defaults, so specs written before them keep
+    their canonical JSON (and the model digest that hashes it).
     """
 
     resize_shorter: int | None = None
@@ -59,8 +93,11 @@ class PreprocessSpec:
     layout: str = "NCHW"
     resize: str = RESIZE_SHORTER
     output: str = OUTPUT_LOGITS
+    embedding: EmbeddingSpec | None = None
 
     def __post_init__(self) -> None:
+        if self.embedding is not None:
+            object.__setattr__(self, "embedding", EmbeddingSpec.from_dict(self.embedding))
         problems: list[str] = []
         crop = _pair(self.crop, problems)
         mean, std = _triple(self.mean, "mean", problems), _triple(self.std, "std", problems)
@@ -135,7 +172,8 @@ class PreprocessSpec:
         d["crop"] = list(self.crop)
         d["mean"] = list(self.mean)
         d["std"] = list(self.std)
-        for name, default in (("resize", RESIZE_SHORTER), ("output", OUTPUT_LOGITS), ("resize_shorter", None)):
+        for name, default in (("resize", RESIZE_SHORTER), ("output", OUTPUT_LOGITS), ("resize_shorter", None),
+                              ("embedding", None)):
             if d[name] == default:
                 del d[name]
         return d
