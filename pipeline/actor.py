@@ -8,13 +8,13 @@ import logging
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 
-from pipeline.engines.base import EngineSpec
+from pipeline.engines.base import EngineSpec, Result
 from pipeline.schema import (
-    CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
+    CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, EMBEDDING, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
     MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
 )
 
@@ -34,7 +34,10 @@ class ClassifyActor:
         max_pixels: int,
         engine_options: Mapping[str, Any] | None = None,
         model_digest: str | None = None,
+        models: Sequence[tuple[str, str, str]] = (),
     ):
+        """``model``/``model_digest``: one unnamed model and the digest the driver checked; ``models``: a model set
+        instead, as (name, folder, digest) each, written to one struct column per name."""
         from pipeline.errors import ModelError
         from pipeline.model.imaging import DecodeLimits
         from pipeline.model.folder import load_model
@@ -42,22 +45,36 @@ class ClassifyActor:
 
         follow_driver_logging()
         started = time.perf_counter()
-        self.bundle = load_model(model)
-        if model_digest is not None and self.bundle.digest != model_digest:
-            # The folder changed after the driver checked it: rows of two models must never mix in one output.
-            raise ModelError(f"model {model!r} changed during the run (digest {self.bundle.short_digest}, the run "
-                             f"started with {model_digest[:12]}); rerun once the model folder stays unchanged")
+        refs = [(ref, digest) for _name, ref, digest in models] or [(model, model_digest)]
+        bundles = []
+        for ref, digest in refs:
+            bundle = load_model(ref)
+            if digest is not None and bundle.digest != digest:
+                # The folder changed after the driver checked it: rows of two models must never mix in one output.
+                raise ModelError(f"model {ref!r} changed during the run (digest {bundle.short_digest}, the run "
+                                 f"started with {digest[:12]}); rerun once the model folder stays unchanged")
+            bundles.append(bundle)
+        self.bundle = bundles[0]
+        self.names = tuple(name for name, _ref, _digest in models)  # empty: one unnamed model's columns
+        self.bundles = tuple(bundles)
+        self.identity = self.bundle
+        if models:
+            from pipeline.model.model_set import ModelSet, NamedModel
+
+            self.identity = ModelSet(tuple(NamedModel(n, b) for n, b in zip(self.names, bundles)))
         # ``engine`` and ``engine_options`` as the driver decided them: the spec looked up, the options parsed.
         spec = engine
         limits = DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels)
-        self.engine = spec.build(self.bundle, top_k=top_k, limits=limits, options=engine_options or {})
+        self.engine = spec.build(self.bundle, top_k=top_k, limits=limits, options=engine_options or {},
+                                 more=self.bundles[1:])
         self.engine_name = spec.name
         self._reported: dict[str, int] = {}  # the engine's ``events`` as far as rows carry them already
         self._events_lock = threading.Lock()
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
         # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
         atexit.register(self.close)
-        LOG.info("actor ready in %.1f s: model=%s engine=%s", time.perf_counter() - started, self.bundle.name, spec.name)
+        LOG.info("actor ready in %.1f s: model=%s engine=%s", time.perf_counter() - started, self.identity.name,
+                 spec.name)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         data = batch.column(DATA).to_pylist()
@@ -65,9 +82,7 @@ class ClassifyActor:
         error = batch.column(ERROR).to_pylist()
         todo = [i for i in range(len(data)) if status[i] is None and data[i] is not None]
         n = len(data)
-        class_ids = batch.column(CLASS_IDS).to_pylist()
-        labels = batch.column(LABELS).to_pylist()
-        scores = batch.column(SCORES).to_pylist()
+        answers: list[list[Any]] = [[None] * n for _ in self.bundles]  # each model's Result per row
         width = batch.column(WIDTH).to_pylist()
         height = batch.column(HEIGHT).to_pylist()
         model = batch.column(MODEL).to_pylist()
@@ -92,8 +107,9 @@ class ClassifyActor:
             if len(results) != len(todo):
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")
             for i, r in zip(todo, results):
-                status[i], error[i] = r.status, r.error
-                class_ids[i], labels[i], scores[i] = r.class_ids, r.labels, r.scores
+                status[i], error[i] = self._row_status(r)
+                for m, answer in enumerate(self._answers(r)):
+                    answers[m][i] = answer
                 width[i], height[i] = r.width, r.height
                 infer_s[i], calls[i] = share, 1.0 / len(todo)
                 decode_s[i] = None if decode is None else decode / len(todo)
@@ -101,22 +117,64 @@ class ClassifyActor:
         if n:
             events[0] = self._new_events()
         for i in range(n):
-            model[i], digest[i], engine[i], when[i] = self.bundle.name, self.bundle.digest, self.engine_name, now
+            model[i], digest[i], engine[i], when[i] = self.identity.name, self.identity.digest, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
                 status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"
             if status[i] == STATUS_OK:
                 error[i] = None
         out = batch
         for name, values in (
-            (STATUS, status), (ERROR, error), (CLASS_IDS, class_ids), (LABELS, labels),
-            (SCORES, scores), (WIDTH, width), (HEIGHT, height), (MODEL, model), (MODEL_DIGEST, digest),
-            (ENGINE, engine),
+            (STATUS, status), (ERROR, error), *self._model_columns(answers, batch), (WIDTH, width),
+            (HEIGHT, height), (MODEL, model), (MODEL_DIGEST, digest), (ENGINE, engine),
             (CLASSIFIED_AT, when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
             (ENGINE_EVENTS, events),
         ):
             idx = out.schema.get_field_index(name)
             out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
+
+    def _answers(self, result: Result) -> list[Result | None]:
+        """Each model's answer in ``result``: the result itself, then ``Result.more``; None for a model without
+        one (an image that failed to decode answers for no model)."""
+        if result.status != STATUS_OK and not result.more:
+            return [result if m == 0 else None for m in range(len(self.bundles))]
+        answers: list[Result | None] = [result, *result.more]
+        if len(answers) != len(self.bundles):
+            raise RuntimeError(f"engine {self.engine_name} answered for {len(answers)} models of {len(self.bundles)}")
+        return answers
+
+    def _row_status(self, result: Result) -> tuple[str, str | None]:
+        """A row's status and error: ok when every model answered; else each failed model's error, by its name
+        (one error for an image that failed to decode)."""
+        if not result.more or not self.names:
+            return result.status, result.error
+        failed = [(name, r.error) for name, r in zip(self.names, [result, *result.more]) if r.status != STATUS_OK]
+        if not failed:
+            return STATUS_OK, None
+        kind = (failed[0][1] or "engine_error").split(":", 1)[0]
+        return STATUS_ERROR, f"{kind}: " + "; ".join(f"model {name}: {e}" for name, e in failed)
+
+    def _model_columns(self, answers: list[list[Result | None]], batch: pa.Table) -> list[tuple[str, list]]:
+        """(column, values) of the models' answers: one unnamed model's top-level columns (and its embedding where
+        the schema has one), or one struct per named model (null where that model has no ok answer)."""
+        def ok(r: Result | None) -> bool:
+            return r is not None and r.status == STATUS_OK
+
+        if not self.names:  # each answer's own lists (an error row's empty ones), the batch's where none
+            rows = answers[0]
+            fields = (CLASS_IDS, LABELS, SCORES, EMBEDDING) if EMBEDDING in batch.schema.names else (CLASS_IDS, LABELS,
+                                                                                              SCORES)
+            columns = []
+            for name in fields:
+                given = batch.column(name).to_pylist()
+                columns.append((name, [getattr(r, name) if r is not None else given[i] for i, r in enumerate(rows)]))
+            return columns
+        columns = []
+        for name, bundle, rows in zip(self.names, self.bundles, answers):
+            columns.append((name, [{CLASS_IDS: r.class_ids, LABELS: r.labels, SCORES: r.scores, MODEL: bundle.name,
+                                    MODEL_DIGEST: bundle.digest, EMBEDDING: r.embedding} if ok(r) else None
+                                   for r in rows]))
+        return columns
 
     def _new_events(self) -> str | None:
         """JSON of the engine's counters (``events``, if it keeps any) not yet carried by a row, or None."""

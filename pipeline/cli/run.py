@@ -39,7 +39,9 @@ def run_options() -> tuple[Callable, ...]:
     gpu_batch_sizes = "/".join(sorted({str(s.gpu_batch_size) for s in REGISTRY.values() if s.gpu_batch_size}))
     actors_per_gpu = "/".join(sorted({str(s.actors_per_gpu) for s in REGISTRY.values() if s.needs_gpu}))
     return (
-        model_option(f"Model folder ({MODEL_FILE}, {LABELS_FILE}, {SPEC_FILE})."),
+        model_option(f"Model folder ({MODEL_FILE}, {LABELS_FILE}, {SPEC_FILE}); or NAME=DIR, repeated, for several "
+                     "models in one pass, each written to its column NAME (NAME=default: the built-in model).",
+                     multiple=True, metavar="[NAME=]DIR"),
         click.option("--engine", type=click.Choice(ENGINE_CHOICES), cls=ConfigDefault, default=None, show_default=_default("engine"), help=f"{AUTO_ENGINE}: {GPU_CHOICE} where the Ray cluster has GPUs, else {CPU_CHOICE}; " + "; ".join(f"{s.name}: {s.summary}" for s in REGISTRY.values()) + "."),
         click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE", help="Engine-specific option, e.g. max_batch=8 (onnx) or repository=DIR (triton); repeatable; 'bulk-classify engines' lists them."),
         click.option("--top-k", type=int, cls=ConfigDefault, default=None, show_default=str(_default("top_k")), help="Labels kept per image."),
@@ -73,6 +75,7 @@ def _run_fields(options: dict[str, Any]) -> dict[str, Any]:
     fields["storage_options"] = key_values(options.get("storage_options") or ())
     fields["engine_options"] = key_values(options.get("engine_options") or (), "--engine-option", "max_batch=8")
     fields["catalog_options"] = catalog_values(options.get("catalog_options") or ())
+    fields["model"] = tuple(options.get("model") or ()) or None  # one folder, or NAME=DIR items: RunConfig reads both
     extensions = options.get("extensions")
     if extensions is not None:
         fields["extensions"] = tuple(e.strip() for e in extensions.split(",") if e.strip())

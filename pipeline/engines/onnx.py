@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -16,9 +17,10 @@ from pipeline.engines.base import NONFINITE_ERROR, EngineSpec, Result, positive_
 from pipeline.errors import ConfigError, EngineError, ImageError
 from pipeline.model.contract import fixed_batches
 from pipeline.model.folder import ModelBundle
-from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, load_and_preprocess
-from pipeline.model.scores import scores_of, top_scores
-from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES
+from pipeline.model.imaging import MAX_DECODE_THREADS, DecodeLimits, decode_image, preprocess_image
+from pipeline.model.onnx_graph import network_outputs, runtime_graph
+from pipeline.model.scores import embeddings_of, scores_of, top_scores
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, EmbeddingSpec
 from pipeline.schema import DEFAULT_TOP_K, STAGE_DECODE, STAGE_INFER, STATUS_OK
 
 LOG = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ SPEC = EngineSpec(
     # decodes on the pool while the other's runs the network, so the stages overlap instead of taking turns
     # (docs/performance.md).
     calls_per_actor=2,
+    several_models=True,
 )
 
 
@@ -81,6 +84,27 @@ def results_from_logits(
     return results_from_topk(ids, scores, labels, sizes)
 
 
+@dataclass(frozen=True)
+class _Model:
+    """One model an engine runs: its folder, its network (``OnnxEngine._network``) and its top-k."""
+
+    bundle: ModelBundle
+    forward: Callable[[np.ndarray], np.ndarray]
+    top_k: int
+
+
+def attach_embeddings(results: list[Result], values: np.ndarray, spec: EmbeddingSpec) -> None:
+    """Each ok result's embedding from its row of ``values`` (N, dim), L2-normalised where ``spec`` says; a row that
+    is not finite makes its result the NONFINITE_ERROR row."""
+    for i, (result, vector) in enumerate(zip(results, embeddings_of(values, spec))):
+        if result.status != STATUS_OK:
+            continue
+        if not np.isfinite(vector).all():
+            results[i] = Result.failed(NONFINITE_ERROR, result.width, result.height)
+        else:
+            result.embedding = vector.tolist()
+
+
 class OnnxEngine:
     """Classifies encoded images with ONNX Runtime on the CPU; decoding runs on a thread pool.
 
@@ -91,6 +115,8 @@ class OnnxEngine:
         decode_threads: threads decoding and preprocessing (Pillow releases the GIL); default the CPU count, at most MAX_DECODE_THREADS.
         intra_op_threads: ONNX Runtime's threads per run; default DEFAULT_INTRA_OP_THREADS.
         max_batch: images per ORT run; larger inputs to ``classify`` are split.
+        more: a model set's other models: each image is decoded once, then each model's preprocessing and network
+            run on it, their answers in ``Result.more``.
     """
 
     name = "onnx"
@@ -104,6 +130,7 @@ class OnnxEngine:
         decode_threads: int | None = None,
         intra_op_threads: int | None = DEFAULT_INTRA_OP_THREADS,
         max_batch: int = DEFAULT_MAX_BATCH,
+        more: Sequence[ModelBundle] = (),
     ):
         if max_batch < 1:
             raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
@@ -116,9 +143,11 @@ class OnnxEngine:
             raise ConfigError(f"decode_threads must be at least 1, got {decode_threads}")
         if intra_op_threads is not None and intra_op_threads < 1:
             raise ConfigError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
-        self._forward = self._open_runtime(bundle, intra_op_threads)
-        if bundle.fixed_batch:  # the graph takes no other batch size: run exactly that many (the driver said so)
-            self._forward = fixed_batches(self._forward, bundle.fixed_batch)
+        # Each model of the run (one, or a model set's): its network, its top-k capped at its classes; every model
+        # runs on one decode of each image.
+        self.models = [_Model(b, self._network(b, intra_op_threads), min(top_k, b.num_classes))
+                       for b in (bundle, *more)]
+        if bundle.fixed_batch and not more:  # the graph takes no other batch size: run exactly that many
             self.max_batch = bundle.fixed_batch
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode")
         self.decode_threads = threads
@@ -126,6 +155,12 @@ class OnnxEngine:
         # pool threads' time (it overlaps inference), infer is the network's wall time.
         self.stage_seconds = {STAGE_DECODE: 0.0, STAGE_INFER: 0.0}
         self._stage_lock = threading.Lock()
+
+    def _network(self, bundle: ModelBundle, threads: int | None) -> Callable[[np.ndarray], np.ndarray]:
+        """``bundle``'s network as one array a batch: its class outputs, then its embedding's where it declares one
+        (``_open_runtime`` fetches both), in runs of its fixed batch where it has one."""
+        forward = self._open_runtime(bundle, threads)
+        return fixed_batches(forward, bundle.fixed_batch) if bundle.fixed_batch else forward
 
     def _open_runtime(self, bundle: ModelBundle, threads: int | None) -> Callable[[np.ndarray], np.ndarray]:
         """The network as a function of a batch (N, C, H, W float32) to its logits, safe to call from several
@@ -141,12 +176,15 @@ class OnnxEngine:
         if threads is not None:
             options.intra_op_num_threads = threads
         try:
-            session = ort.InferenceSession(str(bundle.onnx_path), sess_options=options,
+            session = ort.InferenceSession(runtime_graph(bundle), sess_options=options,
                                            providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types
             raise EngineError(f"ONNX Runtime cannot load {bundle.onnx_path}: {e}; check the file with onnx.checker") from None
-        outputs, input_name = [bundle.output_name], bundle.input_name
-        return lambda batch: session.run(outputs, {input_name: batch})[0]
+        outputs, input_name = network_outputs(bundle), bundle.input_name
+        if len(outputs) == 1:
+            return lambda batch: session.run(outputs, {input_name: batch})[0]
+        return lambda batch: np.concatenate([o.reshape(len(batch), -1) for o in session.run(outputs, {input_name: batch})],
+                                            axis=1)
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         """One Result per encoded image, same order; bad images become error results."""
@@ -161,33 +199,48 @@ class OnnxEngine:
             results.extend(self._classify_decoded(decoded))
         return results
 
-    def _decode(self, data: bytes) -> tuple[np.ndarray, int, int] | Result:
+    def _decode(self, data: bytes) -> tuple[list[np.ndarray], int, int] | Result:
+        """One image decoded once, then each model's input made from it (models with one spec share it)."""
         start = time.perf_counter()
         try:
-            return load_and_preprocess(bytes(data), self.bundle.spec, self.limits)
+            img = decode_image(bytes(data), self.limits)
+            made: dict[Any, np.ndarray] = {}
+            try:
+                for m in self.models:
+                    if m.bundle.spec not in made:
+                        made[m.bundle.spec] = preprocess_image(img, m.bundle.spec)
+                arrays = [made[m.bundle.spec] for m in self.models]
+            except MemoryError:
+                raise ImageError("too_many_pixels", f"{img.width}x{img.height} did not fit in memory; lower "
+                                 "max_pixels") from None
+            return arrays, img.width, img.height
         except ImageError as e:
             return Result.failed(str(e))
         finally:
             with self._stage_lock:
                 self.stage_seconds[STAGE_DECODE] += time.perf_counter() - start
 
-    def _classify_decoded(self, decoded: list[tuple[np.ndarray, int, int] | Result]) -> list[Result]:
+    def _classify_decoded(self, decoded: list[tuple[list[np.ndarray], int, int] | Result]) -> list[Result]:
         ok = [i for i, d in enumerate(decoded) if not isinstance(d, Result)]
         out: list[Any] = list(decoded)
         if ok:
-            batch = np.stack([decoded[i][0] for i in ok])
             sizes = [(decoded[i][1], decoded[i][2]) for i in ok]
-            results = self._infer(batch, sizes)
-            if len(results) > 1 and all(r.status != STATUS_OK and r.error != NONFINITE_ERROR for r in results):
-                # Every image failing alone means the model or runtime is broken, not the inputs.
-                raise EngineError(f"ONNX Runtime failed on every image of a batch of {len(results)}: {results[0].error}")
-            for i, result in zip(ok, results):
-                out[i] = result
+            answers = []
+            for m, model in enumerate(self.models):
+                results = self._infer(model, np.stack([decoded[i][0][m] for i in ok]), sizes)
+                if len(results) > 1 and all(r.status != STATUS_OK and r.error != NONFINITE_ERROR for r in results):
+                    # Every image failing alone means the model or runtime is broken, not the inputs.
+                    raise EngineError(f"ONNX Runtime failed on every image of a batch of {len(results)} with model "
+                                      f"{model.bundle.name!r}: {results[0].error}")
+                answers.append(results)
+            for j, i in enumerate(ok):
+                out[i] = answers[0][j]
+                out[i].more = [a[j] for a in answers[1:]]
         return out
 
-    def _infer(self, batch: np.ndarray, sizes: list[tuple[int, int]]) -> list[Result]:
+    def _infer(self, model: _Model, batch: np.ndarray, sizes: list[tuple[int, int]]) -> list[Result]:
         try:
-            logits = self._run(batch)
+            values = self._run(model, batch)
         except EngineError:
             raise
         except Exception as e:  # ORT's own error types; a run error may be one input's fault
@@ -197,19 +250,28 @@ class OnnxEngine:
             # Split to find the input(s) to blame; the others still get their results.
             LOG.warning("ONNX Runtime failed on a batch of %d; retrying in halves: %s", len(batch), e)
             half = len(batch) // 2
-            return self._infer(batch[:half], sizes[:half]) + self._infer(batch[half:], sizes[half:])
-        return results_from_logits(logits, self.bundle.labels, self.top_k, sizes, output=self.bundle.spec.output)
+            return self._infer(model, batch[:half], sizes[:half]) + self._infer(model, batch[half:], sizes[half:])
+        bundle, classes = model.bundle, model.bundle.num_classes
+        results = results_from_logits(values[:, :classes], bundle.labels, model.top_k, sizes,
+                                      output=bundle.spec.output)
+        if bundle.spec.embedding is not None:
+            attach_embeddings(results, values[:, classes:], bundle.spec.embedding)
+        return results
 
-    def _run(self, batch: np.ndarray) -> np.ndarray:
+    def _run(self, model: _Model, batch: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
-        logits = self._forward(batch)
+        values = model.forward(batch)
         self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
-        if logits.ndim != 2 or logits.shape[1] != self.bundle.num_classes:
+        bundle = model.bundle
+        width = bundle.num_classes + (bundle.spec.embedding.dim if bundle.spec.embedding else 0)
+        if values.ndim != 2 or values.shape[1] != width:
+            embedding = bundle.spec.embedding
             raise EngineError(
-                f"the model returned shape {logits.shape}, expected (batch, {self.bundle.num_classes}); "
-                "labels.txt must have one line per output class"
+                f"model {bundle.name!r} returned shape {values.shape}, expected (batch, {bundle.num_classes})"
+                + (f" and its embedding {embedding.output!r} (batch, {embedding.dim})" if embedding else "")
+                + "; labels.txt must have one line per output class"
             )
-        return logits
+        return values
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

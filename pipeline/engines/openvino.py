@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -41,6 +41,7 @@ SPEC = EngineSpec(
     # The onnx engine's shape: one call's batch decodes on the pool while the other's runs the network.
     calls_per_actor=2,
     int8="INT8 models: yes (OpenVINO's integer kernels, faster than onnx's on an AMX Xeon)",
+    several_models=True,
 )
 
 
@@ -54,7 +55,7 @@ class OpenVinoEngine(OnnxEngine):
     """Classifies encoded images with OpenVINO on the CPU; decoding runs on a thread pool (as ``OnnxEngine``).
 
     Args:
-        bundle, top_k, limits, decode_threads, max_batch: as ``OnnxEngine``.
+        bundle, top_k, limits, decode_threads, max_batch, more: as ``OnnxEngine``.
         threads: OpenVINO's threads per run.
         streams: runs at once: the calls that will use the engine concurrently, each on its own stream.
     """
@@ -71,12 +72,13 @@ class OpenVinoEngine(OnnxEngine):
         threads: int = 1,
         streams: int = DEFAULT_STREAMS,
         max_batch: int = DEFAULT_MAX_BATCH,
+        more: Sequence[ModelBundle] = (),
     ):
         if streams < 1:
             raise ConfigError(f"streams must be at least 1, got {streams}")
         self.streams = streams
         super().__init__(bundle, top_k=top_k, limits=limits, decode_threads=decode_threads, intra_op_threads=threads,
-                         max_batch=max_batch)
+                         max_batch=max_batch, more=more)
 
     def _open_runtime(self, bundle: ModelBundle, threads: int | None) -> Callable[[np.ndarray], np.ndarray]:
         try:

@@ -13,7 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.io.writer import ShardRecord
-from pipeline.schema import GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform
+from pipeline.schema import (
+    GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform, output_schema_like,
+)
 from pipeline.storage import is_local
 
 LOG = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ def read_shard(fs: Any, path: str) -> tuple[pa.Table, ShardRecord | None]:
             pf = pq.ParquetFile(f)
             raw = (pf.metadata.metadata or {}).get(RECORD_KEY)
             table = pf.read()
-    return conform(table.replace_schema_metadata(None), OUTPUT_SCHEMA), (
+    table = table.replace_schema_metadata(None)
+    return conform(table, output_schema_like(table.schema)), (
         ShardRecord.from_json(raw) if raw is not None else None)
 
 

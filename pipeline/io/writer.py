@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import functools
 import io
 import json
 import os
@@ -23,8 +24,8 @@ import pyarrow.parquet as pq
 from pipeline.io.keys import identity_hashes, uri_hashes
 from pipeline.io.stats import ShardStats
 from pipeline.schema import (
-    BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, OUTPUT_SCHEMA, PART_PREFIX,
-    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, STATUS_OK, conform,
+    BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, PART_PREFIX,
+    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, STATUS_OK, conform, output_schema_like,
 )
 from pipeline.storage import is_local, open_fs
 
@@ -93,7 +94,7 @@ class ShardRecord:
         status = rows.column("status")
         ok_mask = pc.fill_null(pc.equal(status, STATUS_OK), False)
         ok_rows = rows.filter(ok_mask)
-        lengths = pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist() if ok_rows.num_rows else []
+        lengths = _top_k_lengths(ok_rows) if ok_rows.num_rows else []
         models = pc.unique(rows.column("model")).to_pylist() if "model" in rows.column_names else []
         digests = pc.unique(rows.column("model_digest")).to_pylist() if "model_digest" in rows.column_names else []
         carried = rows.column("carried") if "carried" in rows.column_names else pa.array([], pa.bool_())
@@ -108,6 +109,19 @@ class ShardRecord:
             uri_hashes=uri_keys if uri_keys is not None else uri_hashes(rows.column("uri").to_pylist()),
             identities=identities if identities is not None else row_identities(ok_rows),
         )
+
+
+def _top_k_lengths(ok_rows: pa.Table) -> list[int]:
+    """The distinct lengths of the ok rows' top-k: one model's ``class_ids``; of a model set, each row's longest (each
+    model caps the run's top-k at its own classes, so the longest is the run's)."""
+    if "class_ids" in ok_rows.column_names:
+        return pc.unique(pc.list_value_length(ok_rows.column("class_ids"))).to_pylist()
+    models = [c for f, c in zip(ok_rows.schema, ok_rows.columns)
+              if pa.types.is_struct(f.type) and f.type.get_field_index("class_ids") >= 0]
+    if not models:
+        return []
+    longest = [pc.fill_null(pc.list_value_length(pc.struct_field(c, "class_ids")), 0) for c in models]
+    return pc.unique(functools.reduce(pc.max_element_wise, longest)).to_pylist()
 
 
 def row_identities(rows: pa.Table) -> np.ndarray:
@@ -166,7 +180,7 @@ def write_shard(batch: pa.Table, *, output: str | None = None, storage_options: 
     start = time.perf_counter()
     fs, dest = store if store is not None else open_fs(output, storage_options)
     shard = shard_id(batch.column("uri").to_pylist())
-    rows = conform(batch, OUTPUT_SCHEMA)
+    rows = conform(batch, output_schema_like(batch.schema))
     record = record if record is not None else ShardRecord.of_rows(rows)
     kinds = Counter(e.split(":", 1)[0] for e in pc.drop_null(rows.column("error")).to_pylist() if e)
     extra = dict(footer(rows)) if footer is not None else {}

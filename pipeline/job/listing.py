@@ -28,7 +28,9 @@ class ListingDatasource(Datasource):
     """
 
     def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], groups: list[list], *,
-                 done: Any = None, previous: Any = None, counter: Any = None, excluded: str | None = None):
+                 done: Any = None, previous: Any = None, counter: Any = None, excluded: str | None = None,
+                 schema: pa.Schema = WORK_SCHEMA):
+        self.schema = schema  # the run's working columns (its models' columns: pipeline.schema.work_schema)
         self.url, self.storage_options, self.extensions = url, dict(storage_options), extensions
         self.groups, self.done, self.previous, self.counter = groups, done, previous, counter
         self.excluded = None if excluded is None else "file://" + excluded.rstrip("/") + "/"
@@ -56,7 +58,7 @@ class ListingDatasource(Datasource):
                                     named=manifest_form(self.url) is not None):
             if self.excluded is not None:
                 block = block.filter(pc.invert(pc.starts_with(block.column("uri"), self.excluded)))
-            yield conform(block, WORK_SCHEMA)
+            yield conform(block, self.schema)
         calls.finish(index)
 
 

@@ -31,6 +31,7 @@ from pipeline.storage import is_local, open_fs, storage_failure
 
 if TYPE_CHECKING:
     from pipeline.model.folder import ModelBundle
+    from pipeline.model.model_set import ModelSet
 
 LOG = logging.getLogger(__name__)
 ERRNO_RE = re.compile(r"\[Errno (\d+)\] ([^\n:']+)(?:: '([^'\n]*)')?")  # an OSError as str() writes it
@@ -79,7 +80,7 @@ class OutputIndex:
         return sum(self.counts.values())
 
 
-def same_model(digest: str | None, name: str | None, bundle: ModelBundle) -> bool:
+def same_model(digest: str | None, name: str | None, bundle: ModelBundle | ModelSet) -> bool:
     """Were rows recorded with this model digest (and name) written by ``bundle``'s model?
 
     Outputs written before digests were recorded name their model alone: rows named as the built-in model count as
@@ -87,10 +88,11 @@ def same_model(digest: str | None, name: str | None, bundle: ModelBundle) -> boo
     never match.
     """
     from pipeline.model.folder import BUILTIN_NAME, is_builtin
+    from pipeline.model.model_set import ModelSet
 
     if digest:
         return digest == bundle.digest
-    return name == BUILTIN_NAME and is_builtin(bundle)
+    return name == BUILTIN_NAME and not isinstance(bundle, ModelSet) and is_builtin(bundle)
 
 
 def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: ModelBundle | None = None,
@@ -140,7 +142,7 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(previous: Store, bundle: ModelBundle, top_k: int, parts: list[str] | None = None) -> OutputIndex:
+def read_previous(previous: Store, bundle: ModelBundle | ModelSet, top_k: int, parts: list[str] | None = None) -> OutputIndex:
     """The ``previous`` store (``parts``: an Iceberg table's current shards): its shards and the identities of the
     rows this run may carry (same model digest and ``top_k``, ok).
 
@@ -340,7 +342,7 @@ def drop_rows(fs: Any, root: str, path: str, uri_keys: np.ndarray,
     return int((~keep).sum()), f"{root.rstrip('/')}/{part_name(shard_id(rows.column('uri').to_pylist()))}"
 
 
-def check_compatible(fs: Any, root: str, url: str, bundle: ModelBundle, *, top_k: int, overwrite: bool) -> None:
+def check_compatible(fs: Any, root: str, url: str, bundle: ModelBundle | ModelSet, *, top_k: int, overwrite: bool) -> None:
     """Refuse to mix rows of another model (by digest: a retrained model in the same folder is another model) or
     top-k into DEST (unless --overwrite)."""
     info = read_json(fs, root, RUN_INFO)

@@ -11,15 +11,20 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+import pyarrow as pa
+
 from pipeline.config import RunConfig
 from pipeline.engines.registry import AUTO_ENGINE, engine_spec
+from pipeline.errors import ConfigError
 from pipeline.io.iceberg_output import IcebergOutput, is_iceberg, table_parts
 from pipeline.job.output import Store, check_compatible, check_output, check_output_location, open_store
 from pipeline.node import local_ray_env, node_gpus, ray_address
+from pipeline.schema import OUTPUT_SCHEMA, output_schema
 
 if TYPE_CHECKING:
     from pipeline.engines.base import EngineSpec
     from pipeline.model.folder import ModelBundle
+    from pipeline.model.model_set import ModelSet
 
 LOG = logging.getLogger(__name__)
 
@@ -51,7 +56,9 @@ class RunPlan:
         config: the options as ``EngineChoice.config``, with ``top_k`` capped at the model's classes and an
             ``iceberg://`` output or previous replaced by its table's data folder.
         spec: the resolved engine's ``EngineSpec``.
-        bundle: the model, loaded and checked (its contract and the engine's own refusals).
+        bundle: the model, loaded and checked (its contract and the engine's own refusals); of a model set, its first.
+        models: the model set (``--model NAME=DIR`` items), each loaded and checked like ``bundle``; None: one
+            unnamed model.
         engine_options: the options the engine is built with: ``config.engine_options`` (parsed) and
             ``--decode-threads`` in the option the engine registered for it.
         ray_address: the cluster the job joins (``RAY_ADDRESS``); None: a local Ray the job starts.
@@ -74,6 +81,25 @@ class RunPlan:
     table: IcebergOutput | None = None
     previous_parts: list[str] | None = None
     gpus: tuple[int, str] | None = None
+    models: ModelSet | None = None
+
+    @property
+    def identity(self) -> ModelBundle | ModelSet:
+        """Whose rows these are (``name``, ``digest``): the model's, or the model set's."""
+        return self.models if self.models is not None else self.bundle
+
+    @property
+    def more(self) -> tuple[ModelBundle, ...]:
+        """A model set's models after the first, which the engine runs beside ``bundle``."""
+        return self.models.bundles[1:] if self.models is not None else ()
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The output's schema: one unnamed model's columns, or one struct column per model of the set."""
+        if self.models is not None:
+            return output_schema(self.models.columns())
+        embedding = self.bundle.spec.embedding
+        return output_schema(((None, embedding.dim),)) if embedding else OUTPUT_SCHEMA
 
     @property
     def local(self) -> bool:
@@ -163,9 +189,10 @@ def make_plan(config: RunConfig | EngineChoice, *, output: Store | None = None) 
     check_source(source.fs, source.root, config.source, config.extensions, follow_symlinks=config.follow_symlinks,
                  source_prefix=config.source_prefix)
     check_output(output.fs, output.root, config.output)
-    config, bundle = _check_model(config, spec, choice.gpus)
-    check_compatible(output.fs, output.root, config.output, bundle, top_k=config.top_k, overwrite=config.overwrite)
-    return RunPlan(config=config, spec=spec, bundle=bundle,
+    config, bundle, models = _check_models(config, spec, choice.gpus)
+    check_compatible(output.fs, output.root, config.output, models or bundle, top_k=config.top_k,
+                     overwrite=config.overwrite)
+    return RunPlan(config=config, spec=spec, bundle=bundle, models=models,
                    engine_options=spec.with_decode_threads(config.engine_options, config.decode_threads),
                    ray_address=choice.ray_address, output_url=output_url, source=source, output=output,
                    previous=previous, table=table, previous_parts=previous_parts, gpus=choice.gpus)
@@ -181,21 +208,38 @@ def classifier_engine(engine: str, raw: Mapping[str, Any] | None, decode_threads
     return spec, options
 
 
-def _check_model(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | None) -> tuple[RunConfig, ModelBundle]:
-    """The model's contract, as ``model check`` runs it (and the cache built once), and within it, before the network
-    runs, the engine's own refusals (INT8, the gpu paths' network and layout); ``config`` with ``top_k`` capped at
-    the model's classes, which every engine, record and carry-over then uses."""
-    from pipeline.model.contract import check_contract  # noqa: PLC0415 - onnxruntime: once the options are good
-    from pipeline.model.folder import fixed_batch_note, top_k_note  # noqa: PLC0415
+def _check_models(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | None
+                  ) -> tuple[RunConfig, ModelBundle, ModelSet | None]:
+    """Each model's contract, as ``model check`` runs it (and the cache built once), and within it, before the
+    network runs, the engine's own refusals (INT8, the gpu paths' network and layout); ``config`` with ``top_k``
+    capped at the model's classes (a set's: its largest model's), which every engine, record and carry-over then
+    uses; the first model, and the model set (None: one unnamed model)."""
+    from pipeline.model.folder import top_k_note  # noqa: PLC0415 - Pillow: once the options are good
+    from pipeline.model.model_set import ModelSet, NamedModel  # noqa: PLC0415
 
-    bundle = check_contract(config.model, engine_check=lambda loaded: spec.check_model(loaded, config.engine_options,
-                                                                                        gpus))
+    named = config.named_models()
+    if len(named) > 1 and not spec.several_models:
+        raise ConfigError(f"--engine {spec.name} runs one model a pass; run a model set with --engine onnx, "
+                          "openvino, gpu or triton (or the default), or one run per model")
+    bundles = [_check_model(ref, config, spec, gpus) for _name, ref in named] or [
+        _check_model(config.model, config, spec, gpus)]
+    models = ModelSet(tuple(NamedModel(name, b) for (name, _), b in zip(named, bundles))) if named else None
+    identity = models or bundles[0]
+    if config.top_k > identity.num_classes:
+        LOG.warning("%s", top_k_note(config.top_k, identity))
+        config = dataclasses.replace(config, top_k=identity.num_classes)
+    return config, bundles[0], models
+
+
+def _check_model(ref: str | None, config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | None) -> ModelBundle:
+    """One model's contract and the engine's refusals (``_check_models``)."""
+    from pipeline.model.contract import check_contract  # noqa: PLC0415 - onnxruntime: once the options are good
+    from pipeline.model.folder import fixed_batch_note  # noqa: PLC0415
+
+    bundle = check_contract(ref, engine_check=lambda loaded: spec.check_model(loaded, config.engine_options, gpus))
     if bundle.fixed_batch:
         LOG.warning("%s", fixed_batch_note(bundle))
-    if config.top_k > bundle.num_classes:
-        LOG.warning("%s", top_k_note(config.top_k, bundle))
-        config = dataclasses.replace(config, top_k=bundle.num_classes)
-    return config, bundle
+    return bundle
 
 
 def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str] | None]:

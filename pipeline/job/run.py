@@ -29,6 +29,7 @@ from pipeline.schema import REPORT, SUCCESS
 
 if TYPE_CHECKING:
     from pipeline.model.folder import ModelBundle
+    from pipeline.model.model_set import ModelSet
 
 LOG = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, "int | None", int], None]
@@ -67,7 +68,7 @@ def _run_job(config: RunConfig | RunPlan, progress: ProgressCallback | None) -> 
     t0 = time.perf_counter()  # elapsed_s counts the checks too: on a GPU node resolving auto imports Ray
     # Every check reads only: DEST is changed first by the lease, and only once all of them (the plan's) have passed.
     plan = config if isinstance(config, RunPlan) else make_plan(config)
-    config, bundle, out = plan.config, plan.bundle, plan.output
+    config, bundle, out = plan.config, plan.identity, plan.output
     dst_fs, dst_root = out.fs, out.root
     t_index = time.perf_counter()
     previous = read_previous(plan.previous, bundle, config.top_k, plan.previous_parts) if plan.previous else None
@@ -122,7 +123,7 @@ def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, start
     """Count the committed rows (each URI's row already unique) and write ``_REPORT.json`` and then ``_SUCCESS``."""
     finished_at = datetime.now(timezone.utc)
     elapsed = time.perf_counter() - t0
-    dst_fs, dst_root, bundle = plan.output.fs, plan.output.root, plan.bundle
+    dst_fs, dst_root, bundle = plan.output.fs, plan.output.root, plan.identity
     report = assemble_report(plan.config.engine, totals, bundle=bundle, already_done=skipped, list_s=list_s,
                              elapsed_s=elapsed, started_at=started_at, finished_at=finished_at,
                              writer_actors=writer_actors)
@@ -151,8 +152,8 @@ def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, start
                       elapsed_s=elapsed, report=report)
 
 
-def assemble_report(engine: str, totals: ShardStats, *, bundle: ModelBundle, already_done: int, list_s: float,
-                    elapsed_s: float, started_at: datetime, finished_at: datetime,
+def assemble_report(engine: str, totals: ShardStats, *, bundle: ModelBundle | ModelSet, already_done: int,
+                    list_s: float, elapsed_s: float, started_at: datetime, finished_at: datetime,
                     writer_actors: int = 0) -> dict[str, Any]:
     """The run report written to ``_REPORT.json``: this run's totals, stage times and identity (``engine``: the
     resolved engine's name)."""
@@ -179,7 +180,7 @@ class _Run:
         from pipeline.job.stages import init_ray, limit_fetch_ahead
         from pipeline.metrics import JobMetrics
 
-        self.plan, self.config, self.progress, self.bundle = plan, plan.config, progress, plan.bundle
+        self.plan, self.config, self.progress, self.bundle = plan, plan.config, progress, plan.identity
         self.node = start_node(plan) if plan.local else None
         self._node_closing = False
         try:

@@ -18,7 +18,7 @@ from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
 from pipeline.job.plan import RunPlan, resolve
 from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, VERBOSE_ENV, local_ray_env
-from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, OUTPUT_SCHEMA, STATUS, STATUS_OK, URI, conform
+from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, STATUS, STATUS_OK, URI, conform, output_schema_like, work_schema
 from pipeline.storage import open_fs
 
 if TYPE_CHECKING:
@@ -233,7 +233,8 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
 
     config = plan.config
     listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
-                                previous=previous, counter=counter, excluded=excluded)
+                                previous=previous, counter=counter, excluded=excluded,
+                                schema=work_schema(plan.schema))
     ds = ray.data.read_datasource(listing, override_num_blocks=len(groups),
                                   num_cpus=listing_task_cpus(shares.cpus, len(groups)))
     ds = ds.map_batches(
@@ -249,6 +250,8 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
     ds = ds.map_batches(
         ClassifyActor,
         fn_constructor_kwargs={"model": config.model, "engine": plan.spec, "top_k": config.top_k,
+                               "models": [(m.name, ref, m.bundle.digest) for m, (_, ref) in
+                                          zip(plan.models.models, config.named_models())] if plan.models else (),
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
                                "model_digest": model_digest, "engine_options": dict(shares.engine_options)},
         batch_size=config.batch_size,
@@ -371,7 +374,7 @@ def carry_rows(table: pa.Table, carried: np.ndarray, record: Any = None, *, mode
     if model_digest is not None:
         table = table.set_column(table.schema.get_field_index(MODEL_DIGEST), "model_digest",
                                  pa.array([model_digest] * table.num_rows, pa.string()))
-    return conform(table, OUTPUT_SCHEMA), uri_keys, ids[keep]
+    return conform(table, output_schema_like(table.schema)), uri_keys, ids[keep]
 
 
 def carry_shards(after: Any, paths: list[str], carried: np.ndarray, *, previous: str, storage_options: Any,

@@ -11,9 +11,12 @@ probe batch stay within ``SLIM_TOLERANCE`` of the original's.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.model.folder import ModelBundle
 
 LOG = logging.getLogger(__name__)
 
@@ -143,3 +146,14 @@ def faithful_slim(model: Any, probe: np.ndarray, *, fixed_batch: int | None = No
     if not np.isfinite(change) or change > tolerance:
         return None, f"onnxslim's graph changed the outputs by {change:.1e}"
     return slim, "simplified by onnxslim"
+
+
+def network_outputs(bundle: ModelBundle) -> list[str]:
+    """The tensors an engine fetches from ``bundle``'s network: its class output, then its embedding's."""
+    embedding = bundle.spec.embedding
+    return [bundle.output_name] + ([embedding.output] if embedding is not None else [])
+
+
+def runtime_graph(bundle: ModelBundle) -> str:
+    """What ONNX Runtime loads for ``bundle``: its model.onnx."""
+    return str(bundle.onnx_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID, EmbeddingSpec
 
 
 def scores_of(raw: np.ndarray, output: str = OUTPUT_LOGITS) -> np.ndarray:
@@ -39,3 +39,14 @@ def top_scores(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     ranked = np.argsort(-np.take_along_axis(order, part, axis=1), axis=1, kind="stable")
     ids = np.take_along_axis(part, ranked, axis=1).astype(np.int64)
     return ids, np.take_along_axis(scores, ids, axis=1).astype(np.float32)
+
+
+def embeddings_of(values: np.ndarray, spec: EmbeddingSpec) -> np.ndarray:
+    """(N, dim) float32 embeddings of a network's embedding tensor, each row L2-normalised where ``spec`` says (a
+    zero row stays zero; a row holding NaN or infinity stays so)."""
+    vectors = np.asarray(values, np.float32).reshape(len(values), -1)
+    if not spec.normalize:
+        return vectors
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(norms == 0, np.float32(0), vectors / norms).astype(np.float32)
