@@ -53,9 +53,9 @@ class RunConfig:
             names the objects: ``uris+URL`` (a URI list) or ``inventory+URL`` (an S3 Inventory manifest.json).
         output: folder or fsspec URL that receives Parquet shards and bookkeeping files (``_*``).
         model: ``None``/``"default"`` for the built-in EfficientNet-Lite0, or a model folder; or the ``--model``
-            values as a list (one folder, or ``NAME=DIR`` items: a model set, moved to ``models``).
-        models: a model set instead: ``NAME=DIR`` items (``--model taxonomy=DIR --model safety=DIR2``), each model
-            run on one decode of every image and written to its own column (``pipeline.model.model_set``).
+            values as a list: one folder, or a model set of ``NAME=DIR`` items (``--model taxonomy=DIR --model
+            safety=DIR2``; kept as that tuple), each model run on one decode of every image and written to its own
+            column (``pipeline.model.model_set``).
         engine: a name in ``pipeline.engines.registry.REGISTRY``, or ``auto`` (the plan picks one by the cluster's
             GPUs); ``engine_options``: the engine's options, which the plan parses against its spec.
         batch_size: images per engine call (None: the engine's ``gpu_batch_size`` where its actors take GPUs,
@@ -78,7 +78,6 @@ class RunConfig:
     source: str
     output: str
     model: str | tuple[str, ...] | None = None
-    models: tuple[str, ...] = ()
     engine: str = DEFAULT_ENGINE
     top_k: int = DEFAULT_TOP_K
     batch_size: int | None = None
@@ -128,21 +127,7 @@ class RunConfig:
         check_top_k(self.top_k)
         if isinstance(self.model, (list, tuple)):  # --model given as often as the run has models
             ref, named = parse_model_args(tuple(self.model))
-            if named and self.models:
-                raise ConfigError("give a model set as models or as model, not both")
-            object.__setattr__(self, "model", ref)
-            if named:
-                object.__setattr__(self, "models", tuple(f"{n}={r}" for n, r in named))
-        if self.models:
-            models = tuple(str(m) for m in self.models)
-            if self.model is not None:
-                raise ConfigError(f"--model {self.model!r} has no name beside a model set; name each model, e.g. "
-                                  f"--model main={self.model} {' '.join('--model ' + m for m in models)}")
-            unnamed, _named = parse_model_args(models)  # names valid and unique, each with a model
-            if unnamed is not None:
-                raise ConfigError(f"model set item {unnamed!r} has no name; write NAME=DIR, e.g. main={unnamed}, "
-                                  "or give one unnamed model as --model DIR")
-            object.__setattr__(self, "models", models)
+            object.__setattr__(self, "model", tuple(f"{n}={r}" for n, r in named) if named else ref)
         for name in ("shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
             check_positive(name, getattr(self, name))
         if self.retries < 0:
@@ -178,7 +163,7 @@ class RunConfig:
 
     def named_models(self) -> tuple[tuple[str, str], ...]:
         """The model set as (name, folder) pairs, in the order given; empty for one unnamed model."""
-        return parse_model_args(self.models)[1] if self.models else ()
+        return parse_model_args(self.model)[1] if isinstance(self.model, tuple) else ()
 
     def public_dict(self) -> dict[str, Any]:
         """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
@@ -187,7 +172,8 @@ class RunConfig:
         out["catalog_options"] = sorted(self.catalog_options)
         out["engine_options"] = {k: v for k, v in self.engine_options.items() if "secret" not in k.lower()}
         out["extensions"] = list(self.extensions)
-        out["models"] = list(self.models)
+        if isinstance(self.model, tuple):
+            out["model"] = list(self.model)
         return out
 
 

@@ -249,9 +249,8 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
     )
     ds = ds.map_batches(
         ClassifyActor,
-        fn_constructor_kwargs={"model": config.model, "engine": plan.spec, "top_k": config.top_k,
-                               "models": [(m.name, ref, m.bundle.digest) for m, (_, ref) in
-                                          zip(plan.models.models, config.named_models())] if plan.models else (),
+        fn_constructor_kwargs={"model": None if plan.models else config.model, "models": actor_models(plan),
+                               "engine": plan.spec, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
                                "model_digest": model_digest, "engine_options": dict(shares.engine_options)},
         batch_size=config.batch_size,
@@ -301,6 +300,13 @@ def classify_actor_options(spec: EngineSpec, *, on_gpu: bool, local: bool) -> di
         return {}
     env = {k: v for k, v in spec.actor_env.items() if not (local and os.environ.get(k) == v)}
     return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:
+    """A model set as the actors load it: (name, folder, the digest the driver checked) each; empty for one model."""
+    if plan.models is None:
+        return []
+    return [(m.name, ref, m.bundle.digest) for m, (_name, ref) in zip(plan.models.models, plan.config.named_models())]
 
 
 def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carried: Any, *, model_digest: str
