@@ -14,6 +14,9 @@ The hot path per batch, with no per-image Python loop on the GPU side:
 3. the batch is copied on the GPU into the network's input (channels-last), the network (a CUDA graph captured at
    start), softmax and top-k: only k values per image come back.
 
+A model set (``more``: ``SetModel``) decodes each image once; each model's network runs on its own spec's DALI branch
+(equal specs share one) and its top-k comes back in ``RawResults.more``.
+
 Preparing the next batches runs in ``prep_workers`` threads, each on its own high-priority CUDA stream, while the
 network runs the current batch; events order the streams. A file DALI refuses fails DALI's whole batch: that batch
 is then decoded by the reference, so a bad image is that image's error row and the rest of the batch succeeds.

@@ -10,6 +10,9 @@ edge where the crop box reaches it (``reaches_edge``).
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
+A model set's graph (``preprocess_graphs``) decodes each file once and runs one such branch per distinct spec
+(``branch_plan``: equal specs share one), so each model gets its own preprocessing of the one decode.
+
 Known differences from the reference (measured in tests/integration/test_dali_parity.py, listed in docs/engines.md):
 JPEG decoders round the IDCT differently (a few levels on edges); transparent pixels are not composited on white
 (DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (the gpu
