@@ -57,6 +57,7 @@ SPEC = EngineSpec(
     gpu_batch_size=2048,
     runs_int8=False,
     int8=f"INT8 models: none ({NO_INT8}); {INT8_FIX}",
+    several_models=True,
 )
 
 
@@ -69,6 +70,8 @@ class GpuEngine:
             (``pipeline.gpu.onnx_torch``), or its ``model.torchscript`` where the folder has one.
         top_k: classes per image.
         limits: decode limits.
+        more: a model set's other models (bundles): decoded once with this one, each through its own preprocessing
+            and network (``SetModel``), its answers in each ``Result.more``, its top-k capped at its classes.
         **options: ``network`` (a torch module, or a name ``networks.register_network`` knows), and the
             ``ClassifierOptions`` fields: batch_size, device, cuda_graph, half, cpu_decode_threads, pipeline,
             prep_workers, hw_decoder_load, dali_threads, dali_depth, cuda_sync, compile.
@@ -76,8 +79,9 @@ class GpuEngine:
 
     name = "gpu"
 
-    def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(), **options: Any):
-        from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier  # noqa: PLC0415 - torch, DALI
+    def __init__(self, bundle, *, top_k: int = DEFAULT_TOP_K, limits: DecodeLimits = DecodeLimits(),
+                 more: Sequence[ModelBundle] = (), **options: Any):
+        from pipeline.gpu.classifier import ClassifierOptions, GpuClassifier, SetModel  # noqa: PLC0415 - torch, DALI
         from pipeline.gpu.networks import load_network  # noqa: PLC0415 - needs torch
 
         if options.get("device") is None:
@@ -86,11 +90,15 @@ class GpuEngine:
         if network is None or isinstance(network, str):
             network = load_network(bundle, network)
         self.labels = tuple(bundle.labels)
+        self.more_labels = [tuple(b.labels) for b in more]
         self.limits = limits
         self.stage_seconds = {STAGE_INFER: 0.0}  # decode and network overlap on the GPU: one stage
+        set_models = [SetModel(load_network(b), b.spec, top_k=min(top_k, b.num_classes),
+                               fixed_batch=getattr(b, "fixed_batch", None),
+                               precision_gate=options.get("precision_gate", not is_builtin(b))) for b in more]
         options.setdefault("precision_gate", not is_builtin(bundle))
         self.classifier = GpuClassifier(network, bundle.spec, ClassifierOptions(
-            top_k=top_k, limits=limits, fixed_batch=getattr(bundle, "fixed_batch", None), **options))
+            top_k=top_k, limits=limits, fixed_batch=getattr(bundle, "fixed_batch", None), **options), more=set_models)
         self._stream = None
         if self.classifier.pipeline:
             from pipeline.gpu.stream import RequestStream  # noqa: PLC0415
@@ -106,7 +114,7 @@ class GpuEngine:
             self._stream.submit(done, list(images), self.limits)
             raw = done.result()
         self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
-        return results_from_raw(raw, self.labels)
+        return results_from_raw(raw, self.labels, self.more_labels)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -136,10 +144,16 @@ def _respond(done: Future, raw: RawResults, n: int) -> None:
     done.set_result(raw)
 
 
-def results_from_raw(raw: RawResults, labels: Sequence[str]) -> list[Result]:
-    """Turns ``RawResults`` arrays into one ``Result`` per image."""
+def results_from_raw(raw: RawResults, labels: Sequence[str], more_labels: Sequence[Sequence[str]] = ()) -> list[Result]:
+    """Turns ``RawResults`` arrays into one ``Result`` per image; a model set's other models' answers (``raw.more``,
+    with ``more_labels``) go in its ``more``, except for an image with an error of its own (every model's)."""
     sizes = [(int(w) or None, int(h) or None) for w, h in zip(raw.width, raw.height)]
-    return results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)
+    results = results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)
+    others = [results_from_topk(m.class_ids, m.scores, names, sizes) for m, names in zip(raw.more, more_labels)]
+    for i, result in enumerate(results):
+        if others and not raw.errors[i]:
+            result.more = [rows[i] for rows in others]
+    return results
 
 
 def check_requirements(options: Mapping[str, Any]) -> None:

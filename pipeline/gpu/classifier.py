@@ -14,6 +14,9 @@ The hot path per batch, with no per-image Python loop on the GPU side:
 3. the batch is copied on the GPU into the network's input (channels-last), the network (a CUDA graph captured at
    start), softmax and top-k: only k values per image come back.
 
+A model set (``more``: ``SetModel``) decodes each image once; each model's network runs on its own spec's DALI branch
+(equal specs share one) and its top-k comes back in ``RawResults.more``.
+
 Preparing the next batches runs in ``prep_workers`` threads, each on its own high-priority CUDA stream, while the
 network runs the current batch; events order the streams. A file DALI refuses fails DALI's whole batch: that batch
 is then decoded by the reference, so a bad image is that image's error row and the rest of the batch succeeds.
@@ -43,6 +46,7 @@ from pipeline.gpu.cuda_sync import check_cuda_sync, use_cuda_device
 from pipeline.gpu.dali import (
     DALI_MISSING, DEFAULT_DALI_DEPTH, DEFAULT_HW_DECODER_LOAD, DaliPrep, dali_available, host_array,
 )
+from pipeline.gpu.dali_graph import branch_plan
 from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_BATCH_SIZE, GPU_DEFAULT_PREP_WORKERS
 from pipeline.gpu.jpeg import JpegInfo, parse_jpeg_header
 from pipeline.gpu.topk_network import TopKNetwork
@@ -73,11 +77,23 @@ class Chunk:
 
     items: list[_Item]
     inputs: Any = None  # fp16 [n, 3, h, w] on the GPU, rows in items order
+    branch_inputs: list = field(default_factory=list)  # a model set's: one such tensor per DALI branch (inputs first)
+    more_host: list = field(default_factory=list)  # a model set's other models: (class ids, scores) host buffers
+    more_scores: list = field(default_factory=list)  # ... and as arrays, once on the host: [(ids [n, k], scores)]
     ok: list[int] = field(default_factory=list)  # positions in items that made it into ``inputs``
     errors: dict[int, str] = field(default_factory=dict)  # caller index -> "kind: detail"
     ready: Any = None  # CUDA event: inputs are complete
     keep: list = field(default_factory=list)  # buffers that must live until the network has read them
     prepare_s: float = 0.0
+
+
+@dataclass
+class ModelScores:
+    """One model's top-k of a model set's other models (``RawResults.more``); a row of an image with an error, or
+    whose output was not finite (NaN scores), is that model's error."""
+
+    class_ids: np.ndarray  # int32 [N, K of this model]
+    scores: np.ndarray  # float32 [N, K of this model]
 
 
 @dataclass
@@ -90,6 +106,51 @@ class RawResults:
     height: np.ndarray  # int32 [N]
     errors: list[str]  # "" when the image was classified
     echo: np.ndarray | None = None  # int64 [N]: each answer's image TAG (the Triton stream's; None elsewhere)
+    more: list[ModelScores] = field(default_factory=list)  # a model set's other models, in ``more``'s order
+
+
+def empty_scores(n: int, top_ks: Sequence[int]) -> list[ModelScores]:
+    """Zeroed ``ModelScores`` of ``n`` images for each of a model set's other models (``GpuClassifier.more_top_k``)."""
+    return [ModelScores(np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)) for k in top_ks]
+
+
+def write_scores(into: Sequence[ModelScores], rows, scores: Sequence[tuple[np.ndarray, np.ndarray]], src=None):
+    """The other models' chunk results (``Chunk.more_scores``) into their ``ModelScores`` at ``rows`` (from the
+    chunk's rows ``src``, all when None)."""
+    for model, (ids, vals) in zip(into, scores):
+        ids, vals = (ids, vals) if src is None else (ids[src], vals[src])
+        model.class_ids[rows, : ids.shape[-1]] = ids
+        model.scores[rows, : vals.shape[-1]] = vals
+
+
+@dataclass(frozen=True)
+class SetModel:
+    """Another model of a model set that a ``GpuClassifier`` runs on the same decode (its ``more``).
+
+    Attributes:
+        network: a torch module, as ``GpuClassifier``'s ``network``.
+        spec: its preprocessing: a DALI branch of its own unless another model's spec is the same.
+        top_k: its classes per image (at most its classes); None: the classifier's ``top_k``.
+        fixed_batch: its fixed batch size, if its batch axis is a number.
+        precision_gate: run the FP16 gate for it where ``half`` is None (False: the built-in network).
+    """
+
+    network: Any
+    spec: PreprocessSpec
+    top_k: int | None = None
+    fixed_batch: int | None = None
+    precision_gate: bool = True
+
+
+@dataclass
+class _Model:
+    """One network of the classifier, as it runs: its ``TopKNetwork``, precision and DALI branch."""
+
+    network: Any
+    half: bool
+    dtype: Any
+    branch: int
+    top_k: int
 
 
 def triage(index: int, data: bytes, limits: DecodeLimits) -> _Item:
@@ -187,19 +248,24 @@ class GpuClassifier:
             network on the device.
         spec: the model's preprocessing (resize, crop, filter, normalisation, channel order).
         options: how it runs (``ClassifierOptions``).
+        more: a model set's other models (``SetModel``): each image is decoded once, each distinct spec is a DALI
+            branch, each network runs on its branch's tensor; their top-k come back in ``RawResults.more``, in this
+            order. ``options.half`` applies to each; else each has its own precision gate.
 
     Raises:
         EngineError: DALI or torch is not installed, or a network/spec this engine cannot run.
     """
 
-    def __init__(self, network, spec: PreprocessSpec, options: ClassifierOptions = ClassifierOptions()):
+    def __init__(self, network, spec: PreprocessSpec, options: ClassifierOptions = ClassifierOptions(),
+                 more: Sequence[SetModel] = ()):
         if not dali_available():
             raise EngineError(DALI_MISSING)
-        if spec.layout != "NCHW":
-            raise EngineError(
-                f"the gpu engine feeds NCHW networks; this model's spec says layout {spec.layout!r}. "
-                "Use --engine onnx or --engine triton for it"
-            )
+        for one in (spec, *(m.spec for m in more)):
+            if one.layout != "NCHW":
+                raise EngineError(
+                    f"the gpu engine feeds NCHW networks; this model's spec says layout {one.layout!r}. "
+                    "Use --engine onnx or --engine triton for it"
+                )
         o = self.options = options
         batch_size, half, pipeline, prep_workers = o.batch_size, o.half, o.pipeline, o.prep_workers
         dali_depth, hw_decoder_load = o.dali_depth, o.hw_decoder_load
@@ -219,13 +285,18 @@ class GpuClassifier:
         # What the start took, said in one line at its end: where a small job's time goes.
         self.start_seconds: dict[str, float] = {}
         mark = time.perf_counter()
-        reference = getattr(network, "onnx_reference", None)  # a converted model.onnx (pipeline.gpu.onnx_torch)
-        card = self._card_folder(network)
-        if half is None and self.is_cuda and network is not None and o.precision_gate:
-            half = _gated_half(network, spec, self.device, card)
+        self.more = tuple(more)
+        self.more_top_k = tuple(m.top_k or top_k for m in self.more)  # each other model's classes per image
+        _, self.branch_of = branch_plan((spec, *(m.spec for m in self.more)))
+        self.half = self._half_for(network, spec, half, o.precision_gate)
+        more_half = [self._half_for(m.network, m.spec, half, m.precision_gate) for m in self.more]
+        if half is None and self.is_cuda and network is not None and (o.precision_gate or any(
+                m.precision_gate for m in self.more)):
             mark = self._took("precision gate", mark)
-        self.half = self.is_cuda if half is None else half
         self.dtype = torch.float16 if self.half else torch.float32
+        # DALI's output is FP16 where every network runs FP16; an FP32 network's branch is cast on the GPU otherwise.
+        self.dali_half = self.half and all(more_half)
+        self._dali_dtype = torch.float16 if self.dali_half else torch.float32
         self.use_graph = o.cuda_graph and self.is_cuda
         self.pipeline = pipeline
         self.decoder_name = "dali"
@@ -237,6 +308,15 @@ class GpuClassifier:
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
             cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
             compile=o.compile, sigmoid=spec.sigmoid)
+        self._models: list[_Model] = []
+        if self.network is not None:
+            self._models.append(_Model(self.network, self.half, self.dtype, 0, top_k))
+            for m, m_half, branch, m_top_k in zip(self.more, more_half, self.branch_of[1:], self.more_top_k):
+                self._models.append(_Model(TopKNetwork(
+                    m.network, crop=m.spec.crop, device=self.device, half=m_half, batch_size=batch_size,
+                    cuda_graph=self.use_graph, top_k=m_top_k, probabilities=m.spec.probabilities,
+                    fixed_batch=m.fixed_batch, compile=o.compile, sigmoid=m.spec.sigmoid),
+                    m_half, torch.float16 if m_half else torch.float32, branch, m_top_k))
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
             # Each preparing thread waits for its batch: depth + 1 threads keep ``depth`` batches scheduled.
@@ -259,8 +339,11 @@ class GpuClassifier:
         if self.use_graph and self.network is not None:
             self.warmup()  # capture now: a capture must not overlap the preparing threads' first CUDA calls
             mark = self._took("warmup", mark)
-        if reference is not None and self.network is not None:
-            self._check_reference(reference)
+        references = [getattr(net, "onnx_reference", None) for net in (network, *(m.network for m in self.more))]
+        if any(r is not None for r in references) and self._models:
+            for model, reference in zip(self._models, references):
+                if reference is not None:  # a converted model.onnx (pipeline.gpu.onnx_torch)
+                    self._check_reference(model, reference)
             mark = self._took("ONNX Runtime check", mark)
         # DALI after the capture: its pipelines and runner thread make CUDA calls of their own.
         self._prep = DaliPrep(
@@ -270,10 +353,11 @@ class GpuClassifier:
             batch_size=batch_size,
             num_threads=o.dali_threads,
             hw_decoder_load=hw_decoder_load,
-            half=self.half,
+            half=self.dali_half,
             layout="HWC",
             pipelines=self.prep_workers,
             depth=dali_depth,
+            more=[m.spec for m in self.more],
         )
         self._took("DALI", mark)
         self._load_note = getattr(network, "load_note", "")
@@ -290,6 +374,14 @@ class GpuClassifier:
         now = time.perf_counter()
         self.start_seconds[what] = now - since
         return now
+
+    def _half_for(self, network, spec: PreprocessSpec, half: bool | None, gate: bool) -> bool:
+        """FP16 or not for one network: ``half`` where given, else the precision gate's verdict on CUDA (where
+        ``gate``), else FP16 on CUDA and FP32 on the CPU."""
+        card = self._card_folder(network)
+        if half is None and self.is_cuda and network is not None and gate:
+            half = _gated_half(network, spec, self.device, card)
+        return self.is_cuda if half is None else half
 
     def _card_folder(self, network):
         """The network's cache folder for this kind of card (precision verdict, compiled kernels), or None: only a
@@ -308,7 +400,7 @@ class GpuClassifier:
             torch._inductor.config.compile_threads = 1
         return folder
 
-    def _check_reference(self, reference) -> None:
+    def _check_reference(self, model: _Model, reference) -> None:
         """The network as it runs here (compiled, FP16 or FP32, in its CUDA graph) against ONNX Runtime's outputs on
         the reference batch; a network that does not agree never classifies.
 
@@ -318,11 +410,11 @@ class GpuClassifier:
         from pipeline.gpu.onnx_torch import DEVICE_REL_L2, agreement  # noqa: PLC0415 - onnx2torch: converted only
 
         torch = self._torch
-        x = torch.from_numpy(reference.inputs).to(self.device, self.dtype)
-        out = self.network.run(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy()
+        x = torch.from_numpy(reference.inputs).to(self.device, model.dtype)
+        out = model.network.run(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy()
         found = agreement(out, reference.outputs, probabilities=reference.probabilities)
         if not found.within(DEVICE_REL_L2):
-            raise EngineError(f"the converted network on {self.device} ({'fp16' if self.half else 'fp32'}) gives "
+            raise EngineError(f"the converted network on {self.device} ({'fp16' if model.half else 'fp32'}) gives "
                               f"{found.describe()} (allowed {DEVICE_REL_L2:g}); run this model with --engine onnx")
         LOG.info("the network on %s agrees with ONNX Runtime: %s", self.device, found.describe())
 
@@ -330,8 +422,8 @@ class GpuClassifier:
 
     def warmup(self) -> None:
         """Builds the CUDA graph and cudnn plans for the full batch so the first real batch is not slow."""
-        if self.network is not None:
-            self.network.warmup()
+        for model in self._models:
+            model.network.warmup()
 
     def classify(self, images: Sequence[bytes]) -> RawResults:
         """Classifies encoded images; one output row per input, errors included, in input order."""
@@ -343,8 +435,8 @@ class GpuClassifier:
             self._prep_pool.shutdown(wait=True)
         self._cpu_pool.shutdown(wait=True)
         self._prep.close()
-        if self.network is not None:
-            self.network.clear()
+        for model in self._models:
+            model.network.clear()
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -355,6 +447,7 @@ class GpuClassifier:
         scores = np.zeros((n, k), dtype=np.float32)
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
+        more = empty_scores(n, self.more_top_k)
         items, errors = self._triage_all(images, self.limits)
         chunks = iter([Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
@@ -372,11 +465,12 @@ class GpuClassifier:
             scores[rows, : vals_np.shape[1]] = vals_np
             width[rows] = [chunk.items[p].width for p in chunk.ok]
             height[rows] = [chunk.items[p].height for p in chunk.ok]
+            write_scores(more, rows, chunk.more_scores)
 
         self.run_stream(lambda block: next(chunks, STOP), sink)
         if failure:
             raise failure[0]
-        return RawResults(ids, scores, width, height, errors)
+        return RawResults(ids, scores, width, height, errors, more=more)
 
     def run_stream(self, source, sink) -> None:
         """The pipeline over a stream of chunks: preparation of the next ``prep_workers + 2`` chunks runs while the
@@ -387,7 +481,8 @@ class GpuClassifier:
                 ``block=False``, while work is in flight) or ``STOP`` when the stream ends.
             sink: ``sink(chunk, class_ids, scores, error)`` for each chunk, in order, once its results are on the
                 host (``class_ids`` is None when no image of the chunk reached the network; ``error`` is the
-                exception that failed the whole chunk, else None).
+                exception that failed the whole chunk, else None); a model set's other models' top-k are then in
+                ``chunk.more_scores``, rows as ``class_ids``'.
         """
         ahead = self.prep_workers + 2  # chunks being prepared or queued for it: hides preparation, bounds memory
         window: collections.deque = collections.deque()  # (chunk, future of its preparation)
@@ -433,12 +528,15 @@ class GpuClassifier:
                 done.synchronize()
             idx_np = None if idx_h is None else idx_h.numpy()
             vals_np = None if vals_h is None else vals_h.numpy()
+            chunk.more_scores = [(i.numpy(), v.numpy()) for i, v in chunk.more_host]
         except Exception as err:  # noqa: BLE001 - the chunk's network run failed
             sink(chunk, None, None, err)
             return
         finally:
             chunk.keep = []
             chunk.inputs = None
+            chunk.branch_inputs = []
+            chunk.more_host = []
         sink(chunk, idx_np, vals_np, None)
 
     @staticmethod
@@ -464,27 +562,32 @@ class GpuClassifier:
         return self._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _prepare(self, chunk: Chunk) -> None:
-        """DALI (and the reference for the rest) into one NHWC batch on this thread's stream; sets ``chunk.inputs``
-        (an NCHW view, channels-last memory), ``chunk.ok``, ``chunk.errors`` and records ``chunk.ready``."""
+        """DALI (and the reference for the rest) into one NHWC batch per DALI branch on this thread's stream; sets
+        ``chunk.inputs`` (the first branch's NCHW view, channels-last memory), ``chunk.branch_inputs`` (every
+        branch's), ``chunk.ok``, ``chunk.errors`` and records ``chunk.ready``."""
         torch = self._torch
         t0 = time.perf_counter()
         stream = self._thread_stream()
-        crop_h, crop_w = self.spec.crop
+        crops = [b.crop for b in self._prep.branches]
+        dtype = self._dali_dtype
         holder: dict[str, Any] = {}
 
         def consume(out):
             # With dali_depth > 1 this runs in the DALI runner's thread: allocate and copy on this batch's stream
             # all the same.
+            bufs = []
             with self._stream_ctx(stream):
-                buf = torch.empty((len(out), crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
-                if self.is_cuda:
-                    from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415 - optional, heavy
+                for (crop_h, crop_w), one in zip(crops, out if isinstance(out, tuple) else (out,)):
+                    buf = torch.empty((len(one), crop_h, crop_w, 3), dtype=dtype, device=self.device)
+                    if self.is_cuda:
+                        from nvidia.dali.plugin.pytorch import feed_ndarray  # noqa: PLC0415 - optional, heavy
 
-                    # A blocking copy on this stream: DALI reuses its output buffers on its next run.
-                    feed_ndarray(out.as_tensor(), buf, cuda_stream=stream)
-                else:
-                    buf.copy_(torch.from_numpy(host_array(out)))
-            holder["dali"] = buf
+                        # A blocking copy on this stream: DALI reuses its output buffers on its next run.
+                        feed_ndarray(one.as_tensor(), buf, cuda_stream=stream)
+                    else:
+                        buf.copy_(torch.from_numpy(host_array(one)))
+                    bufs.append(buf)
+            holder["dali"] = bufs
 
         with self._stream_ctx(stream):
             items = chunk.items
@@ -498,20 +601,25 @@ class GpuClassifier:
                 items[pos].width, items[pos].height = w, h
             ok = sorted(res.dali + list(res.reference))
             if ok:
-                if not res.reference:
-                    batch = holder["dali"]  # positions ascending: rows already in ``ok`` order
-                else:
-                    row = {p: r for r, p in enumerate(ok)}
-                    batch = torch.empty((len(ok), crop_h, crop_w, 3), dtype=self.dtype, device=self.device)
-                    if res.dali:
-                        rows = torch.as_tensor([row[p] for p in res.dali], device=self.device)
-                        batch[rows] = holder["dali"]
-                    refs = sorted(res.reference)
-                    host = torch.from_numpy(np.stack([res.reference[p][0] for p in refs]))
-                    rows = torch.as_tensor([row[p] for p in refs], device=self.device)
-                    batch[rows] = host.to(self.device).to(self.dtype)
+                row = {p: r for r, p in enumerate(ok)}
+                refs = sorted(res.reference)
+                batches = []
+                for b, (crop_h, crop_w) in enumerate(crops):
+                    if not res.reference:
+                        batch = holder["dali"][b]  # positions ascending: rows already in ``ok`` order
+                    else:
+                        batch = torch.empty((len(ok), crop_h, crop_w, 3), dtype=dtype, device=self.device)
+                        if res.dali:
+                            rows = torch.as_tensor([row[p] for p in res.dali], device=self.device)
+                            batch[rows] = holder["dali"][b]
+                        arrays = [res.reference[p][0] if b == 0 else res.reference_more[p][b - 1] for p in refs]
+                        host = torch.from_numpy(np.stack(arrays))
+                        rows = torch.as_tensor([row[p] for p in refs], device=self.device)
+                        batch[rows] = host.to(self.device).to(dtype)
+                    batches.append(batch.permute(0, 3, 1, 2))  # NCHW view, channels-last memory
                 chunk.ok = ok
-                chunk.inputs = batch.permute(0, 3, 1, 2)  # NCHW view, channels-last memory
+                chunk.inputs = batches[0]
+                chunk.branch_inputs = batches
                 chunk.keep = [holder]  # alive until the network has read this chunk
             if self.is_cuda:
                 chunk.ready = torch.cuda.Event()
@@ -519,24 +627,33 @@ class GpuClassifier:
         chunk.prepare_s = time.perf_counter() - t0
 
     def _infer(self, chunk: Chunk):
-        """Queues network + softmax + top-k for a prepared chunk; returns host buffers and their event."""
+        """Queues network + softmax + top-k of every model for a prepared chunk; returns the first model's host
+        buffers and their event (the other models' buffers: ``chunk.more_host``)."""
         torch = self._torch
         if chunk.inputs is None:
             return None, None, None
         with self._stream_ctx(self._net_stream):
             if chunk.ready is not None:
                 self._net_stream.wait_event(chunk.ready)
-                chunk.inputs.record_stream(self._net_stream)
-            vals, idx = self.network.scores(chunk.inputs)
+                for x in chunk.branch_inputs:
+                    x.record_stream(self._net_stream)
+            outs = []
+            for model in self._models:
+                x = chunk.branch_inputs[model.branch]
+                vals, idx = model.network.scores(x if x.dtype == model.dtype else x.to(model.dtype))
+                if self.is_cuda:
+                    vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+                    idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+                    vals_h.copy_(vals, non_blocking=True)
+                    idx_h.copy_(idx, non_blocking=True)
+                    vals, idx = vals_h, idx_h
+                outs.append((idx, vals))
+            chunk.more_host = outs[1:]
+            done = None
             if self.is_cuda:
-                vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-                idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
-                vals_h.copy_(vals, non_blocking=True)
-                idx_h.copy_(idx, non_blocking=True)
                 done = torch.cuda.Event(blocking=self.cuda_sync == "block")
                 done.record(self._net_stream)
-                return idx_h, vals_h, done
-            return idx, vals, None
+            return (*outs[0], done)
 
 
 def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:

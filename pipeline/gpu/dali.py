@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pipeline.errors import EngineError, ImageError
-from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
-from pipeline.gpu.dali_graph import ENCODED, first_line, preprocess_graph
-from pipeline.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess_each
+from pipeline.gpu.dali_graph import ENCODED, branch_plan, first_line, preprocess_graphs
+from pipeline.gpu.dali_runner import DALI_ERRORS, DaliRefused, Runner, consumed
 from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_BATCH_SIZE
 
 LOG = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class Prepared:
 
     dali: list[int] = field(default_factory=list)  # positions whose rows DALI produced, in that order
     reference: dict[int, tuple[np.ndarray, int, int]] = field(default_factory=dict)  # pos -> (array, w, h)
+    # pos -> the other branches' arrays, in branch order (a model set whose specs differ; empty otherwise)
+    reference_more: dict[int, list[np.ndarray]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # pos -> "kind: detail"
     refused: str = ""  # DALI's reason when it refused the batch (its files went to the reference)
 
@@ -81,12 +83,16 @@ class DaliPrep:
         pipelines: how many pipelines (one per preparing thread; depth 1).
         depth: batches scheduled at once on one pipeline (> 1: ``Runner``; ``pipelines`` is then ignored).
         fancy_upsampling: the reference's chroma upsampling (False only to measure its cost: parity needs it).
+        more: a model set's other models' specs: each image is decoded once, and each distinct spec
+            (``pipeline.gpu.dali_graph.branch_plan``) is a branch of the one pipeline; ``consume`` then receives a
+            tuple of outputs, one per branch (``branches``), and the reference gives every branch too.
     """
 
     def __init__(self, spec: PreprocessSpec, *, device: str = "mixed", device_id: int | None = None,
                  batch_size: int = GPU_DEFAULT_BATCH_SIZE, num_threads: int = DALI_THREADS,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, half: bool = False, layout: str = "HWC",
-                 pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True):
+                 pipelines: int = 1, depth: int = 1, fancy_upsampling: bool = True,
+                 more: Sequence[PreprocessSpec] = ()):
         if not dali_available():
             raise EngineError(DALI_MISSING)
         if device not in ("mixed", "cpu"):
@@ -94,6 +100,7 @@ class DaliPrep:
         if not 0.0 <= hw_decoder_load <= 1.0:
             raise EngineError(f"hw_decoder_load must be within 0..1, got {hw_decoder_load}")
         self.spec = spec
+        self.branches, self.branch_of = branch_plan((spec, *more))
         self._args = dict(device=device, device_id=(device_id or 0) if device == "mixed" else None,
                           batch_size=batch_size, num_threads=num_threads, hw_decoder_load=hw_decoder_load,
                           half=half, layout=layout, fancy_upsampling=fancy_upsampling)
@@ -124,10 +131,10 @@ class DaliPrep:
                       prefetch_queue_depth=self.depth, exec_async=True, exec_pipelined=True)
         def graph():
             encoded = fn.external_source(name=ENCODED, dtype=types.UINT8, ndim=1, device="cpu")
-            out, _, _ = preprocess_graph(encoded, self.spec, device=a["device"], half=a["half"],
-                                         hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
-                                         layout=a["layout"], fancy_upsampling=a["fancy_upsampling"])
-            return out
+            outs, _, _ = preprocess_graphs(encoded, self.branches, device=a["device"], half=a["half"],
+                                           hw_decoder_load=a["hw_decoder_load"] if a["device"] == "mixed" else None,
+                                           layout=a["layout"], fancy_upsampling=a["fancy_upsampling"])
+            return tuple(outs)
 
         pipe = graph()
         pipe.build()
@@ -135,7 +142,8 @@ class DaliPrep:
 
     @contextlib.contextmanager
     def batch(self, blobs: Sequence[bytes]):
-        """Runs one batch (at most ``batch_size`` files); yields DALI's output TensorList, valid inside the block.
+        """Runs one batch (at most ``batch_size`` files); yields DALI's output TensorList (a tuple of them, one per
+        branch, with several branches), valid inside the block.
 
         Raises:
             DaliRefused: DALI failed the batch (the pipeline is rebuilt; nothing of the batch is usable).
@@ -148,11 +156,11 @@ class DaliPrep:
         try:
             try:
                 pipe.feed_input(ENCODED, [np.frombuffer(b, dtype=np.uint8) for b in blobs])
-                (out,) = pipe.run()
+                outs = pipe.run()
             except DALI_ERRORS as err:
                 pipe = self._build()  # a failed run leaves the pipeline unusable
                 raise DaliRefused(first_line(err)) from None
-            yield out
+            yield consumed(outs)
         finally:
             self._pool.put(pipe)
 
@@ -189,7 +197,7 @@ class DaliPrep:
 
         def one(i: int):
             try:
-                return load_and_preprocess(datas[i], self.spec, limits)
+                return load_and_preprocess_each(datas[i], self.branches, limits)
             except ImageError as e:
                 return str(e)
 
@@ -198,11 +206,15 @@ class DaliPrep:
             if isinstance(out, str):
                 res.errors[i] = out
             else:
-                arr, w, h = out
-                if self._args["layout"] == "HWC" and self.spec.layout == "NCHW":
-                    arr = arr.transpose(1, 2, 0)
-                res.reference[i] = (np.ascontiguousarray(arr), w, h)
+                arrs, w, h = out
+                arrs = [np.ascontiguousarray(self._host_layout(arr, spec)) for arr, spec in zip(arrs, self.branches)]
+                res.reference[i] = (arrs[0], w, h)
+                if len(arrs) > 1:
+                    res.reference_more[i] = arrs[1:]
         return res
+
+    def _host_layout(self, arr: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+        return arr.transpose(1, 2, 0) if self._args["layout"] == "HWC" and spec.layout == "NCHW" else arr
 
     def close(self) -> None:
         if self._runner is not None:

@@ -10,6 +10,9 @@ edge where the crop box reaches it (``reaches_edge``).
 EXIF orientation is applied by the decoder (``adjust_orientation``), and the GPU decoder uses libjpeg-turbo's "fancy"
 chroma upsampling, as Pillow does.
 
+A model set's graph (``preprocess_graphs``) decodes each file once and runs one such branch per distinct spec
+(``branch_plan``: equal specs share one), so each model gets its own preprocessing of the one decode.
+
 Known differences from the reference (measured in tests/integration/test_dali_parity.py, listed in docs/engines.md):
 JPEG decoders round the IDCT differently (a few levels on edges); transparent pixels are not composited on white
 (DALI drops alpha); GIF is not decoded. One corrupt file fails a whole DALI batch: callers isolate it (the gpu
@@ -19,10 +22,14 @@ paths decode that batch with the reference; the Triton engine splits the request
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from pipeline.model.imaging import FILTER_SUPPORT, RESIZE_SQUASH, PreprocessSpec
 
 ENCODED = "ENCODED"  # the external source of the gpu paths' DALI pipelines: one encoded file per sample, unpadded
+# The spec's fields a branch reads; the rest (``output``, ``embedding``) are the network's.
+BRANCH_FIELDS = ("resize", "resize_shorter", "interpolation", "antialias", "crop", "channel_order", "scale", "mean",
+                 "std", "layout")
 _INTERP = {"nearest": "INTERP_NN", "bilinear": "INTERP_LINEAR", "bicubic": "INTERP_CUBIC", "lanczos": "INTERP_LANCZOS3"}
 
 
@@ -35,16 +42,63 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
     ``hw_decoder_load``: the share of each batch the "mixed" decoder gives the hardware JPEG engines (DALI's default
     when None). ``half``: FP16 output. ``layout``: "CHW" or "HWC" (default: the spec's layout). ``fancy_upsampling``:
     the reference's chroma upsampling on the GPU (False only to measure what it costs)."""
+    (normalized,), out_w, out_h = preprocess_graphs(encoded, (spec,), device=device, hw_decoder_load=hw_decoder_load,
+                                                    half=half, layout=layout, fancy_upsampling=fancy_upsampling)
+    return normalized, out_w, out_h
+
+
+def branch_key(spec: PreprocessSpec) -> tuple:
+    """What a branch of the graph computes from the decoded image: specs with equal keys share one branch."""
+    return tuple(getattr(spec, name) for name in BRANCH_FIELDS)
+
+
+def branch_plan(specs: Sequence[PreprocessSpec]) -> tuple[list[PreprocessSpec], list[int]]:
+    """The distinct branches of a model set's specs, first seen first, and each spec's branch index."""
+    keys: dict[tuple, int] = {}
+    branches: list[PreprocessSpec] = []
+    index = []
+    for spec in specs:
+        key = branch_key(spec)
+        if key not in keys:
+            keys[key] = len(branches)
+            branches.append(spec)
+        index.append(keys[key])
+    return branches, index
+
+
+def preprocess_graphs(encoded, specs: Sequence[PreprocessSpec], *, device: str = "mixed",
+                      hw_decoder_load: float | None = None, half: bool = False, layout: str | None = None,
+                      fancy_upsampling: bool = True):
+    """One decode of a DataNode of encoded files, then one resize + crop + normalize branch per distinct spec of
+    ``specs`` (``branch_plan``); returns ([PREPROCESSED per branch], WIDTH, HEIGHT). The decoder gives the first
+    spec's channel order; a branch in the other order swaps its channels after the resize (exact on 8-bit pixels).
+    Arguments as ``preprocess_graph``'s, for every branch."""
     import nvidia.dali.fn as fn  # noqa: PLC0415 - DALI is an optional, heavy dependency
-    import nvidia.dali.math as dmath  # noqa: PLC0415
     import nvidia.dali.types as types  # noqa: PLC0415
 
-    decoder_args = {"output_type": types.BGR if spec.channel_order == "BGR" else types.RGB, "adjust_orientation": True}
+    branches, _ = branch_plan(specs)
+    decoded = branches[0].channel_order
+    decoder_args = {"output_type": types.BGR if decoded == "BGR" else types.RGB, "adjust_orientation": True}
     if device == "mixed":
         decoder_args["jpeg_fancy_upsampling"] = fancy_upsampling  # libjpeg-turbo's (and so Pillow's) chroma upsampling
         if hw_decoder_load is not None:
             decoder_args["hw_decoder_load"] = float(hw_decoder_load)
     image = fn.decoders.image(encoded, device=device, **decoder_args)
+    outputs = [_branch(image, spec, decoded, half=half, layout=layout) for spec in branches]
+    int_shape = image.shape(dtype=types.INT32)
+    out_h = fn.reshape(int_shape[0], shape=[1])
+    out_w = fn.reshape(int_shape[1], shape=[1])
+    if device == "mixed":
+        out_w, out_h = out_w.gpu(), out_h.gpu()
+    return outputs, out_w, out_h
+
+
+def _branch(image, spec: PreprocessSpec, decoded: str, *, half: bool, layout: str | None):
+    """Resize + crop + normalize of a decoded uint8 HWC DataNode in channel order ``decoded``, per ``spec``."""
+    import nvidia.dali.fn as fn  # noqa: PLC0415
+    import nvidia.dali.math as dmath  # noqa: PLC0415
+    import nvidia.dali.types as types  # noqa: PLC0415
+
     shape = image.shape(dtype=types.FLOAT)
     height, width = shape[0], shape[1]
     crop_h, crop_w = spec.crop
@@ -75,6 +129,9 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
             support = FILTER_SUPPORT[spec.interpolation]
             mid = _edge_pass(image, 1, fn.stack(height, float(crop_w)), left, box_w, width, crop_w, support, resample)
             resized = _edge_pass(mid, 0, [crop_h, crop_w], top, box_h, height, crop_h, support, resample)
+    if spec.channel_order != decoded:
+        order = {"RGB": types.RGB, "BGR": types.BGR}
+        resized = fn.color_space_conversion(resized, image_type=order[decoded], output_type=order[spec.channel_order])
     # reference: (v * scale - mean) / std  ==  (v - mean / scale) / (std / scale)
     normalized = fn.crop_mirror_normalize(
         resized,
@@ -83,12 +140,7 @@ def preprocess_graph(encoded, spec: PreprocessSpec, *, device: str = "mixed", hw
         output_layout=layout or ("CHW" if spec.layout == "NCHW" else "HWC"),
         dtype=types.FLOAT16 if half else types.FLOAT,
     )
-    int_shape = image.shape(dtype=types.INT32)
-    out_h = fn.reshape(int_shape[0], shape=[1])
-    out_w = fn.reshape(int_shape[1], shape=[1])
-    if device == "mixed":
-        out_w, out_h = out_w.gpu(), out_h.gpu()
-    return normalized, out_w, out_h
+    return normalized
 
 
 def reaches_edge(spec: PreprocessSpec) -> bool:

@@ -29,6 +29,12 @@ class DaliRefused(Exception):
     """DALI failed a batch (one file it cannot decode fails them all); the message is DALI's reason."""
 
 
+def consumed(outs):
+    """A run's outputs as ``consume`` receives them: the one TensorList of a one-branch graph, else a tuple of them
+    (a model set's branches, ``pipeline.gpu.dali_graph.preprocess_graphs``)."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 @dataclass
 class _Job:
     arrays: list
@@ -98,9 +104,9 @@ class Runner:
         self._pipe.schedule_run()
 
     def _collect(self, job: _Job) -> None:
-        (out,) = self._pipe.share_outputs()
+        outs = self._pipe.share_outputs()
         try:
-            job.consume(out)
+            job.consume(consumed(outs))
         except BaseException as err:  # noqa: BLE001 - the caller's failure, reported to the caller
             job.future.set_exception(err)
         else:

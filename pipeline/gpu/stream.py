@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.gpu.classifier import STOP, RawResults, Chunk, triage
+from pipeline.gpu.classifier import STOP, Chunk, ModelScores, RawResults, empty_scores, triage, write_scores
 from pipeline.errors import ImageError
 from pipeline.model.imaging import DecodeLimits
 from pipeline.gpu.defaults import GPU_DEFAULT_MAX_DELAY_MS
@@ -52,18 +52,20 @@ class _Request:
     errors: list[str]
     tags: np.ndarray  # int64 [n], the request's TAG input
     echo: np.ndarray  # int64 [n], the TAG of the image each answer was made for
+    more: list[ModelScores]  # a model set's other models' top-k
     remaining: int = 0  # images still in the stream
     counted: int = 0  # images this request adds to the stream's backlog
     done: bool = False
 
     @classmethod
-    def new(cls, sender, n: int, top_k: int, tags: np.ndarray | None = None) -> "_Request":
+    def new(cls, sender, n: int, top_k: int, tags: np.ndarray | None = None, more_top_k=()) -> "_Request":
         tags = np.zeros(n, np.int64) if tags is None else np.asarray(tags, np.int64).reshape(n)
         return cls(sender, n, np.zeros((n, top_k), np.int32), np.zeros((n, top_k), np.float32),
-                   np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, tags, np.zeros(n, np.int64))
+                   np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, tags, np.zeros(n, np.int64),
+                   empty_scores(n, more_top_k))
 
     def results(self) -> RawResults:
-        return RawResults(self.ids, self.scores, self.width, self.height, self.errors, self.echo)
+        return RawResults(self.ids, self.scores, self.width, self.height, self.errors, self.echo, more=self.more)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class RequestStream:
         self.top_k = top_k
         self.max_delay_s = max_delay_s
         self.batch_size = int(classifier.batch_size)
+        self.more_top_k = tuple(getattr(classifier, "more_top_k", ()))  # a model set's other models
         self._queue: queue.Queue = queue.Queue()
         self._pending = _Pending()
         self._owners: dict[int, tuple[_Request, int]] = {}  # serial -> (request, position); stream thread only
@@ -115,7 +118,7 @@ class RequestStream:
     def submit(self, sender, blobs: list[bytes], limits: DecodeLimits, tags: np.ndarray | None = None) -> None:
         """Queues one request's images (``tags``: their TAGs, zeros when None); its response comes through
         ``respond`` (at once if nothing is left)."""
-        request = _Request.new(sender, len(blobs), self.top_k, tags)
+        request = _Request.new(sender, len(blobs), self.top_k, tags, self.more_top_k)
         items = []
         with self._submit_lock:
             serial = self._serial
@@ -240,6 +243,7 @@ class RequestStream:
                 request.scores[pos, : scores.shape[1]] = scores[row]
                 request.width[pos] = item.width
                 request.height[pos] = item.height
+                write_scores(request.more, pos, chunk.more_scores, row)
         for item in chunk.items:
             request, pos = self._owners.pop(item.index)
             request.echo[pos] = item.tag
