@@ -90,6 +90,8 @@ class QualityStats:
     below_floor: int = 0
     labels: Counter = field(default_factory=Counter)
     error_kinds: Counter = field(default_factory=Counter)
+    # A model set's: each model's own counts (its column's rows with an answer as its ok rows), by name.
+    models: dict[str, "QualityStats"] = field(default_factory=dict)
 
     def add_table(self, table: Any) -> "QualityStats":
         """Add the rows of one shard (a pyarrow Table with some of ``QUALITY_COLUMNS``)."""
@@ -112,6 +114,7 @@ class QualityStats:
                 kind = pc.utf8_trim_whitespace(pc.list_element(pc.split_pattern(errors, ":", max_splits=1), 0))
                 self.error_kinds.update(value_counts(kind))
         if "scores" not in names:
+            self._add_models(table, ok_mask)
             return self
         ok = table.filter(ok_mask)
         scores = ok.column("scores")
@@ -140,6 +143,23 @@ class QualityStats:
             self.labels.update(value_counts(pc.list_element(labels, 0)))
         return self
 
+    def _add_models(self, table: Any, ok_mask: Any) -> None:
+        """A model set's rows: the ok rows, and each model's column as that model's rows (an answer: ok)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        columns = [f.name for f in table.schema
+                   if pa.types.is_struct(f.type) and f.type.get_field_index("scores") >= 0]
+        if not columns:
+            return
+        self.ok += int(pc.sum(ok_mask).as_py() or 0)
+        for name in columns:
+            answer = table.column(name)
+            sub = pa.table({"status": pc.if_else(pc.is_valid(answer), STATUS_OK, None),
+                            "labels": pc.struct_field(answer, "labels"), "scores": pc.struct_field(answer, "scores"),
+                            **({"carried": table.column("carried")} if "carried" in table.column_names else {})})
+            self.models.setdefault(name, QualityStats()).add_table(sub)
+
     def merge(self, other: "QualityStats") -> "QualityStats":
         for name in ("rows", "ok", "carried", "confidence_sum", "margin_sum", "margin_rows", "below_floor"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -148,6 +168,8 @@ class QualityStats:
         self.margin += other.margin
         self.labels.update(other.labels)
         self.error_kinds.update(other.error_kinds)
+        for name, stats in other.models.items():
+            self.models.setdefault(name, QualityStats()).merge(stats)
         return self
 
     def to_state(self) -> dict[str, Any]:
@@ -155,12 +177,14 @@ class QualityStats:
         return {"version": QUALITY_VERSION, **{name: getattr(self, name) for name in (
             "rows", "ok", "carried", "confidence_sum", "margin_sum", "margin_rows", "below_floor")},
             **{name: getattr(self, name).tolist() for name in ("confidence", "carried_confidence", "margin")},
-            "labels": dict(self.labels), "error_kinds": dict(self.error_kinds)}
+            "labels": dict(self.labels), "error_kinds": dict(self.error_kinds),
+            **({"models": {n: m.to_state() for n, m in self.models.items()}} if self.models else {})}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> "QualityStats":
         stats = cls(**{k: v for k, v in state.items() if k not in (
-            "version", "confidence", "carried_confidence", "margin", "labels", "error_kinds")})
+            "version", "confidence", "carried_confidence", "margin", "labels", "error_kinds", "models")})
+        stats.models = {n: cls.from_state(m) for n, m in (state.get("models") or {}).items()}
         for name in ("confidence", "carried_confidence", "margin"):
             setattr(stats, name, np.asarray(state[name], np.int64))
         stats.labels, stats.error_kinds = Counter(state["labels"]), Counter(state["error_kinds"])
@@ -194,6 +218,7 @@ class QualityStats:
             "labels": dict(sorted(self.labels.items(), key=lambda kv: (-kv[1], kv[0]))),
             "error_kinds": dict(sorted(self.error_kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
             "error_rates": {k: round(v / self.rows, 6) for k, v in sorted(self.error_kinds.items())},
+            **({"models": {n: m.to_dict() for n, m in self.models.items()}} if self.models else {}),
         }
 
 
@@ -325,8 +350,14 @@ def compare_quality(current: Mapping[str, Any], previous: Mapping[str, Any],
             breaches.append({"metric": f"error_rate.{kind}", "value": r["change"],
                              "threshold": thresholds.error_rate_max_increase,
                              "message": f"{kind} errors rose from {r['previous']:.1%} to {r['current']:.1%} of rows"})
+    models = {}
+    for name in sorted(set(current.get("models") or {}) & set(previous.get("models") or {})):
+        models[name] = compare_quality(current["models"][name], previous["models"][name], thresholds)
+        breaches += [{**b, "metric": f"{name}.{b['metric']}", "message": f"model {name}: {b['message']}"}
+                     for b in models[name]["breaches"]]
     too_few = min(current.get("rows") or 0, previous.get("rows") or 0) < thresholds.min_rows
     return {
+        **({"models": models} if models else {}),
         "psi": psi,
         "js_divergence": js,
         "label_shifts": shifts[:LABEL_SHIFTS],

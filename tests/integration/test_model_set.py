@@ -163,3 +163,24 @@ def test_the_struct_schema_round_trips_through_the_reader(runs):
     table, record = read_shard(fsspec.filesystem("file"), str(part))
     assert "taxonomy" in table.schema.names and pa.types.is_struct(table.schema.field("colour").type)
     assert record is not None and record.model == "taxonomy,colour" and record.top_k == 3
+
+
+def test_the_report_and_the_drift_gate_are_per_model(runs):
+    import copy
+    import json
+
+    from pipeline.quality.statistics import DriftThresholds, compare_quality
+
+    quality = json.loads((runs["set"] / "_REPORT.json").read_text())["quality"]
+    ok = {name: sum(r[name] is not None for r in rows(runs["set"]).values()) for name in ("taxonomy", "colour")}
+    assert {name: quality["models"][name]["ok"] for name in ok} == ok
+    own = json.loads((runs["colour"] / "_REPORT.json").read_text())["quality"]
+    assert quality["models"]["colour"]["labels"] == own["labels"]  # the same counts as the model's own run
+    shifted = copy.deepcopy(quality)
+    labels = shifted["models"]["colour"]["labels"]
+    labels["product_9"] = sum(labels.values())  # the colour model now answers a new class for half the rows
+    result = compare_quality(shifted, quality, DriftThresholds(min_rows=0))
+    assert not result["passed"]
+    assert [b["metric"] for b in result["breaches"]] == ["colour.js_divergence"]
+    assert result["breaches"][0]["message"].startswith("model colour: top-1 label distribution moved")
+    assert compare_quality(quality, quality, DriftThresholds(min_rows=0))["passed"]
