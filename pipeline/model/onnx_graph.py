@@ -30,6 +30,14 @@ def network_outputs(bundle: Any) -> tuple[str, ...]:
     return (bundle.output_name,) if embedding is None else (bundle.output_name, embedding.output)
 
 
+def intermediate_outputs(bundle: Any) -> tuple[str, ...]:
+    """The tensors of ``network_outputs(bundle)`` that are not graph outputs of its file (read without its weights)."""
+    import onnx  # noqa: PLC0415
+
+    graph_outputs = {o.name for o in onnx.load(str(bundle.onnx_path), load_external_data=False).graph.output}
+    return tuple(name for name in network_outputs(bundle) if name not in graph_outputs)
+
+
 def runtime_graph(bundle: Any) -> str | bytes:
     """What a runtime (``onnxruntime.InferenceSession``, OpenVINO's ``read_model``) loads so that every tensor of
     ``network_outputs(bundle)`` is a graph output: the model's path where they all are, else the serialized graph
@@ -43,8 +51,7 @@ def runtime_graph(bundle: Any) -> str | bytes:
     from pipeline.errors import ModelError  # noqa: PLC0415
 
     path = str(bundle.onnx_path)
-    graph_outputs = {o.name for o in onnx.load(path, load_external_data=False).graph.output}
-    missing = [name for name in network_outputs(bundle) if name not in graph_outputs]
+    missing = intermediate_outputs(bundle)
     if not missing:
         return path
     model = onnx.load(path, load_external_data=True)

@@ -174,3 +174,17 @@ def test_embeddings_are_float32_unit_rows_a_zero_row_stays_zero_and_a_non_finite
     np.testing.assert_array_equal(raw, values[:1])
     with pytest.raises(ValueError, match=r"embedding 'e' must be \(batch, 3\), got shape \(2, 4\)"):
         embeddings_of(np.zeros((2, 4)), spec)
+
+
+def test_model_check_prints_the_embedding(tmp_path):
+    from pipeline.model_check import check_model_folder, format_report
+
+    inner = _folder(tmp_path, {"output": "features", "dim": FEATURES}, name="inner")
+    report = check_model_folder(str(inner), engines=("onnx",), images=str(PHOTOS))
+    assert report.passed
+    text = format_report(report).splitlines()
+    assert text[1] == "embedding: tensor 'features' (an intermediate tensor), dim 4, L2-normalised"
+    outer = _folder(tmp_path, {"output": "features", "dim": FEATURES, "normalize": False}, name="outer",
+                    extra_outputs=("features",))
+    assert format_report(check_model_folder(str(outer), engines=("onnx",), images=str(PHOTOS))).splitlines()[1] \
+        == "embedding: tensor 'features' (a graph output), dim 4, as given (not normalised)"
