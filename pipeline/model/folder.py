@@ -319,7 +319,7 @@ def _check_embedding(model: Any, path: Path, embedding: EmbeddingSpec, class_out
 
 
 def graph_tensor_names(graph: Any) -> set[str]:
-    """Every tensor name a graph computes or takes: its inputs, initializers, nodes' outputs and values."""
+    """Every tensor name a graph takes or computes: its inputs, outputs, annotated values and nodes' outputs."""
     return ({i.name for i in graph.input} | {o.name for o in graph.output} | {v.name for v in graph.value_info}
             | {o for n in graph.node for o in n.output if o})
 
