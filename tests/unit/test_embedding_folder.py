@@ -23,10 +23,11 @@ SIZE, CHANNELS, FEATURES, CLASSES = 16, 3, 4, 3
 SPEC = {"resize_shorter": SIZE, "crop": SIZE, "interpolation": "bilinear", "scale": 1 / 255}
 
 
-def _network(extra_outputs: tuple[str, ...] = ()):
+def _network(extra_outputs: tuple[str, ...] = (), batch: int | str = "batch"):
     """image -> 1x1 Conv -> Relu ("act", 4-D) -> GlobalAveragePool ("pooled", 4-D) -> Flatten ("features", [N, 4])
     -> Gemm -> "logits"; beside it "exploded" (features / 0: never finite) and "wide" (act reshaped by a computed
-    shape to [N, 1024], a width shape inference cannot know). ``extra_outputs`` become graph outputs too."""
+    shape to [N, 1024], a width shape inference cannot know). ``extra_outputs`` become graph outputs too; ``batch``
+    a number fixes the batch axis."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(3)
@@ -47,26 +48,27 @@ def _network(extra_outputs: tuple[str, ...] = ()):
              helper.make_node("Gather", ["act_shape", "first"], ["batch"]),
              helper.make_node("Concat", ["batch", "rest"], ["wide_shape"], axis=0),
              helper.make_node("Reshape", ["act", "wide_shape"], ["wide"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, CLASSES])]
     outputs += [helper.make_empty_tensor_value_info(name) for name in extra_outputs]
     graph = helper.make_graph(nodes, "embedder", [helper.make_tensor_value_info(
-        "image", TensorProto.FLOAT, ["batch", CHANNELS, SIZE, SIZE])], outputs, inits)
+        "image", TensorProto.FLOAT, [batch, CHANNELS, SIZE, SIZE])], outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
 
 
 def _folder(tmp_path: Path, embedding: dict | None, *, extra_outputs: tuple[str, ...] = (), external: bool = False,
-            name: str = "m") -> Path:
+            name: str = "m", batch: int | str = "batch") -> Path:
     import onnx
 
     folder = tmp_path / name
     folder.mkdir()
+    network = _network(extra_outputs, batch)
     if external:
-        onnx.save_model(_network(extra_outputs), str(folder / MODEL_FILE), save_as_external_data=True,
+        onnx.save_model(network, str(folder / MODEL_FILE), save_as_external_data=True,
                         all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     else:
-        onnx.save_model(_network(extra_outputs), str(folder / MODEL_FILE))
+        onnx.save_model(network, str(folder / MODEL_FILE))
     (folder / LABELS_FILE).write_text("a\nb\nc\n")
     spec = dict(SPEC, **({"embedding": embedding} if embedding is not None else {}))
     (folder / SPEC_FILE).write_text(json.dumps(spec))
@@ -118,6 +120,20 @@ def test_external_data_models_fetch_an_intermediate_embedding(tmp_path):
     plain = check_contract(_folder(tmp_path, {"output": "features", "dim": FEATURES}, name="plain"))
     photos = _photos()
     np.testing.assert_array_equal(reference_run(bundle, photos)[1], reference_run(plain, photos)[1])
+
+
+def test_a_fixed_batch_runs_the_embedding_in_padded_runs_and_the_declaration_is_part_of_the_digest(tmp_path):
+    dynamic = check_contract(_folder(tmp_path, {"output": "features", "dim": FEATURES}, name="dynamic"))
+    fixed = check_contract(_folder(tmp_path, {"output": "features", "dim": FEATURES}, name="fixed", batch=4))
+    assert fixed.fixed_batch == 4
+    photos = _photos()  # 10: runs of 4, 4 and 2 padded to 4
+    for got, want in zip(reference_run(fixed, photos), reference_run(dynamic, photos)):
+        assert got.shape == want.shape and got.shape[0] == len(photos)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    plain = load_model_folder(_folder(tmp_path, None, name="plain"))
+    other = load_model_folder(_folder(tmp_path, {"output": "features", "dim": FEATURES, "normalize": False},
+                                      name="other"))
+    assert len({plain.digest, dynamic.digest, other.digest}) == 3  # a declaration changes what the rows hold
 
 
 def test_two_outputs_without_a_declaration_name_the_field(tmp_path):
