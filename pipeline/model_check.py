@@ -18,6 +18,7 @@ from pipeline.errors import BulkClassifyError, ConfigError, ImageError
 from pipeline.model.contract import check_contract, reference_outputs
 from pipeline.model.folder import fixed_batch_note
 from pipeline.model.imaging import load_and_preprocess
+from pipeline.model.onnx_graph import intermediate_outputs
 from pipeline.model.scores import scores_of
 from pipeline.node import node_gpus
 from pipeline.schema import DEFAULT_EXTENSIONS
@@ -62,6 +63,7 @@ class CheckReport:
     model: str
     notes: list[str] = field(default_factory=list)
     images: int = 0
+    embedding: str = ""  # the model's embedding as one line, where its spec declares one
     engines: list[EngineCheck] = field(default_factory=list)
 
     @property
@@ -87,7 +89,7 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
     import numpy as np  # noqa: PLC0415 - numpy only when the command runs
 
     bundle = check_contract(folder)
-    report = CheckReport(model=str(folder))
+    report = CheckReport(model=str(folder), embedding=embedding_line(bundle))
     if bundle.fixed_batch:
         report.notes.append(fixed_batch_note(bundle))
     blobs = read_sample(images, sample, storage_options)
@@ -119,6 +121,17 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
         _compare(line, results, probs, min_agreement, max_score_diff)
     report.engines = [e for e in report.engines if not e.skipped] + [e for e in report.engines if e.skipped]
     return report
+
+
+def embedding_line(bundle: ModelBundle) -> str:
+    """``embedding: tensor 'NAME' (a graph output | an intermediate tensor), dim D, L2-normalised | as given``, or ""
+    for a model without one."""
+    spec = bundle.spec.embedding
+    if spec is None:
+        return ""
+    kind = "an intermediate tensor" if spec.output in intermediate_outputs(bundle) else "a graph output"
+    return (f"embedding: tensor {spec.output!r} ({kind}), dim {spec.dim}, "
+            f"{'L2-normalised' if spec.normalize else 'as given (not normalised)'}")
 
 
 def read_sample(images: str | None, sample: int, storage_options: Mapping[str, Any] | None = None
@@ -183,6 +196,8 @@ def _compare(line: EngineCheck, results: list[Any], probs: np.ndarray, min_agree
 def format_report(report: CheckReport) -> str:
     """The table the CLI prints: one line per engine."""
     lines = [f"model {report.model}: contract ok; {report.images} sample images"]
+    if report.embedding:
+        lines.append(report.embedding)
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"{'engine':10s} {'images':>6s} {'top-1 agree':>11s} {'max score diff':>14s}  result")
     for e in report.engines:

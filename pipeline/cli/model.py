@@ -109,8 +109,9 @@ def model_check(folder: str, images: str | None, engines: tuple[str, ...], sampl
 
 def _import_options() -> tuple[Callable, ...]:
     from pipeline.model_import.core import (
-        DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_SAMPLE, SOURCES,
+        DEFAULT_MAX_LOGIT_DIFF, DEFAULT_MIN_AGREEMENT, DEFAULT_MIN_EMBEDDING_COSINE, DEFAULT_SAMPLE, SOURCES,
     )
+    from pipeline.model.folder import ONNX_EMBEDDING
 
     return (
         click.argument("source", type=click.Choice(tuple(SOURCES))),
@@ -120,16 +121,19 @@ def _import_options() -> tuple[Callable, ...]:
         click.option("--labels", metavar="FILE", help="Class names, one a line in output order (default: the checkpoint's, ImageNet-1k's for an ImageNet timm architecture, torchvision's categories, id2label)."),
         click.option("--preset", metavar="ENTRY", help="torchvision: the weights entry whose transforms and categories apply, e.g. IMAGENET1K_V2 (default: DEFAULT)."),
         click.option("--use-ema", is_flag=True, help="timm: take a train.py checkpoint's EMA weights (state_dict_ema) instead of its state_dict."),
+        click.option("--embedding", is_flag=True, help=f"Also export the pooled pre-logits features as a second ONNX output {ONNX_EMBEDDING!r}, declared in preprocess.json (L2-normalised), and check them against the framework's."),
         click.option("--images", metavar="SOURCE", cls=ConfigDefault, default=None, show_default="the repository's tests/data/photos", help="Folder or URL of sample photos for the parity check."),
         click.option("--sample", type=int, default=DEFAULT_SAMPLE, show_default=True, help="Sample photos compared."),
         click.option("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, show_default=True, help="Top-1 agreement with the framework needed on the clearly decided photos."),
         click.option("--max-logit-diff", type=float, default=DEFAULT_MAX_LOGIT_DIFF, show_default=True, help="Largest median over the photos of the logit difference from the framework, as a share of the photo's logit range."),
+        click.option("--min-embedding-cosine", type=float, default=DEFAULT_MIN_EMBEDDING_COSINE, show_default=True, help="With --embedding: the median over the photos of the cosine with the framework's features needed."),
     )
 
 
 @model_group.command("import", options=_import_options)
 def model_import(source: str, name: str, output: str, checkpoint: str | None, labels: str | None, preset: str | None,
-                 use_ema: bool, images: str | None, sample: int, min_agreement: float, max_logit_diff: float) -> None:
+                 use_ema: bool, embedding: bool, images: str | None, sample: int, min_agreement: float,
+                 max_logit_diff: float, min_embedding_cosine: float) -> None:
     """Write a model folder from a trained network, kept only if it classifies like its framework.
 
     \b
@@ -140,7 +144,8 @@ def model_import(source: str, name: str, output: str, checkpoint: str | None, la
     """
     from pipeline.model_import.core import ImportOptions, format_result, import_model
 
-    options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement, max_logit_diff=max_logit_diff)
+    options = ImportOptions(images=images, sample=sample, min_agreement=min_agreement, max_logit_diff=max_logit_diff,
+                            min_embedding_cosine=min_embedding_cosine)
     result = import_model(source, name, output, checkpoint=checkpoint, labels=labels, preset=preset, use_ema=use_ema,
-                          options=options)
+                          embedding=embedding, options=options)
     echo(format_result(result))

@@ -180,7 +180,7 @@ class OnnxEngine:
                                            providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types
             raise EngineError(f"ONNX Runtime cannot load {bundle.onnx_path}: {e}; check the file with onnx.checker") from None
-        outputs, input_name = network_outputs(bundle), bundle.input_name
+        outputs, input_name = list(network_outputs(bundle)), bundle.input_name
         if len(outputs) == 1:
             return lambda batch: session.run(outputs, {input_name: batch})[0]
         return lambda batch: np.concatenate([o.reshape(len(batch), -1) for o in session.run(outputs, {input_name: batch})],

@@ -17,6 +17,7 @@ from pipeline.engines.onnx import CALL_THREADS_DEFAULT, DECODE_THREADS_OPTION, D
 from pipeline.errors import ConfigError, EngineError
 from pipeline.model.folder import ModelBundle
 from pipeline.model.imaging import DecodeLimits
+from pipeline.model.onnx_graph import network_outputs, runtime_graph
 from pipeline.schema import DEFAULT_TOP_K
 
 MISSING_OPENVINO = ("--engine openvino needs the openvino package: pip install 'bulk-classify[openvino]', or use "
@@ -95,8 +96,11 @@ class OpenVinoEngine(OnnxEngine):
             "ENABLE_CPU_PINNING": False,
         }
         try:
-            compiled = ov.Core().compile_model(str(bundle.onnx_path), "CPU", config)
-            output = compiled.output(bundle.output_name)
+            core = ov.Core()
+            graph = runtime_graph(bundle)  # a path, or the graph with the embedding's tensor as an output
+            network = core.read_model(model=graph) if isinstance(graph, bytes) else core.read_model(graph)
+            compiled = core.compile_model(network, "CPU", config)
+            outputs = [compiled.output(name) for name in network_outputs(bundle)]
         except Exception as e:  # OpenVINO raises RuntimeError for most things, its own types for some
             raise EngineError(f"OpenVINO cannot load {bundle.onnx_path}: {_one_line(e)}; check the file with "
                               "onnx.checker, or use --engine onnx") from None
@@ -109,7 +113,10 @@ class OpenVinoEngine(OnnxEngine):
             if request is None:
                 request = local.request = compiled.create_infer_request()
             # A copy: the request's output tensor is overwritten by its next run.
-            return np.array(request.infer({input_name: batch})[output])
+            answer = request.infer({input_name: batch})
+            if len(outputs) == 1:
+                return np.array(answer[outputs[0]])
+            return np.concatenate([np.asarray(answer[o]).reshape(len(batch), -1) for o in outputs], axis=1)
 
         return forward
 

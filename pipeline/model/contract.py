@@ -1,7 +1,8 @@
 """The model contract that ``run`` and ``model check`` both enforce, in the driver before Ray starts or the output is
 touched: the folder's own checks (``pipeline.model.folder.load_model``), then the network run by the reference (ONNX
 Runtime) on a few synthetic images made by the spec. It must take the spec's input (a fully dynamic input in the
-other layout fails here, named), give finite outputs, and outputs of the kind the spec's ``output`` declares."""
+other layout fails here, named), give finite outputs, outputs of the kind the spec's ``output`` declares, and, where
+the spec declares an embedding, finite embeddings of its width."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from pipeline.errors import ModelError
 from pipeline.model.folder import SPEC_FILE, ModelBundle, load_model
 from pipeline.model.imaging import preprocess_image
+from pipeline.model.onnx_graph import network_outputs, runtime_graph
 from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID, PreprocessSpec
 
 LOG = logging.getLogger(__name__)
@@ -45,7 +47,10 @@ def check_contract(ref: str | os.PathLike | None = None, *, cache_dir: Path | No
     if engine_check is not None:
         engine_check(bundle)
     session = reference_session(bundle)
-    check_outputs(bundle, reference_outputs(bundle, contract_sample(bundle.spec), session))
+    raw, embedding = reference_run(bundle, contract_sample(bundle.spec), session)
+    check_outputs(bundle, raw)
+    if embedding is not None:
+        check_embedding(bundle, embedding)
     LOG.info("model %s: contract checked in %.2f s", bundle.name, time.perf_counter() - started)
     return bundle
 
@@ -68,36 +73,58 @@ def contract_sample(spec: PreprocessSpec) -> np.ndarray:
 
 
 def reference_session(bundle: ModelBundle) -> Any:
-    """An ONNX Runtime CPU session of ``bundle``'s network (its external data read from beside it)."""
+    """An ONNX Runtime CPU session of ``bundle``'s network (its external data read from beside it), with the
+    embedding tensor among its outputs where the spec declares one (``runtime_graph``)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = ORT_QUIET
     try:
-        return ort.InferenceSession(str(bundle.onnx_path), sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(runtime_graph(bundle), sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT's own types
         raise ModelError(f"ONNX Runtime cannot load {bundle.onnx_path}: {_first_line(err)}; check the file with "
                          "onnx.checker") from None
 
 
 def reference_outputs(bundle: ModelBundle, batch: np.ndarray, session: Any = None) -> np.ndarray:
-    """The network's raw outputs on ``batch`` by ONNX Runtime, run in the fixed batch size where it has one; a
-    failure names the layout to set where the network runs the other one."""
+    """The network's raw class outputs on ``batch`` by ONNX Runtime (``reference_run``)."""
+    return reference_run(bundle, batch, session)[0]
+
+
+def reference_run(bundle: ModelBundle, batch: np.ndarray, session: Any = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The network's raw class outputs on ``batch`` by ONNX Runtime, and its embedding tensor's values where the spec
+    declares one (else None), run in the fixed batch size where it has one; a failure names the layout to set where
+    the network runs the other one."""
     session = session or reference_session(bundle)
-
-    def forward(x: np.ndarray) -> np.ndarray:
-        run = (fixed_batches(_runner(session, bundle), bundle.fixed_batch) if bundle.fixed_batch
-               else _runner(session, bundle))
-        return run(x)
-
+    names = list(network_outputs(bundle))
+    runner = _runner(session, bundle, names)
+    forward = fixed_batches(runner, bundle.fixed_batch) if bundle.fixed_batch else runner
     try:
-        out = forward(batch)
+        joined = forward(batch)
     except Exception as err:  # ORT's own types: the model cannot run the spec's input
         raise ModelError(_input_problem(bundle, batch, forward, err)) from None
+    out, embedding = joined if len(names) > 1 else (joined, None)
     if out.ndim != 2 or out.shape[1] != bundle.num_classes:
         raise ModelError(f"{bundle.onnx_path} returns shape {list(out.shape)} for {len(batch)} images; "
                          f"expected [{len(batch)}, {bundle.num_classes}] (one column per line of labels.txt)")
-    return out
+    return out, embedding
+
+
+def check_embedding(bundle: ModelBundle, values: np.ndarray) -> None:
+    """ModelError where the sample's embedding tensor is not [images, dim] or not finite for every image."""
+    spec = bundle.spec.embedding
+    where = f"{Path(bundle.onnx_path).parent / SPEC_FILE} declares embedding {spec.output!r}"
+    if values.ndim != 2 or values.shape[1] != spec.dim:
+        width = f"set \"dim\": {values.shape[1]}" if values.ndim == 2 else (
+            "pool and flatten it in the graph (GlobalAveragePool + Flatten) or name the pooled tensor after it")
+        raise ModelError(f"{where} of dim {spec.dim}, but the network returns shape {list(values.shape)} for "
+                         f"{len(values)} images; {width}")
+    bad = int((~np.isfinite(values).all(axis=1)).sum())
+    if bad:
+        raise ModelError(f"{where}, but the network's embedding is NaN or infinite for {bad} of the {len(values)} "
+                         "sample images; check its weights and its export (an FP16 export that overflows?), or name "
+                         "another tensor")
 
 
 def check_outputs(bundle: ModelBundle, raw: np.ndarray) -> None:
@@ -137,22 +164,30 @@ def check_outputs(bundle: ModelBundle, raw: np.ndarray) -> None:
 
 def fixed_batches(forward: Callable[[np.ndarray], np.ndarray], size: int) -> Callable[[np.ndarray], np.ndarray]:
     """``forward`` for a network whose batch axis is fixed at ``size``: any batch runs in runs of exactly ``size``,
-    the last one padded with zeros whose rows are dropped."""
+    the last one padded with zeros whose rows are dropped. A ``forward`` that returns a tuple of arrays (several
+    outputs) gives a tuple, each array joined on its own."""
 
-    def run(batch: np.ndarray) -> np.ndarray:
+    def run(batch: np.ndarray) -> Any:
         outs = []
         for start in range(0, len(batch), size):
             part = batch[start : start + size]
             if len(part) < size:
                 part = np.concatenate([part, np.zeros((size - len(part), *part.shape[1:]), part.dtype)])
-            outs.append(forward(part)[: len(batch) - start])
+            got = forward(part)
+            keep = len(batch) - start
+            outs.append(tuple(g[:keep] for g in got) if isinstance(got, tuple) else got[:keep])
+        if outs and isinstance(outs[0], tuple):
+            return tuple(np.concatenate(parts) for parts in zip(*outs))
         return np.concatenate(outs)
 
     return run
 
 
-def _runner(session: Any, bundle: ModelBundle) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda x: session.run([bundle.output_name], {bundle.input_name: x})[0]
+def _runner(session: Any, bundle: ModelBundle, names: list[str]) -> Callable[[np.ndarray], Any]:
+    """The session as a function of a batch: the one output ``names`` holds, or a tuple of them."""
+    if len(names) == 1:
+        return lambda x: session.run(names, {bundle.input_name: x})[0]
+    return lambda x: tuple(session.run(names, {bundle.input_name: x}))
 
 
 def _input_problem(bundle: ModelBundle, batch: np.ndarray, forward: Callable[[np.ndarray], np.ndarray], err: Exception) -> str:

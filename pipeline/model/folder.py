@@ -2,8 +2,9 @@
 
 A model folder holds (docs/models.md, "The folder"):
     model.onnx       one float32 input [batch, 3, H, W] (or NHWC, per the spec), one output [batch, classes] of logits
-                     (or probabilities, or a multi-label model's logits, per the spec's ``output``); the batch axis
-                     dynamic, or fixed at any size; its weights inside it or in external data files beside it
+                     (or probabilities, or a multi-label model's logits, per the spec's ``output``), and a second
+                     output [batch, dim] where the spec's ``embedding`` names it; the batch axis dynamic, or fixed at
+                     any size; its weights inside it or in external data files beside it
     labels.txt       one class name per line, in output order (as many lines as classes, each name once)
     preprocess.json  a PreprocessSpec as JSON, e.g. pipeline/data/efficientnet_lite0_preprocess.json
 """
@@ -26,11 +27,13 @@ from pipeline.errors import ModelError
 from pipeline.model import default_model
 from pipeline.model.default_model import file_sha256
 from pipeline.model.imaging import OUTPUT_LOGITS, PreprocessSpec
+from pipeline.model.spec import EmbeddingSpec
 
 LOG = logging.getLogger(__name__)
 
 ONNX_INPUT = "input"
 ONNX_OUTPUT = "logits"
+ONNX_EMBEDDING = "embedding"  # the second graph output `model import --embedding` writes
 MODEL_FILE = "model.onnx"
 LABELS_FILE = "labels.txt"
 SPEC_FILE = "preprocess.json"
@@ -255,12 +258,17 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec
     data_files = external_data_files(model, path)
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
-    if len(inputs) != 1 or len(graph.output) != 1:
+    embedding = spec.embedding.output if spec.embedding is not None else None
+    # the class output is the one that is not the embedding; a lone output stays the class output (refused below)
+    outputs = [o for o in graph.output if o.name != embedding] if len(graph.output) > 1 else list(graph.output)
+    if len(inputs) != 1 or len(outputs) != 1:
+        hint = (f" (or declare the second as the embedding: \"embedding\": {{\"output\": NAME, \"dim\": WIDTH}} in "
+                f"{SPEC_FILE})" if len(inputs) == 1 and len(outputs) == 2 and embedding is None else "")
         raise ModelError(
             f"{path} has {len(inputs)} inputs and {len(graph.output)} outputs; export a classifier with exactly one "
-            f"input (the image batch, float32 {spec.layout}) and one output (logits, [batch, classes])"
+            f"input (the image batch, float32 {spec.layout}) and one output (logits, [batch, classes]){hint}"
         )
-    inp, out = inputs[0], graph.output[0]
+    inp, out = inputs[0], outputs[0]
     if inp.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
         raise ModelError(f"{path}: input {inp.name!r} must be float32; re-export with a float32 input")
     dims = _dims(inp)
@@ -282,7 +290,56 @@ def _inspect_onnx(path: Path, spec: PreprocessSpec
                          "apply the sigmoid")
     precision = PRECISION_INT8 if any(n.op_type in QUANTIZED_OPS for n in graph.node) else PRECISION_FP32
     width = out_dims[1] if out_dims[1] is not None else _inferred_width(model, out.name)
+    if spec.embedding is not None:
+        _check_embedding(model, path, spec.embedding, out.name)
     return inp.name, out.name, width, precision, dims[0], data_files
+
+
+def _check_embedding(model: Any, path: Path, embedding: EmbeddingSpec, class_output: str) -> None:
+    """ModelError where the spec's embedding tensor is not in the graph, is the class output, or is not
+    [batch, dim] where the file or ONNX's shape inference knows its shape."""
+    graph = model.graph
+    where = f"{path.parent / SPEC_FILE} declares embedding {embedding.output!r}"
+    if embedding.output == class_output:
+        raise ModelError(f"{where}, which is the class output; name the tensor of the features before the classifier "
+                         "(bulk-classify model import --embedding exports it as a second output)")
+    names = graph_tensor_names(graph)
+    if embedding.output not in names:
+        outputs = ", ".join(repr(o.name) for o in graph.output)
+        raise ModelError(f"{where}, but {path.name} has no tensor of that name (its outputs: {outputs}); name a graph "
+                         "output or a node's output, or re-import with bulk-classify model import --embedding")
+    dims = _tensor_dims(model, embedding.output)
+    if dims is None:
+        return  # inference cannot tell: the contract checks the width the network returns
+    if len(dims) != 2:
+        raise ModelError(f"{where}, of shape {_fmt_dims(dims)}, not [batch, {embedding.dim}]; pool and flatten it in "
+                         "the graph (GlobalAveragePool + Flatten) or name the pooled tensor after it")
+    if dims[1] is not None and dims[1] != embedding.dim:
+        raise ModelError(f"{where} of dim {embedding.dim}, but the tensor is {dims[1]} wide; set \"dim\": {dims[1]}")
+
+
+def graph_tensor_names(graph: Any) -> set[str]:
+    """Every tensor name a graph takes or computes: its inputs, outputs, annotated values and nodes' outputs."""
+    return ({i.name for i in graph.input} | {o.name for o in graph.output} | {v.name for v in graph.value_info}
+            | {o for n in graph.node for o in n.output if o})
+
+
+def _tensor_dims(model: Any, name: str) -> list[int | None] | None:
+    """The shape of tensor ``name`` as the file declares it or ONNX's shape inference finds it; None where neither
+    knows its rank."""
+    import onnx
+
+    declared = [v for v in (*model.graph.output, *model.graph.value_info) if v.name == name]
+    if declared and declared[0].type.tensor_type.HasField("shape") and None not in _dims(declared[0])[1:]:
+        return _dims(declared[0])
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - inference is a best effort; the contract checks the width it gets at run time
+        return _dims(declared[0]) if declared and declared[0].type.tensor_type.HasField("shape") else None
+    found = [v for v in (*inferred.output, *inferred.value_info) if v.name == name]
+    if not found or not found[0].type.tensor_type.HasField("shape"):
+        return None
+    return _dims(found[0])
 
 
 def external_data_files(model: Any, path: Path) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""Rewriting a model's ONNX graph without changing what it computes: the exact normal form the GPU paths convert, and
-onnxslim kept only where ONNX Runtime gives the same numbers.
+"""Rewriting a model's ONNX graph without changing what it computes: the exact normal form the GPU paths convert,
+onnxslim kept only where ONNX Runtime gives the same numbers, and the graph a runtime loads to fetch an embedding.
 
 Exporters write graphs that ONNX Runtime runs but converters trip on (omitted optional inputs written as empty names,
 weights aliased through ``Identity``, a ``Clip`` whose bounds are tensors). ``normalize`` rewrites those by ONNX's own
@@ -11,17 +11,58 @@ probe batch stay within ``SLIM_TOLERANCE`` of the original's.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pipeline.model.folder import ModelBundle
 
 LOG = logging.getLogger(__name__)
 
 # Largest output change onnxslim may make, relative to the largest output (float32 rounding).
 SLIM_TOLERANCE = 1e-4
+# Protobuf's limit on one serialized message: a bigger network cannot be handed to a runtime as bytes.
+PROTOBUF_LIMIT_BYTES = 2**31 - 1
+
+
+def network_outputs(bundle: Any) -> tuple[str, ...]:
+    """The tensors a runtime fetches from ``bundle``'s network (a ``ModelBundle``), in this order: the class output,
+    then the embedding tensor where the spec declares one."""
+    embedding = bundle.spec.embedding
+    return (bundle.output_name,) if embedding is None else (bundle.output_name, embedding.output)
+
+
+def intermediate_outputs(bundle: Any) -> tuple[str, ...]:
+    """The tensors of ``network_outputs(bundle)`` that are not graph outputs of its file (read without its weights)."""
+    import onnx  # noqa: PLC0415
+
+    graph_outputs = {o.name for o in onnx.load(str(bundle.onnx_path), load_external_data=False).graph.output}
+    return tuple(name for name in network_outputs(bundle) if name not in graph_outputs)
+
+
+def runtime_graph(bundle: Any) -> str | bytes:
+    """What a runtime (``onnxruntime.InferenceSession``, OpenVINO's ``read_model``) loads so that every tensor of
+    ``network_outputs(bundle)`` is a graph output: the model's path where they all are, else the serialized graph
+    with the intermediate tensors added as outputs (external data read from the folder into it).
+
+    Raises:
+        ModelError: the graph with its weights exceeds protobuf's 2 GB, so it cannot be handed over as bytes.
+    """
+    import onnx  # noqa: PLC0415
+
+    from pipeline.errors import ModelError  # noqa: PLC0415
+
+    path = str(bundle.onnx_path)
+    missing = intermediate_outputs(bundle)
+    if not missing:
+        return path
+    model = onnx.load(path, load_external_data=True)
+    value_info = {v.name: v for v in model.graph.value_info}
+    for name in missing:
+        model.graph.output.append(value_info.get(name) or onnx.helper.make_empty_tensor_value_info(name))
+    if model.ByteSize() > PROTOBUF_LIMIT_BYTES:
+        raise ModelError(f"{path}: embedding {missing[0]!r} is an intermediate tensor of a network over 2 GB, which "
+                         "cannot be rewritten in memory; export it as a graph output (bulk-classify model import "
+                         "--embedding does)")
+    return model.SerializeToString()
 
 
 def normalize(model: Any) -> tuple[Any, list[str]]:
@@ -97,9 +138,11 @@ def io_names(model: Any) -> tuple[str, str]:
     return inputs[0], model.graph.output[0].name
 
 
-def run_onnxruntime(model: Any, batch: np.ndarray, *, fixed_batch: int | None = None) -> np.ndarray:
+def run_onnxruntime(model: Any, batch: np.ndarray, *, fixed_batch: int | None = None,
+                    every_output: bool = False) -> np.ndarray:
     """ONNX Runtime's (CPU provider, FP32) first output for ``batch`` through ``model`` (a ModelProto, serialized
-    bytes or a path); a model with a fixed batch size runs in padded runs of exactly that size."""
+    bytes or a path), or with ``every_output`` all outputs side by side, each flattened per image; a model with a
+    fixed batch size runs in padded runs of exactly that size."""
     import onnxruntime as ort  # noqa: PLC0415
 
     source = model if isinstance(model, (bytes, str)) else (
@@ -115,7 +158,8 @@ def run_onnxruntime(model: Any, batch: np.ndarray, *, fixed_batch: int | None = 
         n = len(part)
         if fixed_batch and n < fixed_batch:
             part = np.concatenate([part, np.zeros((fixed_batch - n, *part.shape[1:]), part.dtype)])
-        parts.append(session.run(None, {name: np.ascontiguousarray(part, dtype=np.float32)})[0][:n])
+        outs = session.run(None, {name: np.ascontiguousarray(part, dtype=np.float32)})
+        parts.append(np.concatenate([o[:n].reshape(n, -1) for o in outs], axis=1) if every_output else outs[0][:n])
     return np.concatenate(parts)
 
 
@@ -137,9 +181,9 @@ def faithful_slim(model: Any, probe: np.ndarray, *, fixed_batch: int | None = No
         onnx.checker.check_model(slim)
     except Exception as e:  # noqa: BLE001 - a failed simplification leaves the original graph, which is valid
         return None, f"onnxslim failed ({type(e).__name__})"
-    before = run_onnxruntime(model, probe, fixed_batch=fixed_batch)
+    before = run_onnxruntime(model, probe, fixed_batch=fixed_batch, every_output=True)
     try:
-        after = run_onnxruntime(slim, probe, fixed_batch=fixed_batch)
+        after = run_onnxruntime(slim, probe, fixed_batch=fixed_batch, every_output=True)
     except Exception as e:  # noqa: BLE001 - a graph ONNX Runtime cannot run is no simplification
         return None, f"ONNX Runtime cannot run onnxslim's graph ({type(e).__name__})"
     change = float(np.abs(before - after).max() / max(1.0, float(np.abs(before).max())))
@@ -147,13 +191,3 @@ def faithful_slim(model: Any, probe: np.ndarray, *, fixed_batch: int | None = No
         return None, f"onnxslim's graph changed the outputs by {change:.1e}"
     return slim, "simplified by onnxslim"
 
-
-def network_outputs(bundle: ModelBundle) -> list[str]:
-    """The tensors an engine fetches from ``bundle``'s network: its class output, then its embedding's."""
-    embedding = bundle.spec.embedding
-    return [bundle.output_name] + ([embedding.output] if embedding is not None else [])
-
-
-def runtime_graph(bundle: ModelBundle) -> str:
-    """What ONNX Runtime loads for ``bundle``: its model.onnx."""
-    return str(bundle.onnx_path)

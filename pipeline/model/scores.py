@@ -1,5 +1,6 @@
 """How a network's raw outputs become a row's scores, per the spec's ``output``: a softmax over logits, a sigmoid per
-class (a multi-label model), or probabilities as given; a row holding NaN or infinity scores NaN (no answer)."""
+class (a multi-label model), or probabilities as given; a row holding NaN or infinity scores NaN (no answer). And its
+embedding tensor a row's embedding, per the spec's ``embedding``."""
 
 from __future__ import annotations
 
@@ -42,11 +43,19 @@ def top_scores(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def embeddings_of(values: np.ndarray, spec: EmbeddingSpec) -> np.ndarray:
-    """(N, dim) float32 embeddings of a network's embedding tensor, each row L2-normalised where ``spec`` says (a
-    zero row stays zero; a row holding NaN or infinity stays so)."""
-    vectors = np.asarray(values, np.float32).reshape(len(values), -1)
+    """(N, spec.dim) float32 embeddings of an embedding tensor's values (N, dim), each row scaled to unit L2 norm
+    where ``spec.normalize`` (in float64, so that tiny and huge rows normalise too). A zero row stays zero; a row
+    holding NaN or infinity stays non-finite, for the caller to write as an error row."""
+    x = np.asarray(values)
+    if x.ndim != 2 or x.shape[1] != spec.dim:
+        raise ValueError(f"embedding {spec.output!r} must be (batch, {spec.dim}), got shape {x.shape}")
     if not spec.normalize:
-        return vectors
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(norms == 0, np.float32(0), vectors / norms).astype(np.float32)
+        return x.astype(np.float32)
+    x = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        # inf/inf would be NaN, x/0 would be NaN for a zero row: divide only finite, non-zero rows
+        scale = np.where(np.isfinite(norms) & (norms > 0), norms, 1.0)
+        out = x / scale
+    out[~np.isfinite(norms[:, 0])] = np.nan
+    return out.astype(np.float32)

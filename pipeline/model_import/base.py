@@ -16,7 +16,8 @@ class SourceModel:
 
     ``network``: a torch module in eval mode, float32 NCHW batch -> logits [batch, classes]. ``transform``: the
     framework's own eval preprocessing, a decoded RGB PIL image -> CHW float tensor. ``spec``: the preprocess.json
-    fields that make the same tensor. ``notes``: what the spec approximates, one line each.
+    fields that make the same tensor. ``notes``: what the spec approximates, one line each. ``embedder``: the same
+    network as a module returning (logits, its pooled pre-logits features [batch, features]), for ``--embedding``.
     """
 
     network: Any
@@ -25,6 +26,7 @@ class SourceModel:
     spec: dict[str, Any]
     description: str
     notes: list[str] = field(default_factory=list)
+    embedder: Any = None
 
 
 def spec_fields(*, size: tuple[int, int], resize_shorter: int | None, interpolation: str,

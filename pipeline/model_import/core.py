@@ -4,7 +4,8 @@ A source module (``SOURCES``) turns what the user trained into a ``SourceModel``
 own eval transform, the labels and the preprocess.json fields that should make the same input tensor. This module
 exports the network, writes the folder beside ``output``, loads it like every engine does, and runs the sample
 images both ways: the framework's transform and forward against ``pipeline.model.imaging`` and ONNX Runtime on the written
-folder. Below the thresholds the folder is removed and nothing is written.
+folder. Below the thresholds the folder is removed and nothing is written. With ``embedding`` the network's pooled
+pre-logits features become a second ONNX output, declared in the spec, and are compared too.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from pipeline.model.onnx_graph import faithful_slim
 from pipeline.model.imaging import PreprocessSpec, decode_image, load_and_preprocess
 from pipeline.model_check import read_sample
 from pipeline.model.folder import (
-    LABELS_FILE, MODEL_FILE, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, ModelBundle, check_unique_labels, load_model_folder,
+    LABELS_FILE, MODEL_FILE, ONNX_EMBEDDING, ONNX_INPUT, ONNX_OUTPUT, SPEC_FILE, ModelBundle, check_unique_labels, load_model_folder,
     read_labels,
 )
 from pipeline.model.scores import scores_of
-from pipeline.model.spec import OUTPUT_LOGITS
+from pipeline.model.spec import OUTPUT_LOGITS, EmbeddingSpec
 from pipeline.model_import.base import SourceModel
 
 LOG = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ DEFAULT_MAX_LOGIT_DIFF = 0.08
 EXPORT_TOLERANCE = 1e-3
 DECISIVE_MARGIN = 0.1
 FORWARD_BATCH = 16
+# The embedding (--embedding): the median over the photos of the cosine between ONNX Runtime's features on this
+# folder's preprocessing and the framework's on its own transform (half a pixel apart, as for the logits), and the
+# exported network alone on the framework's tensors, which only float32 rounding separates.
+DEFAULT_MIN_EMBEDDING_COSINE = 0.99
+EMBEDDING_EXPORT_MIN_COSINE = 0.9999
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +75,15 @@ class ImportOptions:
     sample: int = DEFAULT_SAMPLE
     min_agreement: float = DEFAULT_MIN_AGREEMENT
     max_logit_diff: float = DEFAULT_MAX_LOGIT_DIFF
+    min_embedding_cosine: float = DEFAULT_MIN_EMBEDDING_COSINE
 
     def __post_init__(self) -> None:
         if self.sample < 1:
             raise ConfigError(f"--sample must be at least 1, got {self.sample}")
         if not 0 <= self.min_agreement <= 1:
             raise ConfigError(f"--min-agreement must be within 0..1, got {self.min_agreement}")
+        if not -1 <= self.min_embedding_cosine <= 1:
+            raise ConfigError(f"--min-embedding-cosine must be within -1..1, got {self.min_embedding_cosine}")
         if self.max_logit_diff <= 0:
             raise ConfigError(f"--max-logit-diff must be positive (a share of the logit range), got "
                               f"{self.max_logit_diff}")
@@ -92,6 +101,7 @@ class Parity:
     median_logit_diff: float  # the median over the images of that
     max_abs_logit_diff: float
     export_diff: float = 0.0  # the same maximum with ONNX Runtime fed the framework's own tensors
+    embedding: "EmbeddingParity | None" = None  # with --embedding
 
     def problems(self, options: ImportOptions) -> list[str]:
         found = []
@@ -104,6 +114,32 @@ class Parity:
         if self.export_diff > EXPORT_TOLERANCE:
             found.append(f"the exported network alone differs by {self.export_diff:.1e} of the logit range on the "
                          f"framework's own tensors (allowed {EXPORT_TOLERANCE:.0e}): the ONNX export is wrong")
+        if self.embedding is not None:
+            found += self.embedding.problems(options)
+        return found
+
+
+@dataclass(frozen=True)
+class EmbeddingParity:
+    """ONNX Runtime's embedding tensor against the framework's pooled pre-logits features, per image."""
+
+    dim: int
+    min_cosine: float
+    median_cosine: float
+    max_abs_diff: float  # the largest |ONNX - framework| feature
+    export_min_cosine: float  # with ONNX Runtime fed the framework's own tensors
+    export_diff: float  # the largest |ONNX - framework| feature there, over the largest |framework| feature
+
+    def problems(self, options: ImportOptions) -> list[str]:
+        found = []
+        if not self.median_cosine >= options.min_embedding_cosine:  # NaN (features not finite) fails too
+            found.append(f"the embedding's median cosine with the framework's features is {self.median_cosine:.4f} "
+                         f"(needed {options.min_embedding_cosine})")
+        if not (self.export_min_cosine >= EMBEDDING_EXPORT_MIN_COSINE and self.export_diff <= EXPORT_TOLERANCE):
+            found.append(f"the exported embedding alone differs from the framework's features on its own tensors "
+                         f"(cosine {self.export_min_cosine:.6f}, needed {EMBEDDING_EXPORT_MIN_COSINE}; difference "
+                         f"{self.export_diff:.1e} of the largest feature, allowed {EXPORT_TOLERANCE:.0e}): the ONNX "
+                         "export is wrong")
         return found
 
 
@@ -119,7 +155,7 @@ class ImportResult:
 
 def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoint: str | None = None,
                  labels: str | None = None, preset: str | None = None, use_ema: bool = False,
-                 options: ImportOptions = ImportOptions()) -> ImportResult:
+                 embedding: bool = False, options: ImportOptions = ImportOptions()) -> ImportResult:
     """Writes the model folder ``output`` from ``name`` of ``source`` (a key of SOURCES), if it passes parity.
 
     Args:
@@ -128,6 +164,8 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
         labels: a labels file (one class a line) instead of the source's own class names.
         preset: torchvision's weights entry whose transforms and categories apply (e.g. IMAGENET1K_V2).
         use_ema: timm: a train.py checkpoint's EMA weights (``state_dict_ema``) instead of its ``state_dict``.
+        embedding: also export the pooled pre-logits features as the output ``ONNX_EMBEDDING`` and declare it in the
+            spec (L2-normalised), checked against the framework's features.
 
     Raises:
         ConfigError: a bad argument, or ``output`` holds files. ModelError: the source cannot be loaded, its
@@ -150,11 +188,20 @@ def import_model(source: str, name: str, output: str | os.PathLike, *, checkpoin
         spec = PreprocessSpec.from_dict(model.spec)
     except ModelError as e:
         raise ModelError(f"{model.description}: its preprocessing cannot be written as {SPEC_FILE} ({e})") from None
+    network = model.network
+    if embedding:
+        if model.embedder is None:
+            raise ModelError(f"{model.description} has no final Linear layer whose input is its pooled features, so "
+                             "--embedding cannot find them; import it without --embedding and declare a tensor of its "
+                             f'{MODEL_FILE} as "embedding" in {SPEC_FILE}')
+        network = model.embedder
+        spec = dataclasses.replace(spec, embedding=EmbeddingSpec(output=ONNX_EMBEDDING,
+                                                                 dim=embedding_width(network, spec)))
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again on a refusal
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
     try:
-        onnx_bytes, export_note = export_onnx(model.network, spec)
+        onnx_bytes, export_note = export_onnx(network, spec)
         model.notes.append(export_note)
         (tmp / MODEL_FILE).write_bytes(onnx_bytes)
         (tmp / LABELS_FILE).write_text("".join(f"{label}\n" for label in model.labels), encoding="utf-8")
@@ -187,9 +234,19 @@ def _loader(source: str) -> Callable[..., SourceModel]:
                           f"'bulk-classify[{EXTRA}]'") from None
 
 
+def embedding_width(embedder: Any, spec: PreprocessSpec) -> int:
+    """The width of the features ``embedder`` (a module returning (logits, features)) gives for the spec's input."""
+    import torch
+
+    with torch.no_grad():
+        _, features = embedder(torch.zeros(1, *spec.input_shape))
+    return int(features.shape[1])
+
+
 def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:
     """``network`` as ONNX bytes (one float32 input ``ONNX_INPUT`` with a dynamic batch axis, one output
-    ``ONNX_OUTPUT``) and a note on the simplification.
+    ``ONNX_OUTPUT``, and where the spec declares an embedding, ``network`` returning (logits, features), a second
+    output of that name) and a note on the simplification.
 
     onnxslim folds the constants torch's TorchScript exporter leaves and the Identity aliases of shared weights that
     other ONNX readers trip on; its graph is kept only where ONNX Runtime gives the exporter's numbers on a random
@@ -200,14 +257,17 @@ def export_onnx(network: Any, spec: PreprocessSpec) -> tuple[bytes, str]:
 
     buffer = io.BytesIO()
     dummy = torch.zeros(2, *spec.input_shape)
+    outputs = [ONNX_OUTPUT] + ([spec.embedding.output] if spec.embedding is not None else [])
     try:
         # The TorchScript exporter warns that it is deprecated and that traced Python conditions became constants:
         # both expected here (the new exporter needs onnxscript and gives the same graph for these networks).
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(network, (dummy,), buffer, input_names=[ONNX_INPUT], output_names=[ONNX_OUTPUT],
-                              dynamic_axes={ONNX_INPUT: {0: "batch"}, ONNX_OUTPUT: {0: "batch"}},
+            torch.onnx.export(network, (dummy,), buffer, input_names=[ONNX_INPUT], output_names=outputs,
+                              dynamic_axes={name: {0: "batch"} for name in (ONNX_INPUT, *outputs)},
                               opset_version=OPSET, dynamo=False)
+    except ModelError:
+        raise  # the embedder's own refusal, while tracing
     except Exception as e:  # noqa: BLE001 - the exporter raises many types; one line says which operator failed
         raise ModelError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     exported = buffer.getvalue()
@@ -225,6 +285,9 @@ def compare(model: SourceModel, bundle: ModelBundle, samples: list[tuple[str, by
     import torch
 
     session = ort.InferenceSession(str(bundle.onnx_path), providers=["CPUExecutionProvider"])
+    embedding = bundle.spec.embedding
+    names = [bundle.output_name] + ([embedding.output] if embedding is not None else [])
+    network = model.embedder if embedding is not None else model.network
     framework, ours, exported = [], [], []
     for start in range(0, len(samples), FORWARD_BATCH):
         chunk = samples[start:start + FORWARD_BATCH]
@@ -238,13 +301,46 @@ def compare(model: SourceModel, bundle: ModelBundle, samples: list[tuple[str, by
                                   "photos") from None
         batch = torch.stack(tensors)
         with torch.no_grad():
-            framework.append(model.network(batch).float().numpy())
-        ours.append(session.run([bundle.output_name], {bundle.input_name: np.stack(arrays)})[0])
-        exported.append(session.run([bundle.output_name], {bundle.input_name: batch.float().numpy()})[0])
-    framework_logits = np.concatenate(framework)
+            got = network(batch)
+        framework.append([t.float().numpy() for t in (got if isinstance(got, tuple) else (got,))])
+        ours.append(session.run(names, {bundle.input_name: np.stack(arrays)}))
+        exported.append(session.run(names, {bundle.input_name: batch.float().numpy()}))
+    framework_logits, ours_logits, exported_logits = (np.concatenate([part[0] for part in side])
+                                                      for side in (framework, ours, exported))
     output = bundle.spec.output
-    export_diff = parity_of(framework_logits, np.concatenate(exported), output).max_logit_diff
-    return dataclasses.replace(parity_of(framework_logits, np.concatenate(ours), output), export_diff=export_diff)
+    export_diff = parity_of(framework_logits, exported_logits, output).max_logit_diff
+    parity = dataclasses.replace(parity_of(framework_logits, ours_logits, output), export_diff=export_diff)
+    if embedding is None:
+        return parity
+    features, ours_features, exported_features = (np.concatenate([part[1] for part in side])
+                                                  for side in (framework, ours, exported))
+    return dataclasses.replace(parity, embedding=embedding_parity_of(features, ours_features, exported_features))
+
+
+def embedding_parity_of(framework: np.ndarray, ours: np.ndarray, exported: np.ndarray) -> EmbeddingParity:
+    """The agreement of [images, dim] feature arrays: ``ours`` (this folder's preprocessing) and ``exported`` (the
+    framework's tensors) against the framework's."""
+    cosine, export_cosine = _cosines(framework, ours), _cosines(framework, exported)
+    framework = framework.astype(np.float64)
+    scale = max(float(np.abs(framework).max()), 1e-12)
+    return EmbeddingParity(
+        dim=int(framework.shape[1]),
+        min_cosine=float(cosine.min()),
+        median_cosine=float(np.median(cosine)),
+        max_abs_diff=float(np.abs(framework - ours).max()),
+        export_min_cosine=float(export_cosine.min()),
+        export_diff=float(np.abs(framework - exported).max() / scale),
+    )
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row, the cosine of two [rows, dim] arrays (1 for two zero rows, 0 for one; NaN where one is not finite)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where(norms > 0, (a * b).sum(axis=1) / np.where(norms > 0, norms, 1.0), 0.0)
+    return np.where(both_zero, 1.0, cosine)
 
 
 def parity_of(framework: np.ndarray, ours: np.ndarray, output: str = OUTPUT_LOGITS) -> Parity:
@@ -282,6 +378,11 @@ def format_result(result: ImportResult) -> str:
         f"{p.median_logit_diff:.2%} of the range ({p.max_abs_logit_diff:.2g} absolute); the network alone "
         f"{p.export_diff:.1e}",
     ]
+    e = p.embedding
+    if e is not None:
+        lines.append(f"embedding {ONNX_EMBEDDING!r} ({e.dim} features, L2-normalised in the output): cosine with the "
+                     f"framework's median {e.median_cosine:.5f} / min {e.min_cosine:.5f}, largest difference "
+                     f"{e.max_abs_diff:.2g}; the network alone cosine min {e.export_min_cosine:.6f}")
     lines += [f"note: {note}" for note in result.notes]
     lines.append(f"written: {result.folder} (bulk-classify model check {result.folder} runs it through every engine "
                  "available here)")

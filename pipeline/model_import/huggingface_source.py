@@ -14,6 +14,7 @@ from transformers.utils import logging as hf_logging
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_SIGMOID
 from pipeline.model_import.base import SourceModel, spec_fields
+from pipeline.model_import.embedding import HeadInputEmbedder
 
 CONFIG_FILE = "config.json"
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -75,8 +76,13 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     if PROBLEM_OUTPUTS[problem] != OUTPUT_LOGITS:
         spec["output"] = PROBLEM_OUTPUTS[problem]
         notes.append(f'scores: "output": "{spec["output"]}", a sigmoid per class (problem_type {problem})')
-    return SourceModel(network=Logits(model).eval(), transform=transform, labels=labels, spec=spec,
-                       description=f"{type(model).__name__} from {folder.name}", notes=notes)
+    network, description = Logits(model).eval(), f"{type(model).__name__} from {folder.name}"
+    try:  # the pooled output before the classifier head: the input of its final Linear
+        embedder = HeadInputEmbedder(network, classes, description).eval()
+    except ModelError:
+        embedder = None  # --embedding then says the model has none
+    return SourceModel(network=network, transform=transform, labels=labels, spec=spec, description=description,
+                       notes=notes, embedder=embedder)
 
 
 def spec_from_processor(processor: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.model.default_model import labels_path
 from pipeline.model.folder import read_labels
 from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
+from pipeline.model_import.embedding import TimmEmbedder
 
 # Where a checkpoint may keep its class names (timm's own train.py keeps none; many fine-tuning scripts do).
 LABEL_KEYS = ("class_names", "classes", "labels", "label_names")
@@ -58,7 +59,8 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
         notes.append("labels: ImageNet-1k's, as the architecture's pretrained_cfg says; pass --labels for your own")
     config = timm.data.resolve_data_config({}, model=network)
     return SourceModel(network=network.eval(), transform=timm.data.create_transform(**config), labels=tuple(labels),
-                       spec=spec_from_config(config), description=f"timm {name} from {checkpoint.name}", notes=notes)
+                       spec=spec_from_config(config), description=f"timm {name} from {checkpoint.name}", notes=notes,
+                       embedder=TimmEmbedder(network).eval())
 
 
 def spec_from_config(config: dict[str, Any]) -> dict[str, Any]:

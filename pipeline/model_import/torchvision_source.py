@@ -10,6 +10,7 @@ import torchvision.models as models
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model_import.base import SourceModel, fit_weights, spec_fields
+from pipeline.model_import.embedding import HeadInputEmbedder
 
 
 def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, preset: str | None,
@@ -45,9 +46,11 @@ def load(name: str, *, checkpoint: Path | None, labels: tuple[str, ...] | None, 
     network = models.get_model(name, weights=None, num_classes=len(labels))
     fit_weights(network, state, checkpoint, f"torchvision's {name} with {len(labels)} classes")
     transform = entry.transforms()
+    description = f"torchvision {name} from {checkpoint.name}"
     return SourceModel(network=network.eval(), transform=transform, labels=tuple(labels),
-                       spec=spec_from_transform(transform), description=f"torchvision {name} from {checkpoint.name}",
-                       notes=[f"preprocessing: torchvision's {entries.__name__}.{entry.name} transforms"])
+                       spec=spec_from_transform(transform), description=description,
+                       notes=[f"preprocessing: torchvision's {entries.__name__}.{entry.name} transforms"],
+                       embedder=_embedder(network, len(labels), description))
 
 
 def spec_from_transform(transform: Any) -> dict[str, Any]:
@@ -59,3 +62,12 @@ def spec_from_transform(transform: Any) -> dict[str, Any]:
                          "preprocess.json cannot express it")
     return spec_fields(size=(crop[0], crop[-1]), resize_shorter=resize[0],
                        interpolation=transform.interpolation.value, mean=transform.mean, std=transform.std)
+
+
+def _embedder(network: Any, classes: int, description: str) -> Any:
+    """The network with the input of its final fc / classifier[-1] as the embedding, or None where it has none (a
+    classifier of 1x1 convolutions: SqueezeNet); ``--embedding`` then says so."""
+    try:
+        return HeadInputEmbedder(network, classes, description).eval()
+    except ModelError:
+        return None
