@@ -98,8 +98,8 @@ class OpenVinoEngine(OnnxEngine):
         try:
             core = ov.Core()
             graph = runtime_graph(bundle)  # a path, or the graph with the embedding's tensor as an output
-            network = core.read_model(model=graph) if isinstance(graph, bytes) else core.read_model(graph)
-            compiled = core.compile_model(network, "CPU", config)
+            compiled = core.compile_model(core.read_model(model=graph) if isinstance(graph, bytes) else graph, "CPU",
+                                          config)
             outputs = [compiled.output(name) for name in network_outputs(bundle)]
         except Exception as e:  # OpenVINO raises RuntimeError for most things, its own types for some
             raise EngineError(f"OpenVINO cannot load {bundle.onnx_path}: {_one_line(e)}; check the file with "
