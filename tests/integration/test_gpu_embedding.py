@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.engines.base import NONFINITE_ERROR
 from pipeline.errors import ModelError
-from pipeline.model.folder import MODEL_FILE, SPEC_FILE, load_model
+from pipeline.model.folder import MODEL_FILE, load_model
 from pipeline.schema import STATUS_ERROR, STATUS_OK
 from support import odd_models, user_models
 from support.oddities import photo_set
@@ -35,23 +35,6 @@ def embedder(tmp_path_factory):
                                                user_models.TinyNet(scale=20.0), embedding=True))
 
 
-def reference(bundle, images):
-    """ONNX Runtime on the reference preprocessing (Pillow + numpy) of each image: (class outputs [N, classes],
-    embeddings [N, dim] per the spec), the graph's embedding tensor fetched as an output."""
-    import onnx
-    import onnxruntime as ort
-
-    from pipeline.gpu.onnx_torch import with_outputs
-    from pipeline.model.imaging import load_and_preprocess
-    from pipeline.model.scores import embeddings_of
-
-    graph = with_outputs(onnx.load(str(bundle.onnx_path)), [bundle.output_name, bundle.spec.embedding.output])
-    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
-    batch = np.stack([load_and_preprocess(data, bundle.spec)[0] for data in images]).astype(np.float32)
-    logits, features = session.run(None, {bundle.input_name: batch})
-    return logits, embeddings_of(features, bundle.spec.embedding)
-
-
 @pytest.fixture(scope="module")
 def photos():
     """The committed photos (with an EXIF-rotated JPEG and a PNG) and the parity inputs: real photos of both kinds
@@ -66,24 +49,19 @@ def _onnx(bundle, images, top_k, more=()):
         return engine.classify(images)
 
 
-def _cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 @pytest.mark.parametrize("pipeline", [True, False], ids=["stream", "classify"])
 def test_the_gpu_engine_gives_onnx_runtimes_embeddings_on_real_photos(embedder, photos, pipeline):
     from pipeline.engines.gpu import GpuEngine
 
     with GpuEngine(embedder, top_k=3, device="cpu", batch_size=4, pipeline=pipeline) as engine:
         got = engine.classify(photos + [b"not an image"])
-    logits, want = reference(embedder, photos)
+    logits, want = user_models.onnx_embeddings(embedder, photos)
     cosines = []
     for i, row in enumerate(got[:-1]):
         assert row.status == STATUS_OK, (i, row.error)
         assert len(row.embedding) == user_models.EMBEDDING_DIM
         assert np.linalg.norm(row.embedding) == pytest.approx(1.0, abs=1e-5)  # normalize: true
-        cosines.append(_cosine(row.embedding, want[i]))
+        cosines.append(user_models.cosine(row.embedding, want[i]))
         assert row.class_ids[0] == int(np.argmax(logits[i])), i
     print(f"cosine to ONNX Runtime's embeddings over {len(cosines)} photos: 1 - min = {1 - min(cosines):.1e}")
     assert min(cosines) > COSINE_BOUND
@@ -171,7 +149,7 @@ def test_a_set_of_an_fp16_and_an_fp32_model_answers_as_each_alone(embedder, phot
         assert row.scores == pytest.approx(alone["fp16"][i].scores, abs=2e-3)  # FP16 of DALI's vs torch's cast
         assert second.class_ids == alone["fp32"][i].class_ids
         assert second.scores == pytest.approx(alone["fp32"][i].scores, abs=1e-5)
-        assert _cosine(second.embedding, alone["fp32"][i].embedding) > 1 - 1e-6
+        assert user_models.cosine(second.embedding, alone["fp32"][i].embedding) > 1 - 1e-6
         assert row.embedding is None
 
 
@@ -205,13 +183,13 @@ def test_a_non_finite_embedding_of_one_model_of_a_set_is_that_models_error_only(
     with GpuEngine(plain, top_k=3, more=(embeds,), device="cpu", batch_size=4) as engine:
         got = engine.classify(images)
     plain_ort = _onnx(plain, images, 3)
-    _, want = reference(embeds, images)
+    _, want = user_models.onnx_embeddings(embeds, images)
     for i, row in enumerate(got):
         (second,) = row.more
         assert (row.status, row.class_ids) == (STATUS_OK, plain_ort[i].class_ids), i
         assert row.embedding is None
         if np.isfinite(want[i]).all():
-            assert second.status == STATUS_OK and _cosine(second.embedding, want[i]) > COSINE_BOUND, i
+            assert second.status == STATUS_OK and user_models.cosine(second.embedding, want[i]) > COSINE_BOUND, i
         else:  # the bright images: infinity and NaN in the embedding, finite logits
             assert i >= 4 and second.error == NONFINITE_ERROR and second.embedding is None
     assert sum(r.more[0].status == STATUS_ERROR for r in got) == 2

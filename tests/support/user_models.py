@@ -94,3 +94,28 @@ def model_folder(path, net: torch.nn.Module | None = None, *, fixed_batch: int |
     (path / LABELS_FILE).write_text("".join(f"class{i}\n" for i in range(CLASSES)))
     (path / SPEC_FILE).write_text(json.dumps(spec))
     return path
+
+
+def onnx_embeddings(bundle, images):
+    """ONNX Runtime on the reference preprocessing (Pillow + numpy) of each encoded image: (class outputs [N, classes],
+    embeddings [N, dim] per the spec), the graph's embedding tensor fetched as an output."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.gpu.onnx_torch import with_outputs
+    from pipeline.model.imaging import load_and_preprocess
+    from pipeline.model.scores import embeddings_of
+
+    graph = with_outputs(onnx.load(str(bundle.onnx_path)), [bundle.output_name, bundle.spec.embedding.output])
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    batch = np.stack([load_and_preprocess(data, bundle.spec)[0] for data in images]).astype(np.float32)
+    logits, features = session.run(None, {bundle.input_name: batch})
+    return logits, embeddings_of(features, bundle.spec.embedding)
+
+
+def cosine(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
