@@ -20,7 +20,7 @@ from pipeline.gpu.defaults import CUDA_SYNC_MODES, NO_INT8
 from pipeline.model.folder import ModelBundle, is_builtin
 from pipeline.model.imaging import DecodeLimits
 from pipeline.node import importable
-from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER
+from pipeline.schema import DEFAULT_TOP_K, STAGE_INFER, STATUS_OK
 
 SPEC = EngineSpec(
     name="gpu",
@@ -146,13 +146,25 @@ def _respond(done: Future, raw: RawResults, n: int) -> None:
 
 def results_from_raw(raw: RawResults, labels: Sequence[str], more_labels: Sequence[Sequence[str]] = ()) -> list[Result]:
     """Turns ``RawResults`` arrays into one ``Result`` per image; a model set's other models' answers (``raw.more``,
-    with ``more_labels``) go in its ``more``, except for an image with an error of its own (every model's)."""
+    with ``more_labels``) go in its ``more``, except for an image with an error of its own (every model's). Each
+    model's embedding (``raw.embedding``, ``ModelScores.embedding``) goes in its ok rows' ``embedding``; a row whose
+    embedding was not finite already has NaN scores, so it is that model's NONFINITE error row."""
     sizes = [(int(w) or None, int(h) or None) for w, h in zip(raw.width, raw.height)]
-    results = results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors)
-    others = [results_from_topk(m.class_ids, m.scores, names, sizes) for m, names in zip(raw.more, more_labels)]
+    results = _with_embeddings(results_from_topk(raw.class_ids, raw.scores, labels, sizes, raw.errors), raw.embedding)
+    others = [_with_embeddings(results_from_topk(m.class_ids, m.scores, names, sizes), m.embedding)
+              for m, names in zip(raw.more, more_labels)]
     for i, result in enumerate(results):
         if others and not raw.errors[i]:
             result.more = [rows[i] for rows in others]
+    return results
+
+
+def _with_embeddings(results: list[Result], embedding) -> list[Result]:
+    """``results`` with each ok row's embedding from its row of ``embedding`` (float32 [N, dim], or None)."""
+    if embedding is not None:
+        for result, vector in zip(results, embedding):
+            if result.status == STATUS_OK:
+                result.embedding = vector.tolist()
     return results
 
 

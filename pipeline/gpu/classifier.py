@@ -15,7 +15,9 @@ The hot path per batch, with no per-image Python loop on the GPU side:
    start), softmax and top-k: only k values per image come back.
 
 A model set (``more``: ``SetModel``) decodes each image once; each model's network runs on its own spec's DALI branch
-(equal specs share one) and its top-k comes back in ``RawResults.more``.
+(equal specs share one) and its top-k comes back in ``RawResults.more``. A model whose spec declares an embedding
+returns it beside its top-k (float32, L2-normalised on the GPU per its spec): ``RawResults.embedding`` and
+``ModelScores.embedding``.
 
 Preparing the next batches runs in ``prep_workers`` threads, each on its own high-priority CUDA stream, while the
 network runs the current batch; events order the streams. A file DALI refuses fails DALI's whole batch: that batch
@@ -78,8 +80,11 @@ class Chunk:
     items: list[_Item]
     inputs: Any = None  # fp16 [n, 3, h, w] on the GPU, rows in items order
     branch_inputs: list = field(default_factory=list)  # a model set's: one such tensor per DALI branch (inputs first)
-    more_host: list = field(default_factory=list)  # a model set's other models: (class ids, scores) host buffers
-    more_scores: list = field(default_factory=list)  # ... and as arrays, once on the host: [(ids [n, k], scores)]
+    more_host: list = field(default_factory=list)  # a model set's other models: (ids, scores, embedding) host buffers
+    more_scores: list = field(default_factory=list)  # ... and as arrays, once on the host: [(ids [n, k], scores,
+    # embedding [n, dim] or None)]
+    embedding_host: Any = None  # the first model's embedding host buffer, where its spec declares one
+    embedding: np.ndarray | None = None  # ... as an array, once on the host: float32 [n, dim], rows as the ids
     ok: list[int] = field(default_factory=list)  # positions in items that made it into ``inputs``
     errors: dict[int, str] = field(default_factory=dict)  # caller index -> "kind: detail"
     ready: Any = None  # CUDA event: inputs are complete
@@ -94,6 +99,7 @@ class ModelScores:
 
     class_ids: np.ndarray  # int32 [N, K of this model]
     scores: np.ndarray  # float32 [N, K of this model]
+    embedding: np.ndarray | None = None  # float32 [N, dim] where this model's spec declares an embedding
 
 
 @dataclass
@@ -107,20 +113,34 @@ class RawResults:
     errors: list[str]  # "" when the image was classified
     echo: np.ndarray | None = None  # int64 [N]: each answer's image TAG (the Triton stream's; None elsewhere)
     more: list[ModelScores] = field(default_factory=list)  # a model set's other models, in ``more``'s order
+    # float32 [N, dim]: the model's embedding per image, L2-normalised where its spec says, where its spec declares
+    # one (None otherwise); zeros in error rows. A row whose embedding is not finite has NaN scores, so it is the
+    # NONFINITE error row like a non-finite class output.
+    embedding: np.ndarray | None = None
 
 
-def empty_scores(n: int, top_ks: Sequence[int]) -> list[ModelScores]:
-    """Zeroed ``ModelScores`` of ``n`` images for each of a model set's other models (``GpuClassifier.more_top_k``)."""
-    return [ModelScores(np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)) for k in top_ks]
+def empty_embedding(n: int, dim: int) -> np.ndarray | None:
+    """Zeroed embeddings of ``n`` images (float32 [n, dim]), or None for a model without one (``dim`` 0)."""
+    return np.zeros((n, dim), np.float32) if dim else None
 
 
-def write_scores(into: Sequence[ModelScores], rows, scores: Sequence[tuple[np.ndarray, np.ndarray]], src=None):
-    """The other models' chunk results (``Chunk.more_scores``) into their ``ModelScores`` at ``rows`` (from the
-    chunk's rows ``src``, all when None)."""
-    for model, (ids, vals) in zip(into, scores):
+def empty_scores(n: int, top_ks: Sequence[int], dims: Sequence[int] = ()) -> list[ModelScores]:
+    """Zeroed ``ModelScores`` of ``n`` images for each of a model set's other models (``GpuClassifier.more_top_k``,
+    and ``more_embedding_dims``: 0 for a model without an embedding)."""
+    dims = tuple(dims) or (0,) * len(top_ks)
+    return [ModelScores(np.zeros((n, k), np.int32), np.zeros((n, k), np.float32), empty_embedding(n, d))
+            for k, d in zip(top_ks, dims)]
+
+
+def write_scores(into: Sequence[ModelScores], rows, scores: Sequence[tuple], src=None):
+    """The other models' chunk results (``Chunk.more_scores``: ids, scores, embedding or None) into their
+    ``ModelScores`` at ``rows`` (from the chunk's rows ``src``, all when None)."""
+    for model, (ids, vals, embedding) in zip(into, scores):
         ids, vals = (ids, vals) if src is None else (ids[src], vals[src])
         model.class_ids[rows, : ids.shape[-1]] = ids
         model.scores[rows, : vals.shape[-1]] = vals
+        if embedding is not None and model.embedding is not None:
+            model.embedding[rows] = embedding if src is None else embedding[src]
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,8 @@ class SetModel:
         top_k: its classes per image (at most its classes); None: the classifier's ``top_k``.
         fixed_batch: its fixed batch size, if its batch axis is a number.
         precision_gate: run the FP16 gate for it where ``half`` is None (False: the built-in network).
+        half: its precision where given (True: FP16), over the classifier's ``half`` option; None: as the
+            classifier's other networks decide theirs.
     """
 
     network: Any
@@ -140,6 +162,7 @@ class SetModel:
     top_k: int | None = None
     fixed_batch: int | None = None
     precision_gate: bool = True
+    half: bool | None = None
 
 
 @dataclass
@@ -289,9 +312,10 @@ class GpuClassifier:
         self.more_top_k = tuple(m.top_k or top_k for m in self.more)  # each other model's classes per image
         _, self.branch_of = branch_plan((spec, *(m.spec for m in self.more)))
         self.half = self._half_for(network, spec, half, o.precision_gate)
-        more_half = [self._half_for(m.network, m.spec, half, m.precision_gate) for m in self.more]
+        more_half = [self._half_for(m.network, m.spec, half if m.half is None else m.half, m.precision_gate)
+                     for m in self.more]
         if half is None and self.is_cuda and network is not None and (o.precision_gate or any(
-                m.precision_gate for m in self.more)):
+                m.precision_gate and m.half is None for m in self.more)):
             mark = self._took("precision gate", mark)
         self.dtype = torch.float16 if self.half else torch.float32
         # DALI's output is FP16 where every network runs FP16; an FP32 network's branch is cast on the GPU otherwise.
@@ -307,7 +331,10 @@ class GpuClassifier:
         self.network = None if network is None else TopKNetwork(
             network, crop=spec.crop, device=self.device, half=self.half, batch_size=batch_size,
             cuda_graph=self.use_graph, top_k=top_k, probabilities=spec.probabilities, fixed_batch=o.fixed_batch,
-            compile=o.compile, sigmoid=spec.sigmoid)
+            compile=o.compile, sigmoid=spec.sigmoid, embedding=spec.embedding)
+        # Each model's embedding width (0: none), as RawResults carries them.
+        self.embedding_dim = spec.embedding.dim if spec.embedding is not None else 0
+        self.more_embedding_dims = tuple(m.spec.embedding.dim if m.spec.embedding is not None else 0 for m in self.more)
         self._models: list[_Model] = []
         if self.network is not None:
             self._models.append(_Model(self.network, self.half, self.dtype, 0, top_k))
@@ -315,7 +342,7 @@ class GpuClassifier:
                 self._models.append(_Model(TopKNetwork(
                     m.network, crop=m.spec.crop, device=self.device, half=m_half, batch_size=batch_size,
                     cuda_graph=self.use_graph, top_k=m_top_k, probabilities=m.spec.probabilities,
-                    fixed_batch=m.fixed_batch, compile=o.compile, sigmoid=m.spec.sigmoid),
+                    fixed_batch=m.fixed_batch, compile=o.compile, sigmoid=m.spec.sigmoid, embedding=m.spec.embedding),
                     m_half, torch.float16 if m_half else torch.float32, branch, m_top_k))
         self._net_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if dali_depth > 1:
@@ -402,20 +429,32 @@ class GpuClassifier:
 
     def _check_reference(self, model: _Model, reference) -> None:
         """The network as it runs here (compiled, FP16 or FP32, in its CUDA graph) against ONNX Runtime's outputs on
-        the reference batch; a network that does not agree never classifies.
+        the reference batch, its embedding too where it has one; a network that does not agree never classifies.
 
         Raises:
             EngineError: the outputs differ beyond ``DEVICE_REL_L2`` or a decided top-1 class changes.
         """
-        from pipeline.gpu.onnx_torch import DEVICE_REL_L2, agreement  # noqa: PLC0415 - onnx2torch: converted only
+        from pipeline.gpu.onnx_torch import (  # noqa: PLC0415 - onnx2torch: converted only
+            DEVICE_REL_L2, agreement, embedding_agreement,
+        )
+        from pipeline.gpu.topk_network import split_outputs  # noqa: PLC0415
 
         torch = self._torch
         x = torch.from_numpy(reference.inputs).to(self.device, model.dtype)
-        out = model.network.run(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy()
+        out, features = split_outputs(model.network.run(x.contiguous(memory_format=torch.channels_last)))
+        out = out.float().cpu().numpy()
         found = agreement(out, reference.outputs, probabilities=reference.probabilities)
+        precision = "fp16" if model.half else "fp32"
         if not found.within(DEVICE_REL_L2):
-            raise EngineError(f"the converted network on {self.device} ({'fp16' if model.half else 'fp32'}) gives "
+            raise EngineError(f"the converted network on {self.device} ({precision}) gives "
                               f"{found.describe()} (allowed {DEVICE_REL_L2:g}); run this model with --engine onnx")
+        if reference.embeddings is not None:
+            got = None if features is None else features.float().reshape(len(out), -1).cpu().numpy()
+            close = embedding_agreement(got, reference.embeddings)
+            if not close.within(DEVICE_REL_L2):
+                raise EngineError(f"the converted network on {self.device} ({precision}) gives an embedding "
+                                  f"{close.rel_l2:.2e} from ONNX Runtime's (relative L2; allowed {DEVICE_REL_L2:g}); "
+                                  "run this model with --engine onnx")
         LOG.info("the network on %s agrees with ONNX Runtime: %s", self.device, found.describe())
 
     # ---- public ---------------------------------------------------------------------------------
@@ -447,7 +486,8 @@ class GpuClassifier:
         scores = np.zeros((n, k), dtype=np.float32)
         width = np.zeros(n, dtype=np.int32)
         height = np.zeros(n, dtype=np.int32)
-        more = empty_scores(n, self.more_top_k)
+        more = empty_scores(n, self.more_top_k, self.more_embedding_dims)
+        embedding = empty_embedding(n, self.embedding_dim)
         items, errors = self._triage_all(images, self.limits)
         chunks = iter([Chunk(items[s : s + self.batch_size]) for s in range(0, len(items), self.batch_size)])
         failure: list[BaseException] = []
@@ -465,12 +505,14 @@ class GpuClassifier:
             scores[rows, : vals_np.shape[1]] = vals_np
             width[rows] = [chunk.items[p].width for p in chunk.ok]
             height[rows] = [chunk.items[p].height for p in chunk.ok]
+            if embedding is not None:
+                embedding[rows] = chunk.embedding
             write_scores(more, rows, chunk.more_scores)
 
         self.run_stream(lambda block: next(chunks, STOP), sink)
         if failure:
             raise failure[0]
-        return RawResults(ids, scores, width, height, errors, more=more)
+        return RawResults(ids, scores, width, height, errors, more=more, embedding=embedding)
 
     def run_stream(self, source, sink) -> None:
         """The pipeline over a stream of chunks: preparation of the next ``prep_workers + 2`` chunks runs while the
@@ -481,8 +523,9 @@ class GpuClassifier:
                 ``block=False``, while work is in flight) or ``STOP`` when the stream ends.
             sink: ``sink(chunk, class_ids, scores, error)`` for each chunk, in order, once its results are on the
                 host (``class_ids`` is None when no image of the chunk reached the network; ``error`` is the
-                exception that failed the whole chunk, else None); a model set's other models' top-k are then in
-                ``chunk.more_scores``, rows as ``class_ids``'.
+                exception that failed the whole chunk, else None); the first model's embedding is then in
+                ``chunk.embedding`` and a model set's other models' answers in ``chunk.more_scores``, rows as
+                ``class_ids``'.
         """
         ahead = self.prep_workers + 2  # chunks being prepared or queued for it: hides preparation, bounds memory
         window: collections.deque = collections.deque()  # (chunk, future of its preparation)
@@ -528,7 +571,8 @@ class GpuClassifier:
                 done.synchronize()
             idx_np = None if idx_h is None else idx_h.numpy()
             vals_np = None if vals_h is None else vals_h.numpy()
-            chunk.more_scores = [(i.numpy(), v.numpy()) for i, v in chunk.more_host]
+            chunk.more_scores = [(i.numpy(), v.numpy(), None if e is None else e.numpy()) for i, v, e in chunk.more_host]
+            chunk.embedding = None if chunk.embedding_host is None else chunk.embedding_host.numpy()
         except Exception as err:  # noqa: BLE001 - the chunk's network run failed
             sink(chunk, None, None, err)
             return
@@ -537,6 +581,7 @@ class GpuClassifier:
             chunk.inputs = None
             chunk.branch_inputs = []
             chunk.more_host = []
+            chunk.embedding_host = None
         sink(chunk, idx_np, vals_np, None)
 
     @staticmethod
@@ -627,8 +672,9 @@ class GpuClassifier:
         chunk.prepare_s = time.perf_counter() - t0
 
     def _infer(self, chunk: Chunk):
-        """Queues network + softmax + top-k of every model for a prepared chunk; returns the first model's host
-        buffers and their event (the other models' buffers: ``chunk.more_host``)."""
+        """Queues network + softmax + top-k (and embedding) of every model for a prepared chunk; returns the first
+        model's host buffers and their event (its embedding's: ``chunk.embedding_host``; the other models':
+        ``chunk.more_host``)."""
         torch = self._torch
         if chunk.inputs is None:
             return None, None, None
@@ -640,20 +686,24 @@ class GpuClassifier:
             outs = []
             for model in self._models:
                 x = chunk.branch_inputs[model.branch]
-                vals, idx = model.network.scores(x if x.dtype == model.dtype else x.to(model.dtype))
+                vals, idx, embedding = model.network.answers(x if x.dtype == model.dtype else x.to(model.dtype))
                 if self.is_cuda:
-                    vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-                    idx_h = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
-                    vals_h.copy_(vals, non_blocking=True)
-                    idx_h.copy_(idx, non_blocking=True)
-                    vals, idx = vals_h, idx_h
-                outs.append((idx, vals))
+                    vals, idx, embedding = (None if t is None else _to_host(torch, t) for t in (vals, idx, embedding))
+                outs.append((idx, vals, embedding))
+            chunk.embedding_host = outs[0][2]
             chunk.more_host = outs[1:]
             done = None
             if self.is_cuda:
                 done = torch.cuda.Event(blocking=self.cuda_sync == "block")
                 done.record(self._net_stream)
-            return (*outs[0], done)
+            return (*outs[0][:2], done)
+
+
+def _to_host(torch, tensor):
+    """A pinned host copy of ``tensor``, queued on the current stream (read once its event has passed)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:

@@ -4,7 +4,8 @@ the precision gate's verdict and torch.compile's artifacts.
 Converting a ``model.onnx`` and checking it against ONNX Runtime takes seconds to a minute, and every GPU instance of
 every run needs the same network, so the checked conversion (``onnx_torch.convert_checked``) is kept under
 ``<cache>/gpu-networks/<key>/`` (the cache of ``pipeline.model.folder.default_cache_dir``). The key covers everything
-the conversion's result depends on: the ONNX file's bytes (and its external data), the preprocessing spec, the
+the conversion's result depends on: the ONNX file's bytes (and its external data), the preprocessing spec (its
+embedding declaration too, which decides the converted graph's outputs), the
 fixed batch, the versions of torch, onnx, onnx2torch, onnxslim and ONNX Runtime, and the source of the conversion code
 itself, so a changed model, library or converter never finds an old entry. What depends on the card (the gate's
 verdict, inductor's kernels) lives below the entry in ``cards/<card key>/``, keyed by the GPU's name and compute
@@ -150,9 +151,11 @@ def _load(entry: Path, fields: dict[str, Any]):
                 raise ValueError(f"{name} does not match its recorded sha256")
         with np.load(entry / REFERENCE_FILE) as saved:
             inputs, outputs = saved["inputs"], saved["outputs"]
+            embeddings = saved["embeddings"] if "embeddings" in saved.files else None
         # The entry is this node's own, written by this code (its sha256 checked above): not a foreign pickle.
         network = torch.load(entry / NETWORK_FILE, map_location="cpu", weights_only=False)
-        reference = onnx_torch.OnnxReference(inputs, outputs, bool(record["probabilities"]), fields["fixed_batch"])
+        reference = onnx_torch.OnnxReference(inputs, outputs, bool(record["probabilities"]), fields["fixed_batch"],
+                                             embeddings)
         agreement = onnx_torch.Agreement(**record["agreement"])
         return onnx_torch.Conversion(network.eval(), reference, agreement, record["note"])
     except Exception as err:  # noqa: BLE001 - any damage (truncated, foreign, stale): rebuild, never trust it
@@ -168,7 +171,11 @@ def _write(entry: Path, fields: dict[str, Any], conversion) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
     try:
         torch.save(conversion.network, tmp / NETWORK_FILE)
-        np.savez(tmp / REFERENCE_FILE, inputs=conversion.reference.inputs, outputs=conversion.reference.outputs)
+        reference = conversion.reference
+        arrays = {"inputs": reference.inputs, "outputs": reference.outputs}
+        if reference.embeddings is not None:
+            arrays["embeddings"] = reference.embeddings
+        np.savez(tmp / REFERENCE_FILE, **arrays)
         record = {"key": fields, "note": conversion.note, "agreement": asdict(conversion.agreement),
                   "probabilities": conversion.reference.probabilities,
                   "files": {name: file_sha256(tmp / name) for name in (NETWORK_FILE, REFERENCE_FILE)}}

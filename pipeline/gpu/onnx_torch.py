@@ -9,7 +9,9 @@ the CPU, as in ONNX Runtime: on the GPU each would be a host sync, which a CUDA 
 
 A converted network is used only after its FP32 outputs on the reference batch (the sample photos of
 ``pipeline/data/sample`` through the model's own preprocessing, plus seeded tensors) agree with ONNX Runtime's on the
-same tensors (``CONVERSION_REL_L2``, and every clearly decided top-1 class). The batch and ONNX Runtime's outputs
+same tensors (``CONVERSION_REL_L2``, and every clearly decided top-1 class). A model whose spec declares an embedding
+is converted with its graph's outputs set to the class output, then the embedding's tensor (an intermediate one
+becomes an output), so the network returns both, and its embedding is held to ONNX Runtime's the same way. The batch and ONNX Runtime's outputs
 travel with the network (``OnnxReference``), so that each GPU instance checks the network it actually runs
 (compiled, FP16 or FP32, in its CUDA graph) against them before it classifies anything.
 
@@ -38,7 +40,8 @@ from onnx2torch.node_converters.tile import OnnxTile
 
 from pipeline.errors import ModelError
 from pipeline.model.imaging import load_and_preprocess
-from pipeline.model.onnx_graph import faithful_slim, normalize, run_onnxruntime
+from pipeline.gpu.topk_network import split_outputs
+from pipeline.model.onnx_graph import faithful_slim, io_names, normalize, run_onnxruntime
 
 LOG = logging.getLogger(__name__)
 
@@ -151,6 +154,7 @@ class OnnxReference:
     outputs: np.ndarray  # float32 [images, classes]
     probabilities: bool  # the outputs are probabilities (the spec's output), not logits
     fixed_batch: int | None = None
+    embeddings: np.ndarray | None = None  # float32 [images, dim]: the embedding tensor as ONNX Runtime computes it
 
 
 @dataclass(frozen=True)
@@ -164,17 +168,84 @@ class Conversion:
 
 
 def run_network(network, inputs: np.ndarray, fixed_batch: int | None = None) -> np.ndarray:
-    """``network``'s FP32 outputs on the CPU for ``inputs`` (in padded runs of ``fixed_batch`` where it is set)."""
+    """``network``'s FP32 class outputs on the CPU for ``inputs`` (in padded runs of ``fixed_batch`` where it is
+    set)."""
+    return run_outputs(network, inputs, fixed_batch)[0]
+
+
+def run_outputs(network, inputs: np.ndarray, fixed_batch: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """``network``'s FP32 class outputs and embedding ([images, dim], None where it returns none) on the CPU for
+    ``inputs`` (in padded runs of ``fixed_batch`` where it is set)."""
     step = fixed_batch or len(inputs)
-    parts = []
+    logits, features = [], []
     with torch.inference_mode():
         for start in range(0, len(inputs), step):
             part = torch.from_numpy(np.ascontiguousarray(inputs[start:start + step]))
             n = part.shape[0]
             if fixed_batch and n < fixed_batch:
                 part = torch.cat([part, part.new_zeros((fixed_batch - n, *part.shape[1:]))])
-            parts.append(network(part).float()[:n].numpy())
-    return np.concatenate(parts)
+            out, embedding = split_outputs(network(part))
+            logits.append(out.float()[:n].numpy())
+            if embedding is not None:
+                features.append(embedding.float()[:n].reshape(n, -1).numpy())
+    return np.concatenate(logits), (np.concatenate(features) if features else None)
+
+
+def embedding_agreement(got: np.ndarray | None, want: np.ndarray) -> Agreement:
+    """How far an embedding ``got`` ([images, dim]) is from ONNX Runtime's ``want``: relative L2 over the rows ONNX
+    Runtime computes (infinite where the shapes differ or a row is finite in one and not the other); ``top1_differ``
+    counts those rows (an embedding has no classes)."""
+    images = len(want)
+    if got is None or got.shape != want.shape:
+        return Agreement(float("inf"), images, images)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want).all(axis=1)
+    mismatch = int((np.isfinite(got).all(axis=1) != finite).sum())
+    if mismatch:
+        return Agreement(float("inf"), mismatch, images)
+    got, want = got[finite], want[finite]
+    rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)) if len(want) else 0.0
+    return Agreement(rel, 0, images)
+
+
+def with_outputs(model, names: list[str]):
+    """A copy of ``model`` (an ``onnx.ModelProto``) whose graph outputs are ``names``, in that order; a name that is
+    not an output of the graph (an intermediate tensor) becomes one, with the type ONNX's shape inference gives it
+    (onnxslim refuses an output without one)."""
+    from onnx import helper  # noqa: PLC0415
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    declared = {o.name: o for o in model.graph.output}
+    if any(name not in declared for name in names):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
+        except Exception:  # noqa: BLE001 - inference is a best effort: an untyped output still runs
+            inferred = []
+        declared = {**{v.name: v for v in inferred if v.type.HasField("tensor_type")}, **declared}
+    outputs = [declared.get(name) or helper.make_empty_tensor_value_info(name) for name in names]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    return model
+
+
+def onnx_embeddings(model, spec, inputs: np.ndarray, fixed_batch: int | None) -> np.ndarray:
+    """ONNX Runtime's embedding tensor (``spec.embedding``) for ``inputs``, [images, dim] float32.
+
+    Raises:
+        ModelError: the graph has no such tensor, or its width is not the spec's ``dim``.
+    """
+    embedding = spec.embedding
+    try:
+        values = run_onnxruntime(with_outputs(model, [embedding.output]), inputs, fixed_batch=fixed_batch)
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime's own error types
+        raise ModelError(f"the model's embedding {embedding.output!r} cannot be read from its graph "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); set "
+                         "embedding.output in preprocess.json to one of its tensors") from None
+    values = values.reshape(len(inputs), -1).astype(np.float32)
+    if values.shape[1] != embedding.dim:
+        raise ModelError(f"the model's embedding {embedding.output!r} is {values.shape[1]} wide and its spec says dim "
+                         f"{embedding.dim}; set embedding.dim to {values.shape[1]} in preprocess.json")
+    return values
 
 
 def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = None) -> Conversion:
@@ -189,9 +260,17 @@ def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
             found, and ``--engine onnx``).
     """
     inputs = reference_batch(spec)
-    wanted = run_onnxruntime(str(onnx_path), inputs, fixed_batch=fixed_batch)
-    reference = OnnxReference(inputs, wanted.astype(np.float32), bool(spec.probabilities), fixed_batch)
-    normal, notes = normalize(onnx.load(str(onnx_path)))
+    source = onnx.load(str(onnx_path))
+    # The class output (the graph's output that is not the embedding), then the embedding's tensor: what the converted
+    # network returns (``split_outputs``).
+    embedding_name = spec.embedding.output if spec.embedding is not None else None
+    class_output = next((o.name for o in source.graph.output if o.name != embedding_name), io_names(source)[1])
+    names = [class_output] + ([embedding_name] if embedding_name else [])
+    first = source if source.graph.output[0].name == class_output else with_outputs(source, [class_output])
+    wanted = run_onnxruntime(str(onnx_path) if first is source else first, inputs, fixed_batch=fixed_batch)
+    features = onnx_embeddings(source, spec, inputs, fixed_batch) if spec.embedding is not None else None
+    reference = OnnxReference(inputs, wanted.astype(np.float32), bool(spec.probabilities), fixed_batch, features)
+    normal, notes = normalize(with_outputs(source, names))
     failures: list[str] = []
     for graph, how in _candidates(normal, notes, inputs, fixed_batch):
         try:
@@ -199,11 +278,19 @@ def convert_checked(onnx_path: str | Path, spec, *, fixed_batch: int | None = No
         except ModelError as err:
             failures.append(str(err))
             continue
-        found = agreement(run_network(network, inputs, fixed_batch), wanted, probabilities=reference.probabilities)
+        logits, embedding = run_outputs(network, inputs, fixed_batch)
+        found = agreement(logits, wanted, probabilities=reference.probabilities)
         if not found.within(CONVERSION_REL_L2):
             failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives "
                             f"{found.describe()} (allowed {CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
             continue
+        if features is not None:
+            close = embedding_agreement(embedding, features)
+            if not close.within(CONVERSION_REL_L2):
+                failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) gives an "
+                                f"embedding {close.rel_l2:.2e} from ONNX Runtime's (relative L2; allowed "
+                                f"{CONVERSION_REL_L2:g}); {CONVERTER_FIX}")
+                continue
         problem = off_host_problem(network, _example(inputs, fixed_batch))
         if problem:
             failures.append(f"{onnx_path} cannot run on the GPU: its network converted to torch ({how}) fails "

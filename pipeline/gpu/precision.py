@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.gpu.topk_network import split_outputs
 from pipeline.model.imaging import preprocess_image
 
 # FP16 is kept when, on GATE_IMAGES sample images, its logits are within GATE_REL_L2 of FP32's
@@ -65,14 +66,20 @@ def gate_sample(spec, images: int = GATE_IMAGES, seed: int = GATE_SEED) -> np.nd
 def choose_half(network, spec, device) -> GateResult:
     """The precision gate: runs ``network`` in FP32 and in FP16 on ``device`` over ``gate_sample(spec)`` and keeps
     FP16 unless the answers disagree (``GATE_REL_L2``, ``GATE_NEAR_TIE``) or FP32 decides too few of them to tell
-    (``GATE_MIN_DECIDED``); non-finite FP16 logits fail it."""
+    (``GATE_MIN_DECIDED``); non-finite FP16 logits fail it. A network that returns an embedding beside its logits
+    (``split_outputs``) keeps FP16 only where its FP16 embedding is finite and within ``GATE_REL_L2`` of FP32's too,
+    which ``rel_l2`` then reports where it is the larger."""
     import torch  # noqa: PLC0415 - optional dependency, present where the GPU paths run
 
     x = torch.from_numpy(gate_sample(spec)).to(device)
     with torch.inference_mode():
         net = copy.deepcopy(network).eval().to(device).float()
-        ref = net(x).float()
-        half = net.half()(x.half()).float()
+        ref, ref_features = split_outputs(net(x))
+        ref = ref.float()
+        ref_features = None if ref_features is None else ref_features.float().reshape(len(ref), -1)
+        half, half_features = split_outputs(net.half()(x.half()))
+        half = half.float()
+        half_features = None if half_features is None else half_features.float().reshape(len(half), -1)
     del net
     probs = ref.softmax(-1)
     top2 = probs.topk(min(2, probs.shape[-1]), dim=-1).values
@@ -81,6 +88,10 @@ def choose_half(network, spec, device) -> GateResult:
     differ = int(((ref.argmax(-1) != half.argmax(-1)) & decided).sum())
     finite = bool(torch.isfinite(half).all())
     rel = float((half - ref).norm() / ref.norm().clamp_min(1e-12)) if finite else float("inf")
+    if ref_features is not None and half_features is not None:
+        finite = finite and bool(torch.isfinite(half_features).all())
+        rel = max(rel, float((half_features - ref_features).norm() / ref_features.norm().clamp_min(1e-12))
+                  if finite else float("inf"))
     n_decided = int(decided.sum())
     return GateResult(half=finite and rel <= GATE_REL_L2 and differ == 0 and n_decided >= GATE_MIN_DECIDED,
                       rel_l2=rel, top1_differ=differ, images=x.shape[0], decided=n_decided)

@@ -29,7 +29,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipeline.gpu.classifier import STOP, Chunk, ModelScores, RawResults, empty_scores, triage, write_scores
+from pipeline.gpu.classifier import (
+    STOP, Chunk, ModelScores, RawResults, empty_embedding, empty_scores, triage, write_scores,
+)
 from pipeline.errors import ImageError
 from pipeline.model.imaging import DecodeLimits
 from pipeline.gpu.defaults import GPU_DEFAULT_MAX_DELAY_MS
@@ -53,19 +55,22 @@ class _Request:
     tags: np.ndarray  # int64 [n], the request's TAG input
     echo: np.ndarray  # int64 [n], the TAG of the image each answer was made for
     more: list[ModelScores]  # a model set's other models' top-k
+    embedding: np.ndarray | None = None  # float32 [n, dim]: the first model's embedding, where it has one
     remaining: int = 0  # images still in the stream
     counted: int = 0  # images this request adds to the stream's backlog
     done: bool = False
 
     @classmethod
-    def new(cls, sender, n: int, top_k: int, tags: np.ndarray | None = None, more_top_k=()) -> "_Request":
+    def new(cls, sender, n: int, top_k: int, tags: np.ndarray | None = None, more_top_k=(), embedding_dim: int = 0,
+            more_embedding_dims=()) -> "_Request":
         tags = np.zeros(n, np.int64) if tags is None else np.asarray(tags, np.int64).reshape(n)
         return cls(sender, n, np.zeros((n, top_k), np.int32), np.zeros((n, top_k), np.float32),
                    np.zeros(n, np.int32), np.zeros(n, np.int32), [""] * n, tags, np.zeros(n, np.int64),
-                   empty_scores(n, more_top_k))
+                   empty_scores(n, more_top_k, more_embedding_dims), empty_embedding(n, embedding_dim))
 
     def results(self) -> RawResults:
-        return RawResults(self.ids, self.scores, self.width, self.height, self.errors, self.echo, more=self.more)
+        return RawResults(self.ids, self.scores, self.width, self.height, self.errors, self.echo, more=self.more,
+                          embedding=self.embedding)
 
 
 @dataclass
@@ -96,6 +101,9 @@ class RequestStream:
         self.max_delay_s = max_delay_s
         self.batch_size = int(classifier.batch_size)
         self.more_top_k = tuple(getattr(classifier, "more_top_k", ()))  # a model set's other models
+        # each model's embedding width (0: none)
+        self.embedding_dim = getattr(classifier, "embedding_dim", 0)
+        self.more_embedding_dims = tuple(getattr(classifier, "more_embedding_dims", ()))
         self._queue: queue.Queue = queue.Queue()
         self._pending = _Pending()
         self._owners: dict[int, tuple[_Request, int]] = {}  # serial -> (request, position); stream thread only
@@ -118,7 +126,8 @@ class RequestStream:
     def submit(self, sender, blobs: list[bytes], limits: DecodeLimits, tags: np.ndarray | None = None) -> None:
         """Queues one request's images (``tags``: their TAGs, zeros when None); its response comes through
         ``respond`` (at once if nothing is left)."""
-        request = _Request.new(sender, len(blobs), self.top_k, tags, self.more_top_k)
+        request = _Request.new(sender, len(blobs), self.top_k, tags, self.more_top_k, self.embedding_dim,
+                               self.more_embedding_dims)
         items = []
         with self._submit_lock:
             serial = self._serial
@@ -243,6 +252,8 @@ class RequestStream:
                 request.scores[pos, : scores.shape[1]] = scores[row]
                 request.width[pos] = item.width
                 request.height[pos] = item.height
+                if request.embedding is not None and chunk.embedding is not None:
+                    request.embedding[pos] = chunk.embedding[row]
                 write_scores(request.more, pos, chunk.more_scores, row)
         for item in chunk.items:
             request, pos = self._owners.pop(item.index)

@@ -1,5 +1,6 @@
 """TopKNetwork: a torch network on one device, FP16 or FP32, in a CUDA graph per batch size, with softmax + top-k
-(a sigmoid per class for a multi-label model, top-k alone for a network whose output is probabilities already).
+(a sigmoid per class for a multi-label model, top-k alone for a network whose output is probabilities already),
+and the model's embedding where its spec declares one (the network then returns ``(logits, embedding)``).
 
 The network half of the gpu engine: ``GpuClassifier`` runs it after DALI in one process (the benchmarks' ensemble
 shape, ``tests/benchmarks/gpu_ensemble.py``, runs it alone in a ``network`` model).
@@ -11,12 +12,27 @@ import copy
 import logging
 import time
 
+from pipeline.errors import EngineError
+
 LOG = logging.getLogger(__name__)
 
 # The compiled network is kept where its logits on seeded random inputs are within this of the eager network's
 # (||compiled - eager|| / ||eager||): fused kernels reorder sums, a wrong graph moves logits by far more.
 COMPILE_REL_L2 = 1e-2
 COMPILE_CHECK_SEED = 44
+
+
+def split_outputs(out):
+    """A network's output as (logits, embedding or None): a network of a model with an embedding returns the pair
+    (a converted ``model.onnx`` returns its graph's outputs, class output first), any other its logits alone."""
+    if isinstance(out, (tuple, list)):
+        return out[0], (out[1] if len(out) > 1 else None)
+    return out, None
+
+
+def _each(out, fn):
+    """``fn`` applied to a network's output: to the tensor, or to each tensor of a tuple of outputs."""
+    return tuple(fn(o) for o in out) if isinstance(out, (tuple, list)) else fn(out)
 
 
 class TopKNetwork:
@@ -38,11 +54,13 @@ class TopKNetwork:
             true ``compile_by_default`` attribute, as a converted ``model.onnx`` does). The compiled network's
             logits are checked against the eager network's at warmup; a failure or a difference beyond
             ``COMPILE_REL_L2`` keeps the eager network and says so once.
+        embedding: the model's ``EmbeddingSpec`` (its spec's ``embedding``), or None: the network returns
+            ``(logits, embedding)`` and ``answers`` returns the embedding too, float32, L2-normalised per the spec.
     """
 
     def __init__(self, network, *, crop: tuple[int, int], device, half: bool, batch_size: int, cuda_graph: bool,
                  top_k: int, probabilities: bool = False, fixed_batch: int | None = None,
-                 compile: bool | None = None, sigmoid: bool = False):
+                 compile: bool | None = None, sigmoid: bool = False, embedding=None):
         import torch  # noqa: PLC0415 - optional dependency, present on GPU machines
 
         self._torch = torch
@@ -57,6 +75,7 @@ class TopKNetwork:
         self.top_k = top_k
         self.probabilities = probabilities
         self.sigmoid = sigmoid
+        self.embedding = embedding
         # A private copy: converting dtype/layout in place would change a module another classifier holds.
         net = copy.deepcopy(network).eval().to(device)
         net = net.to(memory_format=torch.channels_last)
@@ -90,8 +109,8 @@ class TopKNetwork:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                want = eager(x).float()
-                got = self.module(x).float()
+                want = _flat(eager(x))
+                got = _flat(self.module(x))
             rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
             problem = "" if rel <= COMPILE_REL_L2 else f"its logits differ from the eager network's by {rel:.2e}"
         except Exception as err:  # noqa: BLE001 - any compiler failure: the eager network still runs
@@ -110,7 +129,8 @@ class TopKNetwork:
         if self._eager is not None:
             self._check_compiled()
         if self.fixed_batch and x.shape[0] != self.fixed_batch:
-            return torch.cat([self._run_padded(part) for part in x.split(self.fixed_batch)])
+            parts = [self._run_padded(part) for part in x.split(self.fixed_batch)]
+            return _each(tuple(zip(*parts)), torch.cat) if isinstance(parts[0], tuple) else torch.cat(parts)
         with torch.inference_mode():
             if not self.use_graph:
                 return self.module(x)
@@ -122,25 +142,56 @@ class TopKNetwork:
             g, static_in, static_out = graph
             static_in[:n].copy_(x)
             g.replay()
-            return static_out[:n]
+            return _each(static_out, lambda o: o[:n])
 
     def _run_padded(self, part):
         """One run of exactly ``fixed_batch`` rows (``part`` padded with zeros); only ``part``'s rows come back."""
         n = part.shape[0]
         if n < self.fixed_batch:
             part = self._torch.cat([part, part.new_zeros((self.fixed_batch - n, *part.shape[1:]))])
-        return self.run(part)[:n]
+        return _each(self.run(part), lambda o: o[:n])
 
     def scores(self, x):
         """(top-k scores float32 [N, k], their class ids int32 [N, k]) on the device, best first; every score of a row
         whose output holds NaN or infinity is NaN (its image becomes an error row)."""
+        return self.answers(x)[:2]
+
+    def answers(self, x):
+        """``scores``' pair and the embedding (float32 [N, dim] on the device, L2-normalised where the spec says; a
+        zero row stays zero), or None without one; a row whose embedding holds NaN or infinity scores NaN too.
+
+        Raises:
+            EngineError: the network returns no embedding, or one of another width than the spec's ``dim``.
+        """
         torch = self._torch
         with torch.inference_mode():
-            out = self.run(x).float()
+            logits, features = split_outputs(self.run(x))
+            out = logits.float()
             probs = out if self.probabilities else out.sigmoid() if self.sigmoid else out.softmax(dim=-1)
             top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
             # 0 * x is NaN exactly where x is NaN or infinite: summed over the classes, it spoils the whole row
-            return top.values + (out * 0).sum(dim=-1, keepdim=True), top.indices.to(torch.int32)
+            spoiled = (out * 0).sum(dim=-1, keepdim=True)
+            embedding = None
+            if self.embedding is not None:
+                embedding = self._embedding(features, len(out))
+                spoiled = spoiled + (embedding * 0).sum(dim=-1, keepdim=True)
+                if self.embedding.normalize:
+                    norm = embedding.norm(dim=-1, keepdim=True)
+                    embedding = torch.where(norm == 0, torch.zeros_like(embedding), embedding / norm)
+            return top.values + spoiled, top.indices.to(torch.int32), embedding
+
+    def _embedding(self, features, rows: int):
+        """The network's embedding output as float32 [rows, dim], its width checked against the spec's."""
+        spec = self.embedding
+        if features is None:
+            raise EngineError(f"the model's spec declares the embedding {spec.output!r}, and its network returns only "
+                              "its class output; return (logits, embedding) from the network, or remove "
+                              '"embedding" from preprocess.json')
+        features = features.float().reshape(rows, -1)
+        if features.shape[1] != spec.dim:
+            raise EngineError(f"the model's embedding {spec.output!r} is {features.shape[1]} wide and its spec says "
+                              f"dim {spec.dim}; set embedding.dim to {features.shape[1]} in preprocess.json")
+        return features
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -162,3 +213,11 @@ class TopKNetwork:
         self._graphs[size] = (g, static_in, static_out)
         LOG.info("captured a CUDA graph for batch %d", size)
         return self._graphs[size]
+
+
+def _flat(out):
+    """Every output of a network as one float32 vector per row (logits, then the embedding's values)."""
+    import torch  # noqa: PLC0415
+
+    parts = out if isinstance(out, (tuple, list)) else (out,)
+    return torch.cat([o.float().reshape(len(o), -1) for o in parts], dim=1)

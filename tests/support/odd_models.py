@@ -1,6 +1,7 @@
 """Small ONNX classifiers built with onnx.helper, each with one trait a user's export may have: external weights, a
 log-softmax or sigmoid head, a channels-last fully dynamic input, one gray channel, outputs that turn NaN or infinite
-on bright images. Each is the mean colour of the image through a Gemm (its answers depend on its weights)."""
+on bright images, an embedding output that does. Each is the mean colour of the image through a Gemm (its answers
+depend on its weights)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ SPEC = {"resize_shorter": SIZE, "crop": [SIZE, SIZE], "interpolation": "bilinear
 BRIGHT, BRIGHTER = 0.8, 0.9
 BRIGHT_IMAGES = {"light.png": 217, "white.png": 255}  # name -> the gray level of every pixel
 EXTERNAL_DATA = MODEL_FILE + ".data"
-# The head after the logits, or what the network's input is.
-KINDS = ("logits", "log_softmax", "softmax", "sigmoid", "nonfinite", "nhwc_dynamic", "gray")
+# The head after the logits, or what the network's input is; "nonfinite_embedding" has finite logits and an
+# intermediate tensor EMBEDDING (EMBEDDING_DIM wide, declared by EMBEDDING_SPEC) that turns infinite or NaN where
+# "nonfinite"'s logits do.
+KINDS = ("logits", "log_softmax", "softmax", "sigmoid", "nonfinite", "nhwc_dynamic", "gray", "nonfinite_embedding")
+EMBEDDING, EMBEDDING_DIM = "features", 4
+EMBEDDING_SPEC = {**SPEC, "embedding": {"output": EMBEDDING, "dim": EMBEDDING_DIM, "normalize": True}}
 
 
 def network(kind: str = "logits", *, seed: int = 1, classes: int = CLASSES):
@@ -45,12 +50,13 @@ def network(kind: str = "logits", *, seed: int = 1, classes: int = CLASSES):
     nodes += [helper.make_node("GlobalAveragePool", [x], ["pooled"]),
               helper.make_node("Flatten", ["pooled"], ["flat"])]
     last = "gemm"
-    nodes.append(helper.make_node("Gemm", ["flat", "w", "b"], [OUTPUT if kind in ("logits", "nhwc_dynamic", "gray")
-                                                               else last], transB=1))
+    nodes.append(helper.make_node("Gemm", ["flat", "w", "b"],
+                                  [OUTPUT if kind in ("logits", "nhwc_dynamic", "gray", "nonfinite_embedding")
+                                   else last], transB=1))
     if kind in ("log_softmax", "softmax", "sigmoid"):
         op = {"log_softmax": "LogSoftmax", "softmax": "Softmax", "sigmoid": "Sigmoid"}[kind]
         nodes.append(helper.make_node(op, [last], [OUTPUT], **({} if kind == "sigmoid" else {"axis": -1})))
-    elif kind == "nonfinite":
+    if kind in ("nonfinite", "nonfinite_embedding"):
         # 1 / relu(BRIGHT - brightness) + sqrt(BRIGHTER - brightness): infinity, NaN, or below BRIGHT the same finite
         # shift of every logit (the softmax is unchanged)
         inits += [numpy_helper.from_array(np.array(BRIGHT, np.float32), "bright"),
@@ -61,10 +67,16 @@ def network(kind: str = "logits", *, seed: int = 1, classes: int = CLASSES):
                   helper.make_node("Reciprocal", ["clipped"], ["inf_above"]),
                   helper.make_node("Sub", ["brighter", "brightness"], ["margin2"]),
                   helper.make_node("Sqrt", ["margin2"], ["nan_above"]),
-                  helper.make_node("Add", ["inf_above", "nan_above"], ["shift"]),
-                  helper.make_node("Add", [last, "shift"], [OUTPUT])]
+                  helper.make_node("Add", ["inf_above", "nan_above"], ["shift"])]
+    outputs = [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", classes])]
+    if kind == "nonfinite":
+        nodes.append(helper.make_node("Add", [last, "shift"], [OUTPUT]))
+    elif kind == "nonfinite_embedding":
+        inits.append(numpy_helper.from_array(rng.normal(0, 1, (EMBEDDING_DIM, channels)).astype(np.float32), "we"))
+        nodes += [helper.make_node("Gemm", ["flat", "we"], ["projected"], transB=1),
+                  helper.make_node("Add", ["projected", "shift"], [EMBEDDING])]
     graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", classes])], inits)
+                              outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -86,7 +98,9 @@ def model_folder(folder: Path, kind: str = "logits", *, seed: int = 1, classes: 
         onnx.save(model, str(folder / MODEL_FILE))
     (folder / LABELS_FILE).write_text(labels if labels is not None else
                                       "".join(f"product_{i}\n" for i in range(classes)), encoding="utf-8")
-    (folder / SPEC_FILE).write_text(json.dumps(spec if spec is not None else SPEC), encoding="utf-8")
+    if spec is None:
+        spec = EMBEDDING_SPEC if kind == "nonfinite_embedding" else SPEC
+    (folder / SPEC_FILE).write_text(json.dumps(spec), encoding="utf-8")
     return folder
 
 

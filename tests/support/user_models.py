@@ -31,6 +31,26 @@ class TinyNet(torch.nn.Module):
         return self.fc(x.reshape(x.shape[0], -1)) * self.scale
 
 
+# A model's embedding: EmbedNet's second graph output, or (``model_folder(..., embedding=True)``) TinyNet's flattened
+# features, the intermediate tensor before its classifier; EMBEDDING_DIM wide either way.
+EMBEDDING = "features"
+EMBEDDING_DIM = 32 * 4
+
+
+def embedding_spec(output: str = EMBEDDING, normalize: bool = True) -> dict:
+    """``SPEC`` declaring the embedding ``output``."""
+    return {**SPEC, "embedding": {"output": output, "dim": EMBEDDING_DIM, "normalize": normalize}}
+
+
+class EmbedNet(TinyNet):
+    """TinyNet returning (logits, its flattened features): a model with an embedding as a second graph output."""
+
+    def forward(self, x):
+        x = self.features(x)
+        flat = x.reshape(x.shape[0], -1)
+        return self.fc(flat) * self.scale, flat
+
+
 class TokenNet(torch.nn.Module):
     """A transformer-shaped network: patches, a class token expanded to the batch (Expand of a computed shape in
     ONNX, as ViTs export), a position term, attention over the tokens, the class token's logits."""
@@ -52,13 +72,50 @@ class TokenNet(torch.nn.Module):
         return self.head(out[:, 0])
 
 
-def model_folder(path, net: torch.nn.Module | None = None, *, fixed_batch: int | None = None):
-    """``fixed_batch``: export with that batch size as a number (no dynamic batch axis), as some exports come."""
+def model_folder(path, net: torch.nn.Module | None = None, *, fixed_batch: int | None = None,
+                 embedding: bool = False):
+    """``fixed_batch``: export with that batch size as a number (no dynamic batch axis), as some exports come. An
+    ``EmbedNet`` is exported with its features as the graph's second output, declared in its spec; ``embedding``
+    declares a TinyNet's flattened features (the Reshape's output, an intermediate tensor) as its embedding."""
+    import onnx
+
     path.mkdir(parents=True)
-    dynamic = None if fixed_batch else {"input": {0: "batch"}, "logits": {0: "batch"}}
+    outputs = ["logits"] + ([EMBEDDING] if isinstance(net, EmbedNet) else [])
+    dynamic = None if fixed_batch else {name: {0: "batch"} for name in ("input", *outputs)}
     torch.onnx.export((net or TinyNet()).eval(), torch.randn(fixed_batch or 2, 3, 64, 64), str(path / MODEL_FILE),
-                      input_names=["input"], output_names=["logits"], opset_version=17, dynamo=False,
+                      input_names=["input"], output_names=outputs, opset_version=17, dynamo=False,
                       dynamic_axes=dynamic)
+    spec = SPEC
+    if isinstance(net, EmbedNet):
+        spec = embedding_spec()
+    elif embedding:
+        graph = onnx.load(str(path / MODEL_FILE)).graph
+        spec = embedding_spec(next(n.output[0] for n in graph.node if n.op_type == "Reshape"))
     (path / LABELS_FILE).write_text("".join(f"class{i}\n" for i in range(CLASSES)))
-    (path / SPEC_FILE).write_text(json.dumps(SPEC))
+    (path / SPEC_FILE).write_text(json.dumps(spec))
     return path
+
+
+def onnx_embeddings(bundle, images):
+    """ONNX Runtime on the reference preprocessing (Pillow + numpy) of each encoded image: (class outputs [N, classes],
+    embeddings [N, dim] per the spec), the graph's embedding tensor fetched as an output."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.gpu.onnx_torch import with_outputs
+    from pipeline.model.imaging import load_and_preprocess
+    from pipeline.model.scores import embeddings_of
+
+    graph = with_outputs(onnx.load(str(bundle.onnx_path)), [bundle.output_name, bundle.spec.embedding.output])
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    batch = np.stack([load_and_preprocess(data, bundle.spec)[0] for data in images]).astype(np.float32)
+    logits, features = session.run(None, {bundle.input_name: batch})
+    return logits, embeddings_of(features, bundle.spec.embedding)
+
+
+def cosine(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
