@@ -22,11 +22,16 @@ from pipeline.errors import ConfigError, LIST_ERROR
 from pipeline.io.fetch import fetch_batch
 from pipeline.io.keys import object_uri
 from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
-from pipeline.schema import DATA, DEFAULT_TOP_K, OUTPUT_SCHEMA, STATUS_ERROR, STATUS_OK, conform
+from pipeline.model.model_set import parse_model_args
+from pipeline.schema import (
+    DATA, DEFAULT_TOP_K, OUTPUT_SCHEMA, STATUS_ERROR, STATUS_OK, conform, output_schema, work_schema,
+)
 
-# The columns ``Classifier`` adds to a batch, typed as in the job's output (pipeline.schema.OUTPUT_SCHEMA).
+# The columns ``Classifier`` adds to a batch for one model, typed as in the job's output (pipeline.schema.OUTPUT_SCHEMA);
+# a model set's answers replace the three of MODEL_COLUMNS (and an embedding) with a struct column per model.
 RESULT_COLUMNS = ("status", "error", "class_ids", "labels", "scores", "width", "height", "model", "model_digest",
                   "engine")
+MODEL_COLUMNS = ("class_ids", "labels", "scores", "embedding")
 DEFAULT_URI_COLUMN = "uri"
 DEFAULT_BYTES_COLUMN = "bytes"  # the column ``ray.data.read_binary_files`` gives
 
@@ -106,7 +111,9 @@ class Classifier:
 
     Args:
         model: a model folder (``model.onnx``, ``labels.txt``, ``preprocess.json``), or None for the built-in
-            EfficientNet-Lite0.
+            EfficientNet-Lite0; or a list of ``NAME=DIR`` items, a model set run on one decode of each image, each
+            model's answer in its column NAME (a struct: class_ids, labels, scores, model, model_digest, embedding)
+            instead of ``class_ids``, ``labels`` and ``scores``.
         engine: ``auto``, the default as for ``bulk-classify run`` (the triton engine's gpu profile where this
             process sees a GPU, onnx elsewhere), or a registered engine (``bulk-classify engines`` lists them): onnx,
             openvino, triton, gpu. A GPU engine wants ``num_gpus=`` in ``map_batches``.
@@ -124,7 +131,7 @@ class Classifier:
         ConfigError: an unknown engine or option, or a batch with neither column. ModelError: an unusable model.
     """
 
-    def __init__(self, *, model: str | os.PathLike | None = None, engine: str = DEFAULT_ENGINE,
+    def __init__(self, *, model: str | os.PathLike | list[str] | None = None, engine: str = DEFAULT_ENGINE,
                  engine_options: Mapping[str, Any] | None = None, top_k: int = DEFAULT_TOP_K,
                  uri_column: str = DEFAULT_URI_COLUMN, bytes_column: str = DEFAULT_BYTES_COLUMN,
                  storage_options: Mapping[str, Any] | None = None, fetch_threads: int = 16, retries: int = 5,
@@ -137,10 +144,20 @@ class Classifier:
         self.uri_column, self.bytes_column = uri_column, bytes_column
         self.storage_options = dict(storage_options or {})
         self.fetch_threads, self.retries, self.max_bytes = fetch_threads, retries, max_bytes
-        self._actor = ClassifyActor(model=None if model is None else str(model), engine=spec, top_k=top_k,
-                                    max_bytes=max_bytes, max_pixels=max_pixels, engine_options=options)
-        spec.check_model(self._actor.bundle, options)  # INT8 or a layout this engine cannot run: refused here
-        self.model_name, self.model_digest = self._actor.bundle.name, self._actor.bundle.digest
+        ref, named = parse_model_args([str(m) for m in model]) if isinstance(model, (list, tuple)) else (
+            None if model is None else str(model), ())
+        if len(named) > 1 and not spec.several_models:
+            raise ConfigError(f"engine {spec.name!r} runs one model a pass; use engine='onnx' for a model set")
+        self._actor = ClassifyActor(model=ref, models=[(name, path, None) for name, path in named], engine=spec,
+                                    top_k=top_k, max_bytes=max_bytes, max_pixels=max_pixels, engine_options=options)
+        for bundle in self._actor.bundles:
+            spec.check_model(bundle, options)  # INT8 or a layout this engine cannot run: refused here
+        self.model_name, self.model_digest = self._actor.identity.name, self._actor.identity.digest
+        # The output's columns for these models: one model's top-level ones, or a struct column per named model.
+        self.schema = output_schema(tuple((n, b.spec.embedding.dim if b.spec.embedding else None)
+                                          for n, b in zip([*self._actor.names] or [None], self._actor.bundles)))
+        answers = list(self._actor.names) or [c for c in MODEL_COLUMNS if c in self.schema.names]
+        self.result_columns = ["status", "error", *answers, "width", "height", "model", "model_digest", "engine"]
 
     def __call__(self, batch: Any) -> Any:
         """``batch`` with the result columns added; the input's format (pyarrow, pandas or dict) is kept."""
@@ -154,11 +171,12 @@ class Classifier:
                               f"{self.bytes_column!r} column (encoded images); its columns are {names}: pass "
                               "uri_column= or bytes_column= to Classifier")
         results = self._actor(work)
-        return _with_columns(batch, {name: results.column(name) for name in RESULT_COLUMNS})
+        return _with_columns(batch, {name: results.column(name) for name in self.result_columns}, self.schema)
 
     def _from_bytes(self, data: list[Any]) -> pa.Table:
         missing = [value is None for value in data]
         return _work_table(
+            self.schema,
             uri=[None] * len(data),
             data=[None if value is None else bytes(value) for value in data],
             status=[STATUS_ERROR if m else None for m in missing],
@@ -168,8 +186,8 @@ class Classifier:
     def _from_uris(self, uris: list[Any]) -> pa.Table:
         status = [None if uri else STATUS_ERROR for uri in uris]
         error = [None if uri else f"not_found: the {self.uri_column!r} column is null or empty" for uri in uris]
-        work = _work_table(uri=[_as_uri(uri) if uri else None for uri in uris], data=[None] * len(uris),
-                           status=status, error=error)
+        work = _work_table(self.schema, uri=[_as_uri(uri) if uri else None for uri in uris],
+                           data=[None] * len(uris), status=status, error=error)
         return fetch_batch(work, source=None, storage_options=self.storage_options, threads=self.fetch_threads,
                            max_bytes=self.max_bytes, retries=self.retries)
 
@@ -184,13 +202,14 @@ def _as_uri(uri: Any) -> str:
     return text if "://" in text else object_uri("file", os.path.abspath(text))
 
 
-def _work_table(**columns: list[Any]) -> pa.Table:
-    """The job's working columns (pipeline.schema.WORK_SCHEMA) for rows that are neither listed nor carried."""
+def _work_table(schema: pa.Schema, **columns: list[Any]) -> pa.Table:
+    """The job's working columns for an output of ``schema`` (``pipeline.schema.work_schema``) for rows that are
+    neither listed nor carried."""
     n = len(columns["uri"])
     table = pa.table({"uri": pa.array(columns["uri"], pa.string()), "status": pa.array(columns["status"], pa.string()),
                       "error": pa.array(columns["error"], pa.string()), DATA: pa.array(columns["data"], pa.binary()),
                       "carried": pa.array([False] * n, pa.bool_())})
-    return conform(table)
+    return conform(table, work_schema(schema))
 
 
 def _values(batch: Any, name: str) -> list[Any]:
@@ -204,12 +223,12 @@ def _is_null(value: Any) -> bool:
     return value is None or (isinstance(value, float) and value != value)  # pandas gives NaN for a missing value
 
 
-def _with_columns(batch: Any, results: dict[str, pa.ChunkedArray]) -> Any:
-    """``batch`` in its own format with ``results`` set, every other column untouched."""
+def _with_columns(batch: Any, results: dict[str, pa.ChunkedArray], schema: pa.Schema = OUTPUT_SCHEMA) -> Any:
+    """``batch`` in its own format with ``results`` (columns of ``schema``) set, every other column untouched."""
     if isinstance(batch, pa.Table):
         out = batch
         for name, column in results.items():
-            field = OUTPUT_SCHEMA.field(name)
+            field = schema.field(name)
             index = out.schema.get_field_index(name)
             out = out.set_column(index, field, column) if index >= 0 else out.append_column(field, column)
         return out

@@ -92,7 +92,8 @@ def main() -> None:
             rates[key].append(engine_rate(engine, images, calls[key[0]]))
         print(f"  round {r}: " + ", ".join(f"{n}/{m} {nets[(n, m)][-1]:.2f} ms {rates[(n, m)][-1]:.0f} img/s"
                                           for n, m in engines), flush=True)
-    reference = np.argmax(np.concatenate([engines[(REFERENCE, "fp32")]._run(tensors[i:i + 8])
+    ref_engine = engines[(REFERENCE, "fp32")]
+    reference = np.argmax(np.concatenate([ref_engine._run(ref_engine.models[0], tensors[i:i + 8])
                                           for i in range(0, len(tensors), 8)]), axis=1)
     print()
     print(f"{'engine':<10}{'model':<26}{'network ms/img':>15}{'vs onnx':>9}{'engine img/s':>14}{'vs onnx':>9}"
@@ -100,7 +101,8 @@ def main() -> None:
     for (name, m), engine in engines.items():
         net, rate = statistics.median(nets[(name, m)]), statistics.median(rates[(name, m)])
         ref_net, ref_rate = statistics.median(nets[(REFERENCE, m)]), statistics.median(rates[(REFERENCE, m)])
-        top1 = np.argmax(np.concatenate([engine._run(tensors[i:i + 8]) for i in range(0, len(tensors), 8)]), axis=1)
+        top1 = np.argmax(np.concatenate([engine._run(engine.models[0], tensors[i:i + 8])
+                                         for i in range(0, len(tensors), 8)]), axis=1)
         print(f"{name:<10}{m[:25]:<26}{net:>15.2f}{ref_net / net:>8.2f}x{rate:>14.1f}{rate / ref_rate:>8.2f}x"
               f"{np.mean(top1 == reference):>18.1%}")
     print(f"load average after {os.getloadavg()[0]:.1f}")

@@ -98,7 +98,8 @@ def test_a_runtime_failure_is_blamed_on_the_one_input(default_bundle, photo_byte
     engine = OnnxEngine(default_bundle, top_k=1)
     real_run = engine._run
     # Make ORT fail on any batch holding the all-white image (its input tensor is all 1.0).
-    engine._run = lambda batch: real_run(batch) if not (batch == 1.0).all(axis=(1, 2, 3)).any() else 1 / 0
+    engine._run = lambda model, batch: (real_run(model, batch) if not (batch == 1.0).all(axis=(1, 2, 3)).any()
+                                        else 1 / 0)
     from support.oddities import encode
     from PIL import Image
 

@@ -184,3 +184,23 @@ def test_the_report_and_the_drift_gate_are_per_model(runs):
     assert [b["metric"] for b in result["breaches"]] == ["colour.js_divergence"]
     assert result["breaches"][0]["message"].startswith("model colour: top-1 label distribution moved")
     assert compare_quality(quality, quality, DriftThresholds(min_rows=0))["passed"]
+
+
+def test_the_classifier_takes_a_set_and_answers_like_each_model_alone(sources):
+    from pipeline.api import Classifier
+
+    _src, colour, _ = sources
+    images = [p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))[:6]] + [b"junk"]
+    batch = pa.table({"bytes": images})
+    together = Classifier(model=["taxonomy=default", f"colour={colour}"], engine="onnx", top_k=3)(batch)
+    assert together.schema.names == ["bytes", "status", "error", "taxonomy", "colour", "width", "height", "model",
+                                     "model_digest", "engine"]
+    for name, alone in (("taxonomy", Classifier(engine="onnx", top_k=3)(batch)),
+                        ("colour", Classifier(model=str(colour), engine="onnx", top_k=3)(batch))):
+        for row, own in zip(together.to_pylist(), alone.to_pylist()):
+            assert row["status"] == own["status"] and row["error"] == own["error"]
+            if own["status"] == "ok":
+                assert row[name]["class_ids"] == own["class_ids"]
+                assert row[name]["scores"] == pytest.approx(own["scores"], abs=1e-6)
+            else:
+                assert row[name] is None
