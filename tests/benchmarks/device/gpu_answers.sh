@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A user's model on the GPU default gives that model's answers, and starts fast from the node's cache
 # (docs/performance.md, "A user's model on the GPU"), after the kit's setup (README.md here):
-#   KIT=DIR STEPS="import parity start steady tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
+#   KIT=DIR STEPS="import parity start steady set tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
 # import: the folders `bulk-classify model import` writes here: timm tf_efficientnet_lite1 (its real weights,
 #   KIT/lite1.pth), convnext_tiny and resnet50, torchvision resnet50 (random weights, seed 0); KIT/models holds the
 #   Hugging Face ViT (imported where transformers is) and the real-weight Lite2 export (export_models.py lite2);
@@ -11,6 +11,9 @@
 #   cache, the same again (cache warm), the built-in model again;
 # steady: bench_job on 100,000 files: the built-in model, then the ResNet-50 (cache warm);
 # FP32_MODELS: after parity, these folders again through --engine gpu in FP32 (half=false) against --engine onnx;
+# set: bench_job on IMAGES files (100,000): the built-in model alone, then the built-in model and the timm ResNet-50
+#   with its embedding (IMPORTS=r50emb: `model import ... --embedding`) as a model set in one pass (SET_VARIANTS: more),
+#   with the rows counted and the embeddings' widths and norms read back by DuckDB;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -39,11 +42,13 @@ for name, make in {"convnext_tiny": lambda: timm.create_model("convnext_tiny"),
 EOF
   local t0
   for spec in "lite1 timm tf_efficientnet_lite1 $kit/lite1.pth" "convnext_tiny timm convnext_tiny $work/convnext_tiny.pth" \
-              "resnet50 timm resnet50 $work/resnet50.pth" "tv-resnet50 torchvision resnet50 $work/tv-resnet50.pth"; do
+              "resnet50 timm resnet50 $work/resnet50.pth" "tv-resnet50 torchvision resnet50 $work/tv-resnet50.pth" \
+              "r50emb timm resnet50 $work/resnet50.pth --embedding"; do
     set -- $spec
     [[ " ${IMPORTS:-lite1 convnext_tiny resnet50 tv-resnet50} " == *" $1 "* ]] || continue
     rm -rf "$models/$1"; t0=$SECONDS
-    python3 -m pipeline.cli model import "$2" "$3" --checkpoint "$4" --output "$models/$1" > "$OUT/import-$1.log" 2>&1
+    python3 -m pipeline.cli model import "$2" "$3" --checkpoint "$4" "${@:5}" --output "$models/$1" \
+      > "$OUT/import-$1.log" 2>&1
     echo "import $1: rc=$? $(( SECONDS - t0 )) s; $(grep -E '^(parity|note: onnx)' "$OUT/import-$1.log" | tr '\n' ' ' | cut -c1-300)"
   done
   [[ -d $kit/models ]] && cp -r "$kit/models/hf-vit" "$kit/models/lite2" "$models/"
@@ -100,6 +105,21 @@ for step in ${STEPS:-import parity start steady tests}; do
            job start --images 1000 --variant builtin= --variant r50cold="--model $models/r50user" \
              --variant r50warm="--model $models/r50user" --variant builtin2= ;;
     steady) job steady --images "${IMAGES:-100000}" --variant builtin= --variant r50="--model $models/r50user" ;;
+    set) job set --images "${IMAGES:-100000}" --variant builtin= \
+           --variant pair="--model taxonomy=default --model r50=$models/r50emb" ${SET_VARIANTS:-}
+         python3 - "$HOME/job-set" <<'EOF2'
+import sys, glob, duckdb
+for name in ("builtin", "pair"):
+    parts = glob.glob(f"{sys.argv[1]}/{name}/out/*/*.parquet") or glob.glob(f"{sys.argv[1]}/**/{name}*/**/*.parquet", recursive=True)
+    if not parts:
+        print(name, "no shards found"); continue
+    q = duckdb.sql(f"select count(*), count(distinct uri), sum((status = 'ok')::int) from read_parquet({parts!r})").fetchone()
+    print(f"{name}: rows {q[0]}, distinct uris {q[1]}, ok {q[2]}")
+    if name == "pair":
+        e = duckdb.sql(f"select min(len(r50.embedding)), max(len(r50.embedding)), min(list_dot_product(r50.embedding, r50.embedding)), max(list_dot_product(r50.embedding, r50.embedding)), sum((taxonomy is null)::int) from read_parquet({parts!r}) where status = 'ok'").fetchone()
+        print(f"pair: embedding dims {e[0]}..{e[1]}, squared norms {e[2]:.5f}..{e[3]:.5f}, ok rows without taxonomy {e[4]}")
+EOF2
+         ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
              ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
   esac
