@@ -26,6 +26,7 @@ format for every profile keeps the engine profile-agnostic.
 """
 
 MODEL_NAME = "classifier"
+VERSION = "1"  # the one version folder of every model in a repository
 
 INPUT_IMAGE = "IMAGE"
 INPUT_LENGTH = "LENGTH"
