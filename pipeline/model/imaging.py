@@ -9,6 +9,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -239,9 +240,18 @@ def load_and_preprocess(
     Raises:
         ImageError: the input cannot be used (see ``decode_image``).
     """
+    arrays, width, height = load_and_preprocess_each(data, (spec,), limits)
+    return arrays[0], width, height
+
+
+def load_and_preprocess_each(
+    data: bytes, specs: Sequence[PreprocessSpec], limits: DecodeLimits = DecodeLimits()
+) -> tuple[list[np.ndarray], int, int]:
+    """Decodes one encoded image once and preprocesses it for each of ``specs`` (a model set's models), as
+    ``load_and_preprocess`` does for one: (input arrays in ``specs``' order, width, height)."""
     img = decode_image(data, limits)
     try:
-        arr = preprocess_image(img, spec)
+        arrays = [preprocess_image(img, spec) for spec in specs]
     except MemoryError:
         raise ImageError("too_many_pixels", f"{img.width}x{img.height} did not fit in memory; lower max_pixels") from None
-    return arr, img.width, img.height
+    return arrays, img.width, img.height

@@ -67,13 +67,15 @@ EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT
 
 @dataclass(frozen=True)
 class Answer:
-    """One image's answer: its top-k class ids and scores (best first) and decoded size, or its error row's text."""
+    """One image's answer: its top-k class ids and scores (best first) and decoded size, or its error row's text;
+    ``more``: a model set's other models' (class ids, scores), in the set's order (empty with an error)."""
 
     class_ids: Sequence[int] = ()
     scores: Sequence[float] = ()
     width: int | None = None
     height: int | None = None
     error: str | None = None
+    more: Sequence[tuple[Sequence[int], Sequence[float]]] = ()
 
 
 class _ServerDown(Exception):
@@ -95,7 +97,7 @@ class TritonClient:
 
     Args:
         bundle: the model (labels, and the ONNX/spec the default repository is built from).
-        top_k: classes per image; at most the repository's k.
+        top_k: classes per image (the run's, checked by its config); at most the repository's k.
         limits: byte and pixel caps, checked here before sending, and sent to the server with each request.
         profile: the repository profile this engine builds and serves (pipeline.triton.profiles): "auto" is the
             gpu profile where this process has a GPU, else the portable one. Its ``ServingProfile`` gives every
@@ -115,6 +117,8 @@ class TritonClient:
             the same GPU (several actors per GPU; pipeline.triton.sharing); ignored with ``url``.
         gpus: the GPU(s) of the server this engine starts, as CUDA_VISIBLE_DEVICES names them (default: this
             process's; the driver gives each of its node's GPUs, ``start_node_servers``).
+        more: a model set's other models, served with ``bundle`` as one model that decodes each image once; each
+            answers up to ``top_k`` classes, at most its own.
     """
 
     def __init__(
@@ -136,16 +140,17 @@ class TritonClient:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         share_server: bool | None = None,
         gpus: str | None = None,
+        more: Sequence[Any] = (),
     ):
         self.profile = serving = choose_profile(profile)
         self.gpus = gpus
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
         share_server = serving.share_server if share_server is None else share_server
-        if top_k < 1 or request_batch < 1 or concurrency < 1:
-            raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
-                              "must be positive")
+        if request_batch < 1 or concurrency < 1:
+            raise ConfigError(f"request_batch={request_batch} and concurrency={concurrency} must be positive")
         self.bundle = bundle
+        self.more = tuple(more)
         self.top_k = top_k
         self.limits = limits
         self.request_batch = request_batch
@@ -168,7 +173,8 @@ class TritonClient:
             if url:
                 self.servers.wait_external(startup_timeout_s, url)
             else:
-                self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args])
+                self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args],
+                                       more=self.more)
             self._read_model()
         except BaseException:
             self.close()
@@ -190,16 +196,25 @@ class TritonClient:
     def _read_model(self) -> None:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
         outputs = {o["name"]: o for o in config.get("output", [])}
-        missing = [name for name in tn.REQUIRED_OUTPUTS if name not in outputs]
+        set_outputs = [tn.set_output(name, i) for i in range(1, len(self.more) + 1) for name in tn.SET_OUTPUTS]
+        missing = [name for name in (*tn.REQUIRED_OUTPUTS, *set_outputs) if name not in outputs]
         missing += [name for name in tn.INPUTS if name not in {i["name"] for i in config.get("input", [])}]
         if missing:
             raise TritonError(f"model {self.model_name!r} at {self.url} lacks {', '.join(missing)} (answers "
-                              "cannot be checked); serve a repository built by `bulk-classify repo build`")
+                              "cannot be checked); serve a repository built by `bulk-classify repo build`"
+                              + (f" for this set of {len(self.more) + 1} models" if self.more else ""))
         self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
+        # each model's k: the run's top_k, at most the model's classes (a set's models may have fewer)
+        self._set_k = [min(self.top_k, b.num_classes) for b in self.more]
+        for i, (k, b) in enumerate(zip(self._set_k, self.more), start=1):
+            served = int(outputs[tn.set_output(tn.OUTPUT_SCORES, i)]["dims"][0])
+            if k > served:
+                raise ConfigError(f"top_k={self.top_k} but the repository returns {served} classes per image for "
+                                  f"model {b.name!r}; lower top_k or rebuild the repository with top_k >= {k}")
         self.has_error_output = tn.OUTPUT_ERROR in outputs
         params = config.get("parameters", {})
         self.server_checks_caps = params.get(tn.PARAM_CHECKS_CAPS, {}).get("string_value", "") == "true"
-        self._wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
+        self._wanted = [*tn.REQUIRED_OUTPUTS, *set_outputs] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
         if self.top_k > self.repository_k:
             raise ConfigError(f"top_k={self.top_k} but the repository returns {self.repository_k} classes per image; "
                               f"lower top_k or rebuild the repository with top_k >= {self.top_k}")
@@ -373,9 +388,11 @@ class TritonClient:
             return True
 
     def _answers(self, response, n: int) -> list[Answer]:
-        ids, scores, widths, heights, texts = parse_response(response, n, self.has_error_output)
-        k = self.top_k
-        return [Answer(ids[i, :k], scores[i, :k], int(widths[i]) or None, int(heights[i]) or None, texts[i])
+        tops, widths, heights, texts = parse_response(response, n, self.has_error_output, 1 + len(self.more))
+        (ids, scores), others, k = tops[0], tops[1:], self.top_k
+        return [Answer(ids[i, :k], scores[i, :k], int(widths[i]) or None, int(heights[i]) or None, texts[i],
+                       () if texts[i] else [(o_ids[i, :ok], o_scores[i, :ok])
+                                            for (o_ids, o_scores), ok in zip(others, self._set_k)])
                 for i in range(n)]
 
     # ---- close ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from pipeline.errors import ConfigError
 from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS
@@ -135,13 +136,18 @@ def numpy_can_send_bytes() -> bool:
 
 
 def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
-                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None) -> str:
+                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None,
+                    set_top_k: Sequence[int] = ()) -> str:
     """config.pbtxt of the portable profile's one model (python backend, CPU).
 
     ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
+    ``set_top_k``: for a model set, the k of each model after the first (``tn.set_output``).
     """
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
+    for index, k in enumerate(set_top_k, start=1):
+        for name in tn.SET_OUTPUTS:
+            _tensor(config.output, tn.set_output(name, index), tn.OUTPUTS[name], [k])
     _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 

@@ -7,7 +7,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.default_model import DEFAULT_SPEC
@@ -174,7 +174,7 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True, error_output: bool | None = None,
-                     max_backlog: float | None = None) -> Path:
+                     max_backlog: float | None = None, more: Sequence[str | None] = ()) -> Path:
     """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
 
@@ -185,6 +185,8 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     gpu: ``build_gpu_repository``.
     ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
     ``max_backlog``: gpu only.
+    ``more``: a model set's other model folders (None: the default model), served with ``model`` as one model
+    (``pipeline.triton.contract``); each gets top-k up to its classes.
 
     Returns:
         the repository folder.
@@ -195,9 +197,13 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
         raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}")
     if max_backlog is not None and not REPOSITORY_PROFILES[profile].takes_backlog:
         raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
+    if more and not REPOSITORY_PROFILES[profile].takes_set:
+        raise ConfigError(f"the {profile} profile serves one model, not a model set; use --engine-option "
+                          f"profile={PORTABLE} for a set, or one --model")
     out = REPOSITORY_PROFILES[profile].build(
         model, Path(output).expanduser(), top_k=top_k, instances=instances or None,
-        max_batch_size=max_batch_size or None, artifacts=artifacts, error_output=error_output, max_backlog=max_backlog)
+        max_batch_size=max_batch_size or None, artifacts=artifacts, error_output=error_output, max_backlog=max_backlog,
+        **({"more": tuple(more)} if more else {}))
     LOG.info("built %s repository in %s", profile, out)
     return out
 
@@ -207,17 +213,23 @@ def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlo
     return build_gpu_repository(model, out, top_k=top_k, **{k: v for k, v in given.items() if v is not None})
 
 
-def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artifacts, error_output, **_) -> Path:
+def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artifacts, error_output, more=(),
+                    **_) -> Path:
     folder = out / tn.MODEL_NAME
+    others = [load_model(m) for m in more]
+    set_top_k = [min(top_k, b.num_classes) for b in others]
     _write(folder / CONFIG_FILE, portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
                                                  max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-                                                 error_output=error_output))
+                                                 error_output=error_output, set_top_k=set_top_k))
     _write(folder / VERSION / SHIM_FILE, shim_text(PORTABLE, "portable_model"))
     if artifacts:
         bundle = load_model(model)
-        add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name,
-                      output=bundle.spec.output)
-        _write(folder / VERSION / SPEC_FILE, bundle.spec.to_json())
+        for index, (member, k) in enumerate(zip([bundle, *others], [top_k, *set_top_k])):
+            version = folder / VERSION / (tn.SET_FOLDER.format(index=index) if index else "")
+            version.mkdir(parents=True, exist_ok=True)
+            add_topk_head(member.onnx_path, version / MODEL_FILE, k=k, output_name=member.output_name,
+                          output=member.spec.output)
+            _write(version / SPEC_FILE, member.spec.to_json())
         _write(folder / LABELS_FILE, "\n".join(bundle.labels) + "\n")
     return out
 
@@ -301,14 +313,17 @@ class RepositoryProfile:
         build: writes the repository: ``build(model, out, top_k=, instances=, max_batch_size=, artifacts=,
             error_output=, max_backlog=)``, None for an option left to the profile's default.
         takes_backlog: it serves ``max_backlog``; other profiles refuse it.
+        takes_set: it serves a model set (``build(..., more=)``); other profiles refuse one.
     """
 
     name: str
     build: Callable[..., Path]
     takes_backlog: bool = False
+    takes_set: bool = False
 
 
 REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
-    p.name: p for p in (RepositoryProfile(PORTABLE, _build_portable), RepositoryProfile(PRODUCTION, _build_production),
+    p.name: p for p in (RepositoryProfile(PORTABLE, _build_portable, takes_set=True),
+                        RepositoryProfile(PRODUCTION, _build_production),
                         RepositoryProfile(GPU, _build_gpu, takes_backlog=True))
 }
