@@ -240,18 +240,24 @@ def load_and_preprocess(
     Raises:
         ImageError: the input cannot be used (see ``decode_image``).
     """
-    arrays, width, height = load_and_preprocess_each(data, (spec,), limits)
-    return arrays[0], width, height
+    (arr,), width, height = load_and_preprocess_each(data, (spec,), limits)
+    return arr, width, height
 
 
 def load_and_preprocess_each(
     data: bytes, specs: Sequence[PreprocessSpec], limits: DecodeLimits = DecodeLimits()
 ) -> tuple[list[np.ndarray], int, int]:
-    """Decodes one encoded image once and preprocesses it for each of ``specs`` (a model set's models), as
-    ``load_and_preprocess`` does for one: (input arrays in ``specs``' order, width, height)."""
+    """Decodes one encoded image once and preprocesses it per each of ``specs`` (a model set's models).
+
+    Returns:
+        (an input array per spec, original width, original height), as ``load_and_preprocess``.
+
+    Raises:
+        ImageError: the input cannot be used (see ``decode_image``).
+    """
     img = decode_image(data, limits)
     try:
-        arrays = [preprocess_image(img, spec) for spec in specs]
+        arrs = [preprocess_image(img, spec) for spec in specs]
     except MemoryError:
         raise ImageError("too_many_pixels", f"{img.width}x{img.height} did not fit in memory; lower max_pixels") from None
-    return arrays, img.width, img.height
+    return arrs, img.width, img.height
