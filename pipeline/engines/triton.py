@@ -80,13 +80,19 @@ class TritonEngine(TritonClient):
         finally:
             self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
         sizes, errors = [(a.width, a.height) for a in answers], [a.error for a in answers]
-        results = results_from_topk([a.class_ids for a in answers], [a.scores for a in answers], self.bundle.labels,
-                                    sizes, errors)
+        results = _results([(a.class_ids, a.scores, a.embedding) for a in answers], self.bundle, sizes, errors)
         for index, bundle in enumerate(self.more):
-            theirs = results_from_topk([a.more[index][0] if a.more else () for a in answers],
-                                       [a.more[index][1] if a.more else () for a in answers], bundle.labels, sizes,
-                                       errors)
+            theirs = _results([a.more[index] if a.more else ((), (), None) for a in answers], bundle, sizes, errors)
             for answer, result, their in zip(answers, results, theirs):
                 if not answer.error:  # an image that failed is every model's error, in the Result itself
                     result.more.append(their)
         return results
+
+
+def _results(tops, bundle, sizes, errors) -> list[Result]:
+    """One model's rows of (class ids, scores, embedding or None) per image; an error row has no embedding."""
+    results = results_from_topk([t[0] for t in tops], [t[1] for t in tops], bundle.labels, sizes, errors)
+    for result, (_, _, vector) in zip(results, tops):
+        if vector is not None and result.error is None:
+            result.embedding = [float(v) for v in vector]
+    return results

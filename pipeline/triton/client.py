@@ -67,15 +67,17 @@ EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT
 
 @dataclass(frozen=True)
 class Answer:
-    """One image's answer: its top-k class ids and scores (best first) and decoded size, or its error row's text;
-    ``more``: a model set's other models' (class ids, scores), in the set's order (empty with an error)."""
+    """One image's answer: its top-k class ids and scores (best first), embedding (where the model has one) and
+    decoded size, or its error row's text; ``more``: a model set's other models' (class ids, scores, embedding or
+    None), in the set's order (empty with an error)."""
 
     class_ids: Sequence[int] = ()
     scores: Sequence[float] = ()
     width: int | None = None
     height: int | None = None
     error: str | None = None
-    more: Sequence[tuple[Sequence[int], Sequence[float]]] = ()
+    more: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float] | None]] = ()
+    embedding: Sequence[float] | None = None
 
 
 class _ServerDown(Exception):
@@ -197,12 +199,15 @@ class TritonClient:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
         outputs = {o["name"]: o for o in config.get("output", [])}
         set_outputs = [tn.set_output(name, i) for i in range(1, len(self.more) + 1) for name in tn.SET_OUTPUTS]
+        self._embeddings = [b.spec.embedding is not None for b in (self.bundle, *self.more)]
+        set_outputs += [tn.set_output(tn.OUTPUT_EMBEDDING, i) for i, has in enumerate(self._embeddings) if has]
         missing = [name for name in (*tn.REQUIRED_OUTPUTS, *set_outputs) if name not in outputs]
         missing += [name for name in tn.INPUTS if name not in {i["name"] for i in config.get("input", [])}]
         if missing:
             raise TritonError(f"model {self.model_name!r} at {self.url} lacks {', '.join(missing)} (answers "
                               "cannot be checked); serve a repository built by `bulk-classify repo build`"
-                              + (f" for this set of {len(self.more) + 1} models" if self.more else ""))
+                              + (f" for this set of {len(self.more) + 1} models" if self.more else "")
+                              + (" with its embeddings" if any(self._embeddings) else ""))
         self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
         # each model's k: the run's top_k, at most the model's classes (a set's models may have fewer)
         self._set_k = [min(self.top_k, b.num_classes) for b in self.more]
@@ -211,6 +216,11 @@ class TritonClient:
             if k > served:
                 raise ConfigError(f"top_k={self.top_k} but the repository returns {served} classes per image for "
                                   f"model {b.name!r}; lower top_k or rebuild the repository with top_k >= {k}")
+        for i, b in enumerate((self.bundle, *self.more)):
+            dims = outputs.get(tn.set_output(tn.OUTPUT_EMBEDDING, i), {}).get("dims", [])
+            if b.spec.embedding is not None and [int(d) for d in dims] != [b.spec.embedding.dim]:
+                raise TritonError(f"model {self.model_name!r} at {self.url} answers {b.name!r}'s embedding as {dims}, "
+                                  f"not [{b.spec.embedding.dim}]; serve a repository built for this model")
         self.has_error_output = tn.OUTPUT_ERROR in outputs
         params = config.get("parameters", {})
         self.server_checks_caps = params.get(tn.PARAM_CHECKS_CAPS, {}).get("string_value", "") == "true"
@@ -388,12 +398,19 @@ class TritonClient:
             return True
 
     def _answers(self, response, n: int) -> list[Answer]:
-        tops, widths, heights, texts = parse_response(response, n, self.has_error_output, 1 + len(self.more))
-        (ids, scores), others, k = tops[0], tops[1:], self.top_k
-        return [Answer(ids[i, :k], scores[i, :k], int(widths[i]) or None, int(heights[i]) or None, texts[i],
-                       () if texts[i] else [(o_ids[i, :ok], o_scores[i, :ok])
-                                            for (o_ids, o_scores), ok in zip(others, self._set_k)])
-                for i in range(n)]
+        tops, widths, heights, texts = parse_response(response, n, self.has_error_output, self._embeddings)
+
+        def row(top, i: int, k: int):  # one model's (class ids, scores, embedding or None) of image i
+            ids, scores, vectors = top
+            return ids[i, :k], scores[i, :k], None if vectors is None else vectors[i]
+
+        answers = []
+        for i in range(n):
+            ids, scores, vector = row(tops[0], i, self.top_k)
+            more = () if texts[i] else [row(top, i, k) for top, k in zip(tops[1:], self._set_k)]
+            answers.append(Answer(ids, scores, int(widths[i]) or None, int(heights[i]) or None, texts[i], more,
+                                  None if texts[i] else vector))
+        return answers
 
     # ---- close ---------------------------------------------------------------------------------------------
 

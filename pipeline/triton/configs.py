@@ -137,17 +137,21 @@ def numpy_can_send_bytes() -> bool:
 
 def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
                     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None,
-                    set_top_k: Sequence[int] = ()) -> str:
+                    set_top_k: Sequence[int] = (), embedding_dims: Sequence[int | None] = ()) -> str:
     """config.pbtxt of the portable profile's one model (python backend, CPU).
 
     ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
     ``set_top_k``: for a model set, the k of each model after the first (``tn.set_output``).
+    ``embedding_dims``: each model's embedding width, None for a model without one.
     """
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
     for index, k in enumerate(set_top_k, start=1):
         for name in tn.SET_OUTPUTS:
             _tensor(config.output, tn.set_output(name, index), tn.OUTPUTS[name], [k])
+    for index, dim in enumerate(embedding_dims):
+        if dim is not None:
+            _tensor(config.output, tn.set_output(tn.OUTPUT_EMBEDDING, index), tn.EMBEDDING_DTYPE, [dim])
     _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 

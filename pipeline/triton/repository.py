@@ -14,7 +14,7 @@ from pipeline.model.default_model import DEFAULT_SPEC
 from pipeline.model.folder import (
     LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, external_data_files, load_model,
 )
-from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID, PreprocessSpec
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID, EmbeddingSpec, PreprocessSpec
 from pipeline.gpu.defaults import DALI_THREADS, NO_INT8
 from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
@@ -97,8 +97,11 @@ def preprocess():
 
 
 def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str | None = None,
-                  output: str = OUTPUT_LOGITS, probabilities: bool = False) -> Path:
-    """Writes the classifier with its scoring and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
+                  output: str = OUTPUT_LOGITS, probabilities: bool = False,
+                  embedding: EmbeddingSpec | None = None) -> Path:
+    """Writes the classifier with its scoring and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32), and
+    EMBEDDING (FP32 [dim], each row L2-normalised where ``embedding.normalize``; a zero row stays zero) where the spec
+    declares one, fetched from its tensor (a graph output beside the class output, or an intermediate one).
 
     Scores are made inside the graph per the spec's ``output`` (``probabilities=True`` stands for
     ``output="probabilities"``): a Softmax over logits, a Sigmoid per class, or TopK alone for probabilities; a row
@@ -115,9 +118,11 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     model = onnx.load(str(onnx_path))  # external data too, from beside it
     external = bool(external_data_files(onnx.load(str(onnx_path), load_external_data=False), Path(onnx_path)))
     graph = model.graph
-    if len(graph.output) != 1:
-        raise ModelError(f"{onnx_path} has {len(graph.output)} outputs; the classifier must have one (logits)")
-    logits = graph.output[0]
+    classes_out = [o for o in graph.output if embedding is None or o.name != embedding.output]
+    if len(classes_out) != 1:
+        raise ModelError(f"{onnx_path} has {len(graph.output)} outputs; the classifier must have one (logits)"
+                         + (f" beside its embedding {embedding.output!r}" if embedding else ""))
+    logits = classes_out[0]
     if output_name and logits.name != output_name:
         raise ModelError(f"{onnx_path}: output is {logits.name!r}, expected {output_name!r}")
     dims = logits.type.tensor_type.shape.dim
@@ -132,19 +137,20 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     scoring = {OUTPUT_LOGITS: [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")],
                OUTPUT_SIGMOID: [helper.make_node("Sigmoid", [logits.name], [scores], name="bc_sigmoid")],
                OUTPUT_PROBABILITIES: []}[output]
+
+    def sum_last_axis(x: str, out: str, name: str):  # ReduceSum's axes: an input from opset 13, an attribute before
+        if opset >= 13:
+            return helper.make_node("ReduceSum", [x, "bc_class_axis"], [out], keepdims=1, name=name)
+        return helper.make_node("ReduceSum", [x], [out], axes=[-1], keepdims=1, name=name)
+
     # 0 * x is NaN exactly where x is NaN or infinite; summed over the classes and added to the top-k scores, it
     # turns every score of such a row NaN, and the client writes the row as an engine error.
     if opset >= 13:
         graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "bc_class_axis"))
-        reduce = helper.make_node("ReduceSum", ["bc_zeroed", "bc_class_axis"], ["bc_finite"], keepdims=1,
-                                  name="bc_finite_sum")
-    else:
-        reduce = helper.make_node("ReduceSum", ["bc_zeroed"], ["bc_finite"], axes=[-1], keepdims=1,
-                                  name="bc_finite_sum")
     graph.node.extend([
         *scoring,
         helper.make_node("Mul", [logits.name, "bc_zero"], ["bc_zeroed"], name="bc_zeroed"),
-        reduce,
+        sum_last_axis("bc_zeroed", "bc_finite", "bc_finite_sum"),
         helper.make_node("TopK", [scores, "bc_top_k"], ["bc_top_scores", "bc_indices"],
                          axis=-1, largest=1, sorted=1, name="bc_topk"),
         helper.make_node("Add", ["bc_top_scores", "bc_finite"], [tn.OUTPUT_SCORES], name="bc_nonfinite"),
@@ -155,6 +161,22 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
         helper.make_tensor_value_info(tn.OUTPUT_SCORES, TensorProto.FLOAT, [batch, k]),
         helper.make_tensor_value_info(tn.OUTPUT_CLASS_IDS, TensorProto.INT32, [batch, k]),
     ])
+    if embedding is not None:
+        rows = [helper.make_node("Cast", [embedding.output], ["bc_emb_float"], to=TensorProto.FLOAT),
+                helper.make_node("Flatten", ["bc_emb_float"], ["bc_emb"], axis=1)]
+        if embedding.normalize:
+            graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=np.float32), "bc_one"))
+            rows += [helper.make_node("Mul", ["bc_emb", "bc_emb"], ["bc_emb_squares"]),
+                     sum_last_axis("bc_emb_squares", "bc_emb_sum", "bc_emb_sum"),
+                     helper.make_node("Sqrt", ["bc_emb_sum"], ["bc_emb_norm"]),
+                     helper.make_node("Equal", ["bc_emb_norm", "bc_zero"], ["bc_emb_is_zero"]),
+                     helper.make_node("Where", ["bc_emb_is_zero", "bc_one", "bc_emb_norm"], ["bc_emb_divisor"]),
+                     helper.make_node("Div", ["bc_emb", "bc_emb_divisor"], [tn.OUTPUT_EMBEDDING])]
+        else:
+            rows.append(helper.make_node("Identity", ["bc_emb"], [tn.OUTPUT_EMBEDDING]))
+        graph.node.extend(rows)
+        graph.output.append(helper.make_tensor_value_info(tn.OUTPUT_EMBEDDING, TensorProto.FLOAT,
+                                                          [batch, embedding.dim]))
     out_path = Path(out_path)
     if external:  # past protobuf's 2 GB a model can only be saved (and checked) with its weights outside
         data = out_path.with_name(out_path.name + ".data")
@@ -218,17 +240,19 @@ def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artif
     folder = out / tn.MODEL_NAME
     others = [load_model(m) for m in more]
     set_top_k = [min(top_k, b.num_classes) for b in others]
+    bundle = load_model(model) if artifacts or model is not None else None  # the built-in model's configs need none
+    embedding_dims = [m.spec.embedding.dim if m is not None and m.spec.embedding else None for m in [bundle, *others]]
     _write(folder / CONFIG_FILE, portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
                                                  max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-                                                 error_output=error_output, set_top_k=set_top_k))
+                                                 error_output=error_output, set_top_k=set_top_k,
+                                                 embedding_dims=embedding_dims))
     _write(folder / VERSION / SHIM_FILE, shim_text(PORTABLE, "portable_model"))
     if artifacts:
-        bundle = load_model(model)
         for index, (member, k) in enumerate(zip([bundle, *others], [top_k, *set_top_k])):
             version = folder / VERSION / (tn.SET_FOLDER.format(index=index) if index else "")
             version.mkdir(parents=True, exist_ok=True)
             add_topk_head(member.onnx_path, version / MODEL_FILE, k=k, output_name=member.output_name,
-                          output=member.spec.output)
+                          output=member.spec.output, embedding=member.spec.embedding)
             _write(version / SPEC_FILE, member.spec.to_json())
         _write(folder / LABELS_FILE, "\n".join(bundle.labels) + "\n")
     return out

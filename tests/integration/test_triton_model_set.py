@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.odd_models import bright_images, model_folder
+from support.odd_models import INPUT, SPEC, bright_images, model_folder
 from support.oddities import oddities
 from support.paths import PARITY, PHOTOS
 
@@ -29,10 +29,46 @@ PARITY_PHOTOS = 40  # of tests/data/parity/inputs, beside tests/data/photos
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    """The set: the built-in model, a 5-class user folder, and one whose output turns NaN/infinite on bright images."""
+    """The set: the built-in model, a 5-class user folder, one whose output turns NaN/infinite on bright images, and
+    one that declares an embedding (its pooled colour, an intermediate tensor)."""
     root = tmp_path_factory.mktemp("set")
     return [load_model(None), load_model(str(model_folder(root / "products", "logits", seed=3))),
-            load_model(str(model_folder(root / "bright", "nonfinite", seed=4, classes=7)))]
+            load_model(str(model_folder(root / "bright", "nonfinite", seed=4, classes=7))),
+            load_model(str(model_folder(root / "embedded", "logits", seed=5, spec=embedding_spec(True))))]
+
+
+def embedding_spec(normalize: bool) -> dict:
+    return {**SPEC, "embedding": {"output": EMBEDDING_TENSOR, "dim": 3, "normalize": normalize}}
+
+
+EMBEDDING_TENSOR = "flat"  # odd_models' mean colour per image, [batch, 3]
+
+
+def reference_embeddings(bundle, blobs: list[bytes]):
+    """ONNX Runtime on the original graph with the embedding tensor as an output, on the reference preprocessing,
+    each row L2-normalised in float64 where the spec says; None for an input that does not decode."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.errors import ImageError
+    from pipeline.model.imaging import load_and_preprocess
+
+    model = onnx.load(str(bundle.onnx_path))
+    model.graph.output.append(onnx.helper.make_empty_tensor_value_info(EMBEDDING_TENSOR))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = []
+    for blob in blobs:
+        try:
+            array = load_and_preprocess(blob, bundle.spec)[0]
+        except ImageError:
+            out.append(None)
+            continue
+        vector = session.run([EMBEDDING_TENSOR], {INPUT: array[None]})[0][0].astype(np.float64)
+        if bundle.spec.embedding.normalize and np.linalg.norm(vector) > 0:
+            vector = vector / np.linalg.norm(vector)
+        out.append(vector)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +128,37 @@ def test_every_model_of_the_set_answers_as_the_onnx_engine_does_alone(bundles, s
         assert row.status == "ok" and row.more[0].status == "ok", name
         assert (row.more[1].status, row.more[1].error) == ("error", NONFINITE_ERROR), name
     assert all(len(r.more[0].class_ids) == TOP_K for r in got if r.status == "ok")
+    # the fourth model's embedding, and none for the others
+    reference = reference_embeddings(bundles[3], blobs)
+    for name, row, want in zip(names, got, reference):
+        if row.status != "ok":
+            continue
+        assert row.embedding is None and [m.embedding is None for m in row.more] == [True, True, False], name
+        assert max(abs(a - b) for a, b in zip(row.more[2].embedding, want)) < 1e-6, name
+        assert abs(sum(v * v for v in row.more[2].embedding) - 1) < 1e-5, name
+
+
+def test_one_model_with_an_embedding_answers_it_unnormalised_where_its_spec_says(tmp_path):
+    bundle = load_model(str(model_folder(tmp_path / "raw", "logits", seed=6, spec=embedding_spec(False))))
+    blobs = [p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))] + [b"not an image"]
+    engine = make_engine("triton", bundle, top_k=3, profile="portable", request_batch=4)
+    try:
+        got = engine.classify(blobs)
+    finally:
+        engine.close()
+    for row, want in zip(got, reference_embeddings(bundle, blobs)):
+        if want is None:
+            assert row.status == "error" and row.embedding is None
+            continue
+        assert row.status == "ok" and row.more == []
+        assert len(row.embedding) == 3 and max(abs(a - b) for a, b in zip(row.embedding, want)) < 1e-6
+    assert any(abs(sum(v * v for v in row.embedding) - 1) > 1e-3 for row in got[:-1])  # not normalised
 
 
 def test_a_server_without_the_sets_outputs_is_refused(bundles, set_engine):
     make_engine("triton", bundles[0], top_k=TOP_K, url=set_engine.url).close()  # its first model alone: served
     spec = engine_spec("triton")
-    with pytest.raises(TritonError, match=r"lacks CLASS_IDS_3, SCORES_3 .* for this set of 4 models"):
+    with pytest.raises(TritonError, match=r"lacks CLASS_IDS_4, SCORES_4 .* for this set of 5 models"):
         spec.build(bundles[0], top_k=TOP_K, limits=DecodeLimits(), more=[*bundles[1:], bundles[1]],
                    options=spec.parse_options({"url": set_engine.url}))
 
@@ -132,7 +193,8 @@ def test_the_served_set_decodes_each_image_once(bundles, tmp_path, monkeypatch):
     repo = build_repository("portable", None, str(tmp_path), top_k=TOP_K, more=[str(Path(b.onnx_path).parent)
                                                                                  for b in bundles[1:]])
     classifier = Classifier(repo / tn.MODEL_NAME / tn.VERSION, intra_op_threads=1, decode_threads=1)
-    assert [net.k for net in classifier.networks] == [TOP_K, TOP_K, TOP_K]
+    assert [net.k for net in classifier.networks] == [TOP_K] * 4
+    assert [net.embedding_dim for net in classifier.networks] == [None, None, None, 3]
     decodes = []
     real = imaging.decode_image
     monkeypatch.setattr(imaging, "decode_image", lambda data, limits: decodes.append(1) or real(data, limits))
@@ -141,4 +203,5 @@ def test_the_served_set_decodes_each_image_once(bundles, tmp_path, monkeypatch):
     images = np.stack([np.frombuffer(p.ljust(longest, b"\0"), np.uint8) for p in photos])
     out = classifier.classify(images, np.array([[len(p)] for p in photos], np.int32))
     assert len(decodes) == len(photos)
-    assert {tn.set_output(name, i) for i in range(3) for name in tn.SET_OUTPUTS} <= set(out)
+    assert {tn.set_output(name, i) for i in range(4) for name in tn.SET_OUTPUTS} <= set(out)
+    assert out[tn.set_output(tn.OUTPUT_EMBEDDING, 3)].shape == (len(photos), 3)

@@ -54,7 +54,8 @@ def dlpack_ready(value: np.ndarray) -> np.ndarray:
 
 
 class Network:
-    """One model of the served folder: its spec and its ONNX Runtime session with the top-k head."""
+    """One model of the served folder: its spec and its ONNX Runtime session with the top-k head (and EMBEDDING where
+    its spec declares one)."""
 
     def __init__(self, folder: Path, intra_op_threads: int):
         import onnxruntime as ort  # noqa: PLC0415 - heavy; only where a model is served
@@ -72,26 +73,33 @@ class Network:
                 "build the repository with `bulk-classify repo build`, which appends softmax and top-k"
             )
         self.k = int(shapes[tn.OUTPUT_SCORES][-1])
+        self.outputs = [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS]
+        self.embedding_dim = None
+        if tn.OUTPUT_EMBEDDING in shapes:
+            self.outputs.append(tn.OUTPUT_EMBEDDING)
+            self.embedding_dim = int(shapes[tn.OUTPUT_EMBEDDING][-1])
         batch = self.session.get_inputs()[0].shape[0]
         self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None  # runs exactly that many, padded
 
-    def top_k(self, arrays: list[np.ndarray], rows: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Scores and class ids [n, k] of the images ``rows`` (their inputs ``arrays``); zeros and -1 elsewhere."""
-        scores = np.zeros((n, self.k), dtype=np.float32)
-        ids = np.full((n, self.k), -1, dtype=np.int32)
+    def answers(self, arrays: list[np.ndarray], rows: list[int], n: int) -> dict[str, np.ndarray]:
+        """SCORES and CLASS_IDS [n, k] (and EMBEDDING [n, dim]) of the images ``rows`` (their inputs ``arrays``);
+        zeros (ids -1) elsewhere."""
+        out = {tn.OUTPUT_SCORES: np.zeros((n, self.k), dtype=np.float32),
+               tn.OUTPUT_CLASS_IDS: np.full((n, self.k), -1, dtype=np.int32)}
+        if self.embedding_dim is not None:
+            out[tn.OUTPUT_EMBEDDING] = np.zeros((n, self.embedding_dim), dtype=np.float32)
         if not rows:
-            return scores, ids
+            return out
         batch = np.stack(arrays)
         step = self.fixed_batch or len(batch)
         for start in range(0, len(batch), step):
             part = batch[start : start + step]
             if len(part) < step:  # a fixed batch axis: pad the last run, drop its padded rows
                 part = np.concatenate([part, np.zeros((step - len(part), *part.shape[1:]), part.dtype)])
-            out_scores, out_ids = self.session.run([tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS], {self.input_name: part})
             done = rows[start : start + step]
-            scores[done] = out_scores[: len(done)]
-            ids[done] = out_ids[: len(done)]
-        return scores, ids
+            for name, value in zip(self.outputs, self.session.run(self.outputs, {self.input_name: part})):
+                out[name][done] = value[: len(done)]
+        return out
 
 
 class Classifier:
@@ -133,9 +141,8 @@ class Classifier:
                              else np.ascontiguousarray(tags, dtype=np.int64).reshape(n, 1)),
         }
         for index, net in enumerate(self.networks):
-            scores, ids = net.top_k([decoded[i][0][index] for i in good], good, n)
-            result[tn.set_output(tn.OUTPUT_SCORES, index)] = scores
-            result[tn.set_output(tn.OUTPUT_CLASS_IDS, index)] = ids
+            for name, value in net.answers([decoded[i][0][index] for i in good], good, n).items():
+                result[tn.set_output(name, index)] = value
         return result
 
 
