@@ -209,13 +209,14 @@ class TritonClient:
                               + (f" for this set of {len(self.more) + 1} models" if self.more else "")
                               + (" with its embeddings" if any(self._embeddings) else ""))
         self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
-        # each model's k: the run's top_k, at most the model's classes (a set's models may have fewer)
-        self._set_k = [min(self.top_k, b.num_classes) for b in self.more]
-        for i, (k, b) in enumerate(zip(self._set_k, self.more), start=1):
+        # each model's k: the run's top_k, at most its own classes (a run caps top_k at a set's largest model's)
+        self._top_ks = [min(self.top_k, b.num_classes) for b in (self.bundle, *self.more)]
+        for i, (k, b) in enumerate(zip(self._top_ks, (self.bundle, *self.more))):
             served = int(outputs[tn.set_output(tn.OUTPUT_SCORES, i)]["dims"][0])
             if k > served:
-                raise ConfigError(f"top_k={self.top_k} but the repository returns {served} classes per image for "
-                                  f"model {b.name!r}; lower top_k or rebuild the repository with top_k >= {k}")
+                raise ConfigError(f"top_k={self.top_k} but the repository returns {served} classes per image"
+                                  + (f" for model {b.name!r}" if self.more else "")
+                                  + f"; lower top_k or rebuild the repository with top_k >= {k}")
         for i, b in enumerate((self.bundle, *self.more)):
             dims = outputs.get(tn.set_output(tn.OUTPUT_EMBEDDING, i), {}).get("dims", [])
             if b.spec.embedding is not None and [int(d) for d in dims] != [b.spec.embedding.dim]:
@@ -225,9 +226,6 @@ class TritonClient:
         params = config.get("parameters", {})
         self.server_checks_caps = params.get(tn.PARAM_CHECKS_CAPS, {}).get("string_value", "") == "true"
         self._wanted = [*tn.REQUIRED_OUTPUTS, *set_outputs] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
-        if self.top_k > self.repository_k:
-            raise ConfigError(f"top_k={self.top_k} but the repository returns {self.repository_k} classes per image; "
-                              f"lower top_k or rebuild the repository with top_k >= {self.top_k}")
 
     def _client(self):
         """One gRPC client per thread and per server generation (a restarted server has new ports)."""
@@ -406,8 +404,8 @@ class TritonClient:
 
         answers = []
         for i in range(n):
-            ids, scores, vector = row(tops[0], i, self.top_k)
-            more = () if texts[i] else [row(top, i, k) for top, k in zip(tops[1:], self._set_k)]
+            ids, scores, vector = row(tops[0], i, self._top_ks[0])
+            more = () if texts[i] else [row(top, i, k) for top, k in zip(tops[1:], self._top_ks[1:])]
             answers.append(Answer(ids, scores, int(widths[i]) or None, int(heights[i]) or None, texts[i], more,
                                   None if texts[i] else vector))
         return answers

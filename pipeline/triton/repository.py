@@ -241,6 +241,8 @@ def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artif
     others = [load_model(m) for m in more]
     set_top_k = [min(top_k, b.num_classes) for b in others]
     bundle = load_model(model) if artifacts or model is not None else None  # the built-in model's configs need none
+    if others and bundle is not None:  # a set's top_k is its largest model's; each model answers at most its own
+        top_k = min(top_k, bundle.num_classes)
     embedding_dims = [m.spec.embedding.dim if m is not None and m.spec.embedding else None for m in [bundle, *others]]
     _write(folder / CONFIG_FILE, portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
                                                  max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,

@@ -74,8 +74,9 @@ class ServerSupervisor:
 
         if repository is None:
             sweep_dead_owner_folders(REPOSITORY_PREFIX)
-            # one repository serves every top-k up to the default, but never more classes than the model has
-            served_k = min(max(top_k, DEFAULT_TOP_K), bundle.num_classes)
+            # one repository serves every top-k up to the default, but never more classes than the model (a set's
+            # largest) has
+            served_k = min(max(top_k, DEFAULT_TOP_K), max(b.num_classes for b in (bundle, *more)))
             repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances, more=more))
         preflight(repository)
 

@@ -155,6 +155,17 @@ def test_one_model_with_an_embedding_answers_it_unnormalised_where_its_spec_says
     assert any(abs(sum(v * v for v in row.embedding) - 1) > 1e-3 for row in got[:-1])  # not normalised
 
 
+def test_each_model_answers_top_k_up_to_its_own_classes(bundles):
+    spec = engine_spec("triton")
+    engine = spec.build(bundles[1], top_k=7, limits=DecodeLimits(), more=[bundles[0]],
+                        options=spec.parse_options({"profile": "portable"}))
+    try:
+        rows = engine.classify([p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))[:3]])
+    finally:
+        engine.close()
+    assert [(len(r.class_ids), len(r.more[0].class_ids)) for r in rows] == [(5, 7)] * 3
+
+
 def test_a_server_without_the_sets_outputs_is_refused(bundles, set_engine):
     make_engine("triton", bundles[0], top_k=TOP_K, url=set_engine.url).close()  # its first model alone: served
     spec = engine_spec("triton")
