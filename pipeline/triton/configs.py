@@ -83,8 +83,8 @@ class GpuModelOptions:
             raise ConfigError(f"max_backlog={self.max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
 
     def sends_error(self) -> bool:
-        """Whether the models declare ``ERROR``: ``error_output``, else whether numpy here can send it."""
-        return numpy_can_send_bytes() if self.error_output is None else self.error_output
+        """Whether the models declare ``ERROR`` (``declares_error``)."""
+        return declares_error(self.error_output)
 
 
 def model_config():
@@ -116,8 +116,7 @@ def _contract_io(config, k: int, *, with_error: bool) -> None:
 
 
 def _place(config, kind: str, instances: int, queue_delay_us: int) -> None:
-    """``instances`` of the model on ``kind`` (CPU, GPU), the dynamic batcher waiting ``queue_delay_us`` for a fuller
-    batch."""
+    """``instances`` on ``kind`` (CPU, GPU), the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
     config.instance_group.add(kind=model_config().ModelInstanceGroup.Kind.Value(f"KIND_{kind}"), count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
 
@@ -128,11 +127,12 @@ def _text(config) -> str:
     return text_format.MessageToString(config)
 
 
-def numpy_can_send_bytes() -> bool:
-    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (docs/engines.md)."""
+def declares_error(error_output: bool | None) -> bool:
+    """Whether a python model declares ``ERROR``: ``error_output``, else whether numpy here can send BYTES tensors (the
+    wheel's python backend sends them empty when its Python has numpy 2, docs/engines.md)."""
     import numpy as np  # noqa: PLC0415
 
-    return int(np.__version__.split(".")[0]) < 2
+    return int(np.__version__.split(".")[0]) < 2 if error_output is None else error_output
 
 
 def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
@@ -145,13 +145,12 @@ def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORT
     ``embedding_dims``: each model's embedding width, None for a model without one.
     """
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
-    for index, k in enumerate(set_top_k, start=1):
-        for name in tn.SET_OUTPUTS:
-            _tensor(config.output, tn.set_output(name, index), tn.OUTPUTS[name], [k])
-    for index, dim in enumerate(embedding_dims):
-        if dim is not None:
-            _tensor(config.output, tn.set_output(tn.OUTPUT_EMBEDDING, index), tn.EMBEDDING_DTYPE, [dim])
+    _contract_io(config, top_k, with_error=declares_error(error_output))
+    sets = [(tn.set_output(name, i), tn.OUTPUTS[name], k)
+            for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
+    sets += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d) for i, d in enumerate(embedding_dims) if d]
+    for name, dtype, width in sets:
+        _tensor(config.output, name, dtype, [width])
     _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 
@@ -164,8 +163,6 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
     ``plans`` maps a compute capability ("9.0") to the plan file built for it (Triton's cc_model_filenames).
     """
     mc = model_config()
-    configs = {}
-
     pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="dali", max_batch_size=max_batch_size)
     _contract_inputs(pre)
     _tensor(pre.output, tn.PREPROCESSED, "FP32", spec.input_shape)
@@ -173,7 +170,6 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
         _tensor(pre.output, name, tn.OUTPUTS[name], [1])
     _place(pre, "GPU", 1, QUEUE_DELAY_US)
     pre.parameters["num_threads"].string_value = str(DALI_THREADS)
-    configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     trt = mc.ModelConfig(name=tn.CLASSIFIER_TRT_MODEL, platform="tensorrt_plan", max_batch_size=max_batch_size)
     _tensor(trt.input, onnx_input, "FP32", spec.input_shape)
@@ -185,7 +181,6 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
     trt.default_model_filename = PLAN_DEFAULT
     for cc, filename in sorted((plans or {}).items()):
         trt.cc_model_filenames[cc] = filename
-    configs[tn.CLASSIFIER_TRT_MODEL] = _text(trt)
 
     ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)
     _contract_io(ens, top_k, with_error=False)
@@ -195,8 +190,7 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
                                     (tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS))):
         step = ens.ensemble_scheduling.step.add(model_name=model, model_version=-1, input_map=inputs)
         step.output_map.update({name: name for name in outputs})
-    configs[tn.MODEL_NAME] = _text(ens)
-    return configs
+    return {tn.PREPROCESS_MODEL: _text(pre), tn.CLASSIFIER_TRT_MODEL: _text(trt), tn.MODEL_NAME: _text(ens)}
 
 
 def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
@@ -204,13 +198,10 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
     o = options
     instances = GPU_INSTANCES if o.instances is None else o.instances
     batch_size = GPU_TRITON_BATCH_SIZE if o.batch_size is None else o.batch_size
-    mc = model_config()
-    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
+    config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
     _contract_io(config, o.top_k, with_error=o.sends_error())
-    for tensor in config.input:
-        if tensor.name == tn.INPUT_IMAGE:
-            # Requests padded to different lengths can then share one execute() (the backend sees each request).
-            tensor.allow_ragged_batch = True
+    # Requests padded to different lengths can then share one execute() (the backend sees each request).
+    next(t for t in config.input if t.name == tn.INPUT_IMAGE).allow_ragged_batch = True
     _place(config, "GPU", instances, o.queue_delay_us)
     _set_parameters(config, {
         **prep_parameters(o, batch_size),
