@@ -57,6 +57,8 @@ SPEC = EngineSpec(
     actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
     int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {NO_INT8}",
     node_start="pipeline.triton.client:start_node_servers",
+    # The portable profile serves a model set as one model (pipeline.triton.contract); the gpu profile refuses one.
+    several_models=True,
 )
 
 
@@ -71,11 +73,26 @@ class TritonEngine(TritonClient):
         return {STAGE_INFER: 0.0}
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
-        """One Result per input, in order; bad inputs are error rows."""
+        """One Result per input, in order; bad inputs are error rows; a model set's other models in ``Result.more``."""
         start = time.perf_counter()
         try:
             answers = self.answers(images)
         finally:
             self.stage_seconds[STAGE_INFER] += time.perf_counter() - start
-        return results_from_topk([a.class_ids for a in answers], [a.scores for a in answers], self.bundle.labels,
-                                 [(a.width, a.height) for a in answers], [a.error for a in answers])
+        sizes, errors = [(a.width, a.height) for a in answers], [a.error for a in answers]
+        results = _results([(a.class_ids, a.scores, a.embedding) for a in answers], self.bundle, sizes, errors)
+        for index, bundle in enumerate(self.more):
+            theirs = _results([a.more[index] if a.more else ((), (), None) for a in answers], bundle, sizes, errors)
+            for answer, result, their in zip(answers, results, theirs):
+                if not answer.error:  # an image that failed is every model's error, in the Result itself
+                    result.more.append(their)
+        return results
+
+
+def _results(tops, bundle, sizes, errors) -> list[Result]:
+    """One model's rows of (class ids, scores, embedding or None) per image; an error row has no embedding."""
+    results = results_from_topk([t[0] for t in tops], [t[1] for t in tops], bundle.labels, sizes, errors)
+    for result, (_, _, vector) in zip(results, tops):
+        if vector is not None and result.error is None:
+            result.embedding = [float(v) for v in vector]
+    return results

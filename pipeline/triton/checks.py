@@ -10,7 +10,8 @@ from pathlib import Path
 from pipeline.errors import ModelError
 from pipeline.triton import contract as tn
 from pipeline.triton.configs import triton_dtype, model_config
-from pipeline.triton.repository import CONFIG_FILE, REPOSITORY_PROFILES, build_repository, find_plan, local_plan_key
+from pipeline.triton.plans import find_plan, local_plan_key
+from pipeline.triton.repository import CONFIG_FILE, REPOSITORY_PROFILES, build_repository
 
 LOG = logging.getLogger(__name__)
 

@@ -67,13 +67,17 @@ EVENTS = (EVENT_REQUESTS, EVENT_CHECKED, EVENT_MISMATCHES, EVENT_TIMEOUTS, EVENT
 
 @dataclass(frozen=True)
 class Answer:
-    """One image's answer: its top-k class ids and scores (best first) and decoded size, or its error row's text."""
+    """One image's answer: its top-k class ids and scores (best first), embedding (where the model has one) and
+    decoded size, or its error row's text; ``more``: a model set's other models' (class ids, scores, embedding or
+    None), in the set's order (empty with an error)."""
 
     class_ids: Sequence[int] = ()
     scores: Sequence[float] = ()
     width: int | None = None
     height: int | None = None
     error: str | None = None
+    more: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float] | None]] = ()
+    embedding: Sequence[float] | None = None
 
 
 class _ServerDown(Exception):
@@ -95,7 +99,7 @@ class TritonClient:
 
     Args:
         bundle: the model (labels, and the ONNX/spec the default repository is built from).
-        top_k: classes per image; at most the repository's k.
+        top_k: classes per image (the run's, checked by its config); at most the repository's k.
         limits: byte and pixel caps, checked here before sending, and sent to the server with each request.
         profile: the repository profile this engine builds and serves (pipeline.triton.profiles): "auto" is the
             gpu profile where this process has a GPU, else the portable one. Its ``ServingProfile`` gives every
@@ -115,6 +119,8 @@ class TritonClient:
             the same GPU (several actors per GPU; pipeline.triton.sharing); ignored with ``url``.
         gpus: the GPU(s) of the server this engine starts, as CUDA_VISIBLE_DEVICES names them (default: this
             process's; the driver gives each of its node's GPUs, ``start_node_servers``).
+        more: a model set's other models, served with ``bundle`` as one model that decodes each image once; each
+            answers up to ``top_k`` classes, at most its own.
     """
 
     def __init__(
@@ -136,16 +142,17 @@ class TritonClient:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         share_server: bool | None = None,
         gpus: str | None = None,
+        more: Sequence[Any] = (),
     ):
         self.profile = serving = choose_profile(profile)
         self.gpus = gpus
         request_batch = serving.request_batch if request_batch is None else request_batch
         concurrency = serving.concurrency if concurrency is None else concurrency
         share_server = serving.share_server if share_server is None else share_server
-        if top_k < 1 or request_batch < 1 or concurrency < 1:
-            raise ConfigError(f"top_k={top_k}, request_batch={request_batch} and concurrency={concurrency} "
-                              "must be positive")
+        if request_batch < 1 or concurrency < 1:
+            raise ConfigError(f"request_batch={request_batch} and concurrency={concurrency} must be positive")
         self.bundle = bundle
+        self.more = tuple(more)
         self.top_k = top_k
         self.limits = limits
         self.request_batch = request_batch
@@ -168,7 +175,8 @@ class TritonClient:
             if url:
                 self.servers.wait_external(startup_timeout_s, url)
             else:
-                self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args])
+                self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args],
+                                       more=self.more)
             self._read_model()
         except BaseException:
             self.close()
@@ -190,19 +198,34 @@ class TritonClient:
     def _read_model(self) -> None:
         config = self._client().get_model_config(self.model_name, as_json=True)["config"]
         outputs = {o["name"]: o for o in config.get("output", [])}
-        missing = [name for name in tn.REQUIRED_OUTPUTS if name not in outputs]
+        set_outputs = [tn.set_output(name, i) for i in range(1, len(self.more) + 1) for name in tn.SET_OUTPUTS]
+        self._embeddings = [b.spec.embedding is not None for b in (self.bundle, *self.more)]
+        set_outputs += [tn.set_output(tn.OUTPUT_EMBEDDING, i) for i, has in enumerate(self._embeddings) if has]
+        missing = [name for name in (*tn.REQUIRED_OUTPUTS, *set_outputs) if name not in outputs]
         missing += [name for name in tn.INPUTS if name not in {i["name"] for i in config.get("input", [])}]
         if missing:
             raise TritonError(f"model {self.model_name!r} at {self.url} lacks {', '.join(missing)} (answers "
-                              "cannot be checked); serve a repository built by `bulk-classify repo build`")
+                              "cannot be checked); serve a repository built by `bulk-classify repo build`"
+                              + (f" for this set of {len(self.more) + 1} models" if self.more else "")
+                              + (" with its embeddings" if any(self._embeddings) else ""))
         self.repository_k = int(outputs[tn.OUTPUT_SCORES]["dims"][0])
+        # each model's k: the run's top_k, at most its own classes (a run caps top_k at a set's largest model's)
+        self._top_ks = [min(self.top_k, b.num_classes) for b in (self.bundle, *self.more)]
+        for i, (k, b) in enumerate(zip(self._top_ks, (self.bundle, *self.more))):
+            served = int(outputs[tn.set_output(tn.OUTPUT_SCORES, i)]["dims"][0])
+            if k > served:
+                raise ConfigError(f"top_k={self.top_k} but the repository returns {served} classes per image"
+                                  + (f" for model {b.name!r}" if self.more else "")
+                                  + f"; lower top_k or rebuild the repository with top_k >= {k}")
+        for i, b in enumerate((self.bundle, *self.more)):
+            dims = outputs.get(tn.set_output(tn.OUTPUT_EMBEDDING, i), {}).get("dims", [])
+            if b.spec.embedding is not None and [int(d) for d in dims] != [b.spec.embedding.dim]:
+                raise TritonError(f"model {self.model_name!r} at {self.url} answers {b.name!r}'s embedding as {dims}, "
+                                  f"not [{b.spec.embedding.dim}]; serve a repository built for this model")
         self.has_error_output = tn.OUTPUT_ERROR in outputs
         params = config.get("parameters", {})
         self.server_checks_caps = params.get(tn.PARAM_CHECKS_CAPS, {}).get("string_value", "") == "true"
-        self._wanted = [*tn.REQUIRED_OUTPUTS] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
-        if self.top_k > self.repository_k:
-            raise ConfigError(f"top_k={self.top_k} but the repository returns {self.repository_k} classes per image; "
-                              f"lower top_k or rebuild the repository with top_k >= {self.top_k}")
+        self._wanted = [*tn.REQUIRED_OUTPUTS, *set_outputs] + ([tn.OUTPUT_ERROR] if self.has_error_output else [])
 
     def _client(self):
         """One gRPC client per thread and per server generation (a restarted server has new ports)."""
@@ -373,10 +396,19 @@ class TritonClient:
             return True
 
     def _answers(self, response, n: int) -> list[Answer]:
-        ids, scores, widths, heights, texts = parse_response(response, n, self.has_error_output)
-        k = self.top_k
-        return [Answer(ids[i, :k], scores[i, :k], int(widths[i]) or None, int(heights[i]) or None, texts[i])
-                for i in range(n)]
+        tops, widths, heights, texts = parse_response(response, n, self.has_error_output, self._embeddings)
+
+        def row(top, i: int, k: int):  # one model's (class ids, scores, embedding or None) of image i
+            ids, scores, vectors = top
+            return ids[i, :k], scores[i, :k], None if vectors is None else vectors[i]
+
+        answers = []
+        for i in range(n):
+            ids, scores, vector = row(tops[0], i, self._top_ks[0])
+            more = () if texts[i] else [row(top, i, k) for top, k in zip(tops[1:], self._top_ks[1:])]
+            answers.append(Answer(ids, scores, int(widths[i]) or None, int(heights[i]) or None, texts[i], more,
+                                  None if texts[i] else vector))
+        return answers
 
     # ---- close ---------------------------------------------------------------------------------------------
 

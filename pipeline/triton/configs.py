@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from pipeline.errors import ConfigError
 from pipeline.gpu.defaults import DALI_THREADS, GPU_DEFAULT_MAX_DELAY_MS, GPU_DEFAULT_PREP_WORKERS
@@ -82,8 +83,8 @@ class GpuModelOptions:
             raise ConfigError(f"max_backlog={self.max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
 
     def sends_error(self) -> bool:
-        """Whether the models declare ``ERROR``: ``error_output``, else whether numpy here can send it."""
-        return numpy_can_send_bytes() if self.error_output is None else self.error_output
+        """Whether the models declare ``ERROR`` (``declares_error``)."""
+        return declares_error(self.error_output)
 
 
 def model_config():
@@ -102,20 +103,21 @@ def _tensor(kind, name: str, dtype: str, dims) -> None:
     kind.add(name=name, data_type=triton_dtype(dtype), dims=list(dims))
 
 
-def _contract_io(config, k: int, *, with_error: bool) -> None:
+def _contract_inputs(config) -> None:
     for name, dtype in tn.INPUTS.items():
         _tensor(config.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
-    dims = {tn.OUTPUT_CLASS_IDS: [k], tn.OUTPUT_SCORES: [k], tn.OUTPUT_WIDTH: [1], tn.OUTPUT_HEIGHT: [1],
-            tn.OUTPUT_ECHO: [1], tn.OUTPUT_ERROR: [1]}
+
+
+def _contract_io(config, k: int, *, with_error: bool) -> None:
+    _contract_inputs(config)
     for name, dtype in tn.OUTPUTS.items():
-        if name == tn.OUTPUT_ERROR and not with_error:
-            continue
-        _tensor(config.output, name, dtype, dims[name])
+        if name != tn.OUTPUT_ERROR or with_error:
+            _tensor(config.output, name, dtype, [k] if name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES) else [1])
 
 
-def _place_on_gpus(config, instances: int, queue_delay_us: int) -> None:
-    """``instances`` of the model on the GPU, the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
-    config.instance_group.add(kind=model_config().ModelInstanceGroup.KIND_GPU, count=instances)
+def _place(config, kind: str, instances: int, queue_delay_us: int) -> None:
+    """``instances`` on ``kind`` (CPU, GPU), the dynamic batcher waiting ``queue_delay_us`` for a fuller batch."""
+    config.instance_group.add(kind=model_config().ModelInstanceGroup.Kind.Value(f"KIND_{kind}"), count=instances)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
 
 
@@ -125,24 +127,31 @@ def _text(config) -> str:
     return text_format.MessageToString(config)
 
 
-def numpy_can_send_bytes() -> bool:
-    """The wheel's python backend sends BYTES tensors empty when its Python has numpy 2 (docs/engines.md)."""
+def declares_error(error_output: bool | None) -> bool:
+    """Whether a python model declares ``ERROR``: ``error_output``, else whether numpy here can send BYTES tensors (the
+    wheel's python backend sends them empty when its Python has numpy 2, docs/engines.md)."""
     import numpy as np  # noqa: PLC0415
 
-    return int(np.__version__.split(".")[0]) < 2
+    return int(np.__version__.split(".")[0]) < 2 if error_output is None else error_output
 
 
 def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORTABLE_INSTANCES,
-                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None) -> str:
+                    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, error_output: bool | None = None,
+                    set_top_k: Sequence[int] = (), embedding_dims: Sequence[int | None] = ()) -> str:
     """config.pbtxt of the portable profile's one model (python backend, CPU).
 
     ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
+    ``set_top_k``: for a model set, the k of each model after the first (``tn.set_output``).
+    ``embedding_dims``: each model's embedding width, None for a model without one.
     """
-    mc = model_config()
-    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    _contract_io(config, top_k, with_error=numpy_can_send_bytes() if error_output is None else error_output)
-    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances)
-    config.dynamic_batching.max_queue_delay_microseconds = QUEUE_DELAY_US
+    config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
+    _contract_io(config, top_k, with_error=declares_error(error_output))
+    sets = [(tn.set_output(name, i), tn.OUTPUTS[name], k)
+            for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
+    sets += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d) for i, d in enumerate(embedding_dims) if d]
+    for name, dtype, width in sets:
+        _tensor(config.output, name, dtype, [width])
+    _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 
 
@@ -154,44 +163,34 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
     ``plans`` maps a compute capability ("9.0") to the plan file built for it (Triton's cc_model_filenames).
     """
     mc = model_config()
-    configs = {}
-
     pre = mc.ModelConfig(name=tn.PREPROCESS_MODEL, backend="dali", max_batch_size=max_batch_size)
-    for name, dtype in tn.INPUTS.items():
-        _tensor(pre.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
+    _contract_inputs(pre)
     _tensor(pre.output, tn.PREPROCESSED, "FP32", spec.input_shape)
-    _tensor(pre.output, tn.OUTPUT_WIDTH, "INT32", [1])
-    _tensor(pre.output, tn.OUTPUT_HEIGHT, "INT32", [1])
-    _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])  # the DALI graph passes TAG through
-    _place_on_gpus(pre, 1, QUEUE_DELAY_US)
+    for name in (tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.OUTPUT_ECHO):  # the DALI graph passes TAG through as ECHO
+        _tensor(pre.output, name, tn.OUTPUTS[name], [1])
+    _place(pre, "GPU", 1, QUEUE_DELAY_US)
     pre.parameters["num_threads"].string_value = str(DALI_THREADS)
-    configs[tn.PREPROCESS_MODEL] = _text(pre)
 
     trt = mc.ModelConfig(name=tn.CLASSIFIER_TRT_MODEL, platform="tensorrt_plan", max_batch_size=max_batch_size)
     _tensor(trt.input, onnx_input, "FP32", spec.input_shape)
     _tensor(trt.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     _tensor(trt.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
-    _place_on_gpus(trt, PRODUCTION_TRT_INSTANCES, QUEUE_DELAY_US)
+    _place(trt, "GPU", PRODUCTION_TRT_INSTANCES, QUEUE_DELAY_US)
     # The plan's optimisation profile is tuned for max_batch_size (see build_trt_plan): batch to exactly that.
     trt.dynamic_batching.preferred_batch_size.append(max_batch_size)
     trt.default_model_filename = PLAN_DEFAULT
     for cc, filename in sorted((plans or {}).items()):
         trt.cc_model_filenames[cc] = filename
-    configs[tn.CLASSIFIER_TRT_MODEL] = _text(trt)
 
     ens = mc.ModelConfig(name=tn.MODEL_NAME, platform="ensemble", max_batch_size=max_batch_size)
     _contract_io(ens, top_k, with_error=False)
-    step = ens.ensemble_scheduling.step.add(model_name=tn.PREPROCESS_MODEL, model_version=-1)
-    for name in tn.INPUTS:
-        step.input_map[name] = name
-    for name in (tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.OUTPUT_ECHO):
-        step.output_map[name] = name
-    step = ens.ensemble_scheduling.step.add(model_name=tn.CLASSIFIER_TRT_MODEL, model_version=-1)
-    step.input_map[onnx_input] = tn.PREPROCESSED
-    for name in (tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS):
-        step.output_map[name] = name
-    configs[tn.MODEL_NAME] = _text(ens)
-    return configs
+    pre_outputs = (tn.PREPROCESSED, tn.OUTPUT_WIDTH, tn.OUTPUT_HEIGHT, tn.OUTPUT_ECHO)
+    for model, inputs, outputs in ((tn.PREPROCESS_MODEL, {n: n for n in tn.INPUTS}, pre_outputs),
+                                   (tn.CLASSIFIER_TRT_MODEL, {onnx_input: tn.PREPROCESSED},
+                                    (tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS))):
+        step = ens.ensemble_scheduling.step.add(model_name=model, model_version=-1, input_map=inputs)
+        step.output_map.update({name: name for name in outputs})
+    return {tn.PREPROCESS_MODEL: _text(pre), tn.CLASSIFIER_TRT_MODEL: _text(trt), tn.MODEL_NAME: _text(ens)}
 
 
 def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
@@ -199,14 +198,11 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
     o = options
     instances = GPU_INSTANCES if o.instances is None else o.instances
     batch_size = GPU_TRITON_BATCH_SIZE if o.batch_size is None else o.batch_size
-    mc = model_config()
-    config = mc.ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
+    config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
     _contract_io(config, o.top_k, with_error=o.sends_error())
-    for tensor in config.input:
-        if tensor.name == tn.INPUT_IMAGE:
-            # Requests padded to different lengths can then share one execute() (the backend sees each request).
-            tensor.allow_ragged_batch = True
-    _place_on_gpus(config, instances, o.queue_delay_us)
+    # Requests padded to different lengths can then share one execute() (the backend sees each request).
+    next(t for t in config.input if t.name == tn.INPUT_IMAGE).allow_ragged_batch = True
+    _place(config, "GPU", instances, o.queue_delay_us)
     _set_parameters(config, {
         **prep_parameters(o, batch_size),
         tn.GPU_PARAM_CUDA_GRAPH: "true" if o.cuda_graph else "false",

@@ -21,11 +21,18 @@ Outputs:
                           Optional: a profile that cannot report per image (DALI fails a whole batch) omits
                           it, and the engine isolates a bad input by splitting the failed request.
 
+A model set (``--model NAME=DIR`` more than once) is one served model: its first model answers in the outputs above,
+model ``i`` of the rest (1, 2, ...) in ``CLASS_IDS_i`` and ``SCORES_i`` (``set_output``), each image decoded once and
+every model's own preprocessing and network run on that decode; ``ERROR``, ``WIDTH`` and ``HEIGHT`` are the image's.
+A model whose spec declares an embedding also answers ``EMBEDDING`` (``EMBEDDING_i``): FP32 [dim], L2-normalised
+where the spec says.
+
 Why padded UINT8 + LENGTH rather than BYTES: the DALI backend takes numeric tensors only, and one wire
 format for every profile keeps the engine profile-agnostic.
 """
 
 MODEL_NAME = "classifier"
+VERSION = "1"  # the one version folder of every model in a repository
 
 INPUT_IMAGE = "IMAGE"
 INPUT_LENGTH = "LENGTH"
@@ -54,6 +61,12 @@ OUTPUTS = {
     OUTPUT_ERROR: "BYTES",
 }
 REQUIRED_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES, OUTPUT_WIDTH, OUTPUT_HEIGHT, OUTPUT_ECHO)
+# A model's embedding, where its spec declares one (FP32 [dim]).
+OUTPUT_EMBEDDING = "EMBEDDING"
+EMBEDDING_DTYPE = "FP32"
+# The outputs of each model after a set's first (``set_output``); its files are in SET_FOLDER of the version folder.
+SET_OUTPUTS = (OUTPUT_CLASS_IDS, OUTPUT_SCORES)
+SET_FOLDER = "model_{index}"
 # A TAG is (request id << TAG_INDEX_BITS) | the image's index in its request; requests hold fewer images than this.
 TAG_INDEX_BITS = 24
 
@@ -80,6 +93,12 @@ PARAM_CHECKS_CAPS = "checks_caps"
 GPU_PARAM_MAX_DELAY_MS = "max_delay_ms"  # queued images wait this long for a full network batch while the GPU idles
 # A served model's log line that says what its start took; TritonServer repeats each in the run's log once ready.
 START_REPORT = "start report: "
+
+
+def set_output(name: str, index: int) -> str:
+    """The output ``name`` (one of SET_OUTPUTS, or OUTPUT_EMBEDDING) of a model set's model ``index`` (0: the first,
+    the contract's own names)."""
+    return name if index == 0 else f"{name}_{index}"
 
 
 def failure_message(errors: list[str], n: int) -> str:

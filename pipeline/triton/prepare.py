@@ -34,7 +34,8 @@ from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
 from pipeline.triton.configs import DEFAULT_MAX_BATCH_SIZE
 from pipeline.triton.profiles import PRODUCTION
-from pipeline.triton.repository import build_repository, find_plan, local_plan_key
+from pipeline.triton.plans import find_plan, local_plan_key
+from pipeline.triton.repository import build_repository
 
 LOG = logging.getLogger(__name__)
 STAMP = ".bulk-classify-repository.json"
@@ -82,7 +83,7 @@ def prepare(repository: str, model: str | None, *, plan_cache: str | None = None
             build: Callable[..., Path] | None = None) -> dict[str, Any]:
     """Make ``repository`` a production repository whose plan matches this node; return what was done.
 
-    ``key`` (a ``pipeline.triton.repository.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
+    ``key`` (a ``pipeline.triton.plans.PlanKey``) defaults to this node's; ``build`` to ``build_repository``.
     """
     key = key or local_plan_key()
     if key is None:

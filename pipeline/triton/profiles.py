@@ -52,11 +52,8 @@ class ServingProfile:
 
     def server_args(self) -> list[str]:
         """tritonserver arguments this profile is served with."""
-        if self.shm_bytes is None:
-            return []
-        first, growth = self.shm_bytes
-        return [f"--backend-config=python,shm-default-byte-size={first}",
-                f"--backend-config=python,shm-growth-byte-size={growth}"]
+        return [f"--backend-config=python,shm-{role}-byte-size={size}"
+                for role, size in zip(("default", "growth"), self.shm_bytes or ())]
 
 
 PROFILES: dict[str, ServingProfile] = {
@@ -85,8 +82,7 @@ def visible_gpus() -> list[str]:
 def choose_profile(profile: str) -> ServingProfile:
     """``profile``'s serving shape; ``auto`` is the gpu profile where this process has a GPU, else portable."""
     if profile == AUTO:
-        return PROFILES[GPU if visible_gpus() else PORTABLE]
-    try:
-        return PROFILES[profile]
-    except KeyError:
-        raise ConfigError(f"--engine-option profile={profile!r} is unknown; use {', '.join(PROFILE_CHOICES)}") from None
+        profile = GPU if visible_gpus() else PORTABLE
+    if profile not in PROFILES:
+        raise ConfigError(f"--engine-option profile={profile!r} is unknown; use {', '.join(PROFILE_CHOICES)}")
+    return PROFILES[profile]

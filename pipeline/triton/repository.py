@@ -1,23 +1,20 @@
 """Triton model repositories: every profile's configs (``configs``) and artifacts (ONNX with softmax + top-k, DALI
-pipeline source, TensorRT plans keyed by GPU architecture and TensorRT version); checks live in ``checks``."""
+pipeline source, TensorRT plans from ``plans``); checks live in ``checks``."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pipeline.errors import ConfigError, ModelError
 from pipeline.model.default_model import DEFAULT_SPEC
 from pipeline.model.folder import (
     LABELS_FILE, MODEL_FILE, PRECISION_INT8, SPEC_FILE, TORCHSCRIPT_FILE, external_data_files, load_model,
 )
-from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID
+from pipeline.model.spec import OUTPUT_LOGITS, OUTPUT_PROBABILITIES, OUTPUT_SIGMOID, EmbeddingSpec, PreprocessSpec
 from pipeline.gpu.defaults import DALI_THREADS, NO_INT8
 from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
@@ -29,13 +26,14 @@ from pipeline.triton.configs import (
     portable_config,
     production_configs,
 )
+from pipeline.triton.contract import VERSION
+from pipeline.triton.plans import build_trt_plan
 from pipeline.triton.profiles import GPU, PORTABLE, PRODUCTION
 from pipeline.triton.server import STUB_PATH_ENV
 
 LOG = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.pbtxt"
-VERSION = "1"
 DALI_SOURCE = "dali.py"
 
 # Each python model's version folder holds a shim: Triton's python backend loads ``model.py`` and takes its
@@ -44,8 +42,8 @@ DALI_SOURCE = "dali.py"
 SHIM_FILE = "model.py"
 SERVE_PACKAGE = "pipeline.triton.serve"
 TRITON_ENTRY = "TritonPythonModel"  # the class name the python backend looks for
-_SHIM_TEXT = '''"""Triton python-backend entry of the {what}; the model is {module}.{cls}
-(written by `bulk-classify repo build {flags}`, do not edit)."""
+_SHIM_TEXT = '''"""Triton python-backend entry of the {profile} profile; the model is {module}.{entry}
+(written by `bulk-classify repo build --profile {profile}`, do not edit)."""
 
 import os
 import sys
@@ -56,11 +54,14 @@ from {module} import {entry}  # noqa: E402,F401
 '''
 
 
-def shim_text(what: str, module: str, cls: str, flags: str) -> str:
-    """The shim of one python model: ``cls`` of ``pipeline.triton.serve.<module>`` as Triton's entry."""
-    entry = cls if cls == TRITON_ENTRY else f"{cls} as {TRITON_ENTRY}"
-    return _SHIM_TEXT.format(what=what, module=f"{SERVE_PACKAGE}.{module}", cls=cls, flags=flags, env=STUB_PATH_ENV,
-                             entry=entry)
+def shim_text(profile: str, module: str) -> str:
+    """The shim of ``profile``'s python model: ``TritonPythonModel`` of ``pipeline.triton.serve.<module>``."""
+    return _SHIM_TEXT.format(profile=profile, module=f"{SERVE_PACKAGE}.{module}", entry=TRITON_ENTRY, env=STUB_PATH_ENV)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
 
 
 _DALI_SOURCE_TEXT = '''"""Triton DALI-backend pipeline of the production profile, serialized by the backend at load (@autoserialize).
@@ -96,8 +97,11 @@ def preprocess():
 
 
 def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str | None = None,
-                  output: str = OUTPUT_LOGITS, probabilities: bool = False) -> Path:
-    """Writes the classifier with its scoring and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32).
+                  output: str = OUTPUT_LOGITS, probabilities: bool = False,
+                  embedding: EmbeddingSpec | None = None) -> Path:
+    """Writes the classifier with its scoring and TopK(k) appended: outputs SCORES (FP32) and CLASS_IDS (INT32), and
+    EMBEDDING (FP32 [dim], each row L2-normalised where ``embedding.normalize``; a zero row stays zero) where the spec
+    declares one, fetched from its tensor (a graph output beside the class output, or an intermediate one).
 
     Scores are made inside the graph per the spec's ``output`` (``probabilities=True`` stands for
     ``output="probabilities"``): a Softmax over logits, a Sigmoid per class, or TopK alone for probabilities; a row
@@ -114,9 +118,11 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     model = onnx.load(str(onnx_path))  # external data too, from beside it
     external = bool(external_data_files(onnx.load(str(onnx_path), load_external_data=False), Path(onnx_path)))
     graph = model.graph
-    if len(graph.output) != 1:
-        raise ModelError(f"{onnx_path} has {len(graph.output)} outputs; the classifier must have one (logits)")
-    logits = graph.output[0]
+    classes_out = [o for o in graph.output if embedding is None or o.name != embedding.output]
+    if len(classes_out) != 1:
+        raise ModelError(f"{onnx_path} has {len(graph.output)} outputs; the classifier must have one (logits)"
+                         + (f" beside its embedding {embedding.output!r}" if embedding else ""))
+    logits = classes_out[0]
     if output_name and logits.name != output_name:
         raise ModelError(f"{onnx_path}: output is {logits.name!r}, expected {output_name!r}")
     dims = logits.type.tensor_type.shape.dim
@@ -131,19 +137,20 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     scoring = {OUTPUT_LOGITS: [helper.make_node("Softmax", [logits.name], [scores], axis=-1, name="bc_softmax")],
                OUTPUT_SIGMOID: [helper.make_node("Sigmoid", [logits.name], [scores], name="bc_sigmoid")],
                OUTPUT_PROBABILITIES: []}[output]
+
+    def sum_last_axis(x: str, out: str, name: str):  # ReduceSum's axes: an input from opset 13, an attribute before
+        if opset >= 13:
+            return helper.make_node("ReduceSum", [x, "bc_class_axis"], [out], keepdims=1, name=name)
+        return helper.make_node("ReduceSum", [x], [out], axes=[-1], keepdims=1, name=name)
+
     # 0 * x is NaN exactly where x is NaN or infinite; summed over the classes and added to the top-k scores, it
     # turns every score of such a row NaN, and the client writes the row as an engine error.
     if opset >= 13:
         graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "bc_class_axis"))
-        reduce = helper.make_node("ReduceSum", ["bc_zeroed", "bc_class_axis"], ["bc_finite"], keepdims=1,
-                                  name="bc_finite_sum")
-    else:
-        reduce = helper.make_node("ReduceSum", ["bc_zeroed"], ["bc_finite"], axes=[-1], keepdims=1,
-                                  name="bc_finite_sum")
     graph.node.extend([
         *scoring,
         helper.make_node("Mul", [logits.name, "bc_zero"], ["bc_zeroed"], name="bc_zeroed"),
-        reduce,
+        sum_last_axis("bc_zeroed", "bc_finite", "bc_finite_sum"),
         helper.make_node("TopK", [scores, "bc_top_k"], ["bc_top_scores", "bc_indices"],
                          axis=-1, largest=1, sorted=1, name="bc_topk"),
         helper.make_node("Add", ["bc_top_scores", "bc_finite"], [tn.OUTPUT_SCORES], name="bc_nonfinite"),
@@ -154,6 +161,22 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
         helper.make_tensor_value_info(tn.OUTPUT_SCORES, TensorProto.FLOAT, [batch, k]),
         helper.make_tensor_value_info(tn.OUTPUT_CLASS_IDS, TensorProto.INT32, [batch, k]),
     ])
+    if embedding is not None:
+        rows = [helper.make_node("Cast", [embedding.output], ["bc_emb_float"], to=TensorProto.FLOAT),
+                helper.make_node("Flatten", ["bc_emb_float"], ["bc_emb"], axis=1)]
+        if embedding.normalize:
+            graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=np.float32), "bc_one"))
+            rows += [helper.make_node("Mul", ["bc_emb", "bc_emb"], ["bc_emb_squares"]),
+                     sum_last_axis("bc_emb_squares", "bc_emb_sum", "bc_emb_sum"),
+                     helper.make_node("Sqrt", ["bc_emb_sum"], ["bc_emb_norm"]),
+                     helper.make_node("Equal", ["bc_emb_norm", "bc_zero"], ["bc_emb_is_zero"]),
+                     helper.make_node("Where", ["bc_emb_is_zero", "bc_one", "bc_emb_norm"], ["bc_emb_divisor"]),
+                     helper.make_node("Div", ["bc_emb", "bc_emb_divisor"], [tn.OUTPUT_EMBEDDING])]
+        else:
+            rows.append(helper.make_node("Identity", ["bc_emb"], [tn.OUTPUT_EMBEDDING]))
+        graph.node.extend(rows)
+        graph.output.append(helper.make_tensor_value_info(tn.OUTPUT_EMBEDDING, TensorProto.FLOAT,
+                                                          [batch, embedding.dim]))
     out_path = Path(out_path)
     if external:  # past protobuf's 2 GB a model can only be saved (and checked) with its weights outside
         data = out_path.with_name(out_path.name + ".data")
@@ -167,118 +190,13 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
     return out_path
 
 
-@dataclass(frozen=True)
-class PlanKey:
-    """What a TensorRT plan is tied to: the GPU's compute capability and the exact TensorRT version."""
-
-    compute_capability: str  # "9.0"
-    tensorrt: str  # "10.3.0"
-
-    @property
-    def filename(self) -> str:
-        """e.g. model.sm90.trt10.3.plan (major.minor in the name; the JSON beside it holds the full version)."""
-        sm = self.compute_capability.replace(".", "")
-        major_minor = ".".join(self.tensorrt.split(".")[:2])
-        return f"model.sm{sm}.trt{major_minor}.plan"
-
-    @property
-    def json_filename(self) -> str:
-        return self.filename[: -len(".plan")] + ".json"
-
-
-def local_plan_key() -> PlanKey | None:
-    """The key of this machine (first GPU, installed TensorRT), or None where either is missing."""
-    version = None
-    for module in ("tensorrt", "tensorrt_lean"):
-        try:
-            version = __import__(module).__version__
-            break
-        except ImportError:
-            continue
-    if version is None or shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
-    caps = out.split()
-    return PlanKey(caps[0], version) if caps else None
-
-
-def write_plan_key(model_dir: Path, key: PlanKey, **extra) -> Path:
-    path = Path(model_dir) / VERSION / key.json_filename
-    path.write_text(json.dumps({"compute_capability": key.compute_capability, "tensorrt": key.tensorrt, **extra},
-                               indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-def find_plan(model_dir: Path, key: PlanKey) -> Path:
-    """The plan built for ``key`` in a classifier_trt folder; ModelError saying what was found otherwise.
-
-    TensorRT plans only load on the GPU architecture and TensorRT version they were built with; failing here
-    gives a clear message instead of the backend's deserialization error.
-    """
-    version_dir = Path(model_dir) / VERSION
-    found = []
-    for meta in sorted(version_dir.glob("model.sm*.trt*.json")):
-        try:
-            data = json.loads(meta.read_text(encoding="utf-8"))
-            other = PlanKey(str(data["compute_capability"]), str(data["tensorrt"]))
-        except (ValueError, KeyError) as err:
-            raise ModelError(f"{meta} is not a plan key file ({err}); rebuild the repository") from None
-        plan = version_dir / other.filename
-        if other == key and plan.is_file():
-            return plan
-        found.append(f"sm{other.compute_capability} TensorRT {other.tensorrt}")
-    raise ModelError(
-        f"{version_dir} has no TensorRT plan for this machine (compute capability {key.compute_capability}, "
-        f"TensorRT {key.tensorrt}); it has: {', '.join(found) or 'none'}. Plans only load where they were built: "
-        "run `bulk-classify repo build --profile production` in the worker image on this GPU type"
-    )
-
-
-def build_trt_plan(onnx_path: Path, model_dir: Path, spec, *, max_batch_size: int) -> PlanKey | None:
-    """Builds an FP16 plan with a dynamic batch profile (1, max, max) where TensorRT's builder is installed."""
-    key = local_plan_key()
-    try:
-        import tensorrt as trt  # noqa: PLC0415 - the builder exists in the worker image only
-    except ImportError:
-        LOG.warning("TensorRT's builder is not installed here: no plan built; run `bulk-classify repo build "
-                    "--profile production` in the worker image (NVIDIA's Triton container) to add it")
-        return None
-    if key is None:
-        LOG.warning("no GPU found (nvidia-smi): no TensorRT plan built")
-        return None
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):  # from the file: its external data is read from beside it
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ModelError(f"TensorRT cannot parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_flag(trt.BuilderFlag.FP16)
-    profile = builder.create_optimization_profile()
-    shape = tuple(spec.input_shape)
-    profile.set_shape(network.get_input(0).name, (1, *shape), (max_batch_size, *shape), (max_batch_size, *shape))
-    config.add_optimization_profile(profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise ModelError(f"TensorRT failed to build a plan from {onnx_path}; see its log above")
-    (Path(model_dir) / VERSION / key.filename).write_bytes(bytes(serialized))
-    write_plan_key(model_dir, key, precision="fp16", batch_profile=[1, max_batch_size, max_batch_size],
-                   onnx_sha256=hashlib.sha256(Path(onnx_path).read_bytes()).hexdigest())
-    return key
-
-
 # ---- build -------------------------------------------------------------------------------------------------
 
 
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True, error_output: bool | None = None,
-                     max_backlog: float | None = None) -> Path:
+                     max_backlog: float | None = None, more: Sequence[str | None] = ()) -> Path:
     """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
 
@@ -289,87 +207,83 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     gpu: ``build_gpu_repository``.
     ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
     ``max_backlog``: gpu only.
+    ``more``: a model set's other model folders (None: the default model), served with ``model`` as one model
+    (``pipeline.triton.contract``); each gets top-k up to its classes.
 
     Returns:
         the repository folder.
     """
     if not 1 <= top_k <= 1000 or (max_batch_size is not None and max_batch_size < 1):
         raise ConfigError(f"top_k={top_k} and max_batch_size={max_batch_size} must be positive")
-    try:
-        builder = REPOSITORY_PROFILES[profile].build
-    except KeyError:
-        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}") from None
-    out = builder(model, output, top_k=top_k, instances=instances, max_batch_size=max_batch_size,
-                  artifacts=artifacts, error_output=error_output, max_backlog=max_backlog)
+    if profile not in REPOSITORY_PROFILES:
+        raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}")
+    if max_backlog is not None and not REPOSITORY_PROFILES[profile].takes_backlog:
+        raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
+    if more and not REPOSITORY_PROFILES[profile].takes_set:
+        raise ConfigError(f"the {profile} profile serves one model, not a model set; use --engine-option "
+                          f"profile={PORTABLE} for a set, or one --model")
+    out = REPOSITORY_PROFILES[profile].build(
+        model, Path(output).expanduser(), top_k=top_k, instances=instances or None,
+        max_batch_size=max_batch_size or None, artifacts=artifacts, error_output=error_output, max_backlog=max_backlog,
+        **({"more": tuple(more)} if more else {}))
     LOG.info("built %s repository in %s", profile, out)
     return out
 
 
-def _gpu_only(max_backlog: float | None) -> None:
-    """Refuses the gpu profile's option for another profile."""
-    if max_backlog is not None:
-        raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
+def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlog, **_) -> Path:
+    given = {"instances": instances, "max_batch_size": max_batch_size, "max_backlog": max_backlog}
+    return build_gpu_repository(model, out, top_k=top_k, **{k: v for k, v in given.items() if v is not None})
 
 
-def _build_gpu(model, output, *, top_k, instances, max_batch_size, artifacts, error_output, max_backlog):
-    options = {"top_k": top_k}
-    options.update({k: v for k, v in (("instances", instances), ("max_batch_size", max_batch_size)) if v})
-    if max_backlog is not None:
-        options["max_backlog"] = max_backlog
-    return build_gpu_repository(model, output, **options)
-
-
-def _build_portable(model, output, *, top_k, instances, max_batch_size, artifacts, error_output,
-                    max_backlog) -> Path:
-    _gpu_only(max_backlog)
-    out = Path(output).expanduser()
+def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artifacts, error_output, more=(),
+                    **_) -> Path:
     folder = out / tn.MODEL_NAME
-    (folder / VERSION).mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_FILE).write_text(
-        portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
-                        max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE, error_output=error_output),
-        encoding="utf-8")
-    (folder / VERSION / SHIM_FILE).write_text(
-        shim_text("portable profile", "portable_model", TRITON_ENTRY, "--profile portable"), encoding="utf-8")
+    others = [load_model(m) for m in more]
+    set_top_k = [min(top_k, b.num_classes) for b in others]
+    bundle = load_model(model) if artifacts or model is not None else None  # the built-in model's configs need none
+    if others and bundle is not None:  # a set's top_k is its largest model's; each model answers at most its own
+        top_k = min(top_k, bundle.num_classes)
+    embedding_dims = [m.spec.embedding.dim if m is not None and m.spec.embedding else None for m in [bundle, *others]]
+    _write(folder / CONFIG_FILE, portable_config(top_k=top_k, instances=instances or DEFAULT_PORTABLE_INSTANCES,
+                                                 max_batch_size=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+                                                 error_output=error_output, set_top_k=set_top_k,
+                                                 embedding_dims=embedding_dims))
+    _write(folder / VERSION / SHIM_FILE, shim_text(PORTABLE, "portable_model"))
     if artifacts:
-        bundle = load_model(model)
-        add_topk_head(bundle.onnx_path, folder / VERSION / MODEL_FILE, k=top_k, output_name=bundle.output_name,
-                      output=bundle.spec.output)
-        (folder / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
-        (folder / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
+        for index, (member, k) in enumerate(zip([bundle, *others], [top_k, *set_top_k])):
+            version = folder / VERSION / (tn.SET_FOLDER.format(index=index) if index else "")
+            version.mkdir(parents=True, exist_ok=True)
+            add_topk_head(member.onnx_path, version / MODEL_FILE, k=k, output_name=member.output_name,
+                          output=member.spec.output, embedding=member.spec.embedding)
+            _write(version / SPEC_FILE, member.spec.to_json())
+        _write(folder / LABELS_FILE, "\n".join(bundle.labels) + "\n")
     return out
 
 
-def _build_production(model, output, *, top_k, instances, max_batch_size, artifacts, error_output,
-                      max_backlog) -> Path:
-    _gpu_only(max_backlog)
+def _build_production(model, out: Path, *, top_k, max_batch_size, artifacts, **_) -> Path:
     max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
-    out = Path(output).expanduser()
     bundle = load_model(model)
-    pre_dir, trt_dir, ens_dir = (out / tn.PREPROCESS_MODEL, out / tn.CLASSIFIER_TRT_MODEL, out / tn.MODEL_NAME)
-    for d in (pre_dir, trt_dir, ens_dir):
-        (d / VERSION).mkdir(parents=True, exist_ok=True)
-    (pre_dir / VERSION / DALI_SOURCE).write_text(
-        _DALI_SOURCE_TEXT.format(spec_file=SPEC_FILE, batch_size=max_batch_size, threads=DALI_THREADS,
-                                 stub_env=STUB_PATH_ENV),
-        encoding="utf-8")
-    (pre_dir / VERSION / SPEC_FILE).write_text(bundle.spec.to_json(), encoding="utf-8")
+    pre, trt, ens = (out / name / VERSION for name in (tn.PREPROCESS_MODEL, tn.CLASSIFIER_TRT_MODEL, tn.MODEL_NAME))
+    for version in (pre, trt, ens):
+        version.mkdir(parents=True, exist_ok=True)
+    _write(pre / DALI_SOURCE, _DALI_SOURCE_TEXT.format(spec_file=SPEC_FILE, batch_size=max_batch_size,
+                                                       threads=DALI_THREADS, stub_env=STUB_PATH_ENV))
+    _write(pre / SPEC_FILE, bundle.spec.to_json())
     plans = {}
     if artifacts:
-        head = add_topk_head(bundle.onnx_path, trt_dir / VERSION / MODEL_FILE, k=top_k,
-                             output_name=bundle.output_name, output=bundle.spec.output)
-        (ens_dir / LABELS_FILE).write_text("\n".join(bundle.labels) + "\n", encoding="utf-8")
-        key = build_trt_plan(head, trt_dir, bundle.spec, max_batch_size=max_batch_size)
+        head = add_topk_head(bundle.onnx_path, trt / MODEL_FILE, k=top_k, output_name=bundle.output_name,
+                             output=bundle.spec.output)
+        _write(ens.parent / LABELS_FILE, "\n".join(bundle.labels) + "\n")
+        key = build_trt_plan(head, trt.parent, bundle.spec, max_batch_size=max_batch_size)
         if key is not None:
             plans[key.compute_capability] = key.filename
-    configs = production_configs(bundle.spec, onnx_input=bundle.input_name, top_k=top_k,
-                                 max_batch_size=max_batch_size, plans=plans)
-    for name, text in configs.items():
-        (out / name / CONFIG_FILE).write_text(text, encoding="utf-8")
+    for name, text in production_configs(bundle.spec, onnx_input=bundle.input_name, top_k=top_k,
+                                         max_batch_size=max_batch_size, plans=plans).items():
+        _write(out / name / CONFIG_FILE, text)
     return out
 
 
-def gpu_model_files(model: str | None) -> tuple[Any, list[Path]]:
+def gpu_model_files(model: str | None) -> tuple[PreprocessSpec, list[Path]]:
     """The spec of ``model`` (a model folder, or None for the default) and the files a served network loads (a user's
     ``model.onnx`` with its external data files, which each instance converts to torch, and any
     ``model.torchscript``), each copied under its name relative to the folder.
@@ -410,10 +324,9 @@ def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path
         target = version / path.relative_to(network_files[0].parent)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-    (version.parent / CONFIG_FILE).write_text(config, encoding="utf-8")
-    (version / SHIM_FILE).write_text(shim_text("gpu profile", "gpu_model", TRITON_ENTRY, "--profile gpu"),
-                                     encoding="utf-8")
-    (version / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+    _write(version.parent / CONFIG_FILE, config)
+    _write(version / SHIM_FILE, shim_text(GPU, "gpu_model"))
+    _write(version / SPEC_FILE, spec.to_json())
     return version.parent.parent
 
 
@@ -423,18 +336,20 @@ class RepositoryProfile:
 
     Attributes:
         name: the ``--profile`` value.
-        build: writes the repository; called with ``build_repository``'s arguments.
+        build: writes the repository: ``build(model, out, top_k=, instances=, max_batch_size=, artifacts=,
+            error_output=, max_backlog=)``, None for an option left to the profile's default.
+        takes_backlog: it serves ``max_backlog``; other profiles refuse it.
+        takes_set: it serves a model set (``build(..., more=)``); other profiles refuse one.
     """
 
     name: str
     build: Callable[..., Path]
+    takes_backlog: bool = False
+    takes_set: bool = False
 
 
 REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
-    p.name: p
-    for p in (
-        RepositoryProfile(PORTABLE, _build_portable),
-        RepositoryProfile(PRODUCTION, _build_production),
-        RepositoryProfile(GPU, _build_gpu),
-    )
+    p.name: p for p in (RepositoryProfile(PORTABLE, _build_portable, takes_set=True),
+                        RepositoryProfile(PRODUCTION, _build_production),
+                        RepositoryProfile(GPU, _build_gpu, takes_backlog=True))
 }

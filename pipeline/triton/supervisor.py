@@ -65,17 +65,19 @@ class ServerSupervisor:
     # ---- start -------------------------------------------------------------------------------------------------
 
     def start_own(self, bundle, repository: str | None, instances: int | None, top_k: int,
-                  server_args: Sequence[str]) -> None:
-        """Start (or, shared, join) a server of ``repository``, default the profile's built for ``bundle``."""
+                  server_args: Sequence[str], more: Sequence = ()) -> None:
+        """Start (or, shared, join) a server of ``repository``, default the profile's built for ``bundle`` (and a
+        model set's other models, ``more``)."""
         from pipeline.triton.checks import preflight  # noqa: PLC0415
         from pipeline.triton.repository_cache import cached_repository  # noqa: PLC0415
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
 
         if repository is None:
             sweep_dead_owner_folders(REPOSITORY_PREFIX)
-            # one repository serves every top-k up to the default, but never more classes than the model has
-            served_k = min(max(top_k, DEFAULT_TOP_K), bundle.num_classes)
-            repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances))
+            # one repository serves every top-k up to the default, but never more classes than the model (a set's
+            # largest) has
+            served_k = min(max(top_k, DEFAULT_TOP_K), max(b.num_classes for b in (bundle, *more)))
+            repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances, more=more))
         preflight(repository)
 
         def start():

@@ -101,8 +101,10 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def parse_response(response, n: int, has_error: bool):
-    """(class ids [n, K], scores [n, K], widths [n], heights [n], error texts) of a ModelInferResponse.
+def parse_response(response, n: int, has_error: bool, embeddings: Sequence[bool] = (False,)):
+    """(each model's (class ids [n, K], scores [n, K], embeddings [n, dim] or None), widths [n], heights [n], error
+    texts) of a ModelInferResponse; ``embeddings``: per model of the set (one by default), whether it answers one. A
+    model set's models after the first answer in ``contract.set_output``'s outputs.
 
     Raises:
         AnswerMismatch: the response's outputs do not hold ``n`` rows (it cannot be this request's answer).
@@ -111,7 +113,7 @@ def parse_response(response, n: int, has_error: bool):
 
     raw = {out.name: response.raw_output_contents[i] for i, out in enumerate(response.outputs)}
     try:
-        return _parsed(raw, n, has_error, deserialize_bytes_tensor)
+        return _parsed(raw, n, has_error, embeddings, deserialize_bytes_tensor)
     except (KeyError, ValueError) as err:
         shapes = {out.name: list(out.shape) for out in response.outputs}
         raise AnswerMismatch(f"a response of {n} images has outputs {shapes} ({type(err).__name__}: {err})") from None
@@ -135,11 +137,13 @@ class AnswerMismatch(Exception):
     """A response that is not the answer to the request it came back for (its ECHO or its shape is wrong)."""
 
 
-def _parsed(raw: dict, n: int, has_error: bool, deserialize_bytes_tensor):
-    ids = np.frombuffer(raw[tn.OUTPUT_CLASS_IDS], dtype=np.int32).reshape(n, -1)
-    scores = np.frombuffer(raw[tn.OUTPUT_SCORES], dtype=np.float32).reshape(n, -1)
+def _parsed(raw: dict, n: int, has_error: bool, embeddings: Sequence[bool], deserialize_bytes_tensor):
+    tops = [(np.frombuffer(raw[tn.set_output(tn.OUTPUT_CLASS_IDS, i)], dtype=np.int32).reshape(n, -1),
+             np.frombuffer(raw[tn.set_output(tn.OUTPUT_SCORES, i)], dtype=np.float32).reshape(n, -1),
+             np.frombuffer(raw[tn.set_output(tn.OUTPUT_EMBEDDING, i)], dtype=np.float32).reshape(n, -1) if has else None)
+            for i, has in enumerate(embeddings)]
     widths = np.frombuffer(raw[tn.OUTPUT_WIDTH], dtype=np.int32).reshape(n)
     heights = np.frombuffer(raw[tn.OUTPUT_HEIGHT], dtype=np.int32).reshape(n)
     errors = deserialize_bytes_tensor(raw[tn.OUTPUT_ERROR]).reshape(n) if has_error and raw.get(tn.OUTPUT_ERROR) else [b""] * n
     texts = [e.decode("utf-8", errors="replace") if isinstance(e, bytes) else str(e) for e in errors]
-    return ids, scores, widths, heights, texts
+    return tops, widths, heights, texts

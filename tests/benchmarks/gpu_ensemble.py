@@ -45,7 +45,7 @@ from pipeline.triton.configs import (  # noqa: E402
     GPU_INSTANCES,
     GpuModelOptions,
     _contract_io,
-    _place_on_gpus,
+    _place,
     _set_parameters,
     _tensor,
     _text,
@@ -354,7 +354,7 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
     _tensor(pre.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
     if error_output:
         _tensor(pre.output, tn.OUTPUT_ERROR, "BYTES", [1])
-    _place_on_gpus(pre, pre_count, o.queue_delay_us)
+    _place(pre, "GPU", pre_count, o.queue_delay_us)
     _set_parameters(pre, prep_parameters(o, batch_size))
     configs[tn.PREPROCESS_MODEL] = _text(pre)
 
@@ -365,7 +365,7 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
     _tensor(net.output, tn.OUTPUT_CLASS_IDS, "INT32", [top_k])
     _tensor(net.output, tn.OUTPUT_SCORES, "FP32", [top_k])
     _tensor(net.output, tn.OUTPUT_ECHO, tn.OUTPUTS[tn.OUTPUT_ECHO], [1])
-    _place_on_gpus(net, network_instances, o.queue_delay_us)
+    _place(net, "GPU", network_instances, o.queue_delay_us)
     _set_parameters(net, {
         tn.GPU_PARAM_NETWORK: o.network,
         tn.GPU_PARAM_BATCH_SIZE: batch_size,

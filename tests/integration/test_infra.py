@@ -295,7 +295,8 @@ def test_prepare_builds_once_then_keeps_and_other_nodes_fetch_from_the_cache(tmp
     """The real production build (configs, DALI source, ONNX head); TensorRT itself needs a GPU, so the plan
     step writes a placeholder plan under this node's key: what is tested is the keying and the cache."""
     from pipeline.triton import contract as tn
-    from pipeline.triton.repository import PlanKey, build_repository, write_plan_key
+    from pipeline.triton.plans import PlanKey, write_plan_key
+    from pipeline.triton.repository import build_repository
 
     prep = load_prepare()
     key = PlanKey("9.0", "10.5.0")

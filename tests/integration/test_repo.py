@@ -15,14 +15,8 @@ from pipeline.model.folder import load_model
 from pipeline.schema import DEFAULT_TOP_K
 from pipeline.triton import contract as tn
 from pipeline.triton.checks import check_repository
-from pipeline.triton.repository import (
-    CONFIG_FILE,
-    PlanKey,
-    add_topk_head,
-    build_repository,
-    find_plan,
-    write_plan_key,
-)
+from pipeline.triton.plans import PlanKey, find_plan, write_plan_key
+from pipeline.triton.repository import CONFIG_FILE, add_topk_head, build_repository
 from support.paths import REPO
 
 MODEL_REPOSITORY = REPO / "model_repository"

@@ -490,7 +490,7 @@ def test_repo_prepare_rebuilds_a_kept_repository_built_before_the_echo(tmp_path)
     """A worker's persistent repository (or a cached archive) from before TAG/ECHO would be refused by the engine:
     ``repo prepare`` rebuilds it instead of keeping it."""
     from pipeline.triton import prepare as prep
-    from pipeline.triton.repository import PlanKey, write_plan_key
+    from pipeline.triton.plans import PlanKey, write_plan_key
 
     key = PlanKey("9.0", "10.3.0")
 

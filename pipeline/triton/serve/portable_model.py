@@ -2,8 +2,9 @@
 
 Runs inside the tritonserver of the ``nvidia-pytriton`` wheel (no GPU needed). Its folder holds
 ``model.onnx`` (the classifier with softmax and top-k appended, see ``pipeline.triton.repository.add_topk_head``) and
-``preprocess.json``. It serves the contract of ``pipeline.triton.contract``: a bad image gives an ``ERROR`` string
-for that image only, never a failed request.
+``preprocess.json``, and for a model set each further model's in ``model_1/``, ``model_2/``, ...: each image is decoded
+once and preprocessed per model. It serves the contract of ``pipeline.triton.contract``: a bad image gives an ``ERROR``
+string for that image only, never a failed request.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import ImageError
-from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess
+from pipeline.model.imaging import DecodeLimits, PreprocessSpec, load_and_preprocess_each
 from pipeline.model.folder import MODEL_FILE, SPEC_FILE
 from pipeline.triton import contract as tn
 from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, config_param, request_limits
@@ -52,10 +53,11 @@ def dlpack_ready(value: np.ndarray) -> np.ndarray:
     return value if value.flags.writeable else value.copy()
 
 
-class Classifier:
-    """Decodes, preprocesses and classifies one request's images; no Triton types, so it is testable alone."""
+class Network:
+    """One model of the served folder: its spec and its ONNX Runtime session with the top-k head (and EMBEDDING where
+    its spec declares one)."""
 
-    def __init__(self, folder: Path, *, intra_op_threads: int = 0, decode_threads: int = 0, limits=None):
+    def __init__(self, folder: Path, intra_op_threads: int):
         import onnxruntime as ort  # noqa: PLC0415 - heavy; only where a model is served
 
         self.spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
@@ -71,15 +73,52 @@ class Classifier:
                 "build the repository with `bulk-classify repo build`, which appends softmax and top-k"
             )
         self.k = int(shapes[tn.OUTPUT_SCORES][-1])
+        self.outputs = [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS]
+        self.embedding_dim = None
+        if tn.OUTPUT_EMBEDDING in shapes:
+            self.outputs.append(tn.OUTPUT_EMBEDDING)
+            self.embedding_dim = int(shapes[tn.OUTPUT_EMBEDDING][-1])
         batch = self.session.get_inputs()[0].shape[0]
         self.fixed_batch = batch if isinstance(batch, int) and batch > 0 else None  # runs exactly that many, padded
+
+    def answers(self, arrays: list[np.ndarray], rows: list[int], n: int) -> dict[str, np.ndarray]:
+        """SCORES and CLASS_IDS [n, k] (and EMBEDDING [n, dim]) of the images ``rows`` (their inputs ``arrays``);
+        zeros (ids -1) elsewhere."""
+        out = {tn.OUTPUT_SCORES: np.zeros((n, self.k), dtype=np.float32),
+               tn.OUTPUT_CLASS_IDS: np.full((n, self.k), -1, dtype=np.int32)}
+        if self.embedding_dim is not None:
+            out[tn.OUTPUT_EMBEDDING] = np.zeros((n, self.embedding_dim), dtype=np.float32)
+        if not rows:
+            return out
+        batch = np.stack(arrays)
+        step = self.fixed_batch or len(batch)
+        for start in range(0, len(batch), step):
+            part = batch[start : start + step]
+            if len(part) < step:  # a fixed batch axis: pad the last run, drop its padded rows
+                part = np.concatenate([part, np.zeros((step - len(part), *part.shape[1:]), part.dtype)])
+            done = rows[start : start + step]
+            for name, value in zip(self.outputs, self.session.run(self.outputs, {self.input_name: part})):
+                out[name][done] = value[: len(done)]
+        return out
+
+
+class Classifier:
+    """Decodes, preprocesses and classifies one request's images with every model of the folder (one, or a model
+    set's); no Triton types, so it is testable alone."""
+
+    def __init__(self, folder: Path, *, intra_op_threads: int = 0, decode_threads: int = 0, limits=None):
+        self.networks = [Network(folder, intra_op_threads)]
+        while (folder / tn.SET_FOLDER.format(index=len(self.networks))).is_dir():
+            self.networks.append(Network(folder / tn.SET_FOLDER.format(index=len(self.networks)), intra_op_threads))
+        self.specs = [net.spec for net in self.networks]
+        self.spec, self.k = self.specs[0], self.networks[0].k
         self.limits = limits or DecodeLimits()
         self.pool = ThreadPoolExecutor(max(1, decode_threads or (os.cpu_count() or 1)), thread_name_prefix="decode")
 
     def _one(self, data: bytes, limits: DecodeLimits):
         try:
-            array, width, height = load_and_preprocess(data, self.spec, limits)
-            return array, width, height, ""
+            arrays, width, height = load_and_preprocess_each(data, self.specs, limits)
+            return arrays, width, height, ""
         except ImageError as err:
             return None, 0, 0, str(err)
         except Exception as err:  # noqa: BLE001 - one input's surprise must stay that input's row
@@ -101,23 +140,9 @@ class Classifier:
             tn.OUTPUT_ECHO: (np.zeros((n, 1), np.int64) if tags is None
                              else np.ascontiguousarray(tags, dtype=np.int64).reshape(n, 1)),
         }
-        scores = np.zeros((n, self.k), dtype=np.float32)
-        ids = np.full((n, self.k), -1, dtype=np.int32)
-        if good:
-            batch = np.stack([decoded[i][0] for i in good])
-            step = self.fixed_batch or len(batch)
-            for start in range(0, len(batch), step):
-                part = batch[start : start + step]
-                if len(part) < step:  # a fixed batch axis: pad the last run, drop its padded rows
-                    part = np.concatenate([part, np.zeros((step - len(part), *part.shape[1:]), part.dtype)])
-                out_scores, out_ids = self.session.run(
-                    [tn.OUTPUT_SCORES, tn.OUTPUT_CLASS_IDS], {self.input_name: part}
-                )
-                rows = good[start : start + step]
-                scores[rows] = out_scores[: len(rows)]
-                ids[rows] = out_ids[: len(rows)]
-        result[tn.OUTPUT_SCORES] = scores
-        result[tn.OUTPUT_CLASS_IDS] = ids
+        for index, net in enumerate(self.networks):
+            for name, value in net.answers([decoded[i][0][index] for i in good], good, n).items():
+                result[tn.set_output(name, index)] = value
         return result
 
 
