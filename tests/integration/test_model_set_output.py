@@ -234,7 +234,14 @@ def test_an_embedding_column_ranks_neighbours_in_duckdb_as_numpy_and_equals_onnx
     similarity = stored.astype(np.float64) @ stored.astype(np.float64).T
     np.fill_diagonal(similarity, -np.inf)
     nearest = similarity.argmax(axis=1)
-    assert [(u, n) for u, n, _ in found] == [(u, uris[j]) for u, j in zip(uris, nearest)]
+    assert [u for u, _, _ in found] == uris
     np.testing.assert_allclose([s for _, _, s in found], similarity[np.arange(200), nearest], atol=TOLERANCE)
     ranked = np.sort(similarity, axis=1)
-    assert (ranked[:, -1] - ranked[:, -2]).min() > 1e-5  # no near ties: the comparison tells neighbours apart
+    clear = ranked[:, -1] - ranked[:, -2] > TOLERANCE  # where float32 rounding cannot swap the two best
+    assert clear.sum() >= 190
+    index = {u: i for i, u in enumerate(uris)}
+    for i, (_, neighbour, _) in enumerate(found):
+        if clear[i]:
+            assert neighbour == uris[nearest[i]]
+        else:  # a near tie: DuckDB's pick is one of the best within float32 rounding
+            assert similarity[i, index[neighbour]] >= ranked[i, -1] - TOLERANCE
