@@ -6,6 +6,10 @@ that the table's current snapshot does not hold yet with ``add_files``, in one s
 identity in its properties. A run killed before that commit leaves shards the rerun resumes from and commits with
 its own: no shard is lost or added twice, and a rerun of a completed run adds no snapshot. ``iceberg://NS.TABLE@ID``
 reads snapshot ``ID`` (``@parent``: the one before the current snapshot), for ``report`` and the drift gate.
+
+The table has the run's schema (``RunPlan.schema``: one model's columns, or a struct column per model of a set).
+Iceberg has no fixed-size list, so an ``embedding`` column (``fixed_size_list<float32>[dim]`` in the shards) is a
+``list<float>`` in the table and reads back as one.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import pyarrow as pa
+
 from pipeline.errors import ConfigError, OutputError
-from pipeline.schema import OUTPUT_SCHEMA
+from pipeline.schema import output_schema_like
 from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)
@@ -90,11 +96,37 @@ def load_catalog(options: Mapping[str, Any] | None) -> Any:
                           f"{err}; check --catalog-option uri=… and the catalog's credentials") from None
 
 
-class IcebergOutput:
-    """An Iceberg table an output URL names, created (with ``OUTPUT_SCHEMA``) only at the first commit."""
+def schema_shape(schema: pa.Schema) -> tuple:
+    """``schema``'s column names and types as an Iceberg table holds them, for comparing a table with a run: string
+    and list sizes dropped (pyiceberg reads large ones), a fixed-size list as a list (Iceberg has none), no field
+    ids or nullability."""
+    return tuple((f.name, _type_shape(f.type)) for f in schema)
 
-    def __init__(self, url: str, catalog_options: Mapping[str, Any] | None = None):
+
+def _type_shape(t: pa.DataType) -> Any:
+    if pa.types.is_struct(t):
+        return ("struct", tuple((t.field(i).name, _type_shape(t.field(i).type)) for i in range(t.num_fields)))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return ("list", _type_shape(t.value_type))
+    if pa.types.is_large_string(t):
+        return str(pa.string())
+    return str(t)
+
+
+def describe(schema: pa.Schema) -> str:
+    """A schema's columns in one short line: each model's struct column as ``name{…}``."""
+    return ", ".join(f"{f.name}{{…}}" if pa.types.is_struct(f.type) else f.name for f in schema)
+
+
+class IcebergOutput:
+    """An Iceberg table an output URL names, created with the run's schema only at the first commit.
+
+    ``schema``: the run's (``RunPlan.schema``), which an existing table must have; None for a reader, which takes a
+    table of any of this tool's schemas (one model's, or a model set's)."""
+
+    def __init__(self, url: str, catalog_options: Mapping[str, Any] | None = None, schema: pa.Schema | None = None):
         self.url, self.ref = url, TableRef.parse(url)
+        self.schema = schema
         self.catalog = load_catalog(catalog_options)
         self.table = self._load()
 
@@ -106,11 +138,26 @@ class IcebergOutput:
         except (NoSuchTableError, NoSuchNamespaceError):
             return None
 
-        names = [f.name for f in table.schema().fields]
-        if names != OUTPUT_SCHEMA.names:
-            raise OutputError(f"Iceberg table {self.ref.identifier} has columns {names[:6]}…, not this tool's; "
-                              "choose another table for --output")
+        self.check_schema(table)
         return table
+
+    def expect(self, schema: pa.Schema) -> None:
+        """Take ``schema`` as the run's (the table's at its first commit); OutputError for an existing table whose
+        columns are another's."""
+        self.schema = schema
+        if self.table is not None:
+            self.check_schema(self.table)
+
+    def check_schema(self, table: Any) -> None:
+        """OutputError, in one line, unless ``table`` has the run's schema or (without one) any of this tool's."""
+        held = table.schema().as_arrow()
+        wanted = self.schema if self.schema is not None else output_schema_like(held)
+        if schema_shape(held) == schema_shape(wanted):
+            return
+        whose = "this run's" if self.schema is not None else "this tool's"
+        raise OutputError(f"Iceberg table {self.ref.identifier} has the columns {describe(held)}, not {whose} "
+                          f"({describe(wanted)}): it holds another model or model set's rows (a table's columns are "
+                          "fixed by its first run); choose another table for --output")
 
     @property
     def location(self) -> str:
@@ -158,7 +205,10 @@ class IcebergOutput:
         if not new:
             return 0
         if self.table is None:
-            self.table = self.catalog.create_table_if_not_exists(self.ref.identifier, schema=OUTPUT_SCHEMA,
+            if self.schema is None:
+                raise ValueError("IcebergOutput.commit creates the table with the run's schema: call "
+                                 "expect(RunPlan.schema) first")
+            self.table = self.catalog.create_table_if_not_exists(self.ref.identifier, schema=self.schema,
                                                                  location=self.location)
         properties = {**{f"bulk-classify.{k}": str(v) for k, v in run.items()}, SHARDS_PROPERTY: str(len(new))}
         try:

@@ -190,12 +190,15 @@ def make_plan(config: RunConfig | EngineChoice, *, output: Store | None = None) 
                  source_prefix=config.source_prefix)
     check_output(output.fs, output.root, config.output)
     config, bundle, models = _check_models(config, spec, choice.gpus)
-    check_compatible(output.fs, output.root, config.output, models or bundle, top_k=config.top_k,
-                     overwrite=config.overwrite)
-    return RunPlan(config=config, spec=spec, bundle=bundle, models=models,
+    plan = RunPlan(config=config, spec=spec, bundle=bundle, models=models,
                    engine_options=spec.with_decode_threads(config.engine_options, config.decode_threads),
                    ray_address=choice.ray_address, output_url=output_url, source=source, output=output,
                    previous=previous, table=table, previous_parts=previous_parts, gpus=choice.gpus)
+    if table is not None:  # a table of another model or set's columns: refused by its schema, before DEST is touched
+        table.expect(plan.schema)
+    check_compatible(output.fs, output.root, config.output, models or bundle, top_k=config.top_k,
+                     overwrite=config.overwrite)
+    return plan
 
 
 def classifier_engine(engine: str, raw: Mapping[str, Any] | None, decode_threads: int | None

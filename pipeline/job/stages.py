@@ -303,10 +303,14 @@ def classify_actor_options(spec: EngineSpec, *, on_gpu: bool, local: bool) -> di
 
 
 def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:
-    """A model set as the actors load it: (name, folder, the digest the driver checked) each; empty for one model."""
+    """A model set as the actors load it: (name, folder, the digest the driver checked) each; empty for one model.
+    A folder is made absolute, since an actor's working directory is its Ray worker's, not the driver's."""
+    from pipeline.model.folder import DEFAULT_REFS  # noqa: PLC0415
+
     if plan.models is None:
         return []
-    return [(m.name, ref, m.bundle.digest) for m, (_name, ref) in zip(plan.models.models, plan.config.named_models())]
+    return [(m.name, ref if ref in DEFAULT_REFS else os.path.abspath(ref), m.bundle.digest)
+            for m, (_name, ref) in zip(plan.models.models, plan.config.named_models())]
 
 
 def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carried: Any, *, model_digest: str
