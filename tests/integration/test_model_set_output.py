@@ -84,19 +84,6 @@ def in_workdir(tmp_path):
         os.chdir(cwd)
 
 
-def needs_embedding_folders(folder: Path) -> None:
-    """Skips where this checkout's model folders cannot declare a second ONNX output as the embedding yet."""
-    from pipeline.errors import ModelError
-    from pipeline.model.folder import load_model_folder
-
-    try:
-        load_model_folder(folder)
-    except ModelError as err:
-        if "outputs; export a classifier with exactly one" in str(err):
-            pytest.skip(f"model folders here take one ONNX output: {err}")
-        raise
-
-
 def test_the_section_shows_the_commands_and_queries_this_test_runs():
     assert len(blocks("bash")) == 3 and len(blocks("sql")) == 5 and len(blocks("python")) == 1
 
@@ -206,7 +193,6 @@ def test_an_embedding_column_ranks_neighbours_in_duckdb_as_numpy_and_equals_onnx
     from pipeline.model.folder import load_model_folder
     from pipeline.model.imaging import load_and_preprocess
 
-    needs_embedding_folders(in_workdir / "models" / "colour")
     shutil.rmtree(in_workdir / "photos")
     shutil.copytree(PARITY, in_workdir / "photos")  # 200 real photos, so neighbours are many and close
     command = blocks("bash")[2]
