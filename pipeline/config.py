@@ -161,6 +161,18 @@ class RunConfig:
             raise ConfigError(f"unknown option(s) {sorted(unknown)}; see 'bulk-classify run --help'")
         return cls(**merge_options(explicit, env=env))
 
+    def revised(self, **decided: Any) -> "RunConfig":
+        """A copy with what the plan decided from these checked options (the engine ``auto`` resolves to, the batch
+        size, ``top_k`` capped at the model's classes, an Iceberg table's data folder), not checked again: each
+        option is validated once, where the config is made."""
+        unknown = set(decided) - set(self.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"RunConfig has no field(s) {sorted(unknown)}")
+        copy = object.__new__(RunConfig)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(decided)
+        return copy
+
     def named_models(self) -> tuple[tuple[str, str], ...]:
         """The model set as (name, folder) pairs, in the order given; empty for one unnamed model."""
         return parse_model_args(self.model)[1] if isinstance(self.model, tuple) else ()

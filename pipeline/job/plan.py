@@ -6,7 +6,6 @@ options."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -121,7 +120,7 @@ def resolved(config: RunConfig, spec: EngineSpec, options: Mapping[str, Any], gp
              ) -> RunConfig:
     """``config`` run by ``spec`` with the parsed ``options`` and its batch size filled in by the ``gpus`` counted."""
     batch = config.batch_size or spec.default_batch_size(gpus[0] if gpus else 0)
-    return dataclasses.replace(config, engine=spec.name, batch_size=batch, engine_options=dict(options))
+    return config.revised(engine=spec.name, batch_size=batch, engine_options=dict(options))
 
 
 def resolve(config: RunConfig, gpus: int, where: str = "this machine") -> tuple[RunConfig, EngineSpec]:
@@ -180,7 +179,7 @@ def make_plan(config: RunConfig | EngineChoice, *, output: Store | None = None) 
     table = None
     if is_iceberg(config.output):
         table = IcebergOutput(config.output, config.catalog_options)
-        config = dataclasses.replace(config, output=table.data_folder)
+        config = config.revised(output=table.data_folder)
     config, previous, previous_parts = _open_previous(config)
     source = open_store(config.source, config.storage_options)
     if output is None or output.url != config.output:
@@ -230,7 +229,7 @@ def _check_models(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | N
     identity = models or bundles[0]
     if config.top_k > identity.num_classes:
         LOG.warning("%s", top_k_note(config.top_k, identity))
-        config = dataclasses.replace(config, top_k=identity.num_classes)
+        config = config.revised(top_k=identity.num_classes)
     return config, bundles[0], models
 
 
@@ -253,5 +252,5 @@ def _open_previous(config: RunConfig) -> tuple[RunConfig, Store | None, list[str
     if not is_iceberg(config.previous):
         return config, open_store(config.previous, config.storage_options), None
     fs, root, parts = table_parts(config.previous, config.catalog_options, config.storage_options)
-    config = dataclasses.replace(config, previous=fs.unstrip_protocol(root))
+    config = config.revised(previous=fs.unstrip_protocol(root))
     return config, Store(config.previous, fs, root, dict(config.storage_options)), parts

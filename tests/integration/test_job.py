@@ -285,8 +285,8 @@ def test_a_run_is_decided_once(tmp_path, ray_local, monkeypatch, engine, options
     assert calls["engine_spec"] == 1 and calls["choose_engine"] == 1 and calls["cluster_resources"] == 1, calls
     assert calls["parse_options"] == 1 and callers["parse_options"] == {"pipeline.job.plan:preflight"}, callers
     assert calls["check_contract"] == 1 and callers["check_contract"] == {"pipeline.job.plan:_check_model"}, callers
-    # top_k: checked where RunConfig validates itself, on the config given and on the plan's resolved copy only
-    assert callers["top_k"] == {"pipeline.config:__post_init__"} and calls["top_k"] == calls["RunConfig"] == 2, calls
+    # top_k: checked once, where RunConfig validates the config given (the plan's revised copy is not checked again)
+    assert callers["top_k"] == {"pipeline.config:__post_init__"} and calls["top_k"] == calls["RunConfig"] == 1, calls
     gpu_counts = 1 if registry.engine_spec(engine).needs_gpu else 0  # a CPU engine's run never counts GPUs
     assert calls["cluster_gpus"] == gpu_counts and calls["node_gpus"] == gpu_counts, calls
     assert calls[f"open_fs {src}"] == 1 and calls[f"open_fs {out}"] == 1
