@@ -108,16 +108,17 @@ for step in ${STEPS:-import parity start steady tests}; do
     set) job set --images "${IMAGES:-100000}" --variant builtin= \
            --variant pair="--model taxonomy=default --model r50=$models/r50emb" ${SET_VARIANTS:-}
          python3 - "$HOME/job-set" <<'EOF2'
-import sys, glob, duckdb
-for name in ("builtin", "pair"):
-    parts = glob.glob(f"{sys.argv[1]}/{name}/out/*/*.parquet") or glob.glob(f"{sys.argv[1]}/**/{name}*/**/*.parquet", recursive=True)
-    if not parts:
-        print(name, "no shards found"); continue
-    q = duckdb.sql(f"select count(*), count(distinct uri), sum((status = 'ok')::int) from read_parquet({parts!r})").fetchone()
-    print(f"{name}: rows {q[0]}, distinct uris {q[1]}, ok {q[2]}")
-    if name == "pair":
-        e = duckdb.sql(f"select min(len(r50.embedding)), max(len(r50.embedding)), min(list_dot_product(r50.embedding, r50.embedding)), max(list_dot_product(r50.embedding, r50.embedding)), sum((taxonomy is null)::int) from read_parquet({parts!r}) where status = 'ok'").fetchone()
-        print(f"pair: embedding dims {e[0]}..{e[1]}, squared norms {e[2]:.5f}..{e[3]:.5f}, ok rows without taxonomy {e[4]}")
+import sys, pathlib, numpy as np, pyarrow.dataset as ds, pyarrow.compute as pc
+for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
+    t = ds.dataset(str(out), format="parquet").to_table()
+    line = f"{out.name}: rows {t.num_rows}, distinct uris {len(pc.unique(t['uri']))}, ok {pc.sum(pc.equal(t['status'], 'ok')).as_py()}"
+    if "r50" in t.column_names:
+        ok = t.filter(pc.equal(t["status"], "ok"))
+        e = np.stack(pc.struct_field(ok["r50"], "embedding").to_numpy(zero_copy_only=False))
+        norms = np.linalg.norm(e, axis=1)
+        line += f"; r50 embedding {e.shape[1]} wide, norms {norms.min():.5f}..{norms.max():.5f}"
+        line += f", ok rows without taxonomy {pc.sum(pc.is_null(ok['taxonomy'])).as_py()}"
+    print(line)
 EOF2
          ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
