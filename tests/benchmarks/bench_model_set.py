@@ -2,9 +2,9 @@
 
 Usage:
     python tests/benchmarks/bench_model_set.py [--images 2000] [--cases default+small,default+default]
-        [--batch-size 64] [--timeout-s 900] [--workdir DIR]
+        [--batch-size 64] [--timeout-s 900] [--workdir DIR] [--size 500x375]
 
-Images: 500x375 JPEGs (every fourth one portrait) cut from the committed photos by bench_vs_naive.make_images.
+Images: JPEGs of --size (every fourth one portrait) cut from the committed photos by bench_vs_naive.make_images.
 
 Each case is a pair of models:
 
@@ -79,8 +79,8 @@ def bench_case(case: str, src: Path, n: int, args: argparse.Namespace, env: dict
             "ratio": {k: sums[k] / pair[k] for k in ("wall", "job", "cpu")}}
 
 
-def print_table(rows: list[dict], n: int) -> None:
-    print(f"\n{n} images; per image: wall ms (process, Ray start included), job ms (_REPORT.json elapsed_s), "
+def print_table(rows: list[dict], n: int, size: str) -> None:
+    print(f"\n{n} images of {size}; per image: wall ms (process, Ray start included), job ms (_REPORT.json elapsed_s), "
           "CPU ms (the process tree)")
     print(f"{'case':<16} {'runs':<18} {'wall ms':>8} {'job ms':>8} {'CPU ms':>8}")
     for row in rows:
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="images per model call (default 64)")
     parser.add_argument("--timeout-s", type=float, default=900, help="stop a run that takes longer (default 900)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep images and outputs here (default: temp)")
+    parser.add_argument("--size", default="500x375", help="WIDTHxHEIGHT of the JPEGs (default 500x375, ImageNet's; "
+                        "1600x1200 is a catalog's)")
     args = parser.parse_args()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
@@ -111,14 +113,15 @@ def main() -> None:
     ray_tmp = Path(tempfile.mkdtemp(prefix="bcs", dir="/tmp"))  # short: Ray's socket paths must fit 107 chars
     env = ray_env(ray_tmp)
     try:
-        src = workdir / "images"
-        make_images(src, args.images)
+        src = workdir / f"images-{args.size}"
+        width, height = (int(v) for v in args.size.lower().split("x"))
+        make_images(src, args.images, (width, height))
         rows = [bench_case(case, src, args.images, args, env, workdir) for case in cases]
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    print_table(rows, args.images)
+    print_table(rows, args.images, args.size)
 
 
 if __name__ == "__main__":
