@@ -186,7 +186,7 @@ class EngineSpec:
             model of the run (a set's, in order; one model alone), after each passed ``model_check``: refuses, with a
             ConfigError in one line, models this engine cannot serve together (a repository without a set's outputs).
         node_start: ``"module:function"`` the driver of a local Ray calls before Ray starts, as
-            ``function(bundle, top_k=, limits=, options=)``: it starts in the background what the node's actors
+            ``function(bundle, top_k=, limits=, options=)`` (and ``more=`` for a model set): it starts in the background what the node's actors
             will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
             job is done) and ``events``, or None.
     """
@@ -265,9 +265,14 @@ class EngineSpec:
         if self.models_check:
             _load(self.models_check)(list(bundles), dict(options or {}), gpus)
 
-    def start_node(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
-        """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""
-        return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options) if self.node_start else None
+    def start_node(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any],
+                   more: Sequence[ModelBundle] = ()) -> Any:
+        """What the driver of a local Ray starts for its node's actors (``node_start``), or None; ``more``: a model
+        set's other models, as ``build`` takes them."""
+        if not self.node_start:
+            return None
+        return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options,
+                                      **({"more": tuple(more)} if more else {}))
 
     def build(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any],
               more: Sequence[ModelBundle] = ()) -> Engine:

@@ -2,8 +2,8 @@
 torch on the CPU) in a real tritonserver (KIND_CPU) serves the built-in model and a user's folder declaring an embedding
 as one model; each model answers as the onnx engine does for it alone on real photos (top-1 where decided, the top-1
 probability within the GPU paths' bound, the embedding's cosine), an undecodable input is one error row for every
-model; the repository is cached by the set; a repository without the set's outputs is refused in the driver. The GPU
-tier's counterpart: tests/gpu/test_gpu_profile_model_set_on_gpu.py."""
+model; the repository is cached by the set; a repository without the set's outputs is refused in the driver; the
+driver's node server is the set's. The GPU tier's counterpart: tests/gpu/test_gpu_profile_model_set_on_gpu.py."""
 
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ def test_one_served_model_answers_its_embedding(models, tmp_path):
 
 
 def test_the_gpu_repository_is_cached_by_the_set_and_one_models_config_is_unchanged(models, tmp_path):
+    from pipeline.triton.checks import check_repository
     from pipeline.triton.configs import GpuModelOptions, gpu_config
     from pipeline.triton.profiles import PROFILES
     from pipeline.triton.repository_cache import cached_repository
@@ -132,6 +133,7 @@ def test_the_gpu_repository_is_cached_by_the_set_and_one_models_config_is_unchan
     assert cached_repository(gpu, builtin, top_k=5, more=[user], cache_dir=tmp_path) == pair
     swapped = cached_repository(gpu, user, top_k=5, more=[builtin], cache_dir=tmp_path)
     assert len({one, pair, swapped}) == 3
+    assert check_repository(pair) == [tn.MODEL_NAME]
     version = pair / tn.MODEL_NAME / tn.VERSION
     member = version / tn.SET_FOLDER.format(index=1)
     assert (member / MODEL_FILE).read_bytes() == user.onnx_path.read_bytes()
@@ -184,3 +186,19 @@ def test_a_repository_without_the_sets_outputs_is_refused_in_the_driver_in_one_l
                               engine_options={"repository": str(production)}))
         assert "\n" not in str(err.value)
     assert not out.exists() and not ray.is_initialized()
+
+
+def test_the_drivers_node_server_serves_the_set(models):
+    """``EngineSpec.start_node`` with a set's other models starts the node's shared server for the whole set (the
+    portable profile here, the gpu profile's shape on a GPU node), which the actors' own engines then share."""
+    from pipeline.engines.registry import engine_spec
+    from pipeline.model.imaging import DecodeLimits
+
+    builtin, user = models
+    spec = engine_spec("triton")
+    options = spec.parse_options({"profile": "portable", "share_server": True})
+    node = spec.start_node(builtin, top_k=5, limits=DecodeLimits(), options=options, more=(user,))
+    node.close()  # once the start is done: a server without the set's outputs would have left no engine
+    (engine,) = node.engines
+    assert engine.more == (user,) and engine._top_ks == [5, user_models.CLASSES]
+    assert node.events["server_starts"] == 1
