@@ -182,8 +182,11 @@ class EngineSpec:
         actor_env: environment variables of the classify actors' worker processes where they take GPUs.
         several_models: it runs a model set (``--model NAME=DIR`` given more than once) in one pass: decoding each image
             once, each model's own preprocessing and network on that decode (the factory's ``more``).
+        models_check: ``"module:function"`` called as ``function(bundles, options, gpus)`` in the driver with every
+            model of the run (a set's, in order; one model alone), after each passed ``model_check``: refuses, with a
+            ConfigError in one line, models this engine cannot serve together (a repository without a set's outputs).
         node_start: ``"module:function"`` the driver of a local Ray calls before Ray starts, as
-            ``function(bundle, top_k=, limits=, options=)``: it starts in the background what the node's actors
+            ``function(bundle, top_k=, limits=, options=)`` (and ``more=`` for a model set): it starts in the background what the node's actors
             will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
             job is done) and ``events``, or None.
     """
@@ -207,6 +210,7 @@ class EngineSpec:
     actor_env: Mapping[str, str] = field(default_factory=dict)
     node_start: str | None = None
     several_models: bool = False
+    models_check: str | None = None
 
     def parse_options(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Typed, checked options; ConfigError for an unknown option or a bad value."""
@@ -254,9 +258,21 @@ class EngineSpec:
                 gpus = cluster_gpus(ray_address())
             _load(self.model_check)(bundle, dict(options or {}), gpus)
 
-    def start_node(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any]) -> Any:
-        """What the driver of a local Ray starts for its node's actors (``node_start``), or None."""
-        return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options) if self.node_start else None
+    def check_models(self, bundles: Sequence[ModelBundle], options: Mapping[str, Any] | None = None,
+                     gpus: tuple[int, str] | None = None) -> None:
+        """Refuses, in the driver, the run's models (a set's, or one) that this engine cannot serve together
+        (``models_check``); each has passed ``check_model``."""
+        if self.models_check:
+            _load(self.models_check)(list(bundles), dict(options or {}), gpus)
+
+    def start_node(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any],
+                   more: Sequence[ModelBundle] = ()) -> Any:
+        """What the driver of a local Ray starts for its node's actors (``node_start``), or None; ``more``: a model
+        set's other models, as ``build`` takes them."""
+        if not self.node_start:
+            return None
+        return _load(self.node_start)(bundle, top_k=top_k, limits=limits, options=options,
+                                      **({"more": tuple(more)} if more else {}))
 
     def build(self, bundle: ModelBundle, *, top_k: int, limits: Any, options: Mapping[str, Any],
               more: Sequence[ModelBundle] = ()) -> Engine:

@@ -57,8 +57,10 @@ SPEC = EngineSpec(
     actor_env={"RAY_kill_child_processes_on_worker_exit": "0"},
     int8=f"INT8 models: with the portable profile (ONNX Runtime); the gpu profile has {NO_INT8}",
     node_start="pipeline.triton.client:start_node_servers",
-    # The portable profile serves a model set as one model (pipeline.triton.contract); the gpu profile refuses one.
+    # Both served profiles serve a model set as one model (pipeline.triton.contract); a repository of the user's must
+    # declare the set's outputs.
     several_models=True,
+    models_check="pipeline.triton.client_checks:check_models",
 )
 
 

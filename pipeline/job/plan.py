@@ -225,6 +225,7 @@ def _check_models(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | N
                           "openvino, gpu or triton (or the default), or one run per model")
     bundles = [_check_model(ref, config, spec, gpus) for _name, ref in named] or [
         _check_model(config.model, config, spec, gpus)]
+    spec.check_models(bundles, config.engine_options, gpus)  # what the engine cannot serve together
     models = ModelSet(tuple(NamedModel(name, b) for (name, _), b in zip(named, bundles))) if named else None
     identity = models or bundles[0]
     if config.top_k > identity.num_classes:

@@ -438,18 +438,18 @@ class NodeServers:
     """
 
     def __init__(self, bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any],
-                 gpus: Sequence[str | None]):
+                 gpus: Sequence[str | None], more: Sequence[Any] = ()):
         self.engines: list[TritonClient] = []  # every one started (their events stay readable after close)
         self._lock = threading.Lock()
         self._stopper: threading.Thread | None = None
-        self._threads = [threading.Thread(target=self._start, args=(bundle, top_k, limits, options, gpu),
+        self._threads = [threading.Thread(target=self._start, args=(bundle, top_k, limits, options, gpu, more),
                                           name=f"tritonserver-start-{gpu or 'node'}", daemon=True) for gpu in gpus]
         for thread in self._threads:
             thread.start()
 
-    def _start(self, bundle, top_k, limits, options, gpu: str | None) -> None:
+    def _start(self, bundle, top_k, limits, options, gpu: str | None, more: Sequence[Any]) -> None:
         try:
-            engine = TritonClient(bundle, top_k=top_k, limits=limits, gpus=gpu, **options)
+            engine = TritonClient(bundle, top_k=top_k, limits=limits, gpus=gpu, more=more, **options)
         except Exception as err:  # noqa: BLE001 - the actors start their own; the job goes on
             LOG.warning("the driver could not start the tritonserver of GPU %s ahead of the actors (%s); they "
                         "start their own", gpu or "(none)", str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
@@ -484,13 +484,15 @@ class NodeServers:
             engine.close(graceful=False, linger_s=0.0)
 
 
-def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any]) -> NodeServers | None:
+def start_node_servers(bundle, *, top_k: int, limits: DecodeLimits, options: Mapping[str, Any],
+                       more: Sequence[Any] = ()) -> NodeServers | None:
     """The triton engine's ``EngineSpec.node_start``: in the driver of a local Ray, the shared server of each GPU
-    (of the node, without GPUs), started in the background; None where the actors would not share one (``url``,
-    ``share_server=false``)."""
+    (of the node, without GPUs), started in the background, for ``bundle`` and a model set's other models ``more``
+    (the actors share it only where theirs is the same repository); None where the actors would not share one
+    (``url``, ``share_server=false``)."""
     serving = choose_profile(options.get("profile", AUTO))
     if options.get("url") or not options.get("share_server", serving.share_server):
         return None
     # Actors without a GPU inherit the driver's CUDA_VISIBLE_DEVICES (Ray sets it only for GPU actors): their key
     # is the driver's own, None.
-    return NodeServers(bundle, top_k=top_k, limits=limits, options=options, gpus=visible_gpus() or [None])
+    return NodeServers(bundle, top_k=top_k, limits=limits, options=options, gpus=visible_gpus() or [None], more=more)

@@ -68,6 +68,32 @@ def check_model(bundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> No
         check_runnable(bundle, "--engine triton with the gpu profile")
 
 
+def check_models(bundles, options: Mapping[str, Any], gpus: tuple[int, str] | None) -> None:
+    """The triton engine's ``EngineSpec.models_check``, in the driver: a ``repository`` of the user's that this
+    machine can read must declare the outputs of every model of the run (a set's ``CLASS_IDS_i``/``SCORES_i``, and each
+    declared embedding's ``EMBEDDING(_i)``); a production repository (one model, no embedding) is refused for a set.
+    The engine's own repositories are built for the run's models; a ``url`` server's is checked by each actor."""
+    from pipeline.triton.repository import CONFIG_FILE  # noqa: PLC0415 - the layout's names, only to check one
+
+    repository = options.get("repository")
+    path = Path(str(repository)).expanduser() / tn.MODEL_NAME / CONFIG_FILE if repository is not None else None
+    if options.get("url") or path is None or not path.is_file():
+        return  # on a cluster the repository is the nodes': their actors check it
+    from google.protobuf import text_format  # noqa: PLC0415
+    from pipeline.triton.configs import model_config  # noqa: PLC0415 - protobuf: only with a repository
+
+    config = text_format.Parse(path.read_text(encoding="utf-8"), model_config().ModelConfig())
+    declared = {o.name for o in config.output}
+    wanted = [tn.set_output(name, i) for i in range(1, len(bundles)) for name in tn.SET_OUTPUTS]
+    wanted += [tn.set_output(tn.OUTPUT_EMBEDDING, i) for i, b in enumerate(bundles) if b.spec.embedding is not None]
+    missing = [name for name in wanted if name not in declared]
+    if missing:
+        what = f"a set of {len(bundles)} models" if len(bundles) > 1 else f"model {bundles[0].name!r}'s embedding"
+        raise ConfigError(f"--engine-option repository={repository} lacks {', '.join(missing)} for {what}; leave "
+                          f"repository out (the engine builds its {PORTABLE} or {GPU} repository for it), or run "
+                          + ("one --model" if len(bundles) > 1 else "a model without an embedding"))
+
+
 def check_caps(data: bytes, limits: DecodeLimits, pixels: bool = True) -> None:
     """Raises the reference's own ImageError for empty, too large, or (``pixels``) too many pixels by the header.
 

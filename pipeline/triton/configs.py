@@ -127,6 +127,16 @@ def _text(config) -> str:
     return text_format.MessageToString(config)
 
 
+def _set_outputs(config, set_top_k: Sequence[int], embedding_dims: Sequence[int | None]) -> None:
+    """A model set's outputs beside the contract's (``tn.set_output``): CLASS_IDS_i and SCORES_i of each model after the
+    first (``set_top_k``: their k), and EMBEDDING(_i) of each model with a width in ``embedding_dims``."""
+    sets = [(tn.set_output(name, i), tn.OUTPUTS[name], k)
+            for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
+    sets += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d) for i, d in enumerate(embedding_dims) if d]
+    for name, dtype, width in sets:
+        _tensor(config.output, name, dtype, [width])
+
+
 def declares_error(error_output: bool | None) -> bool:
     """Whether a python model declares ``ERROR``: ``error_output``, else whether numpy here can send BYTES tensors (the
     wheel's python backend sends them empty when its Python has numpy 2, docs/engines.md)."""
@@ -146,11 +156,7 @@ def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORT
     """
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
     _contract_io(config, top_k, with_error=declares_error(error_output))
-    sets = [(tn.set_output(name, i), tn.OUTPUTS[name], k)
-            for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
-    sets += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d) for i, d in enumerate(embedding_dims) if d]
-    for name, dtype, width in sets:
-        _tensor(config.output, name, dtype, [width])
+    _set_outputs(config, set_top_k, embedding_dims)
     _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 
@@ -193,13 +199,18 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
     return {tn.PREPROCESS_MODEL: _text(pre), tn.CLASSIFIER_TRT_MODEL: _text(trt), tn.MODEL_NAME: _text(ens)}
 
 
-def gpu_config(options: GpuModelOptions = GpuModelOptions()) -> str:
-    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input)."""
+def gpu_config(options: GpuModelOptions = GpuModelOptions(), *, set_top_k: Sequence[int] = (),
+               embedding_dims: Sequence[int | None] = ()) -> str:
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
+
+    ``set_top_k`` and ``embedding_dims``: a model set's outputs and each model's embedding, as ``portable_config``'s.
+    """
     o = options
     instances = GPU_INSTANCES if o.instances is None else o.instances
     batch_size = GPU_TRITON_BATCH_SIZE if o.batch_size is None else o.batch_size
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
     _contract_io(config, o.top_k, with_error=o.sends_error())
+    _set_outputs(config, set_top_k, embedding_dims)
     # Requests padded to different lengths can then share one execute() (the backend sees each request).
     next(t for t in config.input if t.name == tn.INPUT_IMAGE).allow_ragged_batch = True
     _place(config, "GPU", instances, o.queue_delay_us)

@@ -221,7 +221,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
         raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
     if more and not REPOSITORY_PROFILES[profile].takes_set:
         raise ConfigError(f"the {profile} profile serves one model, not a model set; use --engine-option "
-                          f"profile={PORTABLE} for a set, or one --model")
+                          f"profile={PORTABLE} or {GPU} for a set, or one --model")
     out = REPOSITORY_PROFILES[profile].build(
         model, Path(output).expanduser(), top_k=top_k, instances=instances or None,
         max_batch_size=max_batch_size or None, artifacts=artifacts, error_output=error_output, max_backlog=max_backlog,
@@ -230,9 +230,10 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     return out
 
 
-def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlog, **_) -> Path:
+def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlog, more=(), **_) -> Path:
     given = {"instances": instances, "max_batch_size": max_batch_size, "max_backlog": max_backlog}
-    return build_gpu_repository(model, out, top_k=top_k, **{k: v for k, v in given.items() if v is not None})
+    return build_gpu_repository(model, out, top_k=top_k, more=more,
+                                **{k: v for k, v in given.items() if v is not None})
 
 
 def _build_portable(model, out: Path, *, top_k, instances, max_batch_size, artifacts, error_output, more=(),
@@ -302,11 +303,13 @@ def gpu_model_files(model: str | None) -> tuple[PreprocessSpec, list[Path]]:
     return bundle.spec, [p for p in files if p.is_file()]
 
 
-def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path:
+def build_gpu_repository(model: str | None, output: str, *, more: Sequence[str | None] = (), **options: Any) -> Path:
     """Writes the gpu profile for ``model`` (a model folder, or None for the default) into ``output``.
 
     The folder gets ``classifier/config.pbtxt``, ``classifier/1/model.py`` (a shim importing
-    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and ``gpu_model_files``.
+    ``pipeline.triton.serve.gpu_model``), ``preprocess.json`` and ``gpu_model_files``; a model set's other models
+    (``more``: folders, None for the default) each get theirs in ``classifier/1/model_<i>/``, served with ``model`` as
+    one model (``pipeline.triton.contract``), each answering top-k up to its classes.
     ``options`` are ``GpuModelOptions`` fields (top_k, instances, max_batch_size, batch_size, network, ...).
 
     Returns:
@@ -316,17 +319,26 @@ def build_gpu_repository(model: str | None, output: str, **options: Any) -> Path
         ConfigError: a bad option value (before anything is written).
         ModelError: an INT8 model.
     """
-    config = gpu_config(GpuModelOptions(**options))
-    spec, network_files = gpu_model_files(model)
+    members = [gpu_model_files(m) for m in (model, *more)]
+    set_top_k: list[int] = []
+    if more:  # as the portable profile's: the set's top_k is its largest model's, each answers at most its own
+        top_k = options.get("top_k", DEFAULT_TOP_K)
+        classes = [load_model(m).num_classes for m in (model, *more)]
+        options = {**options, "top_k": min(top_k, classes[0])}
+        set_top_k = [min(top_k, c) for c in classes[1:]]
+    embedding_dims = [spec.embedding.dim if spec.embedding else None for spec, _ in members]
+    config = gpu_config(GpuModelOptions(**options), set_top_k=set_top_k, embedding_dims=embedding_dims)
     version = Path(output).expanduser() / tn.MODEL_NAME / VERSION
-    version.mkdir(parents=True, exist_ok=True)
-    for path in network_files:  # external data keeps its place relative to model.onnx
-        target = version / path.relative_to(network_files[0].parent)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+    for index, (spec, network_files) in enumerate(members):
+        folder = version / tn.SET_FOLDER.format(index=index) if index else version
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in network_files:  # external data keeps its place relative to model.onnx
+            target = folder / path.relative_to(network_files[0].parent)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        _write(folder / SPEC_FILE, spec.to_json())
     _write(version.parent / CONFIG_FILE, config)
     _write(version / SHIM_FILE, shim_text(GPU, "gpu_model"))
-    _write(version / SPEC_FILE, spec.to_json())
     return version.parent.parent
 
 
@@ -351,5 +363,5 @@ class RepositoryProfile:
 REPOSITORY_PROFILES: dict[str, RepositoryProfile] = {
     p.name: p for p in (RepositoryProfile(PORTABLE, _build_portable, takes_set=True),
                         RepositoryProfile(PRODUCTION, _build_production),
-                        RepositoryProfile(GPU, _build_gpu, takes_backlog=True))
+                        RepositoryProfile(GPU, _build_gpu, takes_backlog=True, takes_set=True))
 }

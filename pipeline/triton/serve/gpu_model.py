@@ -2,7 +2,10 @@
 
 Runs inside tritonserver on a GPU (KIND_GPU instances). Its version folder holds ``preprocess.json`` and, for a
 user's model, its ``model.onnx`` (converted to torch at start) and any ``model.torchscript``; with neither it serves
-the default EfficientNet-Lite0 from its checkpoint.
+the default EfficientNet-Lite0 from its checkpoint. A model set's other models have theirs in ``model_1/``,
+``model_2/``, ... (``pipeline.triton.contract``): each image is decoded once, and each model's preprocessing and network
+run on that decode (``SetModel``), its answers in ``CLASS_IDS_i``/``SCORES_i`` and, where its spec declares one, its
+embedding in ``EMBEDDING(_i)``.
 It serves ``pipeline.triton.contract``' contract: a bad image gives an ``ERROR`` string for that image only.
 
 The dynamic batcher may hand ``execute`` several requests at once: ``IMAGE`` is declared ragged
@@ -16,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -32,6 +37,9 @@ from pipeline.triton.serve.backend import as_numpy, bad_input, config_limits, co
 _IMPORTED = time.perf_counter()  # the stub imports this module first: instance start times count from here
 
 LOG = logging.getLogger(__name__)
+
+# A served folder's class count where its network files are absent (the built-in model's ImageNet classes).
+BUILTIN_CLASSES = 1000
 
 # A server's instances build at every job's start: cuDNN's autotuner lengthens each build for little of the
 # network's rate, and the served path is not bound by the GPU (docs/performance.md).
@@ -78,6 +86,43 @@ def request_tags(pb, request, n: int) -> np.ndarray:
     return tags
 
 
+@dataclass(frozen=True)
+class SetMember:
+    """One model of the served folder (the first, or a model set's ``index``-th in ``model_<index>/``): its folder,
+    spec and the k its config declares."""
+
+    index: int
+    folder: Path
+    spec: PreprocessSpec
+    top_k: int
+
+
+def set_members(folder: Path, spec: PreprocessSpec, outputs: dict) -> list[SetMember]:
+    """The served models of the version ``folder`` (``spec``: the first's), checked against the config's ``outputs``:
+    each model's CLASS_IDS_i, and EMBEDDING_i exactly where its spec declares an embedding.
+
+    Raises:
+        ValueError: the folder and its config disagree (a repository not built by ``bulk-classify``).
+    """
+    members = [SetMember(0, folder, spec, int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0]))]
+    while (folder / tn.SET_FOLDER.format(index=len(members))).is_dir():
+        index, sub = len(members), folder / tn.SET_FOLDER.format(index=len(members))
+        ids = outputs.get(tn.set_output(tn.OUTPUT_CLASS_IDS, index))
+        if ids is None:
+            raise ValueError(f"{sub} has no {tn.set_output(tn.OUTPUT_CLASS_IDS, index)} output in its config; "
+                             "rebuild the repository with bulk-classify")
+        members.append(SetMember(index, sub, PreprocessSpec.from_json((sub / SPEC_FILE).read_text(encoding="utf-8")),
+                                 int(ids["dims"][0])))
+    for member in members:
+        name = tn.set_output(tn.OUTPUT_EMBEDDING, member.index)
+        declared = [int(d) for d in outputs[name]["dims"]] if name in outputs else None
+        wanted = None if member.spec.embedding is None else [member.spec.embedding.dim]
+        if declared != wanted:
+            raise ValueError(f"the config's {name} is {declared or 'absent'} but {member.folder / SPEC_FILE} declares "
+                             f"{wanted or 'no embedding'}; rebuild the repository with bulk-classify")
+    return members
+
+
 class _FolderBundle:
     """What ``pipeline.gpu.networks.load_network`` needs from a bundle, read from the version folder: a
     user's model has its ``model.onnx`` (and any ``model.torchscript``) there, the default model neither."""
@@ -103,8 +148,9 @@ class _FolderBundle:
 
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
                      batch_size: int, half: bool | None = None, precision_gate: bool = True,
-                     fixed_batch: int | None = None):
-    """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only).
+                     fixed_batch: int | None = None, more: Sequence = ()):
+    """A ``GpuClassifier`` set up by a model's config.pbtxt parameters (``network`` None: preparation only); ``more``:
+    a model set's other models (``SetModel``), run on the same decode.
 
     ``half`` None reads the ``half`` parameter ("auto": the classifier's default, FP16 on a GPU, where it agrees
     with the reference as often as FP32 (docs/performance.md); FP32 on the CPU).
@@ -135,7 +181,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         fixed_batch=fixed_batch,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
         cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
-    ))
+    ), more=tuple(more))
 
 
 class TritonPythonModel:
@@ -151,6 +197,7 @@ class TritonPythonModel:
         spec = PreprocessSpec.from_json((folder / SPEC_FILE).read_text(encoding="utf-8"))
         outputs = {o["name"]: o for o in config["output"]}
         self.top_k = int(outputs[tn.OUTPUT_CLASS_IDS]["dims"][0])
+        self.members = set_members(folder, spec, outputs)
         self.has_error = tn.OUTPUT_ERROR in outputs
         on_gpu = args.get("model_instance_kind", "GPU") == "GPU"  # a KIND_GPU instance runs on its GPU
         device = f"cuda:{int(args.get('model_instance_device_id', 0))}" if on_gpu else "cpu"
@@ -174,14 +221,19 @@ class TritonPythonModel:
     def _build_classifier(self, config: dict, folder: Path, spec: PreprocessSpec, device: str, net_name: str,
                           batch_size: int):
         """The classifier the request stream feeds (a subclass may serve another: the benchmarks' hop)."""
+        from pipeline.gpu.classifier import SetModel  # noqa: PLC0415 - torch and DALI
         from pipeline.gpu.networks import load_network  # noqa: PLC0415 - torch
-
         from pipeline.model.folder import is_builtin  # noqa: PLC0415
 
-        bundle = _FolderBundle(folder, spec, 1000)
+        bundle = _FolderBundle(folder, spec, BUILTIN_CLASSES)
+        more = []
+        for member in self.members[1:]:  # each through the same conversion, cache and FP16 gate as the first
+            other = _FolderBundle(member.folder, member.spec, BUILTIN_CLASSES)
+            more.append(SetModel(load_network(other), member.spec, top_k=member.top_k, fixed_batch=other.fixed_batch,
+                                 precision_gate=not is_builtin(other)))
         return build_classifier(config, spec, load_network(bundle, net_name), device=device, top_k=self.top_k,
                                 limits=self.limits, batch_size=batch_size, precision_gate=not is_builtin(bundle),
-                                fixed_batch=bundle.fixed_batch)
+                                fixed_batch=bundle.fixed_batch, more=more)
 
     def execute(self, requests):
         """Queues each request's images for the pipeline and returns at once: the responses are sent by the
@@ -228,6 +280,12 @@ class TritonPythonModel:
             out_tensor(tn.OUTPUT_HEIGHT, raw.height[start:end, None]),
             out_tensor(tn.OUTPUT_ECHO, raw.echo[start:end, None]),
         ]
+        for index, theirs in enumerate(raw.more, 1):
+            out += [out_tensor(tn.set_output(tn.OUTPUT_CLASS_IDS, index), theirs.class_ids[start:end]),
+                    out_tensor(tn.set_output(tn.OUTPUT_SCORES, index), theirs.scores[start:end])]
+        for member, embedding in zip(self.members, [raw.embedding, *(m.embedding for m in raw.more)]):
+            if member.spec.embedding is not None:
+                out.append(out_tensor(tn.set_output(tn.OUTPUT_EMBEDDING, member.index), embedding[start:end]))
         if self.has_error:
             errors = np.array([[e.encode("utf-8")] for e in raw.errors[start:end]], dtype=np.object_)
             out.append(pb.Tensor(tn.OUTPUT_ERROR, errors))
