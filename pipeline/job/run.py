@@ -115,7 +115,7 @@ def start_node(plan: RunPlan) -> Any:
     config = plan.config
     return plan.spec.start_node(
         plan.bundle, top_k=config.top_k, limits=DecodeLimits(max_bytes=config.max_bytes, max_pixels=config.max_pixels),
-        options=plan.engine_options)
+        options=plan.engine_options, more=plan.more)
 
 
 def _finish(plan: RunPlan, lease: Lease, totals: ShardStats, skipped: int, started_at: datetime, t0: float,
