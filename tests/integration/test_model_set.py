@@ -204,3 +204,31 @@ def test_the_classifier_takes_a_set_and_answers_like_each_model_alone(sources):
                 assert row[name]["scores"] == pytest.approx(own["scores"], abs=1e-6)
             else:
                 assert row[name] is None
+
+
+def test_openvino_runs_a_set_on_one_decode_like_each_model_alone(sources, default_bundle):
+    pytest.importorskip("openvino")
+    from pipeline.engines.openvino import OpenVinoEngine
+    from pipeline.model.folder import load_model
+
+    _src, colour, _ = sources
+    other = load_model(str(colour))
+    images = [p.read_bytes() for p in sorted(PHOTOS.glob("*.jpg"))[:8]] + [b"junk"]
+    with OpenVinoEngine(default_bundle, top_k=3, more=(other,)) as pair, \
+            OpenVinoEngine(default_bundle, top_k=3) as first, OpenVinoEngine(other, top_k=3) as second:
+        together, alone, other_alone = pair.classify(images), first.classify(images), second.classify(images)
+    for row, a, b in zip(together, alone, other_alone):
+        assert (row.status, row.error) == (a.status, a.error)
+        assert [r.class_ids for r in [row, *row.more]] == [a.class_ids, b.class_ids][:1 + len(row.more)]
+        assert len(row.more) == (1 if a.status == "ok" else 0)
+
+
+def test_the_nightlys_file_takes_a_set(tmp_path, sources):
+    from pipeline.nightly import collect_options
+
+    _src, colour, _ = sources
+    config_file = tmp_path / "nightly.yaml"
+    config_file.write_text(f"model:\n  - taxonomy=default\n  - colour={colour}\ntop_k: 3\n", encoding="utf-8")
+    options = collect_options(str(config_file), {})
+    config = RunConfig.build({**options, "source": str(PHOTOS), "output": str(tmp_path / "out")}, env={})
+    assert config.named_models() == (("taxonomy", "default"), ("colour", str(colour)))
