@@ -27,8 +27,8 @@ from pipeline.schema import (
     DATA, DEFAULT_TOP_K, OUTPUT_SCHEMA, STATUS_ERROR, STATUS_OK, conform, output_schema, work_schema,
 )
 
-# The columns ``Classifier`` adds to a batch for one model, typed as in the job's output (pipeline.schema.OUTPUT_SCHEMA);
-# a model set's answers replace the three of MODEL_COLUMNS (and an embedding) with a struct column per model.
+# The columns ``Classifier`` adds to a batch for one model, typed as in the job's output
+# (pipeline.schema.OUTPUT_SCHEMA); a model set's answers replace MODEL_COLUMNS with a struct column per model.
 RESULT_COLUMNS = ("status", "error", "class_ids", "labels", "scores", "width", "height", "model", "model_digest",
                   "engine")
 MODEL_COLUMNS = ("class_ids", "labels", "scores", "embedding")

@@ -186,9 +186,9 @@ class EngineSpec:
             model of the run (a set's, in order; one model alone), after each passed ``model_check``: refuses, with a
             ConfigError in one line, models this engine cannot serve together (a repository without a set's outputs).
         node_start: ``"module:function"`` the driver of a local Ray calls before Ray starts, as
-            ``function(bundle, top_k=, limits=, options=)`` (and ``more=`` for a model set): it starts in the background what the node's actors
-            will share, so that it starts while Ray does, and returns an object with ``close()`` (called once the
-            job is done) and ``events``, or None.
+            ``function(bundle, top_k=, limits=, options=)`` (and ``more=`` for a model set): it starts in the
+            background what the node's actors will share, so that it starts while Ray does, and returns an object with
+            ``close()`` (called once the job is done) and ``events``, or None.
     """
 
     name: str

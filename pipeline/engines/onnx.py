@@ -183,8 +183,8 @@ class OnnxEngine:
         outputs, input_name = list(network_outputs(bundle)), bundle.input_name
         if len(outputs) == 1:
             return lambda batch: session.run(outputs, {input_name: batch})[0]
-        return lambda batch: np.concatenate([o.reshape(len(batch), -1) for o in session.run(outputs, {input_name: batch})],
-                                            axis=1)
+        return lambda batch: np.concatenate(
+            [o.reshape(len(batch), -1) for o in session.run(outputs, {input_name: batch})], axis=1)
 
     def classify(self, images: Sequence[bytes]) -> list[Result]:
         """One Result per encoded image, same order; bad images become error results."""

@@ -142,7 +142,8 @@ class RecordCounter:
         return {STATUS_OK: self.ok, STATUS_ERROR: self.errors}
 
 
-def read_previous(previous: Store, bundle: ModelBundle | ModelSet, top_k: int, parts: list[str] | None = None) -> OutputIndex:
+def read_previous(previous: Store, bundle: ModelBundle | ModelSet, top_k: int, parts: list[str] | None = None
+                  ) -> OutputIndex:
     """The ``previous`` store (``parts``: an Iceberg table's current shards): its shards and the identities of the
     rows this run may carry (same model digest and ``top_k``, ok).
 
