@@ -54,7 +54,17 @@ def _tree_cpu(pid) -> float:
 
 
 class _Labels:
+    """What the client reads of a bundle served here: its name, 1,000 labels, and a spec without an embedding."""
+
+    name = "served"
     labels = tuple(str(i) for i in range(1000))
+    num_classes = len(labels)
+
+    @property
+    def spec(self):
+        from pipeline.model.folder import default_model_spec
+
+        return default_model_spec()
 
 
 def _spy(server_pid: int, path: Path, seconds: float = 2.0) -> threading.Thread:
