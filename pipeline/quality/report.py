@@ -109,15 +109,16 @@ def format_run_report(report: Mapping[str, Any]) -> str:
 def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None,
                      catalog_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Summarise a finished (or partial) output folder, or an Iceberg table's current (or ``@``) snapshot:
-    counts, error kinds, top labels, models.
+    counts, error kinds, top labels, models (and a model set's top labels by model).
 
-    Reads only the ``status``, ``error``, ``labels`` and ``model`` columns, one shard at a time, so it
-    works on outputs far larger than memory.
+    Reads only the ``status``, ``error``, ``labels`` and ``model`` columns (a model set's model columns), one shard at
+    a time, so it works on outputs far larger than memory.
 
     Raises:
         OutputError: DEST cannot be read or holds no ``part-*.parquet`` shard.
     """
     import fsspec
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -142,11 +143,19 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
     kinds: Counter = Counter()
     labels: Counter = Counter()
     models: Counter = Counter()
+    each: dict[str, Counter] = {}  # a model set's top-1 labels, by model
     for path in parts:
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
+            named = [f.name for f in pf.schema_arrow if pa.types.is_struct(f.type)
+                     and f.type.get_field_index("labels") >= 0]
             present = [c for c in SUMMARY_COLUMNS if c in pf.schema_arrow.names]
-            table = pf.read(columns=present)
+            table = pf.read(columns=present + named)
+        for name in named:
+            answered = pc.struct_field(table.column(name).filter(pc.is_valid(table.column(name))), "labels")
+            answered = answered.filter(pc.greater(pc.list_value_length(answered), 0))
+            each.setdefault(name, Counter()).update(value_counts(pc.list_element(answered, 0)) if len(answered)
+                                                    else {})
         if "status" in present:
             status.update(value_counts(table.column("status")))
         if "error" in present:
@@ -176,6 +185,9 @@ def summarize_output(dest: str, storage_options: Mapping[str, Any] | None = None
         "top_labels": [{"label": k, "count": v, "share": round(v / rows, 4) if rows else 0.0}
                        for k, v in labels.most_common(TOP_LABELS)],
         "models": dict(models.most_common()),
+        **({"model_top_labels": {name: [{"label": k, "count": v, "share": round(v / rows, 4) if rows else 0.0}
+                                        for k, v in c.most_common(TOP_LABELS)] for name, c in each.items()}}
+           if each else {}),
         "finished_at": (success or {}).get("finished_at"),
         "last_run": None if run is None else {k: run.get(k) for k in (
             "engine", "elapsed_s", "images", "classified", "carried", "images_per_s", "avg_batch_size",
@@ -207,10 +219,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     if kinds:
         lines.append(f"{'error kind':<20}{'rows':>10}")
         lines += [f"  {k:<18}{_n(v):>10}" for k, v in kinds.items()]
-    top = summary.get("top_labels") or []
-    if top:
-        lines.append(f"{'top-1 label':<28}{'rows':>10}{'share':>8}")
-        lines += [f"  {t['label'][:26]:<26}{_n(t['count']):>10}{t['share']:>8.1%}" for t in top]
+    tops = [("top-1 label", summary.get("top_labels") or [])]
+    tops += [(f"top-1 of {name}", top) for name, top in (summary.get("model_top_labels") or {}).items()]
+    for title, top in tops:
+        if top:
+            lines.append(f"{title[:28]:<28}{'rows':>10}{'share':>8}")
+            lines += [f"  {t['label'][:26]:<26}{_n(t['count']):>10}{t['share']:>8.1%}" for t in top]
     return "\n".join(lines)
 
 

@@ -232,3 +232,13 @@ def test_the_nightlys_file_takes_a_set(tmp_path, sources):
     options = collect_options(str(config_file), {})
     config = RunConfig.build({**options, "source": str(PHOTOS), "output": str(tmp_path / "out")}, env={})
     assert config.named_models() == (("taxonomy", "default"), ("colour", str(colour)))
+
+
+def test_the_summary_counts_each_models_top_labels_as_its_own_run_does(runs):
+    from pipeline.quality.report import format_summary, summarize_output
+
+    summary = summarize_output(str(runs["set"]))
+    for name in ("taxonomy", "colour"):
+        assert summary["model_top_labels"][name] == summarize_output(str(runs[name]))["top_labels"]
+    assert "top-1 of colour" in format_summary(summary)
+    assert "model_top_labels" not in summarize_output(str(runs["taxonomy"]))  # one model: the summary as before
