@@ -2,8 +2,9 @@
 
 The contract is ``pipeline.model.contract.check_contract``, the same function ``run`` calls in its driver (the
 folder's checks, then the network on a synthetic sample: its input layout and its output kind), and each engine's
-``model_check``. Then every engine available here classifies the sample images, and its top-1 and scores are
-compared with the CPU reference (pipeline.model.imaging + ONNX Runtime, scored per the spec).
+``model_check``. Then every engine available here classifies the sample images, and its top-1 and scores (and the
+embedding, where the model declares one) are compared with the CPU reference (pipeline.model.imaging + ONNX Runtime,
+scored per the spec).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeline.engines.registry import ENGINE_NAMES, engine_spec, make_engine
 from pipeline.errors import BulkClassifyError, ConfigError, ImageError
-from pipeline.model.contract import check_contract, reference_outputs
+from pipeline.model.contract import check_contract, reference_run
 from pipeline.model.folder import fixed_batch_note
 from pipeline.model.imaging import load_and_preprocess
 from pipeline.model.onnx_graph import intermediate_outputs
-from pipeline.model.scores import scores_of
+from pipeline.model.scores import embeddings_of, scores_of
 from pipeline.node import node_gpus
 from pipeline.schema import DEFAULT_EXTENSIONS
 from pipeline.storage import open_fs
@@ -38,6 +39,8 @@ DEFAULT_SAMPLE = 16
 DEFAULT_MIN_AGREEMENT = 0.9  # top-1 agreement with the reference an engine needs over the sample
 DEFAULT_MAX_SCORE_DIFF = 0.05  # the largest |engine score - reference probability| of the same class allowed
 CHECK_TOP_K = 5  # classes compared per image (the model's all where it has fewer)
+# The least cosine of an engine's embedding with the reference's: FP16 networks on the GPU stay far above it.
+MIN_EMBEDDING_COSINE = 0.999
 
 
 @dataclass
@@ -48,6 +51,7 @@ class EngineCheck:
     images: int = 0
     agreement: float | None = None
     max_score_diff: float | None = None
+    min_cosine: float | None = None  # the least cosine of an embedding with the reference's (a model with one)
     problem: str = ""  # the engine refused the model, or failed
     skipped: str = ""  # not available on this machine
 
@@ -99,7 +103,9 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
             arrays.append(_reference_input(data, bundle))
         except ImageError as err:
             raise ConfigError(f"sample image {name} cannot be used ({err}); pass --images with ordinary photos")
-    probs = scores_of(reference_outputs(bundle, np.stack(arrays)), bundle.spec.output)
+    logits, embedding = reference_run(bundle, np.stack(arrays))
+    probs = scores_of(logits, bundle.spec.output)
+    vectors = None if embedding is None else embeddings_of(embedding, bundle.spec.embedding)
     report.images = len(blobs)
     for name in engines or ENGINE_NAMES:
         spec = engine_spec(name)
@@ -119,6 +125,8 @@ def check_model_folder(folder: str, *, images: str | None = None, engines: Seque
             line.problem = str(err)
             continue
         _compare(line, results, probs, min_agreement, max_score_diff)
+        if vectors is not None and line.passed:
+            _compare_embeddings(line, results, vectors)
     report.engines = [e for e in report.engines if not e.skipped] + [e for e in report.engines if e.skipped]
     return report
 
@@ -193,18 +201,39 @@ def _compare(line: EngineCheck, results: list[Any], probs: np.ndarray, min_agree
         line.problem = f"a score differs from the reference by {line.max_score_diff:.3g} (> {max_score_diff:g})"
 
 
+def _compare_embeddings(line: EngineCheck, results: list[Any], reference: np.ndarray) -> None:
+    """Fills ``line``'s least cosine of each image's embedding with the reference's, a problem below
+    MIN_EMBEDDING_COSINE or where the engine gave none."""
+    import numpy as np  # noqa: PLC0415
+
+    missing = sum(r.embedding is None for r in results)
+    if missing:
+        line.problem = f"{missing} of {len(results)} images came back without the model's embedding"
+        return
+    got = np.asarray([r.embedding for r in results], np.float64)
+    ref = reference.astype(np.float64)
+    cosines = (got * ref).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1), 1e-30)
+    line.min_cosine = float(cosines.min())
+    if line.min_cosine < MIN_EMBEDDING_COSINE:
+        line.problem = (f"an embedding's cosine with the reference's is {line.min_cosine:.6f} "
+                        f"(< {MIN_EMBEDDING_COSINE})")
+
+
 def format_report(report: CheckReport) -> str:
     """The table the CLI prints: one line per engine."""
     lines = [f"model {report.model}: contract ok; {report.images} sample images"]
     if report.embedding:
         lines.append(report.embedding)
     lines += [f"note: {n}" for n in report.notes]
-    lines.append(f"{'engine':10s} {'images':>6s} {'top-1 agree':>11s} {'max score diff':>14s}  result")
+    cos = f" {'embedding cos':>13s}" if report.embedding else ""
+    lines.append(f"{'engine':10s} {'images':>6s} {'top-1 agree':>11s} {'max score diff':>14s}{cos}  result")
     for e in report.engines:
+        cos = (f" {'-' if e.min_cosine is None else f'{e.min_cosine:.6f}':>13s}") if report.embedding else ""
         if e.skipped:
-            lines.append(f"{e.engine:10s} {'-':>6s} {'-':>11s} {'-':>14s}  skipped: {e.skipped}")
+            lines.append(f"{e.engine:10s} {'-':>6s} {'-':>11s} {'-':>14s}{cos}  skipped: {e.skipped}")
             continue
         agree = "-" if e.agreement is None else f"{e.agreement:.1%}"
         diff = "-" if e.max_score_diff is None else f"{e.max_score_diff:.2e}"
-        lines.append(f"{e.engine:10s} {e.images:6d} {agree:>11s} {diff:>14s}  {'ok' if e.passed else 'FAIL: ' + e.problem}")
+        result = "ok" if e.passed else "FAIL: " + e.problem
+        lines.append(f"{e.engine:10s} {e.images:6d} {agree:>11s} {diff:>14s}{cos}  {result}")
     return "\n".join(lines)

@@ -192,15 +192,24 @@ def test_embeddings_are_float32_unit_rows_a_zero_row_stays_zero_and_a_non_finite
         embeddings_of(np.zeros((2, 4)), spec)
 
 
-def test_model_check_prints_the_embedding(tmp_path):
+def test_model_check_prints_the_embedding_and_compares_each_engines_with_the_reference(tmp_path, monkeypatch):
     from pipeline.model_check import check_model_folder, format_report
 
     inner = _folder(tmp_path, {"output": "features", "dim": FEATURES}, name="inner")
     report = check_model_folder(str(inner), engines=("onnx",), images=str(PHOTOS))
     assert report.passed
+    assert report.engines[0].min_cosine > 1 - 1e-6  # the engine's embeddings against ONNX Runtime's own tensor
     text = format_report(report).splitlines()
     assert text[1] == "embedding: tensor 'features' (an intermediate tensor), dim 4, L2-normalised"
+    assert "embedding cos" in text[2] and text[3].split()[4] == f"{report.engines[0].min_cosine:.6f}"
     outer = _folder(tmp_path, {"output": "features", "dim": FEATURES, "normalize": False}, name="outer",
                     extra_outputs=("features",))
     assert format_report(check_model_folder(str(outer), engines=("onnx",), images=str(PHOTOS))).splitlines()[1] \
         == "embedding: tensor 'features' (a graph output), dim 4, as given (not normalised)"
+    # an engine whose embeddings go wrong fails the check
+    from pipeline.engines import onnx
+
+    real = onnx.attach_embeddings
+    monkeypatch.setattr(onnx, "attach_embeddings", lambda results, values, spec: real(results, values[:, ::-1], spec))
+    broken = check_model_folder(str(inner), engines=("onnx",), images=str(PHOTOS))
+    assert not broken.passed and broken.engines[0].problem.startswith("an embedding's cosine with the reference's")
