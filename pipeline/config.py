@@ -125,8 +125,8 @@ class RunConfig:
         if self.batch_size is not None:
             check_positive("batch_size", self.batch_size)
         check_top_k(self.top_k)
-        if isinstance(self.model, (list, tuple)):  # --model given as often as the run has models
-            ref, named = parse_model_args(tuple(self.model))
+        if isinstance(self.model, (str, list, tuple)):  # read as the --model values are: NAME=DIR names a model
+            ref, named = parse_model_args((self.model,) if isinstance(self.model, str) else tuple(self.model))
             object.__setattr__(self, "model", tuple(f"{n}={r}" for n, r in named) if named else ref)
         for name in ("shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
             check_positive(name, getattr(self, name))
