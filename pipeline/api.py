@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import pyarrow as pa
 
 from pipeline.actor import ClassifyActor
+from pipeline.columns import conform, output_schema, work_schema
 from pipeline.config import RunConfig, check_top_k
 from pipeline.engines.registry import DEFAULT_ENGINE
 from pipeline.errors import ConfigError, LIST_ERROR
@@ -23,9 +24,7 @@ from pipeline.io.fetch import fetch_batch
 from pipeline.io.keys import object_uri
 from pipeline.model.imaging import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 from pipeline.model.model_set import parse_model_args
-from pipeline.schema import (
-    DATA, DEFAULT_TOP_K, OUTPUT_SCHEMA, STATUS_ERROR, STATUS_OK, conform, output_schema, work_schema,
-)
+from pipeline.schema import DATA, DEFAULT_TOP_K, OUTPUT_SCHEMA, STATUS_ERROR, STATUS_OK
 
 # The columns ``Classifier`` adds to a batch for one model, typed as in the job's output
 # (pipeline.schema.OUTPUT_SCHEMA); a model set's answers replace MODEL_COLUMNS with a struct column per model.
@@ -203,7 +202,7 @@ def _as_uri(uri: Any) -> str:
 
 
 def _work_table(schema: pa.Schema, **columns: list[Any]) -> pa.Table:
-    """The job's working columns for an output of ``schema`` (``pipeline.schema.work_schema``) for rows that are
+    """The job's working columns for an output of ``schema`` (``pipeline.columns.work_schema``) for rows that are
     neither listed nor carried."""
     n = len(columns["uri"])
     table = pa.table({"uri": pa.array(columns["uri"], pa.string()), "status": pa.array(columns["status"], pa.string()),

@@ -31,6 +31,9 @@ DEFAULT_LIST_TASKS = 8
 # Classify actors where they take no GPU, by default (--num-actors): one per this many CPUs.
 CPUS_PER_CPU_ACTOR = 4
 MAX_TOP_K = 1000  # the classes of the largest ImageNet head
+# Each optional number's bounds (low, high or None), as --help states them.
+RANGES = {"retries": (0, None), "num_gpus_per_actor": (0, None), "calls_per_actor": (1, 16), "num_actors": (1, None),
+          "decode_threads": (1, None)}
 
 def parse_option(item: str, flag: str = "--storage-option", example: str = "anon=true") -> tuple[str, Any]:
     """Parse one ``KEY=VALUE`` of ``flag``; JSON values (true, 3, {...}) are decoded, anything else stays text."""
@@ -103,13 +106,11 @@ class RunConfig:
     catalog_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.source:
-            raise ConfigError("SOURCE is empty; give a folder, file:// or s3://bucket/prefix URL")
-        if not self.output:
-            raise ConfigError("--output is empty; give a folder, file:// or s3://bucket/prefix URL")
+        for url, name in ((self.source, "SOURCE"), (self.output, "--output")):
+            if not url:
+                raise ConfigError(f"{name} is empty; give a folder, file:// or s3://bucket/prefix URL")
         if _strip(self.source) == _strip(self.output):
             raise ConfigError("--output must differ from SOURCE; write results next to the images, not over them")
-
         if self.source_prefix is not None and manifest_form(self.source) is None:
             raise ConfigError(f"--source-prefix filters a manifest; SOURCE {self.source!r} is a folder or prefix: "
                               "give the prefix in SOURCE itself, or use a uris+ or inventory+ SOURCE")
@@ -130,16 +131,8 @@ class RunConfig:
             object.__setattr__(self, "model", tuple(f"{n}={r}" for n, r in named) if named else ref)
         for name in ("shard_size", "fetch_threads", "max_bytes", "max_pixels", "list_tasks"):
             check_positive(name, getattr(self, name))
-        if self.retries < 0:
-            raise ConfigError(f"--retries must be 0 or more, got {self.retries}")
-        if self.num_gpus_per_actor is not None and self.num_gpus_per_actor < 0:
-            raise ConfigError(f"--num-gpus-per-actor must be 0 or more, got {self.num_gpus_per_actor}")
-        if self.calls_per_actor is not None and not 1 <= self.calls_per_actor <= 16:
-            raise ConfigError(f"--calls-per-actor must be within 1..16, got {self.calls_per_actor}")
-        if self.num_actors is not None and self.num_actors < 1:
-            raise ConfigError(f"--num-actors must be at least 1, got {self.num_actors}")
-        if self.decode_threads is not None and self.decode_threads < 1:
-            raise ConfigError(f"--decode-threads must be at least 1, got {self.decode_threads}")
+        for name, (low, high) in RANGES.items():
+            check_range(name, getattr(self, name), low, high)
         if self.fetch_ahead_bytes is not None and self.fetch_ahead_bytes < 16 * MIB:
             raise ConfigError(f"--fetch-ahead-bytes {self.fetch_ahead_bytes} is below 16 MiB (16777216); "
                               "give a larger budget or leave it unset")
@@ -149,15 +142,13 @@ class RunConfig:
         if not exts or any(not e or "/" in e for e in exts):
             raise ConfigError(f"--extensions {','.join(self.extensions)!r} is not a list like jpg,png,webp")
         object.__setattr__(self, "extensions", exts)
-        object.__setattr__(self, "storage_options", dict(self.storage_options))
-        object.__setattr__(self, "catalog_options", dict(self.catalog_options))
-        object.__setattr__(self, "engine_options", dict(self.engine_options))
+        for name in ("storage_options", "catalog_options", "engine_options"):
+            object.__setattr__(self, name, dict(getattr(self, name)))
 
     @classmethod
     def build(cls, explicit: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RunConfig":
         """Merge defaults < ``BULK_CLASSIFY_*`` environment < explicit options (``None`` means unset)."""
-        unknown = set(explicit) - set(cls.__dataclass_fields__)
-        if unknown:
+        if unknown := set(explicit) - set(cls.__dataclass_fields__):
             raise ConfigError(f"unknown option(s) {sorted(unknown)}; see 'bulk-classify run --help'")
         return cls(**merge_options(explicit, env=env))
 
@@ -165,8 +156,7 @@ class RunConfig:
         """A copy with what the plan decided from these checked options (the engine ``auto`` resolves to, the batch
         size, ``top_k`` capped at the model's classes, an Iceberg table's data folder), not checked again: each
         option is validated once, where the config is made."""
-        unknown = set(decided) - set(self.__dataclass_fields__)
-        if unknown:
+        if unknown := set(decided) - set(self.__dataclass_fields__):
             raise TypeError(f"RunConfig has no field(s) {sorted(unknown)}")
         copy = object.__new__(RunConfig)
         copy.__dict__.update(self.__dict__)
@@ -193,6 +183,13 @@ def check_positive(name: str, value: Any, flag: str | None = None) -> None:
     """ConfigError unless ``value`` of option ``name`` (``flag``: as the caller spells it) is a positive integer."""
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{flag or '--' + name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def check_range(name: str, value: Any, low: float, high: float | None) -> None:
+    """ConfigError unless ``value`` of option ``name`` is None or within ``low``..``high`` (None: no upper bound)."""
+    if value is not None and not (low <= value and (high is None or value <= high)):
+        bound = f"within {low}..{high}" if high is not None else "0 or more" if low == 0 else f"at least {low}"
+        raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
 
 
 def check_top_k(top_k: Any, flag: str = "--top-k") -> None:
@@ -243,16 +240,13 @@ def _coerce(name: str, raw: str, type_name: str) -> Any:
     """A ``BULK_CLASSIFY_<NAME>`` value as the option's type: integers, numbers, true/false, comma-separated lists,
     and ``KEY=VALUE,KEY=VALUE`` (or a JSON object) for the mapping options."""
     var = f"{ENV_PREFIX}{name.upper()}={raw!r}"
-    if type_name.startswith("int"):
+    if type_name.startswith(("int", "float")):
+        number = int if type_name.startswith("int") else float
         try:
-            return int(raw)
+            return number(raw)
         except ValueError:
-            raise ConfigError(f"{var} is not an integer; unset it or fix it") from None
-    if type_name.startswith("float"):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{var} is not a number; unset it or fix it") from None
+            what = "an integer" if number is int else "a number"
+            raise ConfigError(f"{var} is not {what}; unset it or fix it") from None
     if type_name == "bool":
         word = raw.strip().lower()
         if word not in _BOOLEANS:
@@ -269,11 +263,8 @@ def _coerce(name: str, raw: str, type_name: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(f"{var} is not a JSON object; write KEY=VALUE,KEY=VALUE or {{\"KEY\": VALUE}}")
             return value
-        pairs: dict[str, Any] = {}
-        for item in (i for i in raw.split(",") if i.strip()):
-            key, _value = parse_option(item.strip(), f"{ENV_PREFIX}{name.upper()}", "KEY=VALUE,KEY=VALUE")
-            pairs[key] = _value
-        return pairs
+        return dict(parse_option(item.strip(), f"{ENV_PREFIX}{name.upper()}", "KEY=VALUE,KEY=VALUE")
+                    for item in raw.split(",") if item.strip())
     return raw
 
 

@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from pipeline.columns import output_schema_like
 from pipeline.errors import ConfigError, OutputError
-from pipeline.schema import output_schema_like
 from pipeline.storage import open_fs
 
 LOG = logging.getLogger(__name__)

@@ -12,10 +12,9 @@ from typing import Any, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.columns import conform, output_schema_like
 from pipeline.io.writer import ShardRecord
-from pipeline.schema import (
-    GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, conform, output_schema_like,
-)
+from pipeline.schema import GROUP_CHARS, OUTPUT_SCHEMA, PART_PREFIX, PART_SUFFIX, RECORD_KEY, SHARD_META_KEY
 from pipeline.storage import is_local
 
 LOG = logging.getLogger(__name__)

@@ -21,11 +21,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.columns import conform, output_schema_like
 from pipeline.io.keys import identity_hashes, uri_hashes
 from pipeline.io.stats import ShardStats
 from pipeline.schema import (
-    BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, PART_PREFIX,
-    PART_SUFFIX, RECORD_KEY, SHARD_META_KEY, STATUS_OK, conform, output_schema_like,
+    BOOKKEEPING, CALLS, DECODE_S, ENGINE_EVENTS, FETCH_S, GROUP_CHARS, INFER_S, LEASE, PART_PREFIX, PART_SUFFIX,
+    RECORD_KEY, SHARD_META_KEY, STATUS_OK,
 )
 from pipeline.storage import is_local, open_fs
 

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasource
 
+from pipeline.columns import conform
 from pipeline.io.source import listing_blocks, resolve_keys
-from pipeline.schema import WORK_SCHEMA, conform
+from pipeline.schema import WORK_SCHEMA
 from pipeline.storage import manifest_form, open_fs
 
 COUNTS_EVERY_S = 0.25  # a listing task sends its counts to the counter actor at most this often (progress)
@@ -30,7 +31,7 @@ class ListingDatasource(Datasource):
     def __init__(self, url: str, storage_options: Any, extensions: tuple[str, ...], groups: list[list], *,
                  done: Any = None, previous: Any = None, counter: Any = None, excluded: str | None = None,
                  schema: pa.Schema = WORK_SCHEMA):
-        self.schema = schema  # the run's working columns (its models' columns: pipeline.schema.work_schema)
+        self.schema = schema  # the run's working columns (its models' columns: pipeline.columns.work_schema)
         self.url, self.storage_options, self.extensions = url, dict(storage_options), extensions
         self.groups, self.done, self.previous, self.counter = groups, done, previous, counter
         self.excluded = None if excluded is None else "file://" + excluded.rstrip("/") + "/"

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import pyarrow as pa
 
+from pipeline.columns import output_schema
 from pipeline.config import RunConfig
 from pipeline.engines.registry import AUTO_ENGINE, engine_spec
 from pipeline.errors import ConfigError
 from pipeline.io.iceberg_output import IcebergOutput, is_iceberg, table_parts
 from pipeline.job.output import Store, check_compatible, check_output, check_output_location, open_store
 from pipeline.node import local_ray_env, node_gpus, ray_address
-from pipeline.schema import OUTPUT_SCHEMA, output_schema
+from pipeline.schema import OUTPUT_SCHEMA
 
 if TYPE_CHECKING:
     from pipeline.engines.base import EngineSpec

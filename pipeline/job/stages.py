@@ -12,13 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.columns import conform, output_schema_like, work_schema
 from pipeline.config import CPUS_PER_CPU_ACTOR, RunConfig
 from pipeline.io.keys import member, uri_hashes
 from pipeline.io.source import plan_listing
 from pipeline.job.local_ray import LOCAL_ADDRESS, mark_session, sweep_before_start
 from pipeline.job.plan import RunPlan, resolve
 from pipeline.node import LOCAL_RAY_ENV, LOOPBACK, VERBOSE_ENV, local_ray_env
-from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, STATUS, STATUS_OK, URI, conform, output_schema_like, work_schema
+from pipeline.schema import CARRIED, MIB, MODEL_DIGEST, STATUS, STATUS_OK, URI
 from pipeline.storage import open_fs
 
 if TYPE_CHECKING:

@@ -108,5 +108,5 @@ class ModelSet:
         return max(m.bundle.num_classes for m in self.models)
 
     def columns(self) -> tuple[tuple[str, int | None], ...]:
-        """(name, embedding width or None) per model: what ``pipeline.schema.output_schema`` lays out."""
+        """(name, embedding width or None) per model: what ``pipeline.columns.output_schema`` lays out."""
         return tuple((m.name, m.bundle.spec.embedding.dim if m.bundle.spec.embedding else None) for m in self.models)

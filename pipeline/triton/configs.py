@@ -42,10 +42,8 @@ class GpuModelOptions:
         network: "auto" (the version folder's model, else the default), or a network the served code knows.
         cuda_graph: replay the network as a CUDA graph.
         queue_delay_us: how long the dynamic batcher waits for a fuller batch.
-        error_output: declare the optional BYTES ``ERROR`` output.
-            The python backend of the nvidia-pytriton wheel cannot send BYTES tensors when its Python has numpy 2
-            (they arrive empty), so None declares it only under numpy 1; without it a request holding a bad image
-            fails as a whole and the client isolates it.
+        error_output: declare the optional BYTES ``ERROR`` output (None: where numpy can send it, ``declares_error``);
+            without it a request holding a bad image fails as a whole and the client isolates it.
         prep_workers, dali_depth, dali_threads, hw_decoder_load, cuda_sync: the preparing side's settings (None:
             the model's default).
         half: "auto", "true" or "false": the network's precision.
@@ -82,10 +80,6 @@ class GpuModelOptions:
         if self.max_backlog < 0:
             raise ConfigError(f"max_backlog={self.max_backlog} must be 0 (never wait) or more network batches, e.g. 6")
 
-    def sends_error(self) -> bool:
-        """Whether the models declare ``ERROR`` (``declares_error``)."""
-        return declares_error(self.error_output)
-
 
 def model_config():
     """Triton's ``model_config_pb2`` module."""
@@ -108,11 +102,19 @@ def _contract_inputs(config) -> None:
         _tensor(config.input, name, dtype, [-1] if name == tn.INPUT_IMAGE else [1])
 
 
-def _contract_io(config, k: int, *, with_error: bool) -> None:
+def _contract_io(config, k: int, *, with_error: bool, set_top_k: Sequence[int] = (),
+                 embedding_dims: Sequence[int | None] = ()) -> None:
+    """The contract's inputs and outputs, and a model set's (``tn.set_output``): CLASS_IDS_i and SCORES_i of each model
+    after the first (``set_top_k``: their k), EMBEDDING(_i) of each model with a width in ``embedding_dims``."""
     _contract_inputs(config)
-    for name, dtype in tn.OUTPUTS.items():
-        if name != tn.OUTPUT_ERROR or with_error:
-            _tensor(config.output, name, dtype, [k] if name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES) else [1])
+    outputs = [(name, dtype, k if name in (tn.OUTPUT_CLASS_IDS, tn.OUTPUT_SCORES) else 1)
+               for name, dtype in tn.OUTPUTS.items() if name != tn.OUTPUT_ERROR or with_error]
+    outputs += [(tn.set_output(name, i), tn.OUTPUTS[name], k)
+                for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
+    outputs += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d)
+                for i, d in enumerate(embedding_dims) if d]
+    for name, dtype, width in outputs:
+        _tensor(config.output, name, dtype, [width])
 
 
 def _place(config, kind: str, instances: int, queue_delay_us: int) -> None:
@@ -125,16 +127,6 @@ def _text(config) -> str:
     from google.protobuf import text_format  # noqa: PLC0415
 
     return text_format.MessageToString(config)
-
-
-def _set_outputs(config, set_top_k: Sequence[int], embedding_dims: Sequence[int | None]) -> None:
-    """A model set's outputs beside the contract's (``tn.set_output``): CLASS_IDS_i and SCORES_i of each model after the
-    first (``set_top_k``: their k), and EMBEDDING(_i) of each model with a width in ``embedding_dims``."""
-    sets = [(tn.set_output(name, i), tn.OUTPUTS[name], k)
-            for i, k in enumerate(set_top_k, 1) for name in tn.SET_OUTPUTS]
-    sets += [(tn.set_output(tn.OUTPUT_EMBEDDING, i), tn.EMBEDDING_DTYPE, d) for i, d in enumerate(embedding_dims) if d]
-    for name, dtype, width in sets:
-        _tensor(config.output, name, dtype, [width])
 
 
 def declares_error(error_output: bool | None) -> bool:
@@ -150,13 +142,12 @@ def portable_config(*, top_k: int = DEFAULT_TOP_K, instances: int = DEFAULT_PORT
                     set_top_k: Sequence[int] = (), embedding_dims: Sequence[int | None] = ()) -> str:
     """config.pbtxt of the portable profile's one model (python backend, CPU).
 
-    ``error_output``: declare the BYTES ``ERROR`` output; default: when this Python's numpy can send it (< 2).
-    ``set_top_k``: for a model set, the k of each model after the first (``tn.set_output``).
-    ``embedding_dims``: each model's embedding width, None for a model without one.
+    ``error_output``: declare the BYTES ``ERROR`` output (None: ``declares_error``); ``set_top_k``, ``embedding_dims``:
+    a model set's k of each model after the first and each model's embedding width or None (``_contract_io``).
     """
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=max_batch_size)
-    _contract_io(config, top_k, with_error=declares_error(error_output))
-    _set_outputs(config, set_top_k, embedding_dims)
+    _contract_io(config, top_k, with_error=declares_error(error_output), set_top_k=set_top_k,
+                 embedding_dims=embedding_dims)
     _place(config, "CPU", instances, QUEUE_DELAY_US)
     return _text(config)
 
@@ -201,16 +192,14 @@ def production_configs(spec, *, onnx_input: str, top_k: int = DEFAULT_TOP_K,
 
 def gpu_config(options: GpuModelOptions = GpuModelOptions(), *, set_top_k: Sequence[int] = (),
                embedding_dims: Sequence[int | None] = ()) -> str:
-    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input).
-
-    ``set_top_k`` and ``embedding_dims``: a model set's outputs and each model's embedding, as ``portable_config``'s.
-    """
+    """config.pbtxt of the gpu profile's one model (python backend, KIND_GPU, ragged IMAGE input); ``set_top_k`` and
+    ``embedding_dims``: a model set's, as ``portable_config``'s."""
     o = options
     instances = GPU_INSTANCES if o.instances is None else o.instances
     batch_size = GPU_TRITON_BATCH_SIZE if o.batch_size is None else o.batch_size
     config = model_config().ModelConfig(name=tn.MODEL_NAME, backend="python", max_batch_size=o.max_batch_size)
-    _contract_io(config, o.top_k, with_error=o.sends_error())
-    _set_outputs(config, set_top_k, embedding_dims)
+    _contract_io(config, o.top_k, with_error=declares_error(o.error_output), set_top_k=set_top_k,
+                 embedding_dims=embedding_dims)
     # Requests padded to different lengths can then share one execute() (the backend sees each request).
     next(t for t in config.input if t.name == tn.INPUT_IMAGE).allow_ragged_batch = True
     _place(config, "GPU", instances, o.queue_delay_us)

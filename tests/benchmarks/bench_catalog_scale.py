@@ -126,7 +126,8 @@ def make_catalog(root: Path, n: int, layout: str, seeds: list[Path]) -> None:
 def fake_output(dest: Path, root: Path, n: int, layout: str, seeds: list[Path], model: str,
                 keep=lambda i: True, changed=lambda i: False) -> None:
     """Rows with the real schema for the objects ``keep`` selects, committed by the real writer."""
-    from pipeline.schema import WORK_SCHEMA, conform
+    from pipeline.columns import conform
+    from pipeline.schema import WORK_SCHEMA
     from pipeline.quality.statistics import quality_footer
     from pipeline.io.writer import write_shard
 

@@ -45,6 +45,7 @@ from pipeline.triton.configs import (  # noqa: E402
     GPU_INSTANCES,
     GpuModelOptions,
     _contract_io,
+    declares_error,
     _place,
     _set_parameters,
     _tensor,
@@ -337,7 +338,7 @@ def ensemble_configs(spec, options: GpuModelOptions = GpuModelOptions(), *, prep
         raise ConfigError(f"preprocess_instances={pre_count} and network_instances={network_instances} must be "
                           "at least 1")
     batch_size = GPU_DEFAULT_BATCH_SIZE if o.batch_size is None else o.batch_size
-    error_output = o.sends_error()
+    error_output = declares_error(o.error_output)
     top_k, max_batch_size = o.top_k, o.max_batch_size
     mc = model_config()
     dtype = "FP32" if o.half == "false" else "FP16"

@@ -19,10 +19,11 @@ import pyarrow.dataset as pads
 import pytest
 
 from conftest import free_port, make_jpeg
+from pipeline.columns import conform
 from pipeline.config import RunConfig
 from pipeline.io.fetch import fetch_batch
 from pipeline.job import run_job
-from pipeline.schema import LISTING_SCHEMA, WORK_SCHEMA, conform
+from pipeline.schema import LISTING_SCHEMA, WORK_SCHEMA
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 OUTAGE_OBJECTS = 1500  # objects behind the S3 outage test

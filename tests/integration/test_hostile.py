@@ -25,6 +25,7 @@ import pytest
 
 from conftest import make_jpeg
 from support.ray_cluster import LocalRayCluster
+from pipeline.columns import conform
 from pipeline.config import RunConfig
 from pipeline.io.keys import legacy_uri, uri_path
 from pipeline.io.reader import committed_parts
@@ -32,7 +33,7 @@ from pipeline.io.writer import write_json, write_shard
 from pipeline.job import run_job
 from pipeline.job.lease import Lease, LeaseHeld
 from pipeline.job.output import dedupe_output, remove_owned
-from pipeline.schema import LEASE, OUTPUT_SCHEMA, SUCCESS, conform
+from pipeline.schema import LEASE, OUTPUT_SCHEMA, SUCCESS
 from pipeline.storage import open_fs
 from support.paths import REPO
 
@@ -256,7 +257,8 @@ def test_max_pixels_above_pillows_own_limit_applies(monkeypatch):
 def test_report_escapes_control_characters_of_labels_and_paths(tmp_path):
     from datetime import datetime, timezone
 
-    from pipeline.schema import OUTPUT_SCHEMA, conform
+    from pipeline.columns import conform
+    from pipeline.schema import OUTPUT_SCHEMA
     from pipeline.io.writer import write_shard
 
     out = tmp_path / f"out{ESC_TITLE}"
@@ -363,7 +365,8 @@ S3_KEYS = ["k/a#b.jpg", "k/q?x=1.jpg", "k/%20.jpg", "k/sp ace.jpg", "k/caf\u00e9
 def test_s3_odd_keys_get_uris_that_parse_back_and_fetch_the_right_bytes(s3, s3_server):
     from pipeline.config import DEFAULT_EXTENSIONS
     from pipeline.io.fetch import fetch_batch
-    from pipeline.schema import DATA, WORK_SCHEMA, conform
+    from pipeline.columns import conform
+    from pipeline.schema import DATA, WORK_SCHEMA
     from pipeline.io.source import entries_table, list_unit, plan_listing
     from pipeline.storage import open_fs
 

@@ -163,7 +163,7 @@ def test_a_model_set_in_iceberg_answers_the_documented_pyiceberg_scan_and_refuse
 
 def test_an_embedding_in_iceberg_is_a_list_of_float_with_the_same_values(tmp_path):
     from pipeline.io.iceberg_output import IcebergOutput
-    from pipeline.schema import output_schema
+    from pipeline.columns import output_schema
     from pipeline.storage import open_fs
 
     schema = output_schema((("taxonomy", None), ("colour", DIM)))

@@ -23,6 +23,7 @@ SHIMS = "model_repository"
 FLOORS = {
     "pipeline.errors": 0,
     "pipeline.schema": 1,
+    "pipeline.columns": 1,
     "pipeline.node": 1,
     "pipeline.terminal": 1,
     "pipeline.text": 1,

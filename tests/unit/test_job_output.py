@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.columns import conform
 from pipeline.errors import OutputError
 from pipeline.io.keys import uri_hash
 from pipeline.io.reader import committed_parts
@@ -18,7 +19,7 @@ from pipeline.job.output import (
     RecordCounter, begin_output, check_output, index_output, open_store, read_previous,
 )
 from pipeline.quality.statistics import committed_quality
-from pipeline.schema import OUTPUT_SCHEMA, conform
+from pipeline.schema import OUTPUT_SCHEMA
 from pipeline.storage import open_fs
 from test_writer import M_DIGEST, rows
 

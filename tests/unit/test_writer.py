@@ -10,11 +10,12 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.columns import conform
 from pipeline.io.keys import identity_hash, uri_hash
 from pipeline.io.reader import committed_parts, iter_records, read_record
 from pipeline.io.stats import ShardStats
 from pipeline.io.writer import ShardRecord, part_name, shard_id, write_shard
-from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA, conform
+from pipeline.schema import OUTPUT_SCHEMA, RECORD_KEY, WORK_SCHEMA
 from pipeline.storage import open_fs
 
 WHEN = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)

@@ -13,7 +13,7 @@
 # FP32_MODELS: after parity, these folders again through --engine gpu in FP32 (half=false) against --engine onnx;
 # set: bench_job on IMAGES files (100,000): the built-in model alone, then the built-in model and the timm ResNet-50
 #   with its embedding (IMPORTS=r50emb: `model import ... --embedding`) as a model set in one pass (SET_VARIANTS: more),
-#   with the rows counted and the embeddings' widths and norms read back by DuckDB;
+#   with the rows counted and the embeddings' widths and norms read back with pyarrow;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u

@@ -1,0 +1,82 @@
+"""The output's columns for a run's models: one unnamed model's top-level columns (with its embedding), or one struct
+column per named model of a set, the working columns between stages for either, and a table made to fit them."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.schema import (
+    CLASS_IDS, EMBEDDING, LABELS, MODEL, MODEL_DIGEST, OUTPUT_SCHEMA, SCORES, WORK_COLUMNS, WORK_SCHEMA,
+)
+
+# A model's answer in the rows, as the top-level columns of one unnamed model or one struct column per named model.
+MODEL_FIELDS = (CLASS_IDS, LABELS, SCORES, MODEL, MODEL_DIGEST)
+
+
+def embedding_type(dim: int) -> pa.DataType:
+    """An embedding column's type: float32, the type vector stores (Lance, DuckDB's FLOAT[n], pgvector) and Iceberg
+    take without conversion (neither Iceberg nor pgvector has float16)."""
+    return pa.list_(pa.float32(), dim)
+
+
+def model_struct(embedding_dim: int | None = None) -> pa.StructType:
+    """One named model's column: its top-k, its model and digest, and its embedding where it has one."""
+    fields = [OUTPUT_SCHEMA.field(name) for name in MODEL_FIELDS]
+    if embedding_dim:
+        fields.append(pa.field(EMBEDDING, embedding_type(embedding_dim)))
+    return pa.struct(fields)
+
+
+def output_schema(models: tuple[tuple[str | None, int | None], ...] = ()) -> pa.Schema:
+    """The output's schema for the run's models, given as (name, embedding width or None) each.
+
+    No models or one unnamed model: OUTPUT_SCHEMA (with an ``embedding`` column after ``scores`` where the model has
+    one). Named models: OUTPUT_SCHEMA's columns with ``class_ids``, ``labels`` and ``scores`` replaced by one struct
+    column per model (``model_struct``), in the order given; ``model`` and ``model_digest`` are then the set's.
+    """
+    if not models or (len(models) == 1 and models[0][0] is None):
+        dim = models[0][1] if models else None
+        if not dim:
+            return OUTPUT_SCHEMA
+        at = OUTPUT_SCHEMA.get_field_index(SCORES) + 1
+        return OUTPUT_SCHEMA.insert(at, pa.field(EMBEDDING, embedding_type(dim)))
+    fields = []
+    for f in OUTPUT_SCHEMA:
+        if f.name == CLASS_IDS:
+            fields.extend(pa.field(name, model_struct(dim)) for name, dim in models)
+        elif f.name not in (LABELS, SCORES):
+            fields.append(f)
+    return pa.schema(fields)
+
+
+def output_schema_like(schema: pa.Schema) -> pa.Schema:
+    """The output schema whose models' columns are those of ``schema`` (a shard's, or a batch's between stages):
+    one unnamed model's top-level columns (and its embedding), or the struct column of each named model."""
+    if CLASS_IDS in schema.names:
+        if EMBEDDING not in schema.names:
+            return OUTPUT_SCHEMA
+        return OUTPUT_SCHEMA.insert(OUTPUT_SCHEMA.get_field_index(SCORES) + 1, schema.field(EMBEDDING))
+    named = [f for f in schema if pa.types.is_struct(f.type) and f.type.get_field_index(MODEL_DIGEST) >= 0]
+    if not named:
+        return OUTPUT_SCHEMA
+    at = OUTPUT_SCHEMA.get_field_index(CLASS_IDS)
+    kept = [f for f in OUTPUT_SCHEMA if f.name not in (CLASS_IDS, LABELS, SCORES)]
+    return pa.schema(kept[:at] + named + kept[at:])
+
+
+def work_schema(output: pa.Schema = OUTPUT_SCHEMA) -> pa.Schema:
+    """The columns between stages for an output of schema ``output``: its columns and the working ones."""
+    return pa.schema(list(output) + list(WORK_COLUMNS))
+
+
+def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:
+    """Return ``table`` with exactly ``schema``'s columns, missing ones as nulls, cast to its types."""
+    n = table.num_rows
+    columns = []
+    for f in schema:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            columns.append(col if col.type == f.type else col.cast(f.type))
+        else:
+            columns.append(pa.nulls(n, type=f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
