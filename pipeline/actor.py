@@ -12,10 +12,11 @@ from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 
-from pipeline.engines.base import EngineSpec, Result
+from pipeline.columns import model_columns, row_answers, row_status
+from pipeline.engines.base import EngineSpec
 from pipeline.schema import (
-    CALLS, CLASSIFIED_AT, CLASS_IDS, DATA, DECODE_S, EMBEDDING, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, LABELS,
-    MODEL, MODEL_DIGEST, SCORES, STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
+    CALLS, CLASSIFIED_AT, DATA, DECODE_S, ENGINE, ENGINE_EVENTS, ERROR, HEIGHT, INFER_S, MODEL, MODEL_DIGEST,
+    STAGE_DECODE, STAGE_INFER, STATUS, STATUS_ERROR, STATUS_OK, WIDTH,
 )
 
 LOG = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class ClassifyActor:
         from pipeline.errors import ModelError
         from pipeline.model.imaging import DecodeLimits
         from pipeline.model.folder import load_model
+        from pipeline.model.model_set import ModelSet, NamedModel
         from pipeline.node import follow_driver_logging
 
         follow_driver_logging()
@@ -57,39 +59,25 @@ class ClassifyActor:
         self.bundle = bundles[0]
         self.names = tuple(name for name, _ref, _digest in models)  # empty: one unnamed model's columns
         self.bundles = tuple(bundles)
-        self.identity = self.bundle
-        if models:
-            from pipeline.model.model_set import ModelSet, NamedModel
-
-            self.identity = ModelSet(tuple(NamedModel(n, b) for n, b in zip(self.names, bundles)))
+        self.identity = ModelSet(tuple(map(NamedModel, self.names, bundles))) if models else self.bundle
         # ``engine`` and ``engine_options`` as the driver decided them: the spec looked up, the options parsed.
-        spec = engine
         limits = DecodeLimits(max_bytes=max_bytes, max_pixels=max_pixels)
-        self.engine = spec.build(self.bundle, top_k=top_k, limits=limits, options=engine_options or {},
-                                 more=self.bundles[1:])
-        self.engine_name = spec.name
+        self.engine = engine.build(self.bundle, top_k=top_k, limits=limits, options=engine_options or {},
+                                   more=self.bundles[1:])
+        self.engine_name = engine.name
         self._reported: dict[str, int] = {}  # the engine's ``events`` as far as rows carry them already
         self._events_lock = threading.Lock()
         # Ray Data ends a finished pool's actors by dropping their handles, which exits the worker without
         # calling __del__; atexit still runs, so a local tritonserver and its shared memory go with us.
         atexit.register(self.close)
         LOG.info("actor ready in %.1f s: model=%s engine=%s", time.perf_counter() - started, self.identity.name,
-                 spec.name)
+                 engine.name)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        data = batch.column(DATA).to_pylist()
-        status = batch.column(STATUS).to_pylist()
-        error = batch.column(ERROR).to_pylist()
+        data, status, error, width, height = (batch.column(c).to_pylist() for c in (DATA, STATUS, ERROR, WIDTH, HEIGHT))
         todo = [i for i in range(len(data)) if status[i] is None and data[i] is not None]
         n = len(data)
         answers: list[list[Any]] = [[None] * n for _ in self.bundles]  # each model's Result per row
-        width = batch.column(WIDTH).to_pylist()
-        height = batch.column(HEIGHT).to_pylist()
-        model = batch.column(MODEL).to_pylist()
-        digest = batch.column(MODEL_DIGEST).to_pylist()
-        engine = batch.column(ENGINE).to_pylist()
-        when = batch.column(CLASSIFIED_AT).to_pylist()
-        now = datetime.now(timezone.utc)
         infer_s = [0.0] * n
         decode_s: list[float | None] = [None] * n
         calls = [0.0] * n
@@ -107,74 +95,28 @@ class ClassifyActor:
             if len(results) != len(todo):
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")
             for i, r in zip(todo, results):
-                status[i], error[i] = self._row_status(r)
-                for m, answer in enumerate(self._answers(r)):
+                status[i], error[i] = row_status(r, self.names)
+                for m, answer in enumerate(row_answers(r, len(self.bundles))):
                     answers[m][i] = answer
                 width[i], height[i] = r.width, r.height
                 infer_s[i], calls[i] = share, 1.0 / len(todo)
                 decode_s[i] = None if decode is None else decode / len(todo)
-        events: list[str | None] = [None] * n
-        if n:
-            events[0] = self._new_events()
+        events = [self._new_events() if i == 0 else None for i in range(n)]  # on one row of the call
         for i in range(n):
-            model[i], digest[i], engine[i], when[i] = self.identity.name, self.identity.digest, self.engine_name, now
             if status[i] is None:  # no bytes and no error: cannot happen, but never emit a row without status
                 status[i], error[i] = STATUS_ERROR, "fetch_error: no bytes were fetched for this object"
             if status[i] == STATUS_OK:
                 error[i] = None
         out = batch
         for name, values in (
-            (STATUS, status), (ERROR, error), *self._model_columns(answers, batch), (WIDTH, width),
-            (HEIGHT, height), (MODEL, model), (MODEL_DIGEST, digest), (ENGINE, engine),
-            (CLASSIFIED_AT, when), (DECODE_S, decode_s), (INFER_S, infer_s), (CALLS, calls),
-            (ENGINE_EVENTS, events),
+            (STATUS, status), (ERROR, error), *model_columns(self.names, self.bundles, answers, batch), (WIDTH, width),
+            (HEIGHT, height), (MODEL, [self.identity.name] * n), (MODEL_DIGEST, [self.identity.digest] * n),
+            (ENGINE, [self.engine_name] * n), (CLASSIFIED_AT, [datetime.now(timezone.utc)] * n), (DECODE_S, decode_s),
+            (INFER_S, infer_s), (CALLS, calls), (ENGINE_EVENTS, events),
         ):
             idx = out.schema.get_field_index(name)
             out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
-
-    def _answers(self, result: Result) -> list[Result | None]:
-        """Each model's answer in ``result``: the result itself, then ``Result.more``; None for a model without
-        one (an image that failed to decode answers for no model)."""
-        if result.status != STATUS_OK and not result.more:
-            return [result if m == 0 else None for m in range(len(self.bundles))]
-        answers: list[Result | None] = [result, *result.more]
-        if len(answers) != len(self.bundles):
-            raise RuntimeError(f"engine {self.engine_name} answered for {len(answers)} models of {len(self.bundles)}")
-        return answers
-
-    def _row_status(self, result: Result) -> tuple[str, str | None]:
-        """A row's status and error: ok when every model answered; else each failed model's error, by its name
-        (one error for an image that failed to decode)."""
-        if not result.more or not self.names:
-            return result.status, result.error
-        failed = [(name, r.error) for name, r in zip(self.names, [result, *result.more]) if r.status != STATUS_OK]
-        if not failed:
-            return STATUS_OK, None
-        kind = (failed[0][1] or "engine_error").split(":", 1)[0]
-        return STATUS_ERROR, f"{kind}: " + "; ".join(f"model {name}: {e}" for name, e in failed)
-
-    def _model_columns(self, answers: list[list[Result | None]], batch: pa.Table) -> list[tuple[str, list]]:
-        """(column, values) of the models' answers: one unnamed model's top-level columns (and its embedding where
-        the schema has one), or one struct per named model (null where that model has no ok answer)."""
-        def ok(r: Result | None) -> bool:
-            return r is not None and r.status == STATUS_OK
-
-        if not self.names:  # each answer's own lists (an error row's empty ones), the batch's where none
-            rows = answers[0]
-            fields = (CLASS_IDS, LABELS, SCORES, EMBEDDING) if EMBEDDING in batch.schema.names else (CLASS_IDS, LABELS,
-                                                                                              SCORES)
-            columns = []
-            for name in fields:
-                given = batch.column(name).to_pylist()
-                columns.append((name, [getattr(r, name) if r is not None else given[i] for i, r in enumerate(rows)]))
-            return columns
-        columns = []
-        for name, bundle, rows in zip(self.names, self.bundles, answers):
-            columns.append((name, [{CLASS_IDS: r.class_ids, LABELS: r.labels, SCORES: r.scores, MODEL: bundle.name,
-                                    MODEL_DIGEST: bundle.digest, EMBEDDING: r.embedding} if ok(r) else None
-                                   for r in rows]))
-        return columns
 
     def _new_events(self) -> str | None:
         """JSON of the engine's counters (``events``, if it keeps any) not yet carried by a row, or None."""

@@ -1,12 +1,16 @@
 """The output's columns for a run's models: one unnamed model's top-level columns (with its embedding), or one struct
-column per named model of a set, the working columns between stages for either, and a table made to fit them."""
+column per named model of a set, the working columns between stages for either, a row's columns from an engine's
+answers, and a table made to fit a schema."""
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import pyarrow as pa
 
 from pipeline.schema import (
-    CLASS_IDS, EMBEDDING, LABELS, MODEL, MODEL_DIGEST, OUTPUT_SCHEMA, SCORES, WORK_COLUMNS, WORK_SCHEMA,
+    CLASS_IDS, EMBEDDING, LABELS, MODEL, MODEL_DIGEST, OUTPUT_SCHEMA, SCORES, STATUS_ERROR, STATUS_OK, WORK_COLUMNS,
+    WORK_SCHEMA,
 )
 
 # A model's answer in the rows, as the top-level columns of one unnamed model or one struct column per named model.
@@ -68,6 +72,43 @@ def work_schema(output: pa.Schema = OUTPUT_SCHEMA) -> pa.Schema:
     """The columns between stages for an output of schema ``output``: its columns and the working ones."""
     return pa.schema(list(output) + list(WORK_COLUMNS))
 
+
+def row_answers(result: Any, models: int) -> list[Any]:
+    """Each of ``models`` models' answer in an engine's ``result`` (``pipeline.engines.base.Result``): the result
+    itself, then its ``more``; None for a model without one (an image that failed to decode answers for no model)."""
+    if result.status != STATUS_OK and not result.more:
+        return [result] + [None] * (models - 1)
+    answers = [result, *result.more]
+    if len(answers) != models:
+        raise RuntimeError(f"the engine answered for {len(answers)} models of {models}")
+    return answers
+
+
+def row_status(result: Any, names: Sequence[str]) -> tuple[str, str | None]:
+    """A row's status and error for the models ``names`` (empty: one unnamed model): ok when every model answered;
+    else each failed model's error, by its name (one error for an image that failed to decode)."""
+    if not result.more or not names:
+        return result.status, result.error
+    failed = [(name, r.error) for name, r in zip(names, [result, *result.more]) if r.status != STATUS_OK]
+    if not failed:
+        return STATUS_OK, None
+    kind = (failed[0][1] or "engine_error").split(":", 1)[0]
+    return STATUS_ERROR, f"{kind}: " + "; ".join(f"model {name}: {e}" for name, e in failed)
+
+
+def model_columns(names: Sequence[str], bundles: Sequence[Any], answers: Sequence[Sequence[Any]],
+                  batch: pa.Table) -> list[tuple[str, list]]:
+    """(column, values) of the models' answers (``row_answers`` per row, by model): one unnamed model's top-level
+    columns (and its embedding where ``batch`` has one; the batch's own values where a row has no answer), or one
+    struct per named model of ``bundles`` (null where that model has no ok answer)."""
+    if not names:
+        fields = [CLASS_IDS, LABELS, SCORES] + ([EMBEDDING] if EMBEDDING in batch.schema.names else [])
+        return [(name, [getattr(r, name) if r is not None else given for r, given in
+                        zip(answers[0], batch.column(name).to_pylist())]) for name in fields]
+    return [(name, [{CLASS_IDS: r.class_ids, LABELS: r.labels, SCORES: r.scores, MODEL: bundle.name,
+                     MODEL_DIGEST: bundle.digest, EMBEDDING: r.embedding}
+                    if r is not None and r.status == STATUS_OK else None for r in rows])
+            for name, bundle, rows in zip(names, bundles, answers)]
 
 def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:
     """Return ``table`` with exactly ``schema``'s columns, missing ones as nulls, cast to its types."""
