@@ -62,16 +62,27 @@ def test_dali_branches_on_the_gpu_follow_each_models_spec_like_the_reference():
 
     other = PreprocessSpec(resize_shorter=256, interpolation="bilinear", crop=(224, 224), scale=1 / 255,
                            mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), channel_order="BGR")
-    clf = GpuClassifier(torch.nn.Identity(), DEFAULT_SPEC, ClassifierOptions(cuda_graph=False, half=False,
-                        pipeline=False), more=(SetModel(torch.nn.Identity(), other),))
+    options = ClassifierOptions(cuda_graph=False, half=False, pipeline=False)
     datas = photo_set()
-    chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
-    clf._prepare(chunk)
-    assert chunk.ok == list(range(len(datas))) and not chunk.errors and len(chunk.branch_inputs) == 2
-    for spec, inputs in zip((DEFAULT_SPEC, other), chunk.branch_inputs):
+
+    def prepared(spec, more=()):
+        clf = GpuClassifier(torch.nn.Identity(), spec, options, more=more)
+        chunk = Chunk([triage(i, d, clf.limits) for i, d in enumerate(datas)])
+        clf._prepare(chunk)
+        clf.close()
+        assert chunk.ok == list(range(len(datas))) and not chunk.errors
+        return chunk
+
+    chunk = prepared(DEFAULT_SPEC, (SetModel(torch.nn.Identity(), other),))
+    assert len(chunk.branch_inputs) == 2
+    # Each spec's mean bound against the reference is the one its model alone meets: the built-in spec's
+    # (test_gpu_engine_on_gpu.py), and any user spec's (test_user_model_on_gpu.py: bilinear resizes differ more).
+    for spec, inputs, mean_bound in zip((DEFAULT_SPEC, other), chunk.branch_inputs, (0.1, 0.2)):
+        alone = prepared(spec).inputs
         for row, pos in enumerate(chunk.ok):
+            got = inputs[row].float().cpu().numpy()
+            assert np.abs(got - alone[row].float().cpu().numpy()).max() < 1e-5, (spec, pos)  # as the model alone
             ref, _, _ = load_and_preprocess(chunk.items[pos].data, spec)
-            levels = np.abs(inputs[row].float().cpu().numpy() - ref) * np.array(spec.std)[:, None, None] / spec.scale
+            levels = np.abs(got - ref) * np.array(spec.std)[:, None, None] / spec.scale
             # nvJPEG's IDCT rounds a few edge pixels differently from libjpeg (test_gpu_engine_on_gpu.py's bound)
-            assert levels.max() <= 8.0 and levels.mean() < 0.1, (spec, pos)
-    clf.close()
+            assert levels.max() <= 8.0 and levels.mean() < mean_bound, (spec, pos, levels.max(), levels.mean())

@@ -19,6 +19,9 @@ def folder(tmp_path, monkeypatch):
     from support.user_models import TinyNet, model_folder
 
     monkeypatch.setenv("BULK_CLASSIFY_CACHE_DIR", str(tmp_path / "cache"))
+    # A fresh process's compile: dynamo would otherwise reuse, in memory, the same network an earlier test compiled
+    # in this process, and write nothing to this card's folder.
+    torch._dynamo.reset()
     return model_folder(tmp_path / "tiny", TinyNet(scale=20.0))
 
 
