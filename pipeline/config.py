@@ -163,10 +163,6 @@ class RunConfig:
         copy.__dict__.update(decided)
         return copy
 
-    def named_models(self) -> tuple[tuple[str, str], ...]:
-        """The model set as (name, folder) pairs, in the order given; empty for one unnamed model."""
-        return parse_model_args(self.model)[1] if isinstance(self.model, tuple) else ()
-
     def public_dict(self) -> dict[str, Any]:
         """The options as JSON-safe values, with storage secrets left out (for _SUCCESS and reports)."""
         out = dataclasses.asdict(self)

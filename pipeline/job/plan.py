@@ -218,9 +218,9 @@ def _check_models(config: RunConfig, spec: EngineSpec, gpus: tuple[int, str] | N
     capped at the model's classes (a set's: its largest model's), which every engine, record and carry-over then
     uses; the first model, and the model set (None: one unnamed model)."""
     from pipeline.model.folder import top_k_note  # noqa: PLC0415 - Pillow: once the options are good
-    from pipeline.model.model_set import ModelSet, NamedModel  # noqa: PLC0415
+    from pipeline.model.model_set import ModelSet, NamedModel, named_models  # noqa: PLC0415
 
-    named = config.named_models()
+    named = named_models(config.model)
     if len(named) > 1 and not spec.several_models:
         raise ConfigError(f"--engine {spec.name} runs one model a pass; run a model set with --engine onnx, "
                           "openvino, gpu or triton (or the default), or one run per model")

@@ -307,11 +307,12 @@ def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:
     """A model set as the actors load it: (name, folder, the digest the driver checked) each; empty for one model.
     A folder is made absolute, since an actor's working directory is its Ray worker's, not the driver's."""
     from pipeline.model.folder import DEFAULT_REFS  # noqa: PLC0415
+    from pipeline.model.model_set import named_models  # noqa: PLC0415
 
     if plan.models is None:
         return []
     return [(m.name, ref if ref in DEFAULT_REFS else os.path.abspath(ref), m.bundle.digest)
-            for m, (_name, ref) in zip(plan.models.models, plan.config.named_models())]
+            for m, (_name, ref) in zip(plan.models.models, named_models(plan.config.model))]
 
 
 def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carried: Any, *, model_digest: str

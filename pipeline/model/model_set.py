@@ -36,6 +36,12 @@ def split_model_arg(value: str) -> tuple[str | None, str]:
     return name, ref
 
 
+def named_models(model: str | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
+    """A run's ``model`` (``RunConfig.model``: a tuple of ``NAME=DIR`` for a set) as (name, folder) pairs, in the order
+    given; empty for one unnamed model."""
+    return parse_model_args(model)[1] if isinstance(model, tuple) else ()
+
+
 def parse_model_args(values: Sequence[str]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
     """The ``--model`` values as (one unnamed model's ref, or None; the named ones as (name, ref) pairs).
 

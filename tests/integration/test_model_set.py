@@ -16,6 +16,7 @@ import pytest
 from pipeline.config import RunConfig
 from pipeline.errors import ConfigError, ModelError, OutputError
 from pipeline.job import run_job
+from pipeline.model.model_set import named_models
 from pipeline.schema import OUTPUT_SCHEMA
 from support.odd_models import bright_images, model_folder
 
@@ -231,7 +232,7 @@ def test_the_nightlys_file_takes_a_set(tmp_path, sources):
     config_file.write_text(f"model:\n  - taxonomy=default\n  - colour={colour}\ntop_k: 3\n", encoding="utf-8")
     options = collect_options(str(config_file), {})
     config = RunConfig.build({**options, "source": str(PHOTOS), "output": str(tmp_path / "out")}, env={})
-    assert config.named_models() == (("taxonomy", "default"), ("colour", str(colour)))
+    assert named_models(config.model) == (("taxonomy", "default"), ("colour", str(colour)))
 
 
 def test_the_summary_counts_each_models_top_labels_as_its_own_run_does(runs):
