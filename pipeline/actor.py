@@ -96,7 +96,7 @@ class ClassifyActor:
                 raise RuntimeError(f"engine {self.engine_name} returned {len(results)} results for {len(todo)} images")
             for i, r in zip(todo, results):
                 status[i], error[i] = row_status(r, self.names)
-                for m, answer in enumerate(row_answers(r, len(self.bundles))):
+                for m, answer in enumerate(row_answers(r, len(self.bundles), self.engine_name)):
                     answers[m][i] = answer
                 width[i], height[i] = r.width, r.height
                 infer_s[i], calls[i] = share, 1.0 / len(todo)

@@ -73,14 +73,15 @@ def work_schema(output: pa.Schema = OUTPUT_SCHEMA) -> pa.Schema:
     return pa.schema(list(output) + list(WORK_COLUMNS))
 
 
-def row_answers(result: Any, models: int) -> list[Any]:
-    """Each of ``models`` models' answer in an engine's ``result`` (``pipeline.engines.base.Result``): the result
-    itself, then its ``more``; None for a model without one (an image that failed to decode answers for no model)."""
+def row_answers(result: Any, models: int, engine: str) -> list[Any]:
+    """Each of ``models`` models' answer in engine ``engine``'s ``result`` (``pipeline.engines.base.Result``): the
+    result itself, then its ``more``; None for a model without one (an image that failed to decode answers for no
+    model)."""
     if result.status != STATUS_OK and not result.more:
         return [result] + [None] * (models - 1)
     answers = [result, *result.more]
     if len(answers) != models:
-        raise RuntimeError(f"the engine answered for {len(answers)} models of {models}")
+        raise RuntimeError(f"engine {engine} answered for {len(answers)} models of {models}")
     return answers
 
 

@@ -31,9 +31,10 @@ DEFAULT_LIST_TASKS = 8
 # Classify actors where they take no GPU, by default (--num-actors): one per this many CPUs.
 CPUS_PER_CPU_ACTOR = 4
 MAX_TOP_K = 1000  # the classes of the largest ImageNet head
-# Each optional number's bounds (low, high or None), as --help states them.
+# Each bounded number option's (low, high or None), checked where the config is made (``check_range``).
 RANGES = {"retries": (0, None), "num_gpus_per_actor": (0, None), "calls_per_actor": (1, 16), "num_actors": (1, None),
           "decode_threads": (1, None)}
+
 
 def parse_option(item: str, flag: str = "--storage-option", example: str = "anon=true") -> tuple[str, Any]:
     """Parse one ``KEY=VALUE`` of ``flag``; JSON values (true, 3, {...}) are decoded, anything else stays text."""

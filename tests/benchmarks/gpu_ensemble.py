@@ -45,11 +45,11 @@ from pipeline.triton.configs import (  # noqa: E402
     GPU_INSTANCES,
     GpuModelOptions,
     _contract_io,
-    declares_error,
     _place,
     _set_parameters,
     _tensor,
     _text,
+    declares_error,
     model_config,
     prep_parameters,
 )
