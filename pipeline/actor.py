@@ -115,7 +115,9 @@ class ClassifyActor:
             (INFER_S, infer_s), (CALLS, calls), (ENGINE_EVENTS, events),
         ):
             idx = out.schema.get_field_index(name)
-            out = out.set_column(idx, out.schema.field(idx), pa.array(values, out.schema.field(idx).type))
+            kind = out.schema.field(idx).type
+            column = values.cast(kind) if isinstance(values, pa.Array) else pa.array(values, kind)
+            out = out.set_column(idx, out.schema.field(idx), column)
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
 
     def _new_events(self) -> str | None:

@@ -164,7 +164,7 @@ def _with_embeddings(results: list[Result], embedding) -> list[Result]:
     if embedding is not None:
         for result, vector in zip(results, embedding):
             if result.status == STATUS_OK:
-                result.embedding = vector.tolist()
+                result.embedding = vector
     return results
 
 

@@ -102,7 +102,7 @@ def attach_embeddings(results: list[Result], values: np.ndarray, spec: Embedding
         if not np.isfinite(vector).all():
             results[i] = Result.failed(NONFINITE_ERROR, result.width, result.height)
         else:
-            result.embedding = vector.tolist()
+            result.embedding = vector
 
 
 class OnnxEngine:

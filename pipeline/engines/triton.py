@@ -96,5 +96,5 @@ def _results(tops, bundle, sizes, errors) -> list[Result]:
     results = results_from_topk([t[0] for t in tops], [t[1] for t in tops], bundle.labels, sizes, errors)
     for result, (_, _, vector) in zip(results, tops):
         if vector is not None and result.error is None:
-            result.embedding = [float(v) for v in vector]
+            result.embedding = vector
     return results

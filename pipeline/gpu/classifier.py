@@ -394,8 +394,10 @@ class GpuClassifier:
         """What this classifier's start took, step by step (the network's load or conversion included)."""
         compiled = getattr(self.network, "compile_seconds", 0.0)
         steps = ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.start_seconds.items())
+        precision = ", ".join("fp16" if m.half else "fp32" for m in self._models)
         return (steps + (f" (torch.compile {compiled:.1f} s of the warmup)" if compiled else "")
-                + (f"; network {self._load_note}" if self._load_note else ""))
+                + (f"; network {self._load_note}" if self._load_note else "")
+                + (f"; {'networks' if len(self._models) > 1 else 'network'} in {precision}" if precision else ""))
 
     def _took(self, what: str, since: float) -> float:
         now = time.perf_counter()
@@ -724,8 +726,8 @@ def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:
         if card is not None:
             write_gate(card, dataclasses.asdict(gate))
     if not gate.half:
-        LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine-option half=true forces FP16",
-                    gate.describe())
+        LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine gpu --engine-option half=true "
+                    "forces FP16", gate.describe())
     return gate.half
 
 

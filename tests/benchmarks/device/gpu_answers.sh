@@ -12,8 +12,9 @@
 # steady: bench_job on 100,000 files: the built-in model, then the ResNet-50 (cache warm);
 # FP32_MODELS: after parity, these folders again through --engine gpu in FP32 (half=false) against --engine onnx;
 # set: bench_job on IMAGES files (100,000): the built-in model alone, then the built-in model and the timm ResNet-50
-#   with its embedding (IMPORTS=r50emb: `model import ... --embedding`) as a model set in one pass (SET_VARIANTS: more),
-#   with the rows counted and the embeddings' widths and norms read back with pyarrow;
+#   with its embedding (IMPORTS=r50emb: `model import ... --embedding`; SET_R50=r50demb: the same network with
+#   decided answers, so the precision gate runs it in FP16 as a trained one) as a model set in one pass
+#   (SET_VARIANTS: more), with the rows counted and the embeddings' widths and norms read back with pyarrow;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -39,11 +40,22 @@ for name, make in {"convnext_tiny": lambda: timm.create_model("convnext_tiny"),
                    "tv-resnet50": lambda: torchvision.models.resnet50()}.items():
     torch.manual_seed(0)
     torch.save(make().state_dict(), f"{work}/{name}.pth")
+# The timm ResNet-50 again with its classifier's weights x200: random weights decide none of the precision gate's
+# sample (it keeps such a network in FP32, as it must); these decide 14 of 16, as a trained network does, so the gate
+# measures FP16 against FP32 for it as for a user's trained ResNet-50, at the same cost per image.
+torch.manual_seed(0)
+net = timm.create_model("resnet50")
+with torch.no_grad():
+    net.fc.weight.mul_(200)
+    net.fc.bias.zero_()
+torch.save(net.state_dict(), f"{work}/resnet50-decided.pth")
 EOF
   local t0
   for spec in "lite1 timm tf_efficientnet_lite1 $kit/lite1.pth" "convnext_tiny timm convnext_tiny $work/convnext_tiny.pth" \
               "resnet50 timm resnet50 $work/resnet50.pth" "tv-resnet50 torchvision resnet50 $work/tv-resnet50.pth" \
-              "r50emb timm resnet50 $work/resnet50.pth --embedding"; do
+              "r50emb timm resnet50 $work/resnet50.pth --embedding" \
+              "r50d timm resnet50 $work/resnet50-decided.pth" \
+              "r50demb timm resnet50 $work/resnet50-decided.pth --embedding"; do
     set -- $spec
     [[ " ${IMPORTS:-lite1 convnext_tiny resnet50 tv-resnet50} " == *" $1 "* ]] || continue
     rm -rf "$models/$1"; t0=$SECONDS
@@ -106,7 +118,7 @@ for step in ${STEPS:-import parity start steady tests}; do
              --variant r50warm="--model $models/r50user" --variant builtin2= ;;
     steady) job steady --images "${IMAGES:-100000}" --variant builtin= --variant r50="--model $models/r50user" ;;
     set) job set --images "${IMAGES:-100000}" --variant builtin= \
-           --variant pair="--model taxonomy=default --model r50=$models/r50emb" ${SET_VARIANTS:-}
+           --variant pair="--model taxonomy=default --model r50=$models/${SET_R50:-r50emb}" ${SET_VARIANTS:-}
          python3 - "$HOME/job-set" <<'EOF2'
 import sys, pathlib, numpy as np, pyarrow.dataset as ds, pyarrow.compute as pc
 for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
@@ -119,6 +131,13 @@ for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
         line += f"; r50 embedding {e.shape[1]} wide, norms {norms.min():.5f}..{norms.max():.5f}"
         line += f", ok rows without taxonomy {pc.sum(pc.is_null(ok['taxonomy'])).as_py()}"
     print(line)
+outs = {o.name: ds.dataset(str(o), format="parquet").to_table() for o in pathlib.Path(sys.argv[1]).glob("out-*")}
+for alone, pair, column in (("out-builtin", "out-pair", "taxonomy"), ("out-r50alone", "out-pair", "r50")):
+    if alone in outs and pair in outs:  # the pair's model answers as its own run does, row by row
+        mine = dict(zip(outs[alone]["uri"].to_pylist(), (l[0] for l in outs[alone]["labels"].to_pylist())))
+        theirs = zip(outs[pair]["uri"].to_pylist(), outs[pair][column].to_pylist())
+        same = sum(mine[u] == r["labels"][0] for u, r in theirs)
+        print(f"{pair}.{column} top-1 = {alone}'s on {same} of {len(mine)} rows")
 EOF2
          ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
