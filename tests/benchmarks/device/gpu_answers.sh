@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A user's model on the GPU default gives that model's answers, and starts fast from the node's cache
 # (docs/performance.md, "A user's model on the GPU"), after the kit's setup (README.md here):
-#   KIT=DIR STEPS="import parity start steady set tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
+#   KIT=DIR STEPS="import parity start steady set probe tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
 # import: the folders `bulk-classify model import` writes here: timm tf_efficientnet_lite1 (its real weights,
 #   KIT/lite1.pth), convnext_tiny and resnet50, torchvision resnet50 (random weights, seed 0); KIT/models holds the
 #   Hugging Face ViT (imported where transformers is) and the real-weight Lite2 export (export_models.py lite2);
@@ -15,6 +15,8 @@
 #   with its embedding (IMPORTS=r50emb: `model import ... --embedding`; SET_R50=r50demb: the same network with
 #   decided answers, so the precision gate runs it in FP16 as a trained one) as a model set in one pass
 #   (SET_VARIANTS: more), with the rows counted and the embeddings' widths and norms read back with pyarrow;
+# probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
+#   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -140,6 +142,9 @@ for alone, pair, column in (("out-builtin", "out-pair", "taxonomy"), ("out-r50al
         print(f"{pair}.{column} top-1 = {alone}'s on {same} of {len(mine)} rows")
 EOF2
          ;;
+    probe) timeout "${PROBE_S:-200}" python3 tests/benchmarks/device/probe_set.py "$HOME/job-set/images" --images 8192 \
+             --seconds 12 --variant builtin= --variant pair="taxonomy=default,r50=$models/${SET_R50:-r50emb}" \
+             ${PROBE_VARIANTS:-} 2>&1 | grep -v -i warn | tee "$OUT/probe_set.txt" | tail -12 ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
              ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
   esac
