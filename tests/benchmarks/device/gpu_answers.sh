@@ -14,7 +14,9 @@
 # set: bench_job on IMAGES files (100,000): the built-in model alone, then the built-in model and the timm ResNet-50
 #   with its embedding (IMPORTS=r50emb: `model import ... --embedding`; SET_R50=r50demb: the same network with
 #   decided answers, so the precision gate runs it in FP16 as a trained one) as a model set in one pass
-#   (SET_VARIANTS: more), with the rows counted and the embeddings' widths and norms read back with pyarrow;
+#   (SET_PAIRS: the built-in model with each of these folders too; SET_ALONE: these folders alone), with the rows
+#   counted, the embeddings' widths and norms read back with pyarrow, and the pair's top-1 against each model's own
+#   run where there is one;
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
@@ -119,14 +121,16 @@ for step in ${STEPS:-import parity start steady tests}; do
            job start --images 1000 --variant builtin= --variant r50cold="--model $models/r50user" \
              --variant r50warm="--model $models/r50user" --variant builtin2= ;;
     steady) job steady --images "${IMAGES:-100000}" --variant builtin= --variant r50="--model $models/r50user" ;;
-    set) job set --images "${IMAGES:-100000}" --variant builtin= \
-           --variant pair="--model taxonomy=default --model r50=$models/${SET_R50:-r50emb}" ${SET_VARIANTS:-}
-         python3 - "$HOME/job-set" <<'EOF2'
+    set) variants=(--variant builtin= --variant pair="--model taxonomy=default --model r50=$models/${SET_R50:-r50emb}")
+         for m in ${SET_PAIRS:-}; do variants+=(--variant "pair-$m=--model taxonomy=default --model r50=$models/$m"); done
+         for m in ${SET_ALONE:-}; do variants+=(--variant "alone-$m=--model $models/$m"); done
+         job set --images "${IMAGES:-100000}" "${variants[@]}"
+         python3 - "$HOME/job-set" "alone-${SET_R50:-r50emb}" <<'EOF2'
 import sys, pathlib, numpy as np, pyarrow.dataset as ds, pyarrow.compute as pc
 for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
     t = ds.dataset(str(out), format="parquet").to_table()
     line = f"{out.name}: rows {t.num_rows}, distinct uris {len(pc.unique(t['uri']))}, ok {pc.sum(pc.equal(t['status'], 'ok')).as_py()}"
-    if "r50" in t.column_names:
+    if "r50" in t.column_names and t.schema.field("r50").type.get_field_index("embedding") >= 0:
         ok = t.filter(pc.equal(t["status"], "ok"))
         e = np.stack(pc.struct_field(ok["r50"], "embedding").to_numpy(zero_copy_only=False))
         norms = np.linalg.norm(e, axis=1)
@@ -134,11 +138,11 @@ for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
         line += f", ok rows without taxonomy {pc.sum(pc.is_null(ok['taxonomy'])).as_py()}"
     print(line)
 outs = {o.name: ds.dataset(str(o), format="parquet").to_table() for o in pathlib.Path(sys.argv[1]).glob("out-*")}
-for alone, pair, column in (("out-builtin", "out-pair", "taxonomy"), ("out-r50alone", "out-pair", "r50")):
+for alone, pair, column in (("out-builtin", "out-pair", "taxonomy"), (f"out-{sys.argv[2]}", "out-pair", "r50")):
     if alone in outs and pair in outs:  # the pair's model answers as its own run does, row by row
         mine = dict(zip(outs[alone]["uri"].to_pylist(), (l[0] for l in outs[alone]["labels"].to_pylist())))
         theirs = zip(outs[pair]["uri"].to_pylist(), outs[pair][column].to_pylist())
-        same = sum(mine[u] == r["labels"][0] for u, r in theirs)
+        same = sum(r is not None and mine[u] == r["labels"][0] for u, r in theirs)
         print(f"{pair}.{column} top-1 = {alone}'s on {same} of {len(mine)} rows")
 EOF2
          ;;
