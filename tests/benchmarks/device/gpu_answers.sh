@@ -14,7 +14,8 @@
 # set: bench_job on IMAGES files (100,000): the built-in model alone, then the built-in model and the timm ResNet-50
 #   with its embedding (IMPORTS=r50emb: `model import ... --embedding`; SET_R50=r50demb: the same network with
 #   decided answers, so the precision gate runs it in FP16 as a trained one) as a model set in one pass
-#   (SET_PAIRS: the built-in model with each of these folders too; SET_ALONE: these folders alone), with the rows
+#   (SET_PAIRS: the built-in model with each of these folders too; SET_ALONE: these folders alone; SET_EXTRA: the pair
+#   once more with these arguments too, as variant pairx), with the rows
 #   counted, the embeddings' widths and norms read back with pyarrow, and the pair's top-1 against each model's own
 #   run where there is one;
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
@@ -124,6 +125,7 @@ for step in ${STEPS:-import parity start steady tests}; do
     set) variants=(--variant builtin= --variant pair="--model taxonomy=default --model r50=$models/${SET_R50:-r50emb}")
          for m in ${SET_PAIRS:-}; do variants+=(--variant "pair-$m=--model taxonomy=default --model r50=$models/$m"); done
          for m in ${SET_ALONE:-}; do variants+=(--variant "alone-$m=--model $models/$m"); done
+         [[ -n ${SET_EXTRA:-} ]] && variants+=(--variant "pairx=--model taxonomy=default --model r50=$models/${SET_R50:-r50emb} $SET_EXTRA")
          job set --images "${IMAGES:-100000}" "${variants[@]}"
          python3 - "$HOME/job-set" "alone-${SET_R50:-r50emb}" <<'EOF2'
 import sys, pathlib, numpy as np, pyarrow.dataset as ds, pyarrow.compute as pc
