@@ -30,6 +30,8 @@ SPEC = EngineSpec(
         Option("repository", str, "a folder built by 'bulk-classify repo build'"),
         Option("url", str, "a running server's gRPC host:port"),
         positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
+        Option("half", bool, "gpu profile, a repository the engine builds: FP16 networks, true or false (default: FP16 "
+               "where the precision gate passes)"),
         Option("mps", bool, "a private CUDA MPS daemon for the server the engine starts on a GPU: true "
                "or false (default: the profile's)"),
         positive_float("startup_timeout_s", f"seconds to wait for the server (default {STARTUP_TIMEOUT_S:g})"),

@@ -726,8 +726,8 @@ def _gated_half(network, spec: PreprocessSpec, device, card=None) -> bool:
         if card is not None:
             write_gate(card, dataclasses.asdict(gate))
     if not gate.half:
-        LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine gpu --engine-option half=true "
-                    "forces FP16", gate.describe())
+        LOG.warning("the network's %s: it runs in FP32 on the GPU (slower); --engine-option half=true forces FP16",
+                    gate.describe())
     return gate.half
 
 

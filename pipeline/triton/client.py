@@ -108,6 +108,8 @@ class TritonClient:
             (pipeline.triton.repository.cached_repository).
         url: "host:port" of an already running server's gRPC endpoint (then no server is started or restarted).
         instances: model instances when this engine builds the repository.
+        half: the gpu profile's precision when this engine builds the repository: True FP16, False FP32, None the
+            precision gate's verdict per network.
         mps: start a private CUDA MPS daemon for the server this engine starts (pipeline.triton.mps).
         startup_timeout_s: how long to wait for the server to be ready.
         request_batch: images per request at most.
@@ -133,6 +135,7 @@ class TritonClient:
         repository: str | None = None,
         url: str | None = None,
         instances: int | None = None,
+        half: bool | None = None,
         mps: bool | None = None,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         request_batch: int | None = None,
@@ -176,7 +179,7 @@ class TritonClient:
                 self.servers.wait_external(startup_timeout_s, url)
             else:
                 self.servers.start_own(bundle, repository, instances, top_k, [*serving.server_args(), *server_args],
-                                       more=self.more)
+                                       more=self.more, half=half)
             self._read_model()
         except BaseException:
             self.close()

@@ -49,7 +49,11 @@ def check_model(bundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> No
     """The triton engine's ``EngineSpec.model_check``, in the driver: where its actors will serve the gpu profile
     from a repository built for the model, the gpu paths must be able to run it (``gpus``: the cluster's count, and
     where it was taken)."""
-    if options.get("url") or options.get("repository") is not None:
+    served = "url" if options.get("url") else "repository" if options.get("repository") is not None else None
+    if options.get("half") is not None and served:
+        raise ConfigError(f"--engine-option half sets the precision of a repository the engine builds, and {served}= "
+                          "serves one built already, whose precision holds; leave half out")
+    if served:
         return  # a server or repository of the user's: its model is checked where it was built
     profile = options.get("profile", AUTO)
     gpus, where = gpus
@@ -58,6 +62,9 @@ def check_model(bundle, options: Mapping[str, Any], gpus: tuple[int, str]) -> No
     elif profile == GPU and gpus <= 0:  # on a cluster too, where the preflight is skipped
         raise ConfigError(f"--engine-option profile={GPU} serves DALI and the network on a GPU and {where} has none; "
                           f"use --engine onnx, or --engine-option profile={PORTABLE}")
+    if options.get("half") is not None and profile != GPU:
+        raise ConfigError(f"--engine-option half is the gpu profile's, and this run serves the {profile} profile "
+                          f"(ONNX Runtime in FP32); leave half out")
     if profile == GPU:
         from pipeline.gpu.networks import check_runnable  # noqa: PLC0415 - cheap: torch loads inside
         from pipeline.model.folder import PRECISION_INT8  # noqa: PLC0415

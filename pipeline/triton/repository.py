@@ -196,7 +196,8 @@ def add_topk_head(onnx_path: Path, out_path: Path, *, k: int, output_name: str |
 def build_repository(profile: str, model: str | None, output: str, *, top_k: int = DEFAULT_TOP_K,
                      instances: int | None = None, max_batch_size: int | None = None,
                      artifacts: bool = True, error_output: bool | None = None,
-                     max_backlog: float | None = None, more: Sequence[str | None] = ()) -> Path:
+                     max_backlog: float | None = None, more: Sequence[str | None] = (),
+                     half: bool | None = None) -> Path:
     """Writes a complete repository of ``profile`` (a name in ``REPOSITORY_PROFILES``) for ``model`` (a model folder, or None
     for the default).
 
@@ -206,7 +207,7 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
     ``classifier`` ensemble. ``artifacts=False`` writes only configs and sources (what is committed).
     gpu: ``build_gpu_repository``.
     ``error_output``: portable only, declare the BYTES ERROR output (default: when numpy < 2 here).
-    ``max_backlog``: gpu only.
+    ``max_backlog``: gpu only. ``half``: gpu only, the networks' precision (None: the precision gate's per network).
     ``more``: a model set's other model folders (None: the default model), served with ``model`` as one model
     (``pipeline.triton.contract``); each gets top-k up to its classes.
 
@@ -219,19 +220,23 @@ def build_repository(profile: str, model: str | None, output: str, *, top_k: int
         raise ConfigError(f"unknown profile {profile!r}; use one of {', '.join(REPOSITORY_PROFILES)}")
     if max_backlog is not None and not REPOSITORY_PROFILES[profile].takes_backlog:
         raise ConfigError("max_backlog is the gpu profile's; use --profile gpu, or leave --max-backlog out")
+    if half is not None and profile != GPU:
+        raise ConfigError(f"half is the gpu profile's (the {profile} profile's precision is its own); use "
+                          f"--engine-option profile={GPU}, or leave half out")
     if more and not REPOSITORY_PROFILES[profile].takes_set:
         raise ConfigError(f"the {profile} profile serves one model, not a model set; use --engine-option "
                           f"profile={PORTABLE} or {GPU} for a set, or one --model")
     out = REPOSITORY_PROFILES[profile].build(
         model, Path(output).expanduser(), top_k=top_k, instances=instances or None,
         max_batch_size=max_batch_size or None, artifacts=artifacts, error_output=error_output, max_backlog=max_backlog,
-        **({"more": tuple(more)} if more else {}))
+        half=half, **({"more": tuple(more)} if more else {}))
     LOG.info("built %s repository in %s", profile, out)
     return out
 
 
-def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlog, more=(), **_) -> Path:
-    given = {"instances": instances, "max_batch_size": max_batch_size, "max_backlog": max_backlog}
+def _build_gpu(model, out: Path, *, top_k, instances, max_batch_size, max_backlog, half=None, more=(), **_) -> Path:
+    given = {"instances": instances, "max_batch_size": max_batch_size, "max_backlog": max_backlog,
+             "half": None if half is None else str(bool(half)).lower()}
     return build_gpu_repository(model, out, top_k=top_k, more=more,
                                 **{k: v for k, v in given.items() if v is not None})
 

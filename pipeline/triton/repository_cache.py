@@ -22,13 +22,13 @@ REPOSITORY_CACHE = "repositories"
 
 
 def cached_repository(profile, bundle, *, top_k: int, instances: int | None = None,
-                      cache_dir: Path | None = None, more: Sequence = ()) -> Path:
+                      cache_dir: Path | None = None, more: Sequence = (), half: bool | None = None) -> Path:
     """The repository of ``profile`` (a ``pipeline.triton.profiles.ServingProfile``) for ``bundle``, built once
     into the model cache and reused by every engine and run that asks for the same one.
 
     The key covers the profile, the model's digest (its files, labels and spec: ``ModelBundle.digest``), a model
-    set's other models (``more``: their names and digests, in order), top-k, the instance count and this package's
-    generating code, so a changed model, spec or release builds afresh. Concurrent builders wait on a file lock; the
+    set's other models (``more``: their names and digests, in order), top-k, the instance count, a forced precision
+    (``half``, gpu profile) and this package's generating code, so a changed model, spec or release builds afresh. Concurrent builders wait on a file lock; the
     folder appears by an atomic rename, so a server never sees half a repository.
     """
     from filelock import FileLock  # noqa: PLC0415
@@ -41,6 +41,8 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
     key = [profile.name, bundle.digest, top_k, instances, profile.max_backlog, hashlib.sha256(code).hexdigest()]
     if more:  # a single model's key has no set part
         key.append([[b.name, b.digest] for b in more])
+    if half is not None:  # the gate's verdict (None) keeps the key it always had
+        key.append({"half": half})
     key = json.dumps(key)
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / REPOSITORY_CACHE
     folder = root / f"{profile.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -53,7 +55,7 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
         try:
             build_repository(profile.name, _folder(bundle), str(tmp), top_k=top_k, instances=instances,
-                             max_backlog=profile.max_backlog, more=[_folder(b) for b in more])
+                             max_backlog=profile.max_backlog, more=[_folder(b) for b in more], half=half)
             os.replace(tmp, folder)
         finally:
             if tmp.exists():

@@ -65,9 +65,9 @@ class ServerSupervisor:
     # ---- start -------------------------------------------------------------------------------------------------
 
     def start_own(self, bundle, repository: str | None, instances: int | None, top_k: int,
-                  server_args: Sequence[str], more: Sequence = ()) -> None:
+                  server_args: Sequence[str], more: Sequence = (), half: bool | None = None) -> None:
         """Start (or, shared, join) a server of ``repository``, default the profile's built for ``bundle`` (and a
-        model set's other models, ``more``)."""
+        model set's other models, ``more``; ``half``: its networks' precision, None the gate's)."""
         from pipeline.triton.checks import preflight  # noqa: PLC0415
         from pipeline.triton.repository_cache import cached_repository  # noqa: PLC0415
         from pipeline.triton.server import TritonServer  # noqa: PLC0415
@@ -77,7 +77,8 @@ class ServerSupervisor:
             # one repository serves every top-k up to the default, but never more classes than the model (a set's
             # largest) has
             served_k = min(max(top_k, DEFAULT_TOP_K), max(b.num_classes for b in (bundle, *more)))
-            repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances, more=more))
+            repository = str(cached_repository(self.profile, bundle, top_k=served_k, instances=instances, more=more,
+                                               half=half))
         preflight(repository)
 
         def start():

@@ -181,3 +181,14 @@ def test_the_engine_builds_each_profile_once_into_the_cache(tmp_path):
     text = (served / tn.MODEL_NAME / "config.pbtxt").read_text()
     assert f"count: {gpu.instances}" in text and f'string_value: "{gpu.max_backlog:g}"' in text
     assert not (served / tn.MODEL_NAME / "1" / "model.torchscript").exists()  # the default network, from its weights
+    assert 'key: "half"' not in text  # the precision gate's verdict per network
+    forced = cached_repository(gpu, bundle, top_k=5, cache_dir=tmp_path, half=True)  # --engine-option half=true
+    assert forced != served and 'key: "half"\n  value {\n    string_value: "true"' in (
+        forced / tn.MODEL_NAME / "config.pbtxt").read_text()
+    with pytest.raises(ConfigError, match="half is the gpu profile's"):
+        cached_repository(portable, bundle, top_k=5, cache_dir=tmp_path, half=False)
+    from pipeline.triton.client_checks import check_model
+
+    for served in ({"url": "127.0.0.1:8001"}, {"repository": str(served)}):  # built already: its precision holds
+        with pytest.raises(ConfigError, match="half sets the precision of a repository the engine builds"):
+            check_model(bundle, {**served, "half": True}, (1, "this machine"))

@@ -46,6 +46,8 @@ OTHERS = [
     (["--engine", "gpu", "--engine-option", "cuda_sync=turbo"], "cuda_sync='turbo' (engine 'gpu') is not one of auto"),
     (["--engine", "triton", "--engine-option", "concurrency=two"], "concurrency='two' (engine 'triton') is not an "
                                                                    "integer"),
+    (["--engine", "triton", "--engine-option", "half=true"], "--engine-option half is the gpu profile's, and this "
+                                                             "run serves the portable profile"),
     (["--top-k", "0"], "--top-k must be a positive integer, got 0"),
     (["--num-gpus-per-actor", "-1"], "--num-gpus-per-actor must be 0 or more"),
     (["--decode-threads", "0"], "--decode-threads must be at least 1"),
