@@ -129,7 +129,7 @@ def model_columns(names: Sequence[str], bundles: Sequence[Any], answers: Sequenc
 
 def embedding_column(vectors: Sequence[Any], dim: int) -> pa.FixedSizeListArray:
     """An embedding column of ``vectors`` (each ``dim`` float32 values as a numpy or Arrow array, or None for a null
-    row), built from one numpy block: row by row, Arrow takes ~0.5 ms a row of 2,048 Python floats."""
+    row), built from one numpy block rather than row by row (docs/performance.md, "A model set's columns")."""
     import numpy as np  # noqa: PLC0415 - the driver imports this module for its schemas alone
 
     block = np.zeros((len(vectors), dim), np.float32)

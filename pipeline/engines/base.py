@@ -42,7 +42,7 @@ class Result:
     width: int | None = None
     height: int | None = None
     # The model's embedding, a float32 numpy vector (L2-normalised where its spec says), where its folder declares
-    # one: it stays an array to the output column, since a list of Python floats costs ~0.5 ms a row at 2,048 wide.
+    # one: it stays an array to the output column, far cheaper than Python floats (docs/performance.md).
     embedding: Any = None
     # A model set's other models' answers, in the set's order after this one's; each has its own status, error,
     # top-k and embedding (width and height are this Result's). Empty for one model, and for an image that failed to
