@@ -116,7 +116,10 @@ class ClassifyActor:
         ):
             idx = out.schema.get_field_index(name)
             kind = out.schema.field(idx).type
-            column = values.cast(kind) if isinstance(values, pa.Array) else pa.array(values, kind)
+            if not isinstance(values, pa.Array):
+                column = pa.array(values, kind)
+            else:  # model_columns' struct and embedding columns, built as arrays already
+                column = values if values.type == kind else values.cast(kind)
             out = out.set_column(idx, out.schema.field(idx), column)
         return out.set_column(out.schema.get_field_index(DATA), DATA, pa.nulls(n, pa.binary()))
 

@@ -116,10 +116,10 @@ def model_columns(names: Sequence[str], bundles: Sequence[Any], answers: Sequenc
     for name, bundle, rows in zip(names, bundles, answers):
         kept = [r if r is not None and r.status == STATUS_OK else None for r in rows]
         struct = model_struct(bundle.spec.embedding.dim if bundle.spec.embedding else None)
-        values = {CLASS_IDS: lambda r: r.class_ids, LABELS: lambda r: r.labels, SCORES: lambda r: r.scores,
-                  MODEL: lambda r: bundle.name, MODEL_DIGEST: lambda r: bundle.digest}
-        children = [pa.array([values[f.name](r) if r else None for r in kept], f.type) for f in struct
-                    if f.name != EMBEDDING]
+        children = [pa.array([getattr(r, f) if r else None for r in kept], struct.field(f).type)
+                    for f in (CLASS_IDS, LABELS, SCORES)]
+        children += [pa.array([value if r else None for r in kept], struct.field(f).type)
+                     for f, value in ((MODEL, bundle.name), (MODEL_DIGEST, bundle.digest))]
         if bundle.spec.embedding:
             children.append(embedding_column([r.embedding if r else None for r in kept], bundle.spec.embedding.dim))
         columns.append((name, pa.StructArray.from_arrays(children, fields=list(struct),

@@ -28,8 +28,9 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
 
     The key covers the profile, the model's digest (its files, labels and spec: ``ModelBundle.digest``), a model
     set's other models (``more``: their names and digests, in order), top-k, the instance count, a forced precision
-    (``half``, gpu profile) and this package's generating code, so a changed model, spec or release builds afresh. Concurrent builders wait on a file lock; the
-    folder appears by an atomic rename, so a server never sees half a repository.
+    (``half``, gpu profile) and this package's generating code, so a changed model, spec or release builds afresh.
+    Concurrent builders wait on a file lock; the folder appears by an atomic rename, so a server never sees half a
+    repository.
     """
     from filelock import FileLock  # noqa: PLC0415
 
