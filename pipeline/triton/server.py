@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -93,6 +94,7 @@ STARTUP_TIMEOUT_S = 120.0  # how long start() waits for the server to be ready, 
 # How long a live server may go without answering its health checks before it counts as hung and is restarted
 # (ensure_running): minutes, so a slow server is waited for, never replaced.
 HUNG_AFTER_S = 300.0
+SHM_WATCH_S = 1  # how often the detached watcher of a server's shared memory looks whether the server is gone
 
 
 def sweep_stale_shared_memory() -> list[str]:
@@ -110,6 +112,20 @@ def sweep_stale_shared_memory() -> list[str]:
     if removed:
         LOG.info("removed %d shared-memory file(s) of dead processes: %s", len(removed), ", ".join(removed[:5]))
     return removed
+
+
+def _remove_shared_memory_when_gone(pid: int, prefix: str) -> None:
+    """Starts a detached shell that removes the server's /dev/shm files once the server process is gone, however it
+    ends: Ray may SIGKILL an actor in the middle of its exit, before its own cleanup runs, and kills only a worker's
+    children, not this shell (reparented to init)."""
+    pattern = f"{shlex.quote(str(SHM_DIR))}/{prefix}*"
+    # Gone or a zombie (its state, the third field of /proc/PID/stat, is Z): a zombie's parent may never reap it.
+    stat = f"/proc/{pid}/stat"
+    script = (f'while read -r _ _ state _ < {stat} && [ "$state" != Z ]; do sleep {SHM_WATCH_S}; done 2>/dev/null; '
+              f"rm -f {pattern}")
+    subprocess.Popen(  # noqa: S603 - our own command line; the outer shell exits at once
+        ["sh", "-c", f"({script}) </dev/null >/dev/null 2>&1 &"], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True).wait()
 
 
 def _free_ports(n: int) -> list[int]:
@@ -325,6 +341,7 @@ class TritonServer:
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PR_SET_PDEATHSIG
             start_new_session=True,  # its own process group, so stop() also reaps the backend stubs
         ).result()
+        _remove_shared_memory_when_gone(self._proc.pid, self.shm_prefix)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

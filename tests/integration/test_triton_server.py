@@ -168,6 +168,22 @@ def test_server_dies_with_its_parent(echo_repo, tmp_path):
     assert not list(SHM_DIR.glob(f"bulkcls_{parent.pid}_*"))
 
 
+def test_shared_memory_goes_with_a_server_killed_with_its_stubs_while_its_owner_cleans_nothing(echo_repo):
+    """A server and its stubs SIGKILLed at once clean nothing, and an owner killed in the middle of its exit (Ray's
+    kill of a slow worker) runs no stop(): the server's detached watcher removes its shared memory."""
+    server = TritonServer(echo_repo).start()
+    try:
+        prefix = server.shm_prefix
+        assert list(SHM_DIR.glob(prefix + "*")), "the echo model's server made no shared memory"
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its stubs; left a zombie: nothing here reaps it
+        deadline = time.monotonic() + 15
+        while list(SHM_DIR.glob(prefix + "*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not list(SHM_DIR.glob(prefix + "*")), "shared memory outlived its server"
+    finally:
+        server.stop()
+
+
 def test_sweep_removes_only_regions_of_dead_processes():
     dead = subprocess.Popen(["true"])
     dead.wait()
