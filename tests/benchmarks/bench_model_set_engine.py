@@ -6,8 +6,8 @@ Usage:
 Images: JPEGs of --size cut from the committed photos (bench_vs_naive.make_images), read into memory. Models: the
 built-in EfficientNet-Lite0 (``default``) and a user's model whose network costs nearly nothing (``small``,
 tests/support/odd_models.py), as bench_model_set.py pairs them. Each engine classifies all images in 64-image calls
-(one warm-up call first), timed as wall and CPU (this process) milliseconds per image. Printed per case: each model
-alone, the pair as a model set (one decode per image), the sum of the two alone, and what one pass adds over the
+(one warm-up call first), timed as wall and CPU (this process) milliseconds per image. First printed: the decode alone
+(Pillow, one thread), the part one pass shares. Then per case: each model alone, the pair as a model set (one decode per image), the sum of the two alone, and what one pass adds over the
 first model alone: the second model's own preprocessing and network, which no pass can share. The ratio
 alone-sum / pair is the most a job's one pass can gain over two runs from the engine's side; a job's own per-run
 costs (Ray's start, listing, fetch, write) add to both runs. Each model's top-1 in the pair is checked against its own
@@ -30,6 +30,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]  # the reposi
 from bench_vs_naive import make_images  # noqa: E402
 
 from pipeline.engines.onnx import OnnxEngine  # noqa: E402
+from pipeline.model.imaging import decode_image  # noqa: E402
 from pipeline.model.folder import load_model  # noqa: E402
 
 CALL = 64  # images per classify call, as a job's actor makes them
@@ -73,6 +74,12 @@ def main() -> None:
         print(f"{len(blobs)} images of {args.size}, {os.cpu_count()} CPUs; the onnx engine in {CALL}-image calls; "
               "ms per image")
         print(f"{'case':<16} {'engine':<26} {'wall ms':>8} {'CPU ms':>8}")
+        wall, cpu = time.perf_counter(), _cpu()
+        for blob in blobs:
+            decode_image(blob)
+        n = len(blobs)
+        print(f"{'-':<16} {'decode only, 1 thread':<26} {(time.perf_counter() - wall) / n * 1e3:>8.2f} "
+              f"{(_cpu() - cpu) / n * 1e3:>8.2f}")
         for first, second in CASES:
             wall, cpu, results = measure(bundles[first], (bundles[second],), blobs)
             for j, name in enumerate((first, second)):
