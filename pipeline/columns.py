@@ -17,10 +17,20 @@ from pipeline.schema import (
 MODEL_FIELDS = (CLASS_IDS, LABELS, SCORES, MODEL, MODEL_DIGEST)
 
 
+EMBEDDING_TYPE = pa.list_(pa.float32())
+
+
 def embedding_type(dim: int) -> pa.DataType:
-    """An embedding column's type: float32, the type vector stores (Lance, DuckDB's FLOAT[n], pgvector) and Iceberg
-    take without conversion (neither Iceberg nor pgvector has float16)."""
-    return pa.list_(pa.float32(), dim)
+    """An embedding column's type: a list of ``dim`` float32 values, null where there is no embedding.
+
+    float32: what vector stores (Lance, DuckDB's FLOAT[n], pgvector) and Iceberg take (neither Iceberg nor pgvector
+    has float16). A plain list, not ``fixed_size_list``: Parquet stores either as a list, and Arrow's Parquet writer
+    refuses a fixed-size list with a null row between others while its reader refuses one with a null row anywhere
+    (apache/arrow#35697), and an error row's embedding is null. Every non-null row holds exactly ``dim`` values
+    (``embedding_column``).
+    """
+    del dim  # the width is each model's spec's; the type is the same for every width
+    return EMBEDDING_TYPE
 
 
 def model_struct(embedding_dim: int | None = None) -> pa.StructType:
@@ -110,7 +120,7 @@ def model_columns(names: Sequence[str], bundles: Sequence[Any], answers: Sequenc
             given = batch.column(EMBEDDING)
             columns.append((EMBEDDING, embedding_column(
                 [r.embedding if r is not None else given[i].values for i, r in enumerate(answers[0])],
-                given.type.list_size)))
+                bundles[0].spec.embedding.dim)))
         return columns
     columns = []
     for name, bundle, rows in zip(names, bundles, answers):
@@ -127,17 +137,24 @@ def model_columns(names: Sequence[str], bundles: Sequence[Any], answers: Sequenc
     return columns
 
 
-def embedding_column(vectors: Sequence[Any], dim: int) -> pa.FixedSizeListArray:
+def embedding_column(vectors: Sequence[Any], dim: int) -> pa.ListArray:
     """An embedding column of ``vectors`` (each ``dim`` float32 values as a numpy or Arrow array, or None for a null
-    row), built from one numpy block rather than row by row (docs/performance.md, "A model set's columns")."""
+    row, which holds no values), built from one numpy block rather than row by row (docs/performance.md, "A model
+    set's columns"). A vector of another width is a RuntimeError: it would shift every row after it."""
     import numpy as np  # noqa: PLC0415 - the driver imports this module for its schemas alone
 
-    block = np.zeros((len(vectors), dim), np.float32)
-    for i, vector in enumerate(vectors):
-        if vector is not None:
-            block[i] = np.asarray(vector, np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), type=embedding_type(dim),
-                                             mask=pa.array([v is None for v in vectors]))
+    kept = [i for i, v in enumerate(vectors) if v is not None]
+    block = np.empty((len(kept), dim), np.float32)
+    for row, i in enumerate(kept):
+        vector = np.asarray(vectors[i], np.float32)
+        if vector.shape != (dim,):
+            raise RuntimeError(f"an embedding of shape {vector.shape} where the model declares {dim} values")
+        block[row] = vector
+    lengths = np.zeros(len(vectors), np.int32)
+    lengths[kept] = dim
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(block.reshape(-1)), type=EMBEDDING_TYPE,
+                                    mask=pa.array([v is None for v in vectors]))
 
 
 def conform(table: pa.Table, schema: pa.Schema = WORK_SCHEMA) -> pa.Table:

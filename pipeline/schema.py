@@ -31,7 +31,7 @@ ETAG = "etag"
 MTIME = "mtime"
 CLASSIFIED_AT = "classified_at"
 CARRIED = "carried"
-EMBEDDING = "embedding"  # a model's embedding, where its spec declares one (fixed_size_list<float32>[dim])
+EMBEDDING = "embedding"  # a model's embedding, where its spec declares one (list<float32>, dim values a row)
 
 # What users read: one row per listed input object.
 OUTPUT_SCHEMA = pa.schema(

@@ -8,8 +8,7 @@ its own: no shard is lost or added twice, and a rerun of a completed run adds no
 reads snapshot ``ID`` (``@parent``: the one before the current snapshot), for ``report`` and the drift gate.
 
 The table has the run's schema (``RunPlan.schema``: one model's columns, or a struct column per model of a set).
-Iceberg has no fixed-size list, so an ``embedding`` column (``fixed_size_list<float32>[dim]`` in the shards) is a
-``list<float>`` in the table and reads back as one.
+An ``embedding`` column is a ``list<float>`` in the shards (``pipeline.columns.embedding_type``) and in the table.
 """
 
 from __future__ import annotations

@@ -233,14 +233,14 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
     from pipeline.job.listing import ListingDatasource
 
     config = plan.config
-    listing = ListingDatasource(config.source, config.storage_options, config.extensions, groups, done=done,
+    listing = ListingDatasource(worker_url(config.source), config.storage_options, config.extensions, groups, done=done,
                                 previous=previous, counter=counter, excluded=excluded,
                                 schema=work_schema(plan.schema))
     ds = ray.data.read_datasource(listing, override_num_blocks=len(groups),
                                   num_cpus=listing_task_cpus(shares.cpus, len(groups)))
     ds = ds.map_batches(
         fetch_batch,
-        fn_kwargs={"source": config.source, "storage_options": config.storage_options,
+        fn_kwargs={"source": worker_url(config.source), "storage_options": config.storage_options,
                    "threads": config.fetch_threads, "max_bytes": config.max_bytes, "retries": config.retries},
         batch_size=FETCH_BATCH,
         batch_format="pyarrow",
@@ -250,7 +250,7 @@ def classify_dataset(plan: RunPlan, shares: Shares, groups: list[list], done: An
     )
     ds = ds.map_batches(
         ClassifyActor,
-        fn_constructor_kwargs={"model": None if plan.models else config.model, "models": actor_models(plan),
+        fn_constructor_kwargs={"model": None if plan.models else actor_ref(config.model), "models": actor_models(plan),
                                "engine": plan.spec, "top_k": config.top_k,
                                "max_bytes": config.max_bytes, "max_pixels": config.max_pixels,
                                "model_digest": model_digest, "engine_options": dict(shares.engine_options)},
@@ -303,15 +303,31 @@ def classify_actor_options(spec: EngineSpec, *, on_gpu: bool, local: bool) -> di
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:
-    """A model set as the actors load it: (name, folder, the digest the driver checked) each; empty for one model.
-    A folder is made absolute, since an actor's working directory is its Ray worker's, not the driver's."""
+def worker_url(url: str | None) -> str | None:
+    """A source, output or previous run as Ray's workers open it: a local path made absolute (``~`` expanded), since a
+    worker's working directory is its own, not the driver's (a relative DEST would take carried or written rows
+    elsewhere); a URL with a scheme as it is."""
+    if not url or "://" in url or url.lower().startswith("file:"):
+        return url
+    return os.path.abspath(os.path.expanduser(url))
+
+
+def actor_ref(ref: str | None) -> str | None:
+    """A model as the actors load it: a folder made absolute (``~`` expanded), since an actor's working directory is
+    its Ray worker's, not the driver's; the built-in model's names as they are."""
     from pipeline.model.folder import DEFAULT_REFS  # noqa: PLC0415
+
+    return ref if ref in DEFAULT_REFS else os.path.abspath(os.path.expanduser(ref))
+
+
+def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:
+    """A model set as the actors load it: (name, folder as ``actor_ref`` gives it, the digest the driver checked)
+    each; empty for one model."""
     from pipeline.model.model_set import named_models  # noqa: PLC0415
 
     if plan.models is None:
         return []
-    return [(m.name, ref if ref in DEFAULT_REFS else os.path.abspath(ref), m.bundle.digest)
+    return [(m.name, actor_ref(ref), m.bundle.digest)
             for m, (_name, ref) in zip(plan.models.models, named_models(plan.config.model))]
 
 
@@ -335,8 +351,9 @@ def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carrie
     chains: list[Any] = [None] * max(1, min(shares.cpus, len(batches)))
     refs = []
     for i, paths in enumerate(batches):
-        ref = task.remote(chains[i % len(chains)], paths, carried, previous=config.previous,
-                          storage_options=config.storage_options, output=config.output, shard_size=config.shard_size,
+        ref = task.remote(chains[i % len(chains)], paths, carried, previous=worker_url(config.previous),
+                          storage_options=config.storage_options, output=worker_url(config.output),
+                          shard_size=config.shard_size,
                           model_digest=model_digest)
         chains[i % len(chains)] = ref
         refs.append(ref)
@@ -353,7 +370,7 @@ def _write(ds: Any, plan: RunPlan, shares: Shares) -> Any:
         return ds
     return ds.map_batches(
         ShardWriter,
-        fn_constructor_kwargs={"output": plan.config.output, "storage_options": plan.config.storage_options,
+        fn_constructor_kwargs={"output": worker_url(plan.config.output), "storage_options": plan.config.storage_options,
                                "footer": quality_footer},
         batch_size=plan.config.shard_size,
         batch_format="pyarrow",

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import PHOTOS
+from pipeline.schema import EMBEDDING as EMBEDDING_COLUMN
 from support.embedding_models import DIM, EMBEDDING, embedding_folder
 from support.odd_models import model_folder
 from support.paths import REPO
@@ -85,7 +86,7 @@ def in_workdir(tmp_path):
 
 
 def test_the_section_shows_the_commands_and_queries_this_test_runs():
-    assert len(blocks("bash")) == 3 and len(blocks("sql")) == 5 and len(blocks("python")) == 1
+    assert len(blocks("bash")) == 4 and len(blocks("sql")) == 6 and len(blocks("python")) == 1
 
 
 def test_a_model_set_in_parquet_answers_the_documented_duckdb_queries(in_workdir, ray_local, onnx_engine):
@@ -213,7 +214,7 @@ def test_an_embedding_column_ranks_neighbours_in_duckdb_as_numpy_and_equals_onnx
     [raw] = session.run([EMBEDDING], {bundle.input_name: batch})
     np.testing.assert_allclose(stored, raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=TOLERANCE, rtol=0)
 
-    [sql] = blocks("sql")[4:]
+    sql = blocks("sql")[4]
     assert f"FLOAT[{DIM}]" in sql
     found = duckdb_rows(sql)
 
@@ -231,3 +232,35 @@ def test_an_embedding_column_ranks_neighbours_in_duckdb_as_numpy_and_equals_onnx
             assert neighbour == uris[nearest[i]]
         else:  # a near tie: DuckDB's pick is one of the best within float32 rounding
             assert similarity[i, index[neighbour]] >= ranked[i, -1] - TOLERANCE
+
+
+def test_a_model_run_alone_into_its_own_output_joins_the_set_on_uri_as_documented(in_workdir, ray_local):
+    run_cli(blocks("bash")[0])
+    run_cli(blocks("bash")[3])
+
+    labels, colour = parquet_rows(in_workdir / "labels"), parquet_rows(in_workdir / "labels-colour")
+    assert set(labels) == set(colour) and len(colour) == 11
+    schema = pads.dataset(str(in_workdir / "labels-colour"), format="parquet").schema
+    assert [n for n in schema.names if pa.types.is_struct(schema.field(n).type)] == ["colour"]
+    assert {r["model"] for r in colour.values()} == {"colour"}
+    ok = sorted(u for u in labels if labels[u]["status"] == "ok" and colour[u]["status"] == "ok")
+    assert len(ok) == 10
+    assert duckdb_rows(blocks("sql")[5]) == [
+        (u, labels[u]["taxonomy"]["labels"][0], colour[u]["colour"]["labels"][0]) for u in ok]
+    # the broken photo's row sits among ok rows: an error row's embedding (null) between others writes and reads back
+    assert [u for u in colour if colour[u]["status"] == "error"] == [u for u in colour if u.endswith("/broken.jpg")]
+    assert all(colour[u]["colour"] is None for u in colour if u not in ok)
+    assert all(len(colour[u]["colour"][EMBEDDING_COLUMN]) == DIM for u in ok)
+
+
+def test_one_models_embedding_with_an_error_row_writes_reads_back_and_carries_over(in_workdir, ray_local):
+    run_cli("bulk-classify run photos/ --output one/ --model models/colour")
+    run_cli("bulk-classify run photos/ --output two/ --model models/colour --previous one/")
+
+    one, two = parquet_rows(in_workdir / "one"), parquet_rows(in_workdir / "two")
+    assert set(one) == set(two) and len(one) == 11
+    [broken] = [u for u in one if one[u]["status"] == "error"]
+    assert broken.endswith("/broken.jpg") and one[broken][EMBEDDING_COLUMN] is None and two[broken][EMBEDDING_COLUMN] is None
+    ok = [u for u in one if u != broken]
+    assert all(len(one[u][EMBEDDING_COLUMN]) == DIM for u in ok)
+    assert all(two[u]["carried"] and two[u][EMBEDDING_COLUMN] == one[u][EMBEDDING_COLUMN] for u in ok)

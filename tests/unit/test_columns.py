@@ -63,3 +63,27 @@ def test_one_models_embedding_keeps_a_rows_own_value_where_the_engine_did_not_an
     assert got[EMBEDDING].type == embedding_type(DIM)
     assert got[EMBEDDING].to_pylist() == [answered.embedding.tolist(), carried, None]
     assert got["class_ids"] == [[2, 1], None, []]
+
+
+def test_embeddings_with_null_rows_between_others_round_trip_through_parquet(tmp_path):
+    """Arrow's Parquet writer refuses a fixed-size list with a null row between others and its reader one with a null
+    row anywhere (apache/arrow#35697): an error row among ok rows must still write and read back, alone and in a
+    model's struct."""
+    import pyarrow.parquet as pq
+
+    vectors = [np.full(DIM, i, np.float32) if i % 3 else None for i in range(7)]  # nulls first, between and last
+    column = embedding_column(vectors, DIM)
+    struct = pa.StructArray.from_arrays([column], names=[EMBEDDING], mask=pa.array([v is None for v in vectors]))
+    pq.write_table(pa.table({EMBEDDING: column, "model": struct}), tmp_path / "rows.parquet")
+    back = pq.read_table(tmp_path / "rows.parquet")
+    expected = [None if v is None else v.tolist() for v in vectors]
+    assert back.column(EMBEDDING).to_pylist() == expected
+    assert [None if r is None else r[EMBEDDING] for r in back.column("model").to_pylist()] == expected
+
+
+def test_an_embedding_of_another_width_is_refused_not_shifted_into_the_next_row():
+    import pytest
+
+    for wrong in (np.ones(DIM - 1, np.float32), np.ones(1, np.float32), np.ones((DIM, 1), np.float32)):
+        with pytest.raises(RuntimeError, match=f"where the model declares {DIM} values"):
+            embedding_column([np.ones(DIM, np.float32), wrong], DIM)
