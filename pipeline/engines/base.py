@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
@@ -121,6 +122,9 @@ class Option:
     help: str
     minimum: float | None = None  # inclusive for int, exclusive for float
     choices: tuple[str, ...] = ()
+    # A local folder: made absolute (``~`` expanded) where it is parsed, in the driver, since the actors that open it
+    # run in their Ray workers' working directories.
+    folder: bool = False
 
     @property
     def kind(self) -> str:
@@ -149,6 +153,8 @@ class Option:
             raise ConfigError(f"{where} must be at least {self.minimum:g}; {self.help}")
         if self.choices and parsed not in self.choices:
             raise ConfigError(f"{where} is not one of {', '.join(self.choices)}")
+        if self.folder:
+            parsed = os.path.abspath(os.path.expanduser(parsed))
         return parsed
 
 

@@ -27,7 +27,7 @@ SPEC = EngineSpec(
     options=(
         Option("profile", str, f"the repository the engine builds and serves: {AUTO} (gpu where the actor has a GPU, "
                f"else portable), {' or '.join(sorted(PROFILES))}", choices=(AUTO, *sorted(PROFILES))),
-        Option("repository", str, "a folder built by 'bulk-classify repo build'"),
+        Option("repository", str, "a folder built by 'bulk-classify repo build'", folder=True),
         Option("url", str, "a running server's gRPC host:port"),
         positive_int("instances", "model instances when the engine builds the repository, e.g. 6"),
         Option("half", bool, "gpu profile, a repository the engine builds: FP16 networks, true or false (default: FP16 "

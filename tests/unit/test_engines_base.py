@@ -77,6 +77,17 @@ def test_option_errors_name_the_value_and_the_fix(option, raw, message):
         option.parse("e", raw)
 
 
+def test_a_folder_option_is_made_absolute_in_the_driver_for_actors_in_other_working_directories(tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    [repository] = [o for o in engine_spec("triton").options if o.name == "repository"]
+    assert repository.parse("triton", "repos/gpu") == str(tmp_path / "repos" / "gpu")
+    assert repository.parse("triton", "~/gpu") == str(tmp_path / "home" / "gpu")
+    assert repository.parse("triton", "/srv/repo") == "/srv/repo"
+    assert Option("name", str, "text").parse("e", "a/b") == "a/b"  # only folders are paths
+
+
 def test_unknown_option_lists_the_known_ones():
     with pytest.raises(ConfigError, match="engine 'triton' has no option bogus, max_batch; its options are "
                                           "profile, repository, url, instances"):
