@@ -104,21 +104,48 @@ class OpenVinoEngine(OnnxEngine):
         except Exception as e:  # OpenVINO raises RuntimeError for most things, its own types for some
             raise EngineError(f"OpenVINO cannot load {bundle.onnx_path}: {_one_line(e)}; check the file with "
                               "onnx.checker, or use --engine onnx") from None
-        local = threading.local()
-        input_name = bundle.input_name
+        runtime = _Runtime(core, compiled, outputs, bundle.input_name)
+        self.__dict__.setdefault("_runtimes", []).append(runtime)
+        return runtime
 
-        def forward(batch: np.ndarray) -> np.ndarray:
-            # One infer request per calling thread: a request runs one batch at a time, the streams run them at once.
-            request = getattr(local, "request", None)
-            if request is None:
-                request = local.request = compiled.create_infer_request()
-            # A copy: the request's output tensor is overwritten by its next run.
-            answer = request.infer({input_name: batch})
-            if len(outputs) == 1:
-                return np.array(answer[outputs[0]])
-            return np.concatenate([np.asarray(answer[o]).reshape(len(batch), -1) for o in outputs], axis=1)
+    def close(self) -> None:
+        """Stops the decode threads, then lets go of OpenVINO's requests, compiled models and core while the
+        interpreter still runs: left to its shutdown, with the threads that made the requests still alive (a Ray
+        actor's), their release crashed the process (SIGSEGV) at every actor's exit."""
+        super().close()
+        for runtime in self.__dict__.pop("_runtimes", []):
+            runtime.close()
 
-        return forward
+
+class _Runtime:
+    """One compiled network as a function of a batch, safe to call from several threads at once: one infer request per
+    calling thread (a request runs one batch at a time; the streams run them at once), kept here so ``close`` can
+    release them all."""
+
+    def __init__(self, core: Any, compiled: Any, outputs: list, input_name: str):
+        self._core, self._compiled, self._outputs, self._input_name = core, compiled, outputs, input_name
+        self._requests: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        key = threading.get_ident()
+        request = self._requests.get(key)
+        if request is None:
+            with self._lock:
+                if self._compiled is None:
+                    raise EngineError("the openvino engine was closed; make a new one")
+                request = self._requests[key] = self._compiled.create_infer_request()
+        # A copy: the request's output tensor is overwritten by its next run.
+        answer = request.infer({self._input_name: batch})
+        if len(self._outputs) == 1:
+            return np.array(answer[self._outputs[0]])
+        return np.concatenate([np.asarray(answer[o]).reshape(len(batch), -1) for o in self._outputs], axis=1)
+
+    def close(self) -> None:
+        with self._lock:
+            self._requests.clear()
+            self._outputs = []
+            self._compiled = self._core = None
 
 
 def _one_line(error: Exception) -> str:
