@@ -17,27 +17,19 @@ from pipeline.schema import (
 MODEL_FIELDS = (CLASS_IDS, LABELS, SCORES, MODEL, MODEL_DIGEST)
 
 
+# An embedding column's type: a list of the model's ``dim`` float32 values a row (``embedding_column``), null where
+# there is none. float32: what vector stores (Lance, DuckDB's FLOAT[n], pgvector) and Iceberg take (neither Iceberg nor
+# pgvector has float16). A plain list, not ``fixed_size_list``: Parquet stores either as a list, and Arrow's Parquet
+# writer refuses a fixed-size list with a null row between others while its reader refuses one with a null row
+# anywhere (apache/arrow#35697), and an error row's embedding is null.
 EMBEDDING_TYPE = pa.list_(pa.float32())
-
-
-def embedding_type(dim: int) -> pa.DataType:
-    """An embedding column's type: a list of ``dim`` float32 values, null where there is no embedding.
-
-    float32: what vector stores (Lance, DuckDB's FLOAT[n], pgvector) and Iceberg take (neither Iceberg nor pgvector
-    has float16). A plain list, not ``fixed_size_list``: Parquet stores either as a list, and Arrow's Parquet writer
-    refuses a fixed-size list with a null row between others while its reader refuses one with a null row anywhere
-    (apache/arrow#35697), and an error row's embedding is null. Every non-null row holds exactly ``dim`` values
-    (``embedding_column``).
-    """
-    del dim  # the width is each model's spec's; the type is the same for every width
-    return EMBEDDING_TYPE
 
 
 def model_struct(embedding_dim: int | None = None) -> pa.StructType:
     """One named model's column: its top-k, its model and digest, and its embedding where it has one."""
     fields = [OUTPUT_SCHEMA.field(name) for name in MODEL_FIELDS]
     if embedding_dim:
-        fields.append(pa.field(EMBEDDING, embedding_type(embedding_dim)))
+        fields.append(pa.field(EMBEDDING, EMBEDDING_TYPE))
     return pa.struct(fields)
 
 
@@ -53,7 +45,7 @@ def output_schema(models: tuple[tuple[str | None, int | None], ...] = ()) -> pa.
         if not dim:
             return OUTPUT_SCHEMA
         at = OUTPUT_SCHEMA.get_field_index(SCORES) + 1
-        return OUTPUT_SCHEMA.insert(at, pa.field(EMBEDDING, embedding_type(dim)))
+        return OUTPUT_SCHEMA.insert(at, pa.field(EMBEDDING, EMBEDDING_TYPE))
     fields = []
     for f in OUTPUT_SCHEMA:
         if f.name == CLASS_IDS:

@@ -78,6 +78,7 @@ class OpenVinoEngine(OnnxEngine):
         if streams < 1:
             raise ConfigError(f"streams must be at least 1, got {streams}")
         self.streams = streams
+        self._runtimes: list[_Runtime] = []  # filled by _open_runtime, which the base class calls per model
         super().__init__(bundle, top_k=top_k, limits=limits, decode_threads=decode_threads, intra_op_threads=threads,
                          max_batch=max_batch, more=more)
 
@@ -105,7 +106,7 @@ class OpenVinoEngine(OnnxEngine):
             raise EngineError(f"OpenVINO cannot load {bundle.onnx_path}: {_one_line(e)}; check the file with "
                               "onnx.checker, or use --engine onnx") from None
         runtime = _Runtime(core, compiled, outputs, bundle.input_name)
-        self.__dict__.setdefault("_runtimes", []).append(runtime)
+        self._runtimes.append(runtime)
         return runtime
 
     def close(self) -> None:
@@ -113,7 +114,7 @@ class OpenVinoEngine(OnnxEngine):
         interpreter still runs: left to its shutdown, with the threads that made the requests still alive (a Ray
         actor's), their release crashed the process (SIGSEGV) at every actor's exit."""
         super().close()
-        for runtime in self.__dict__.pop("_runtimes", []):
+        for runtime in self._runtimes:
             runtime.close()
 
 

@@ -8,7 +8,7 @@ its own: no shard is lost or added twice, and a rerun of a completed run adds no
 reads snapshot ``ID`` (``@parent``: the one before the current snapshot), for ``report`` and the drift gate.
 
 The table has the run's schema (``RunPlan.schema``: one model's columns, or a struct column per model of a set).
-An ``embedding`` column is a ``list<float>`` in the shards (``pipeline.columns.embedding_type``) and in the table.
+An ``embedding`` column is a ``list<float>`` in the shards (``pipeline.columns.EMBEDDING_TYPE``) and in the table.
 """
 
 from __future__ import annotations

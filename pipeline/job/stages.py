@@ -313,11 +313,10 @@ def worker_url(url: str | None) -> str | None:
 
 
 def actor_ref(ref: str | None) -> str | None:
-    """A model as the actors load it: a folder made absolute (``~`` expanded), since an actor's working directory is
-    its Ray worker's, not the driver's; the built-in model's names as they are."""
+    """A model as the actors load it: a folder as ``worker_url`` gives it; the built-in model's names as they are."""
     from pipeline.model.folder import DEFAULT_REFS  # noqa: PLC0415
 
-    return ref if ref in DEFAULT_REFS else os.path.abspath(os.path.expanduser(ref))
+    return ref if ref in DEFAULT_REFS else worker_url(ref)
 
 
 def actor_models(plan: RunPlan) -> list[tuple[str, str, str]]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 
-from pipeline.columns import embedding_column, embedding_type, model_columns, output_schema, work_schema
+from pipeline.columns import EMBEDDING_TYPE, embedding_column, model_columns, output_schema, work_schema
 from pipeline.engines.base import Result
 from pipeline.model.spec import EmbeddingSpec
 from pipeline.schema import EMBEDDING, STATUS_OK
@@ -30,7 +30,7 @@ def test_an_embedding_column_holds_each_vector_exactly_and_nulls_where_none():
     vectors = [np.arange(DIM, dtype=np.float32), None, pa.array([9, 8, 7, 6], pa.float32()),
                np.float32([0.5, -1e-30, 3e38, 0])]
     column = embedding_column(vectors, DIM)
-    assert column.type == embedding_type(DIM) and column.null_count == 1 and column[1].as_py() is None
+    assert column.type == EMBEDDING_TYPE and column.null_count == 1 and column[1].as_py() is None
     assert column.to_pylist()[0] == [0, 1, 2, 3] and column.to_pylist()[2] == [9, 8, 7, 6]
     assert np.array_equal(np.asarray(column[3].values), vectors[3])  # float32 bits unchanged
 
@@ -56,11 +56,11 @@ def test_one_models_embedding_keeps_a_rows_own_value_where_the_engine_did_not_an
     schema = work_schema(output_schema(((None, DIM),)))
     carried = [1.0, 2.0, 3.0, 4.0]
     columns = {f.name: pa.nulls(3, f.type) for f in schema}
-    columns[EMBEDDING] = pa.array([None, carried, None], embedding_type(DIM))
+    columns[EMBEDDING] = pa.array([None, carried, None], EMBEDDING_TYPE)
     batch = pa.table(columns, schema=schema)
     answered = _ok(2)
     got = dict(model_columns((), (_bundle("m", DIM),), [[answered, None, Result.failed("decode_error: bad")]], batch))
-    assert got[EMBEDDING].type == embedding_type(DIM)
+    assert got[EMBEDDING].type == EMBEDDING_TYPE
     assert got[EMBEDDING].to_pylist() == [answered.embedding.tolist(), carried, None]
     assert got["class_ids"] == [[2, 1], None, []]
 
