@@ -74,6 +74,8 @@ class OutputIndex:
     counts: Counter = field(default_factory=Counter)
     uri_hashes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # every committed row
     identities: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # carryable rows only
+    # ok rows the carry set left out, by (model, digest, top-k) of their shards: another model, set or top-k
+    passed_over: Counter = field(default_factory=Counter)
 
     @property
     def rows(self) -> int:
@@ -112,9 +114,11 @@ def index_output(fs: Any, root: str, *, hashes: bool = True, carry_model: ModelB
         index.counts[STATUS_ERROR] += rec.errors
         if hashes:
             uris.append(rec.uri_hashes)
-        if carry_model is not None and rec.top_k == carry_top_k and same_model(rec.model_digest, rec.model,
-                                                                                carry_model):
-            ids.append(rec.identities)
+        if carry_model is not None:
+            if rec.top_k == carry_top_k and same_model(rec.model_digest, rec.model, carry_model):
+                ids.append(rec.identities)
+            elif rec.ok:
+                index.passed_over[(rec.model, rec.model_digest, rec.top_k)] += rec.ok
         if len(uris) > 256:  # compact as we go: the peak stays near 8 bytes per row
             uris = [np.unique(np.concatenate(uris))]
         if len(ids) > 256:
@@ -154,7 +158,25 @@ def read_previous(previous: Store, bundle: ModelBundle | ModelSet, top_k: int, p
     if not index.parts:
         raise OutputError(f"--previous {previous.url!r} holds no committed output; drop the option or fix the URL")
     LOG.info("previous run %s: %d rows can be carried over", previous.url, index.identities.size)
+    if index.passed_over:
+        LOG.warning("%s", passed_over_note(previous.url, index.passed_over, bundle, top_k))
     return index
+
+
+def passed_over_note(url: str, passed_over: Counter, bundle: ModelBundle | ModelSet, top_k: int) -> str:
+    """Why ok rows of ``url`` are not carried over (another model, model set or top-k) and what that costs."""
+    def model(name: str | None, digest: str | None) -> str:
+        return f"{name or 'several models'!r} digest {digest[:12] if digest else 'unrecorded'}"
+
+    rows = sum(passed_over.values())
+    (name, digest, k), _ = passed_over.most_common(1)[0]
+    was = f"model {model(name, digest)}, top-k {k if k is not None else 'mixed'}"
+    if len(passed_over) > 1:
+        was += f" (and {len(passed_over) - 1} other model/top-k combination(s))"
+    return (f"--previous {url!r}: {rows} ok row(s) are not carried over: they were written by {was}, this run by "
+            f"model {model(bundle.name, bundle.digest)}, top-k {top_k}; every model of this run classifies them "
+            "again. To add a model to an output, classify with the new model alone and join on uri "
+            "(docs/output.md)")
 
 
 def resolve_location(url: str, storage_options: Mapping[str, Any] | None = None) -> str:

@@ -28,6 +28,8 @@ class ServingProfile:
         name: the repository profile (``bulk-classify repo build --profile``).
         needs_gpu: served only where the actor has a GPU.
         instances: model instances in the server.
+        set_instances: model instances in the server of a model set (each instance runs every model's network in
+            turn, so more of them keep the GPU's queue full while others decode).
         max_backlog: network batches one gpu-profile instance takes before its execute() waits (None: the
             profile has no stream).
         request_batch: images per request.
@@ -49,6 +51,11 @@ class ServingProfile:
     share_server: bool
     mps: bool
     shm_bytes: tuple[int, int] | None = None
+    set_instances: int | None = None  # None: ``instances``
+
+    def instances_for(self, models: int) -> int:
+        """The instances this profile serves ``models`` models (one, or a model set's) with."""
+        return self.set_instances if models > 1 and self.set_instances else self.instances
 
     def server_args(self) -> list[str]:
         """tritonserver arguments this profile is served with."""
@@ -64,8 +71,9 @@ PROFILES: dict[str, ServingProfile] = {
                        concurrency=2, share_server=False, mps=False),
         # DALI + the CUDA-graph network: the instances under MPS that give the whole job its best rate and wall
         # time (docs/performance.md); the requests in flight of the actors sharing the server keep every instance fed.
+        # A model set's six gave its pair 0.82x the built-in model's rate where four gave 0.75x, and eight no more.
         ServingProfile(name=GPU, needs_gpu=True, instances=4, max_backlog=4, request_batch=128, concurrency=16,
-                       share_server=True, mps=True, shm_bytes=(256 * MIB, 64 * MIB)),
+                       share_server=True, mps=True, shm_bytes=(256 * MIB, 64 * MIB), set_instances=6),
     )
 }
 PROFILE_CHOICES = (AUTO, *PROFILES)

@@ -36,7 +36,7 @@ def cached_repository(profile, bundle, *, top_k: int, instances: int | None = No
 
 
     bundle = bundle if bundle is not None else load_model(None)
-    instances = instances or profile.instances
+    instances = instances or profile.instances_for(1 + len(more))
     code = b"".join(Path(__file__).with_name(m).read_bytes()
                     for m in ("repository.py", "configs.py", "plans.py", "repository_cache.py"))
     key = [profile.name, bundle.digest, top_k, instances, profile.max_backlog, hashlib.sha256(code).hexdigest()]

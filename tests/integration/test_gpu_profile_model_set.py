@@ -140,10 +140,12 @@ def test_the_gpu_repository_is_cached_by_the_set_and_one_models_config_is_unchan
     assert (member / SPEC_FILE).read_text() == user.spec.to_json()
     assert not (version / MODEL_FILE).exists()  # the built-in model runs from its checkpoint
     config = (pair / tn.MODEL_NAME / "config.pbtxt").read_text()
+    assert gpu.set_instances > gpu.instances and f"count: {gpu.set_instances}\n" in config  # a set's own count
     for name, dims in (("CLASS_IDS_1", 5), ("SCORES_1", 5), ("EMBEDDING_1", user_models.EMBEDDING_DIM)):
         assert f'name: "{name}"\n  data_type: {"TYPE_INT32" if "IDS" in name else "TYPE_FP32"}\n  dims: {dims}\n' in config
     assert f'name: "{tn.OUTPUT_EMBEDDING}"' not in config.replace('"EMBEDDING_1"', "")  # the built-in has none
     single = (one / tn.MODEL_NAME / "config.pbtxt").read_text()
+    assert f"count: {gpu.instances}\n" in single
     assert single == gpu_config(GpuModelOptions(top_k=5, instances=gpu.instances, max_backlog=gpu.max_backlog))
     assert not (one / tn.MODEL_NAME / tn.VERSION / tn.SET_FOLDER.format(index=1)).exists()
 

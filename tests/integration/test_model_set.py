@@ -111,6 +111,19 @@ def test_a_previous_run_of_the_same_set_is_carried(runs, sources, tmp_path, ray_
             assert carried[name]["taxonomy"] == row["taxonomy"] and carried[name]["carried"]
 
 
+def test_a_previous_run_of_one_model_carries_nothing_into_a_set_and_says_why(runs, sources, tmp_path, ray_local,
+                                                                              caplog):
+    src, colour, _ = sources
+    ok = sum(r["status"] == "ok" for r in rows(runs["taxonomy"]).values())
+    with caplog.at_level("WARNING", logger="pipeline.job.output"):
+        summary = run_job(RunConfig(source=str(src), output=str(tmp_path / "added"), previous=str(runs["taxonomy"]),
+                                    engine="onnx", top_k=3, model=("taxonomy=default", f"colour={colour}")))
+    assert (summary.carried, summary.classified) == (0, 26)
+    [note] = [r.getMessage() for r in caplog.records if "not carried over" in r.getMessage()]
+    assert f": {ok} ok row(s) are not carried over: they were written by model 'efficientnet-lite0'" in note
+    assert "this run by model 'taxonomy,colour'" in note and "join on uri (docs/output.md)" in note
+
+
 def test_one_models_failure_is_its_error_and_the_other_model_still_answers(sources, tmp_path, ray_local):
     src, _colour, fragile = sources
     out = tmp_path / "fragile"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A user's model on the GPU default gives that model's answers, and starts fast from the node's cache
 # (docs/performance.md, "A user's model on the GPU"), after the kit's setup (README.md here):
-#   KIT=DIR STEPS="import parity start steady set probe tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
+#   KIT=DIR STEPS="import parity start steady set probe nets tests" [IMPORTS=... PARITY_MODELS=...] bash tests/benchmarks/device/gpu_answers.sh
 # import: the folders `bulk-classify model import` writes here: timm tf_efficientnet_lite1 (its real weights,
 #   KIT/lite1.pth), convnext_tiny and resnet50, torchvision resnet50 (random weights, seed 0); KIT/models holds the
 #   Hugging Face ViT (imported where transformers is) and the real-weight Lite2 export (export_models.py lite2);
@@ -20,6 +20,8 @@
 #   run where there is one;
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
+# nets: the built-in network alone (bench_network.py, the served layout, cuDNN's autotuner off as in the served
+#   instances) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py, compiled), the bound of the pair;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -151,6 +153,13 @@ EOF2
     probe) timeout "${PROBE_S:-200}" python3 tests/benchmarks/device/probe_set.py "$HOME/job-set/images" --images 8192 \
              --seconds 12 --variant builtin= --variant pair="taxonomy=default,r50=$models/${SET_R50:-r50emb}" \
              ${PROBE_VARIANTS:-} 2>&1 | grep -v -i warn | tee "$OUT/probe_set.txt" | tail -12 ;;
+    nets) mkdir -p "$OUT/nets"  # the pair's two networks alone, as the served path runs them: its bound
+          timeout 150 python3 tests/benchmarks/bench_network.py --layouts mirror_gemm --no-timm --cudnn off \
+            --seconds "${NET_S:-5}" --count 128 --cpu-check 4 --budget-s 100 --out "$OUT/nets" 2>&1 \
+            | grep -v -i warn | tee "$OUT/nets/lite0.log" | tail -6
+          timeout 150 python3 tests/benchmarks/device/bench_user_networks.py --compile "${NET_R50:-r50d}" \
+            --seconds "${NET_S:-5}" --out "$OUT/nets/r50.json" "$models/${NET_R50:-r50d}" 2>&1 \
+            | grep -v -i warn | tee "$OUT/nets/r50.log" | tail -6 ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
              ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
   esac
