@@ -71,7 +71,7 @@ PROFILES: dict[str, ServingProfile] = {
                        concurrency=2, share_server=False, mps=False),
         # DALI + the CUDA-graph network: the instances under MPS that give the whole job its best rate and wall
         # time (docs/performance.md); the requests in flight of the actors sharing the server keep every instance fed.
-        # A model set's six gave its pair 0.82x the built-in model's rate where four gave 0.75x, and eight no more.
+        # A model set gets six: more than four gave its pair a higher rate, eight none (docs/performance.md).
         ServingProfile(name=GPU, needs_gpu=True, instances=4, max_backlog=4, request_batch=128, concurrency=16,
                        share_server=True, mps=True, shm_bytes=(256 * MIB, 64 * MIB), set_instances=6),
     )
