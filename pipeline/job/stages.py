@@ -348,11 +348,11 @@ def carry_tasks(plan: RunPlan, shares: Shares, previous_parts: list[str], carrie
     batches = [previous_parts[i:i + CARRY_PARTS_PER_TASK] for i in range(0, len(previous_parts),
                                                                            CARRY_PARTS_PER_TASK)]
     chains: list[Any] = [None] * max(1, min(shares.cpus, len(batches)))
+    previous, output = worker_url(config.previous), worker_url(config.output)
     refs = []
     for i, paths in enumerate(batches):
-        ref = task.remote(chains[i % len(chains)], paths, carried, previous=worker_url(config.previous),
-                          storage_options=config.storage_options, output=worker_url(config.output),
-                          shard_size=config.shard_size,
+        ref = task.remote(chains[i % len(chains)], paths, carried, previous=previous,
+                          storage_options=config.storage_options, output=output, shard_size=config.shard_size,
                           model_digest=model_digest)
         chains[i % len(chains)] = ref
         refs.append(ref)
