@@ -47,6 +47,8 @@ class GpuModelOptions:
         prep_workers, dali_depth, dali_threads, hw_decoder_load, cuda_sync: the preparing side's settings (None:
             the model's default).
         half: "auto", "true" or "false": the network's precision.
+        cudnn_autotune: let cuDNN time its algorithms for each conv at each instance's first batch; None: the served
+            model's default (``pipeline.triton.serve.gpu_model.SERVED_CUDNN_AUTOTUNE``).
         instances: model instances; None: GPU_INSTANCES.
         max_delay_ms: the longest wait for a fuller network batch.
         max_backlog: network batches' worth of images one instance takes before its ``execute()`` waits (0: never),
@@ -68,6 +70,7 @@ class GpuModelOptions:
     dali_threads: int | None = None
     hw_decoder_load: float | None = None
     half: str = "auto"
+    cudnn_autotune: bool | None = None
     cuda_sync: str | None = None
     instances: int | None = None
     max_delay_ms: float = GPU_DEFAULT_MAX_DELAY_MS
@@ -209,6 +212,7 @@ def gpu_config(options: GpuModelOptions = GpuModelOptions(), *, set_top_k: Seque
         tn.GPU_PARAM_MAX_DELAY_MS: o.max_delay_ms,
         tn.PARAM_CHECKS_CAPS: "true",  # triage checks both caps on every image (pipeline.gpu.classifier)
         tn.GPU_PARAM_HALF: None if o.half == "auto" else o.half,
+        tn.GPU_PARAM_CUDNN_AUTOTUNE: None if o.cudnn_autotune is None else str(bool(o.cudnn_autotune)).lower(),
         tn.GPU_PARAM_MAX_BACKLOG: f"{o.max_backlog:g}",
     })
     return _text(config)

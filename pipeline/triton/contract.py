@@ -84,6 +84,7 @@ GPU_PARAM_CUDA_SYNC = "cuda_sync"  # how the model's threads wait for the GPU: o
 # requests to another instance); "0": never waits.
 GPU_PARAM_MAX_BACKLOG = "max_backlog"
 GPU_PARAM_HALF = "half"  # "auto": FP16 on a GPU, FP32 on the CPU; "true" or "false"
+GPU_PARAM_CUDNN_AUTOTUNE = "cudnn_autotune"  # "true": cuDNN times its algorithms for each conv at the first batch
 # The caps: config.pbtxt parameters of every python-backend model and request parameters the engine sends.
 PARAM_MAX_BYTES = "max_bytes"
 PARAM_MAX_PIXELS = "max_pixels"

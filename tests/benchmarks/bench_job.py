@@ -17,8 +17,9 @@ subprocess on a fresh output, and the table gives, from the rows and the shard f
   over the steady window.
 
 ``--gpu-repo NAME:KEY=VALUE,...`` builds a gpu-profile repository with those ``gpu_config`` options (e.g.
-``none:network=none`` for the Triton hop without decode or network, ``t2:dali_threads=2``) into WORK/repos/NAME, and
-``@NAME`` in a variant's ARGS stands for ``--engine-option repository=WORK/repos/NAME``.
+``none:network=none`` for the Triton hop without decode or network, ``t2:dali_threads=2``; ``model=DIR`` and
+``more=DIR+DIR`` serve a user's model and a model set's other models, ``default`` the built-in one) into
+WORK/repos/NAME, and ``@NAME`` in a variant's ARGS stands for ``--engine-option repository=WORK/repos/NAME``.
 
 ``--profile NAME`` runs variant NAME once more after the table with py-spy (``--native``, on PATH) attached to every
 Triton python-backend stub as it appears, and prints where the stubs' busy samples go outside their start
@@ -412,9 +413,13 @@ def build_repo(spec: str, root: Path) -> Path:
         del options["network"]
     elif options.get("network") not in (None, "auto"):
         options["network"] = served(options["network"])
+    # model=DIR and more=DIR+DIR: a user's model, a model set's other models ("default": the built-in model)
+    model = None if options.get("model", "default") == "default" else str(options.pop("model"))
+    options.pop("model", None)
+    more = [None if m == "default" else m for m in str(options.pop("more", "")).split("+") if m]
     out = root / name
     shutil.rmtree(out, ignore_errors=True)
-    build_gpu_repository(None, str(out), **options)
+    build_gpu_repository(model, str(out), more=more, **options)
     if hop:
         serve_hop(out)
     LOG.warning("repository %s: %s", name, options)

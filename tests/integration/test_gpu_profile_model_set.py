@@ -204,3 +204,25 @@ def test_the_drivers_node_server_serves_the_set(models):
     (engine,) = node.engines
     assert engine.more == (user,) and engine._top_ks == [5, user_models.CLASSES]
     assert node.events["server_starts"] == 1
+
+
+def test_the_served_models_cudnn_autotuner_is_its_configs(models, tmp_path):
+    """``cudnn_autotune`` reaches the served model through its config.pbtxt (Triton hands the model its JSON); a
+    config without it runs the served default."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from pipeline.triton.repository import build_gpu_repository
+    from pipeline.triton.serve.gpu_model import SERVED_CUDNN_AUTOTUNE, served_cudnn_autotune
+
+    builtin, user = models
+    seen = {}
+    for name, given in (("on", True), ("off", False), ("default", None)):
+        options = {} if given is None else {"cudnn_autotune": given}
+        repo = build_gpu_repository(None, tmp_path / name, more=[str(user.onnx_path.parent)], **options)
+        text = (repo / tn.MODEL_NAME / "config.pbtxt").read_text()
+        config = json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                           preserving_proto_field_name=True)
+        seen[name] = served_cudnn_autotune(config)
+        assert (tn.GPU_PARAM_CUDNN_AUTOTUNE in config["parameters"]) == (given is not None)
+    assert seen == {"on": True, "off": False, "default": SERVED_CUDNN_AUTOTUNE}

@@ -146,6 +146,12 @@ class _FolderBundle:
         return len(self.labels)
 
 
+def served_cudnn_autotune(config: dict) -> bool:
+    """Whether the model of ``config`` (Triton's JSON of its config.pbtxt) lets cuDNN time each conv's algorithms:
+    its ``cudnn_autotune`` parameter, else ``SERVED_CUDNN_AUTOTUNE``."""
+    return config_param(config, tn.GPU_PARAM_CUDNN_AUTOTUNE, str(SERVED_CUDNN_AUTOTUNE)).lower() == "true"
+
+
 def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str, top_k: int, limits: DecodeLimits,
                      batch_size: int, half: bool | None = None, precision_gate: bool = True,
                      fixed_batch: int | None = None, more: Sequence = ()):
@@ -180,7 +186,7 @@ def build_classifier(config: dict, spec: PreprocessSpec, network, *, device: str
         precision_gate=precision_gate,
         fixed_batch=fixed_batch,
         cuda_sync=config_param(config, tn.GPU_PARAM_CUDA_SYNC, DEFAULT_CUDA_SYNC),
-        cudnn_autotune=SERVED_CUDNN_AUTOTUNE,
+        cudnn_autotune=served_cudnn_autotune(config),
     ), more=tuple(more))
 
 

@@ -8,7 +8,10 @@ inputs, the converted network's FP32 and FP16 logits on the GPU against ONNX Run
 (||a - b|| / ||b||, the largest absolute difference, top-1 agreement); the precision gate's verdict; then img/s of
 ``TopKNetwork`` (FP16, channels-last, one CUDA graph at the served batch: the classifier's own network step), and
 with ``--compile`` (folder names) the same after ``torch.compile``. ``--reference`` adds torchvision's ResNet-50
-built in torch (the built-in path's ``network=resnet50``) for the ratio. Steady windows of ``--seconds`` each; a table last.
+built in torch (the built-in path's ``network=resnet50``) for the ratio. ``--tunings`` runs the compiled network
+again per tuning, side by side: ``off`` (cuDNN's heuristics, as the served instances of one model run it), ``on``
+(cuDNN's autotuner) and ``on+freeze`` (and inductor's ``freezing``: weights folded as constants). Steady windows of
+``--seconds`` each; a table last.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 
-def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: bool = False, row=None) -> float:
+def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: bool = False, row=None,
+         tuning: str = "off") -> float:
     import torch
+    import torch._inductor.config
 
     from pipeline.gpu.topk_network import TopKNetwork
 
+    torch.backends.cudnn.benchmark = tuning.startswith("on")
+    torch._inductor.config.freezing = tuning.endswith("+freeze")
     net = TopKNetwork(network, crop=crop, device=torch.device("cuda"), half=half, batch_size=batch, cuda_graph=True,
                       top_k=5, compile=compile)
     started = time.perf_counter()
@@ -75,6 +82,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="the served batch (default: the gpu profile's)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--compile", default="", help="comma-separated folder names to also run after torch.compile")
+    p.add_argument("--tunings", default="", help="comma-separated: off, on, on+freeze (the compiled network again)")
     p.add_argument("--reference", action="store_true", help="also torchvision's ResNet-50 built in torch")
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
     opts = p.parse_args()
@@ -114,6 +122,17 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - a candidate that fails is a row, not the end of the run
                 row["compiled_img_s"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
             row["compile_s"] = round(time.perf_counter() - t0, 1)
+            for tuning in filter(None, opts.tunings.split(",")):
+                info: dict = {}
+                t0 = time.perf_counter()
+                try:
+                    got = round(rate(net, crop, batch, opts.seconds, compile=True, row=info, tuning=tuning))
+                except Exception as err:  # noqa: BLE001 - as above
+                    got = f"failed: {type(err).__name__}: {str(err)[:200]}"
+                row.setdefault("tunings", {})[tuning] = {"img_s": got, "warmup_s": info.get("warmup_s"),
+                                                         "compiled": info.get("compiled"),
+                                                         "s": round(time.perf_counter() - t0, 1)}
+                print(tuning, row["tunings"][tuning], flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del net

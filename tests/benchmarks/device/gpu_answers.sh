@@ -15,13 +15,15 @@
 #   with its embedding (IMPORTS=r50emb: `model import ... --embedding`; SET_R50=r50demb: the same network with
 #   decided answers, so the precision gate runs it in FP16 as a trained one) as a model set in one pass
 #   (SET_PAIRS: the built-in model with each of these folders too; SET_ALONE: these folders alone; SET_EXTRA: the pair
-#   once more with these arguments too, as variant pairx), with the rows
+#   once more with these arguments too, as variant pairx; SET_REPOS: NAME:KEY=VALUE,... gpu-profile repositories
+#   bench_job builds, model=/more= naming the models, the pair served from each as variant pair-NAME), with the rows
 #   counted, the embeddings' widths and norms read back with pyarrow, and the pair's top-1 against each model's own
 #   run where there is one;
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # nets: the built-in network alone (bench_network.py, the served layout, cuDNN's autotuner off as in the served
-#   instances) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py, compiled), the bound of the pair;
+#   instances) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py, compiled; NET_TUNINGS: its --tunings), the bound
+#   of the pair;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -128,6 +130,9 @@ for step in ${STEPS:-import parity start steady tests}; do
          for m in ${SET_PAIRS:-}; do variants+=(--variant "pair-$m=--model taxonomy=default --model r50=$models/$m"); done
          for m in ${SET_ALONE:-}; do variants+=(--variant "alone-$m=--model $models/$m"); done
          [[ -n ${SET_EXTRA:-} ]] && variants+=(--variant "pairx=--model taxonomy=default --model r50=$models/${SET_R50:-r50emb} $SET_EXTRA")
+         for r in ${SET_REPOS:-}; do  # NAME:KEY=VALUE,... (bench_job --gpu-repo): the pair served from it, as pair-NAME
+           variants+=(--gpu-repo "$r" --variant "pair-${r%%:*}=--model taxonomy=default --model r50=$models/${SET_R50:-r50emb} --engine triton @${r%%:*}")
+         done
          job set --images "${IMAGES:-100000}" "${variants[@]}"
          python3 - "$HOME/job-set" "alone-${SET_R50:-r50emb}" <<'EOF2'
 import sys, pathlib, numpy as np, pyarrow.dataset as ds, pyarrow.compute as pc
@@ -142,7 +147,8 @@ for out in sorted(pathlib.Path(sys.argv[1]).glob("out-*")):
         line += f", ok rows without taxonomy {pc.sum(pc.is_null(ok['taxonomy'])).as_py()}"
     print(line)
 outs = {o.name: ds.dataset(str(o), format="parquet").to_table() for o in pathlib.Path(sys.argv[1]).glob("out-*")}
-for alone, pair, column in (("out-builtin", "out-pair", "taxonomy"), (f"out-{sys.argv[2]}", "out-pair", "r50")):
+pairs = sorted(name for name in outs if name.startswith("out-pair"))
+for alone, pair, column in [(a, p, c) for p in pairs for a, c in (("out-builtin", "taxonomy"), (f"out-{sys.argv[2]}", "r50"))]:
     if alone in outs and pair in outs:  # the pair's model answers as its own run does, row by row
         mine = dict(zip(outs[alone]["uri"].to_pylist(), (l[0] for l in outs[alone]["labels"].to_pylist())))
         theirs = zip(outs[pair]["uri"].to_pylist(), outs[pair][column].to_pylist())
@@ -154,10 +160,11 @@ EOF2
              --seconds 12 --variant builtin= --variant pair="taxonomy=default,r50=$models/${SET_R50:-r50emb}" \
              ${PROBE_VARIANTS:-} 2>&1 | grep -v -i warn | tee "$OUT/probe_set.txt" | tail -12 ;;
     nets) mkdir -p "$OUT/nets"  # the pair's two networks alone, as the served path runs them: its bound
-          timeout 150 python3 tests/benchmarks/bench_network.py --layouts mirror_gemm --no-timm --cudnn off \
+          [[ ${NET_LITE0:-1} == 1 ]] && timeout 150 python3 tests/benchmarks/bench_network.py --layouts mirror_gemm --no-timm --cudnn off \
             --seconds "${NET_S:-5}" --count 128 --cpu-check 4 --budget-s 100 --out "$OUT/nets" 2>&1 \
             | grep -v -i warn | tee "$OUT/nets/lite0.log" | tail -6
-          timeout 150 python3 tests/benchmarks/device/bench_user_networks.py --compile "${NET_R50:-r50d}" \
+          timeout 240 python3 tests/benchmarks/device/bench_user_networks.py --compile "${NET_R50:-r50d}" \
+            ${NET_TUNINGS:+--tunings "$NET_TUNINGS"} \
             --seconds "${NET_S:-5}" --out "$OUT/nets/r50.json" "$models/${NET_R50:-r50d}" 2>&1 \
             | grep -v -i warn | tee "$OUT/nets/r50.log" | tail -6 ;;
     tests) (( $(left) > 30 )) && timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
