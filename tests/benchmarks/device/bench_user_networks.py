@@ -68,7 +68,8 @@ def logits_check(network, onnx_path: Path, crop, input_name: str) -> dict:
     for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
         net = network.to("cuda").to(dtype).eval()
         with torch.inference_mode():
-            got = net(torch.from_numpy(x).to("cuda", dtype)).float().cpu().numpy()
+            got = net(torch.from_numpy(x).to("cuda", dtype))
+            got = (got[0] if isinstance(got, (tuple, list)) else got).float().cpu().numpy()  # the class output
         out[name] = {"rel_l2": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
                      "max_abs": float(np.abs(got - ref).max()), "ref_max_abs": float(np.abs(ref).max()),
                      "top1_agree": float((got.argmax(1) == ref.argmax(1)).mean())}
