@@ -414,8 +414,8 @@ def build_repo(spec: str, root: Path) -> Path:
     elif options.get("network") not in (None, "auto"):
         options["network"] = served(options["network"])
     # model=DIR and more=DIR+DIR: a user's model, a model set's other models ("default": the built-in model)
-    model = None if options.get("model", "default") == "default" else str(options.pop("model"))
-    options.pop("model", None)
+    model = str(options.pop("model", "default"))
+    model = None if model == "default" else model
     more = [None if m == "default" else m for m in str(options.pop("more", "")).split("+") if m]
     out = root / name
     shutil.rmtree(out, ignore_errors=True)

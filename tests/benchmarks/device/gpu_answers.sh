@@ -22,8 +22,8 @@
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # nets: the built-in network alone (bench_network.py, the served layout, cuDNN's autotuner off as in the served
-#   instances) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py, compiled; NET_TUNINGS: its --tunings), the bound
-#   of the pair;
+#   instances; NET_LITE0=0 leaves it out) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py,
+#   compiled; NET_TUNINGS: its --tunings), the bound of the pair;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
