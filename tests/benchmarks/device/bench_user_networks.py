@@ -57,6 +57,17 @@ def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: 
     return done / (time.perf_counter() - start)
 
 
+def compiled_rate(network, crop, batch: int, seconds: float, row: dict, tuning: str = "off"):
+    """(img/s of the compiled network, or why it failed: a candidate that fails is a row, not the end of the run;
+    seconds taken, its compile included)."""
+    started = time.perf_counter()
+    try:
+        got = round(rate(network, crop, batch, seconds, compile=True, row=row, tuning=tuning))
+    except Exception as err:  # noqa: BLE001 - any failure of the candidate
+        got = f"failed: {type(err).__name__}: {str(err)[:200]}"
+    return got, round(time.perf_counter() - started, 1)
+
+
 def logits_check(network, onnx_path: Path, crop, input_name: str) -> dict:
     import numpy as np
     import onnxruntime as ort
@@ -116,23 +127,13 @@ def main() -> None:
         row["img_s"] = round(rate(net, crop, batch, opts.seconds, compile=False))
         row["img_s_fp32"] = round(rate(net, crop, batch, opts.seconds / 2, half=False, compile=False))
         if folder.name in opts.compile.split(","):
-            t0 = time.perf_counter()
-            try:
-                # TopKNetwork's own compile step, as the GPU paths run it (checked against the eager network)
-                row["compiled_img_s"] = round(rate(net, crop, batch, opts.seconds, compile=True, row=row))
-            except Exception as err:  # noqa: BLE001 - a candidate that fails is a row, not the end of the run
-                row["compiled_img_s"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
-            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            # TopKNetwork's own compile step, as the GPU paths run it (checked against the eager network)
+            row["compiled_img_s"], row["compile_s"] = compiled_rate(net, crop, batch, opts.seconds, row)
             for tuning in filter(None, opts.tunings.split(",")):
                 info: dict = {}
-                t0 = time.perf_counter()
-                try:
-                    got = round(rate(net, crop, batch, opts.seconds, compile=True, row=info, tuning=tuning))
-                except Exception as err:  # noqa: BLE001 - as above
-                    got = f"failed: {type(err).__name__}: {str(err)[:200]}"
+                got, took = compiled_rate(net, crop, batch, opts.seconds, info, tuning)
                 row.setdefault("tunings", {})[tuning] = {"img_s": got, "warmup_s": info.get("warmup_s"),
-                                                         "compiled": info.get("compiled"),
-                                                         "s": round(time.perf_counter() - t0, 1)}
+                                                         "compiled": info.get("compiled"), "s": took}
                 print(tuning, row["tunings"][tuning], flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
