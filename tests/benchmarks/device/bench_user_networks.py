@@ -9,8 +9,9 @@ inputs, the converted network's FP32 and FP16 logits on the GPU against ONNX Run
 ``TopKNetwork`` (FP16, channels-last, one CUDA graph at the served batch: the classifier's own network step), and
 with ``--compile`` (folder names) the same after ``torch.compile``. ``--reference`` adds torchvision's ResNet-50
 built in torch (the built-in path's ``network=resnet50``) for the ratio. ``--tunings`` runs the compiled network
-again per tuning, side by side: ``off`` (cuDNN's heuristics, as the served instances of one model run it), ``on``
-(cuDNN's autotuner) and ``on+freeze`` (and inductor's ``freezing``: weights folded as constants). Steady windows of
+again per tuning, side by side: ``off`` (cuDNN's heuristics, as the served instances of one model run it) or ``on``
+(cuDNN's autotuner), each with ``+freeze`` (inductor's ``freezing``: weights folded as constants) and/or ``+max``
+(inductor's ``max_autotune``: each conv and matmul timed against Triton templates too). Steady windows of
 ``--seconds`` each; a table last.
 """
 
@@ -29,12 +30,16 @@ sys.path.insert(0, str(REPO))
 def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: bool = False, row=None,
          tuning: str = "off") -> float:
     import torch
+    import torch._dynamo
     import torch._inductor.config
 
     from pipeline.gpu.topk_network import TopKNetwork
 
-    torch.backends.cudnn.benchmark = tuning.startswith("on")
-    torch._inductor.config.freezing = tuning.endswith("+freeze")
+    cudnn, *flags = tuning.split("+")
+    torch.backends.cudnn.benchmark = cudnn == "on"
+    torch._inductor.config.freezing = "freeze" in flags
+    torch._inductor.config.max_autotune = "max" in flags
+    torch._dynamo.reset()  # each candidate compiles under its own settings, not the last one's cached graph
     net = TopKNetwork(network, crop=crop, device=torch.device("cuda"), half=half, batch_size=batch, cuda_graph=True,
                       top_k=5, compile=compile)
     started = time.perf_counter()
@@ -94,7 +99,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="the served batch (default: the gpu profile's)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--compile", default="", help="comma-separated folder names to also run after torch.compile")
-    p.add_argument("--tunings", default="", help="comma-separated: off, on, on+freeze (the compiled network again)")
+    p.add_argument("--tunings", default="", help="comma-separated: off or on, +freeze, +max (the compiled network again)")
     p.add_argument("--reference", action="store_true", help="also torchvision's ResNet-50 built in torch")
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
     opts = p.parse_args()

@@ -23,7 +23,7 @@
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # nets: the built-in network alone (bench_network.py, the served layout, cuDNN's autotuner off as in the served
 #   instances; NET_LITE0=0 leaves it out) and a ResNet-50 folder alone (NET_R50, r50d: bench_user_networks.py,
-#   compiled; NET_TUNINGS: its --tunings), the bound of the pair;
+#   compiled; NET_TUNINGS: its --tunings, NET_TIMEOUT_S: that run's limit, 240), the bound of the pair;
 # tests: the GPU tier (pytest -m gpu tests/gpu).
 # KIT holds whl/ (the onnx2torch and onnxslim wheels), lite1.pth and models/{hf-vit,lite2}. Results under $OUT.
 set -u
@@ -163,7 +163,7 @@ EOF2
           [[ ${NET_LITE0:-1} == 1 ]] && timeout 150 python3 tests/benchmarks/bench_network.py --layouts mirror_gemm --no-timm --cudnn off \
             --seconds "${NET_S:-5}" --count 128 --cpu-check 4 --budget-s 100 --out "$OUT/nets" 2>&1 \
             | grep -v -i warn | tee "$OUT/nets/lite0.log" | tail -6
-          timeout 240 python3 tests/benchmarks/device/bench_user_networks.py --compile "${NET_R50:-r50d}" \
+          timeout "${NET_TIMEOUT_S:-240}" python3 tests/benchmarks/device/bench_user_networks.py --compile "${NET_R50:-r50d}" \
             ${NET_TUNINGS:+--tunings "$NET_TUNINGS"} \
             --seconds "${NET_S:-5}" --out "$OUT/nets/r50.json" "$models/${NET_R50:-r50d}" 2>&1 \
             | grep -v -i warn | tee "$OUT/nets/r50.log" | tail -6 ;;
