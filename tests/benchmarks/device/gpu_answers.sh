@@ -150,10 +150,16 @@ outs = {o.name: ds.dataset(str(o), format="parquet").to_table() for o in pathlib
 pairs = sorted(name for name in outs if name.startswith("out-pair"))
 for alone, pair, column in [(a, p, c) for p in pairs for a, c in (("out-builtin", "taxonomy"), (f"out-{sys.argv[2]}", "r50"))]:
     if alone in outs and pair in outs:  # the pair's model answers as its own run does, row by row
-        mine = dict(zip(outs[alone]["uri"].to_pylist(), (l[0] for l in outs[alone]["labels"].to_pylist())))
+        mine = dict(zip(outs[alone]["uri"].to_pylist(), zip(outs[alone]["labels"].to_pylist(),
+                                                            outs[alone]["scores"].to_pylist())))
         theirs = zip(outs[pair]["uri"].to_pylist(), outs[pair][column].to_pylist())
-        same = sum(r is not None and mine[u] == r["labels"][0] for u, r in theirs)
-        print(f"{pair}.{column} top-1 = {alone}'s on {same} of {len(mine)} rows")
+        differ = [u for u, r in theirs if r is None or mine[u][0][0] != r["labels"][0]]
+        line = f"{pair}.{column} top-1 = {alone}'s on {len(mine) - len(differ)} of {len(mine)} rows"
+        if differ:  # a close call rounded the other way, or a wrong answer: the alone run's top-1 - top-2 score
+            gap = lambda u: mine[u][1][0] - mine[u][1][1]  # noqa: E731
+            line += (f"; score gap where they differ: max {max(map(gap, differ)):.4f}, median "
+                     f"{np.median([gap(u) for u in differ]):.4f} (all rows' median {np.median([gap(u) for u in mine]):.4f})")
+        print(line)
 EOF2
          ;;
     probe) timeout "${PROBE_S:-200}" python3 tests/benchmarks/device/probe_set.py "$HOME/job-set/images" --images 8192 \
