@@ -18,7 +18,7 @@
 #   once more with these arguments too, as variant pairx; SET_REPOS: NAME:KEY=VALUE,... gpu-profile repositories
 #   bench_job builds, model=/more= naming the models, the pair served from each as variant pair-NAME), with the rows
 #   counted, the embeddings' widths and norms read back with pyarrow, and the pair's top-1 against each model's own
-#   run where there is one;
+#   run where there is one (with the score gaps of the rows where it differs);
 # probe: after set (its files), the gpu engine in process on 8,192 of them (probe_set.py): the built-in model alone,
 #   the pair, PROBE_VARIANTS: where the GPU's time goes without Ray or Triton;
 # nets: the built-in network alone (bench_network.py, the served layout, cuDNN's autotuner off as in the served
@@ -155,10 +155,10 @@ for alone, pair, column in [(a, p, c) for p in pairs for a, c in (("out-builtin"
         theirs = zip(outs[pair]["uri"].to_pylist(), outs[pair][column].to_pylist())
         differ = [u for u, r in theirs if r is None or mine[u][0][0] != r["labels"][0]]
         line = f"{pair}.{column} top-1 = {alone}'s on {len(mine) - len(differ)} of {len(mine)} rows"
-        if differ:  # a close call rounded the other way, or a wrong answer: the alone run's top-1 - top-2 score
-            gap = lambda u: mine[u][1][0] - mine[u][1][1]  # noqa: E731
-            line += (f"; score gap where they differ: max {max(map(gap, differ)):.4f}, median "
-                     f"{np.median([gap(u) for u in differ]):.4f} (all rows' median {np.median([gap(u) for u in mine]):.4f})")
+        if differ:  # near-ties rounded the other way, or wrong answers: the alone run's top-1 minus top-2 score
+            gaps = {u: scores[0] - scores[1] for u, (_, scores) in mine.items()}
+            line += (f"; score gap where they differ: max {max(gaps[u] for u in differ):.4f}, median "
+                     f"{np.median([gaps[u] for u in differ]):.4f} (all rows' median {np.median(list(gaps.values())):.4f})")
         print(line)
 EOF2
          ;;
