@@ -39,7 +39,8 @@ def rate(network, crop, batch: int, seconds: float, half: bool = True, compile: 
     torch.backends.cudnn.benchmark = cudnn == "on"
     torch._inductor.config.freezing = "freeze" in flags
     torch._inductor.config.max_autotune = "max" in flags
-    torch._dynamo.reset()  # each candidate compiles under its own settings, not the last one's cached graph
+    if compile:  # each candidate compiles under its own settings, not from the last one's cached graph
+        torch._dynamo.reset()
     net = TopKNetwork(network, crop=crop, device=torch.device("cuda"), half=half, batch_size=batch, cuda_graph=True,
                       top_k=5, compile=compile)
     started = time.perf_counter()
